@@ -1,0 +1,196 @@
+"""The coordinator's bookkeeping, free of Ray: which versions exist, which parts each still awaits,
+when a version may commit, what its manifest says, what retention may delete.
+
+Everything here can be rebuilt from storage (the committed manifests), which is what the
+coordinator does when it restarts.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set, Tuple
+
+from .errors import SaveError
+from .formats.manifest import FileEntry, Manifest, StateEntry
+from .storage.retention import RetentionPolicy, VersionInfo, plan_deletions
+from .types import CheckpointMeta, Strategy
+
+PartKey = Tuple[str, int]
+
+
+@dataclass
+class Part:
+    name: str
+    rank: int
+    strategy: Strategy
+    status: str = "pending"  # pending | written | failed
+    files: List[FileEntry] = field(default_factory=list)
+    written: int = 0
+    content_hash: Optional[str] = None
+    error: str = ""
+
+    @property
+    def blocks_commit(self) -> bool:
+        return self.strategy is not Strategy.BEST_EFFORT
+
+
+@dataclass
+class PendingVersion:
+    version: int
+    step: int
+    created_at: float
+    metrics: Dict[str, float]
+    strategies: Dict[str, Strategy]
+    loader_states: Set[str]
+    replicated: Set[str]
+    parts: Dict[PartKey, Part]
+    committed: bool = False
+    error: Optional[str] = None
+
+    def stage(self) -> str:
+        if self.error:
+            return "failed"
+        if self.committed:
+            return "committed"
+        done = sum(p.status != "pending" for p in self.parts.values())
+        return f"writing ({done}/{len(self.parts)} parts)"
+
+
+class Catalogue:
+    def __init__(self, run: str, committed: Optional[Dict[int, Manifest]] = None):
+        self.run = run
+        self.committed: Dict[int, Manifest] = dict(committed or {})
+        self.pending: Dict[int, PendingVersion] = {}
+        self.failed: Dict[int, str] = {}
+
+    # ------------------------------------------------------------------ versions
+    @property
+    def last_version(self) -> int:
+        known = list(self.committed) + list(self.pending)
+        return max(known) if known else -1
+
+    def latest_committed(self) -> Optional[Manifest]:
+        return self.committed[max(self.committed)] if self.committed else None
+
+    def begin(self, version: int, step: int, parts: List[dict], metrics: Optional[Dict[str, float]] = None
+              ) -> PendingVersion:
+        """Open a version. ``parts``: dicts with name, rank, strategy, and optionally loader=True
+        (a RELOADABLE state rebuilt by a loader: no bytes) or replicated=True."""
+        if version in self.committed or version in self.pending:
+            raise SaveError(f"version {version} of run {self.run!r} already exists; steps must increase")
+        if version <= self.last_version:
+            raise SaveError(f"step {step} is not after the last version {self.last_version} of run "
+                            f"{self.run!r}; steps must increase")
+        pv = PendingVersion(version, step, time.time(), dict(metrics or {}), {}, set(), set(), {})
+        for p in parts:
+            strategy = Strategy.parse(p["strategy"])
+            pv.strategies[p["name"]] = strategy
+            if p.get("replicated"):
+                pv.replicated.add(p["name"])
+            if p.get("loader"):
+                pv.loader_states.add(p["name"])
+                continue
+            pv.parts[(p["name"], int(p.get("rank", 0)))] = Part(p["name"], int(p.get("rank", 0)), strategy)
+        self.pending[version] = pv
+        return pv
+
+    def part_written(self, version: int, name: str, rank: int, result: dict) -> None:
+        part = self.pending[version].parts[(name, rank)]
+        part.status = "written"
+        part.files = [f if isinstance(f, FileEntry) else FileEntry(**f) for f in result["files"]]
+        part.written = result.get("written", 0)
+        part.content_hash = result.get("content_hash")
+
+    def part_failed(self, version: int, name: str, rank: int, error: str) -> bool:
+        """Record a failed part; returns True when the version can no longer commit."""
+        pv = self.pending[version]
+        part = pv.parts[(name, rank)]
+        part.status, part.error = "failed", error
+        if part.blocks_commit and not pv.committed:
+            pv.error = f"critical state {name!r} rank {rank} failed: {error}"
+            return True
+        return False
+
+    def ready_to_commit(self, version: int) -> bool:
+        pv = self.pending[version]
+        return not pv.error and all(p.status == "written" for p in pv.parts.values() if p.blocks_commit)
+
+    def settled(self, version: int) -> bool:
+        pv = self.pending[version]
+        return all(p.status != "pending" for p in pv.parts.values())
+
+    def manifest_for(self, version: int) -> Manifest:
+        pv = self.pending[version]
+        m = Manifest(self.run, pv.version, pv.step, pv.created_at, metrics=pv.metrics)
+        for name, strategy in pv.strategies.items():
+            if name in pv.loader_states:
+                m.states[name] = StateEntry(strategy.value, "loader", detail="rebuilt by its loader on restore")
+                continue
+            parts = [p for p in pv.parts.values() if p.name == name]
+            entry = StateEntry(strategy.value, "stored", replicated=name in pv.replicated)
+            if any(p.status == "pending" for p in parts):
+                entry.status, entry.detail = "pending", "best-effort part not written yet"
+            elif any(p.status == "failed" for p in parts):
+                entry.status = "missing"
+                entry.detail = "; ".join(f"rank {p.rank}: {p.error}" for p in parts if p.status == "failed")
+            else:
+                entry.files = {str(p.rank): p.files for p in sorted(parts, key=lambda p: p.rank)}
+                entry.bytes = sum(f.size for p in parts for f in p.files)
+                entry.content_hash = parts[0].content_hash if len(parts) == 1 else None
+            m.states[name] = entry
+        return m
+
+    def mark_committed(self, version: int, manifest: Manifest) -> None:
+        self.pending[version].committed = True
+        self.committed[version] = manifest
+
+    def finish(self, version: int) -> None:
+        """Forget the in-flight record once nothing more will arrive for the version."""
+        pv = self.pending.pop(version, None)
+        if pv is not None and pv.error:
+            self.failed[version] = pv.error
+
+    def fail(self, version: int, error: str) -> None:
+        pv = self.pending.get(version)
+        if pv is not None and not pv.error:
+            pv.error = error
+
+    def bytes_written(self, version: int) -> int:
+        return sum(p.written for p in self.pending[version].parts.values())
+
+    # ------------------------------------------------------------------ reuse
+    def reuse_for(self, name: str) -> Dict[str, List[dict]]:
+        """content hash -> files of a stored RELOADABLE state, from every committed version."""
+        out: Dict[str, List[dict]] = {}
+        for v in sorted(self.committed):
+            e = self.committed[v].states.get(name)
+            if e and e.status == "stored" and e.content_hash and "0" in e.files:
+                out[e.content_hash] = [f.__dict__ for f in e.files["0"]]
+        return out
+
+    # ------------------------------------------------------------------ retention
+    def plan_retention(self, policy: RetentionPolicy, protect: Set[int] = frozenset()) -> List[int]:
+        """Committed versions retention may delete now (never in-flight or protected ones)."""
+        infos = [VersionInfo(v, m.step, m.metrics) for v, m in self.committed.items()]
+        return plan_deletions(policy, infos, set(self.pending) | set(protect))
+
+    def kept_paths(self, doomed: Set[int]) -> Set[str]:
+        paths: Set[str] = set()
+        for v, m in self.committed.items():
+            if v not in doomed:
+                paths.update(m.referenced_paths())
+        for pv in self.pending.values():
+            paths.update(f.path for p in pv.parts.values() for f in p.files)
+        return paths
+
+    def forget(self, version: int) -> None:
+        self.committed.pop(version, None)
+
+
+def meta_of(m: Manifest, tiers: Tuple[str, ...]) -> CheckpointMeta:
+    return CheckpointMeta(
+        version=m.version, step=m.step, created_at=m.created_at,
+        states=tuple(sorted(n for n, e in m.states.items() if e.status in ("stored", "loader"))),
+        bytes=m.bytes, tiers=tiers, metrics=dict(m.metrics),
+        missing=tuple(sorted(n for n, e in m.states.items() if e.status in ("missing", "pending"))),
+    )

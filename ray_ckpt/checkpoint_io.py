@@ -1,0 +1,133 @@
+"""A flattened state <-> its files on a tier, and manifests <-> tiers.
+
+The one place where formats meet storage; plain Python (no Ray), used by writer actors, restoring
+actors, the coordinator and the ``ray-ckpt`` command line alike.
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .errors import IntegrityError, RestoreError, SaveError
+from .formats import arrow_io, safetensors_io
+from .formats.checksum import HashingSink
+from .formats.manifest import FileEntry, Manifest, StateEntry
+from .formats.tree import Flat, unflatten
+from .storage import layout
+from .storage.tier import Tier, _one_line
+
+
+def content_hash(flat: Flat) -> str:
+    """Digest of exactly the bytes ``write_flat`` would write (serialisation is deterministic)."""
+    sink = HashingSink()
+    safetensors_io.write(flat, sink)
+    for t in flat.tables:
+        arrow_io.write(t, sink)
+    return sink.digest()
+
+
+def write_flat(tier: Tier, version: int, name: str, rank: int, flat: Flat,
+               compression: Optional[str] = None) -> List[FileEntry]:
+    """Write one (state, rank) part: a safetensors file, plus one Arrow IPC file per table."""
+    entries = []
+    rel = layout.tensors_file(version, name, rank)
+    try:
+        with tier.open_atomic(rel) as sink:
+            safetensors_io.write(flat, sink)
+        entries.append(FileEntry(rel, sink.size, sink.digest(), "tensors"))
+        for i, table in enumerate(flat.tables):
+            rel = layout.table_file(version, name, rank, i)
+            with tier.open_atomic(rel) as sink:
+                arrow_io.write(table, sink, compression)
+            entries.append(FileEntry(rel, sink.size, sink.digest(), "table"))
+    except OSError as exc:
+        raise SaveError(f"writing state {name!r} rank {rank} of version {version} to "
+                        f"{tier.describe(rel)} failed: {_one_line(exc)}") from None
+    return entries
+
+
+def read_files(tiers: Sequence[Tier], files: List[FileEntry]) -> Tuple[List[bytearray], str, List[str]]:
+    """Read and verify every file, each from the first tier that holds a good copy.
+
+    Returns (buffers, tier name used — "remote" if any file came from there, problems seen on the
+    way). Raises IntegrityError when no tier has a good copy of some file.
+    """
+    bufs, used, problems = [], "local", []
+    for f in files:
+        errors = []
+        for tier in tiers:
+            try:
+                bufs.append(tier.read_verified(f.path, f.size, f.checksum))
+                if tier.name != tiers[0].name:
+                    used = tier.name
+                break
+            except FileNotFoundError:
+                errors.append(f"{tier.name}: missing")
+            except IntegrityError as exc:
+                errors.append(f"{tier.name}: {exc}")
+            except OSError as exc:
+                errors.append(f"{tier.name}: {_one_line(exc)}")
+        else:
+            raise IntegrityError(f"no good copy of {f.path} ({'; '.join(errors)})")
+        problems.extend(errors)
+    if not files:
+        used = tiers[0].name
+    return bufs, used, problems
+
+
+def decode_files(files: List[FileEntry], bufs: List[bytearray], *, name: str,
+                 allow_pickle: bool = False, as_numpy: bool = False):
+    tensors_buf = [b for f, b in zip(files, bufs) if f.role == "tensors"]
+    if len(tensors_buf) != 1:
+        raise IntegrityError(f"state {name!r}: expected one tensors file, manifest lists {len(tensors_buf)}")
+    structure, views = safetensors_io.read(tensors_buf[0], path=files[0].path)
+    tables = [arrow_io.read(b) for f, b in zip(files, bufs) if f.role == "table"]
+    return unflatten(structure, views, tables, as_numpy=as_numpy, allow_pickle=allow_pickle, state_name=name)
+
+
+def rank_files(entry: StateEntry, name: str, rank: int) -> List[FileEntry]:
+    key = "0" if entry.replicated else str(rank)
+    if key not in entry.files:
+        raise RestoreError(f"state {name!r} has no part for rank {rank} (ranks: {sorted(entry.files, key=int)})")
+    return entry.files[key]
+
+
+# ------------------------------------------------------------------------- manifests
+def write_manifest(tier: Tier, manifest: Manifest) -> None:
+    tier.put_bytes(layout.manifest_path(manifest.version), manifest.to_json())
+
+
+def read_manifest(tier: Tier, version: int) -> Manifest:
+    rel = layout.manifest_path(version)
+    return Manifest.from_json(bytes(tier.read_bytes(rel)), where=tier.describe(rel))
+
+
+def scan(tier: Tier) -> Tuple[Dict[int, Manifest], List[int], List[str]]:
+    """(committed manifests by version, versions without manifest, unreadable manifests)."""
+    committed, partial, bad = {}, [], []
+    for v, has_manifest in sorted(tier.version_dirs().items()):
+        if not has_manifest:
+            partial.append(v)
+            continue
+        try:
+            committed[v] = read_manifest(tier, v)
+        except (IntegrityError, OSError) as exc:
+            bad.append(f"version {v}: {exc}")
+    return committed, partial, bad
+
+
+def delete_version(tier: Tier, version: int, keep_paths: set) -> List[str]:
+    """Delete a version: its manifest first (it disappears at once), then its files that no kept
+    version refers to, then empty directories. Returns the deleted file paths."""
+    tier.delete_file(layout.manifest_path(version))
+    deleted = []
+    for rel in tier.list_files(layout.version_dir(version)):
+        if rel not in keep_paths:
+            tier.delete_file(rel)
+            deleted.append(rel)
+    tier.prune_empty_dirs(layout.version_dir(version))
+    return deleted
+
+
+def now() -> float:
+    return time.time()

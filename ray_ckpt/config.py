@@ -1,0 +1,74 @@
+"""Engine configuration: one dataclass, validated at ``create()`` before anything is started."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
+
+from .storage.layout import validate_name
+from .storage.retention import RetentionPolicy
+from .storage.tier import Tier
+
+
+@dataclass
+class EngineConfig:
+    run: str
+    local_dir: str
+    remote_uri: Optional[str] = None
+    remote_options: Optional[Dict[str, Any]] = None  # e.g. S3: endpoint_override, access_key, ...
+    critical_writers: int = 2
+    best_effort_writers: int = 1
+    critical_cpus: float = 0.25
+    best_effort_cpus: float = 0.1
+    keep_last: Optional[int] = None
+    keep_every: Optional[int] = None
+    keep_best: Optional[Tuple[str, str, int]] = None
+    remote_keep_last: Optional[int] = None
+    remote_keep_every: Optional[int] = None
+    remote_keep_best: Optional[Tuple[str, str, int]] = None
+    remote_every: int = 1
+    max_in_flight: int = 2
+    compression: Optional[str] = None  # Arrow IPC buffer compression: None | "zstd" | "lz4"
+    best_effort_nice: int = 10
+    upload_retries: int = 4
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        validate_name(self.run, "run name")
+        if not isinstance(self.local_dir, str) or not self.local_dir:
+            raise ValueError(f"local_dir must be a directory path or file:// URI, got {self.local_dir!r}")
+        for name in ("critical_writers", "max_in_flight", "remote_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if not isinstance(self.best_effort_writers, int) or self.best_effort_writers < 0:
+            raise ValueError(f"best_effort_writers must be an integer >= 0, got {self.best_effort_writers!r}")
+        if self.compression not in (None, "zstd", "lz4"):
+            raise ValueError(f"compression must be None, 'zstd' or 'lz4', got {self.compression!r}")
+        self.local_policy()  # validates retention arguments
+        self.remote_policy()
+
+    def local_policy(self) -> RetentionPolicy:
+        return RetentionPolicy(self.keep_last, self.keep_every, self.keep_best)
+
+    def remote_policy(self) -> RetentionPolicy:
+        if self.remote_keep_last is None and self.remote_keep_every is None and self.remote_keep_best is None:
+            return self.local_policy()
+        return RetentionPolicy(self.remote_keep_last, self.remote_keep_every, self.remote_keep_best)
+
+    def local_tier(self) -> Tier:
+        base = self.local_dir
+        if "{node_id}" in base:
+            import ray
+
+            base = base.replace("{node_id}", ray.get_runtime_context().get_node_id()[:12])
+        return Tier(_join(base, self.run), "local")
+
+    def remote_tier(self) -> Optional[Tier]:
+        if not self.remote_uri:
+            return None
+        return Tier(_join(self.remote_uri, self.run), "remote", self.remote_options)
+
+
+def _join(base: str, run: str) -> str:
+    return base.rstrip("/") + "/" + run if "://" in base else os.path.join(base, run)

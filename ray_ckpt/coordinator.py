@@ -1,0 +1,311 @@
+"""The CheckpointCoordinator: a named, detached, restartable Ray actor.
+
+A thin asyncio shell over :class:`~ray_ckpt.catalogue.Catalogue`: it assigns versions, hands
+snapshot refs (still inside lists, never resolved here) to the writer pools, writes the manifest
+last when every critical part is durable, uploads committed versions to the remote tier in the
+background, and applies retention. It holds nothing that storage does not also hold: restarted, it
+rebuilds its catalogue from the manifests.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Dict, List, Optional, Set
+
+import ray
+
+from .catalogue import Catalogue, meta_of
+from .checkpoint_io import delete_version, scan, write_manifest
+from .config import EngineConfig
+from .errors import SaveError
+from .formats.manifest import Manifest
+from .storage.retention import VersionInfo, plan_deletions
+from .storage.tier import _one_line
+from .types import Strategy
+from .writers import WriterActor
+
+log = logging.getLogger("ray_ckpt.coordinator")
+NAMESPACE = "ray_ckpt"
+
+
+def actor_name(run: str) -> str:
+    return f"ray_ckpt.coordinator.{run}"
+
+
+class CheckpointCoordinator:
+    def __init__(self, config: EngineConfig):
+        self.cfg = config
+        self.local = config.local_tier()
+        self.remote = config.remote_tier()
+        self.local.check_writable()
+        if self.remote is not None:
+            self.remote.check_writable()
+        committed, partial, bad = scan(self.local)
+        for problem in bad:
+            log.warning("ignoring %s", problem)
+        self.catalogue = Catalogue(config.run, committed)
+        self.remote_committed: Dict[int, Manifest] = scan(self.remote)[0] if self.remote else {}
+        self.remote_paths: Set[str] = {p for m in self.remote_committed.values() for p in m.referenced_paths()}
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.critical = [self._writer("critical", config.critical_cpus, 0) for _ in range(config.critical_writers)]
+        self.best_effort = [self._writer("best_effort", config.best_effort_cpus, config.best_effort_nice)
+                            for _ in range(config.best_effort_writers)]
+        self.outstanding: Dict[int, int] = {}  # id(writer) -> bytes queued
+        self.commit_futures: Dict[int, asyncio.Future] = {}
+        self.remote_futures: Dict[int, asyncio.Future] = {}
+        self.remote_pending: Set[int] = set()
+        self.remote_errors: Dict[int, str] = {}
+        self.version_locks: Dict[int, asyncio.Lock] = {}
+        self.commits = 0
+        self.failures = 0
+        self.last_error: Optional[str] = None
+        self.started_at = time.time()
+
+    def _writer(self, pool: str, cpus: float, nice: int):
+        return WriterActor.options(num_cpus=cpus, name=None).remote(
+            self.local, self.remote, pool, nice, self.cfg.upload_retries)
+
+    # ------------------------------------------------------------------ queries
+    def config(self) -> EngineConfig:
+        return self.cfg
+
+    def last_version(self) -> int:
+        return max([self.catalogue.last_version] + list(self.remote_committed))
+
+    def list(self) -> list:
+        versions = set(self.catalogue.committed) | set(self.remote_committed)
+        out = []
+        for v in sorted(versions):
+            tiers = tuple(t for t, d in (("local", self.catalogue.committed), ("remote", self.remote_committed))
+                          if v in d)
+            m = self.catalogue.committed.get(v) or self.remote_committed[v]
+            out.append(meta_of(m, tiers))
+        return out
+
+    def manifest(self, version: int = -1, step: Optional[int] = None) -> Optional[Manifest]:
+        """The manifest of ``version`` (-1: latest committed), or of the version at ``step``."""
+        allv = {**self.remote_committed, **self.catalogue.committed}
+        if step is not None:
+            allv = {v: m for v, m in allv.items() if m.step == step}
+            return allv[max(allv)] if allv else None
+        if version == -1:
+            return allv[max(allv)] if allv else None
+        return allv.get(version)
+
+    def status(self) -> Dict[str, Any]:
+        in_flight = {}
+        for v, pv in self.catalogue.pending.items():
+            in_flight[v] = {"step": pv.step, "stage": pv.stage(),
+                            "parts": {f"{p.name}/rank{p.rank}": p.status for p in pv.parts.values()}}
+        for v in self.remote_pending:
+            in_flight.setdefault(v, {"stage": "committed"})["remote"] = (
+                "uploading" + (f" (last error: {self.remote_errors[v]})" if v in self.remote_errors else ""))
+        return {
+            "run": self.cfg.run, "in_flight": in_flight,
+            "queued_bytes": {"critical": sum(self.outstanding.get(id(w), 0) for w in self.critical),
+                             "best_effort": sum(self.outstanding.get(id(w), 0) for w in self.best_effort)},
+            "committed": len(self.catalogue.committed), "remote_committed": len(self.remote_committed),
+            "commits": self.commits, "failures": self.failures, "last_error": self.last_error,
+        }
+
+    def writers(self) -> Dict[str, list]:
+        return {"critical": list(self.critical), "best_effort": list(self.best_effort)}
+
+    # ------------------------------------------------------------------ saving
+    async def save(self, step: int, parts: List[dict], refs: List[Any],
+                   metrics: Optional[Dict[str, float]] = None) -> Dict[str, Any]:
+        """Accept a version and return its SaveResult (as a dict) once it is committed locally.
+
+        ``parts[i]`` describes ``refs[i]`` (name, rank, strategy, size); parts with ``loader=True``
+        have no ref. Raises SaveError if the version cannot commit."""
+        t0 = time.perf_counter()
+        version = step
+        pv = self.catalogue.begin(version, step, parts, metrics)
+        loop = asyncio.get_running_loop()
+        self.commit_futures[version] = loop.create_future()
+        self.version_locks[version] = asyncio.Lock()
+        stored = [p for p in parts if not p.get("loader")]
+        if len(stored) != len(refs):
+            self.catalogue.fail(version, "internal: parts and refs differ in number")
+        for p, ref in zip(stored, refs):
+            strategy = Strategy.parse(p["strategy"])
+            pool = self.best_effort if strategy is Strategy.BEST_EFFORT and self.best_effort else self.critical
+            writer = min(pool, key=lambda w: self.outstanding.get(id(w), 0))
+            size = int(p.get("nbytes", 0))
+            self.outstanding[id(writer)] = self.outstanding.get(id(writer), 0) + size
+            reuse = self.catalogue.reuse_for(p["name"]) if strategy is Strategy.RELOADABLE else None
+            obj = writer.write_part.remote(version, p["name"], int(p.get("rank", 0)), [ref],
+                                           reuse=reuse, compression=self.cfg.compression)
+            asyncio.ensure_future(self._track(version, p["name"], int(p.get("rank", 0)), obj, writer, size))
+        await self._progress(version)
+        result = await self.commit_futures[version]
+        result["seconds"] = time.perf_counter() - t0
+        return result
+
+    async def _track(self, version: int, name: str, rank: int, obj, writer, size: int) -> None:
+        try:
+            result = await obj
+            self.catalogue.part_written(version, name, rank, result)
+        except Exception as exc:  # reaches the handle through the commit future
+            msg = _one_line(getattr(exc, "cause", None) or exc)
+            log.error("version %d: state %r rank %d failed: %s", version, name, rank, msg)
+            self.last_error = f"version {version} state {name!r} rank {rank}: {msg}"
+            self.catalogue.part_failed(version, name, rank, msg)
+        finally:
+            self.outstanding[id(writer)] = max(0, self.outstanding.get(id(writer), 0) - size)
+        await self._progress(version)
+
+    async def _progress(self, version: int) -> None:
+        """Commit, update, fail or finish ``version`` according to the catalogue."""
+        pv = self.catalogue.pending.get(version)
+        if pv is None:
+            return
+        fut = self.commit_futures[version]
+        async with self.version_locks[version]:
+            if pv.error and not fut.done():
+                self.failures += 1
+                fut.set_exception(SaveError(f"version {version} (step {pv.step}) of run {self.cfg.run!r} "
+                                            f"failed and is not listed: {pv.error}"))
+            elif not pv.committed and self.catalogue.ready_to_commit(version):
+                manifest = self.catalogue.manifest_for(version)
+                try:
+                    await asyncio.to_thread(write_manifest, self.local, manifest)
+                except Exception as exc:
+                    self.catalogue.fail(version, f"writing the manifest failed: {_one_line(exc)}")
+                    self.failures += 1
+                    fut.set_exception(SaveError(f"version {version}: writing the manifest failed: "
+                                                f"{_one_line(exc)}"))
+                else:
+                    self.catalogue.mark_committed(version, manifest)
+                    self.commits += 1
+                    fut.set_result({"version": version, "step": pv.step, "durability": "local",
+                                    "bytes_written": self.catalogue.bytes_written(version) + len(manifest.to_json()),
+                                    "states": sorted(pv.strategies)})
+                    self._plan_remote(version)
+            elif pv.committed:  # a best-effort part landed after the commit: add it to the manifest
+                manifest = self.catalogue.manifest_for(version)
+                if version in self.catalogue.committed and manifest.to_json() != self.catalogue.committed[version].to_json():
+                    await asyncio.to_thread(write_manifest, self.local, manifest)
+                    self.catalogue.committed[version] = manifest
+            if not self.catalogue.settled(version):
+                return
+            self.catalogue.finish(version)
+        if pv.error:
+            await asyncio.to_thread(self._discard_failed, version)
+        else:
+            if version in self.remote_pending or version in self.remote_committed:
+                asyncio.ensure_future(self._sync_remote(version))
+            await self._apply_retention()
+
+    def _discard_failed(self, version: int) -> None:
+        """Remove the files of a version that will never commit (it was never listed)."""
+        delete_version(self.local, version, self.catalogue.kept_paths(set()))
+
+    # ------------------------------------------------------------------ remote tier
+    def _plan_remote(self, version: int) -> None:
+        if self.remote is None:
+            return
+        loop = asyncio.get_running_loop()
+        self.remote_futures.setdefault(version, loop.create_future())
+        if self.commits % self.cfg.remote_every != 0:
+            self.remote_futures[version].set_exception(SaveError(
+                f"version {version} is not uploaded: remote_every={self.cfg.remote_every} uploads every "
+                f"{self.cfg.remote_every}th committed version"))
+            return
+        self.remote_pending.add(version)
+        asyncio.ensure_future(self._sync_remote(version))
+
+    async def _sync_remote(self, version: int) -> None:
+        lock = self.version_locks.setdefault(-version - 1, asyncio.Lock())
+        backoff = 0.5
+        async with lock:
+            while True:
+                manifest = self.catalogue.committed.get(version)
+                if manifest is None:
+                    self.remote_pending.discard(version)
+                    return
+                files = [f.__dict__ for s in manifest.states.values() for f in s.all_files()
+                         if f.path not in self.remote_paths]
+                try:
+                    if files:
+                        writer = min(self.critical, key=lambda w: self.outstanding.get(id(w), 0))
+                        await writer.upload.remote(files)
+                        self.remote_paths.update(f["path"] for f in files)
+                    await asyncio.to_thread(write_manifest, self.remote, manifest)
+                except Exception as exc:
+                    msg = _one_line(getattr(exc, "cause", None) or exc)
+                    self.remote_errors[version] = msg
+                    self.last_error = f"version {version} upload: {msg}"
+                    log.warning("version %d: remote upload failed, retrying in %.1fs: %s", version, backoff, msg)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 30.0)
+                    continue
+                self.remote_committed[version] = manifest
+                self.remote_errors.pop(version, None)
+                self.remote_pending.discard(version)
+                fut = self.remote_futures.setdefault(version, asyncio.get_running_loop().create_future())
+                if not fut.done():
+                    fut.set_result({"version": version, "step": manifest.step, "durability": "remote",
+                                    "bytes_written": manifest.bytes, "states": sorted(manifest.states)})
+                break
+        await self._apply_remote_retention()
+
+    async def wait(self, version: int, durability: str = "local") -> Dict[str, Any]:
+        if durability not in ("local", "remote"):
+            raise SaveError(f"durability must be 'local' or 'remote', got {durability!r}")
+        if version not in self.commit_futures:
+            if version in self.catalogue.committed and durability == "local":
+                m = self.catalogue.committed[version]
+                return {"version": version, "step": m.step, "durability": "local", "bytes_written": m.bytes,
+                        "states": sorted(m.states)}
+            if version in self.remote_committed:
+                m = self.remote_committed[version]
+                return {"version": version, "step": m.step, "durability": durability,
+                        "bytes_written": m.bytes, "states": sorted(m.states)}
+            raise SaveError(f"version {version} is unknown to the coordinator of run {self.cfg.run!r} "
+                            f"(it may have restarted while the save was in flight)")
+        result = await self.commit_futures[version]
+        if durability == "local":
+            return result
+        if self.remote is None:
+            raise SaveError(f"run {self.cfg.run!r} has no remote tier (remote_uri was not given)")
+        fut = self.remote_futures.setdefault(version, asyncio.get_running_loop().create_future())
+        return await fut
+
+    def remote_error(self, version: int) -> Optional[str]:
+        return self.remote_errors.get(version)
+
+    # ------------------------------------------------------------------ retention
+    async def _apply_retention(self) -> None:
+        doomed = self.catalogue.plan_retention(self.cfg.local_policy(), protect=self.remote_pending)
+        if not doomed:
+            return
+        keep = self.catalogue.kept_paths(set(doomed))
+        for v in doomed:
+            self.catalogue.forget(v)
+        for v in doomed:
+            await asyncio.to_thread(delete_version, self.local, v, keep)
+            log.info("retention: deleted version %d from the local tier", v)
+
+    async def _apply_remote_retention(self) -> None:
+        if self.remote is None:
+            return
+        infos = [VersionInfo(v, m.step, m.metrics) for v, m in self.remote_committed.items()]
+        doomed = plan_deletions(self.cfg.remote_policy(), infos, self.remote_pending)
+        if not doomed:
+            return
+        keep = {p for v, m in self.remote_committed.items() if v not in doomed for p in m.referenced_paths()}
+        keep |= {p for v in self.remote_pending for p in self.catalogue.committed.get(v, Manifest("", v, 0, 0)).referenced_paths()}
+        for v in doomed:
+            m = self.remote_committed.pop(v)
+            await asyncio.to_thread(delete_version, self.remote, v, keep)
+            self.remote_paths -= set(m.referenced_paths()) - keep
+
+    async def ready(self) -> bool:
+        """Wait until every writer has started, so the first save does not pay for worker start-up."""
+        await asyncio.gather(*[w.__ray_ready__.remote() for w in self.critical + self.best_effort])
+        return True
+
+
+CoordinatorActor = ray.remote(CheckpointCoordinator)

@@ -1,0 +1,405 @@
+"""CheckpointEngine: what drivers and actors use. ``save()`` returns a SaveHandle at once.
+
+The driver submits each provider's snapshot itself (so Ray's per-caller ordering places it right
+after that actor's training call for the same step) and passes the resulting ObjectRefs, inside a
+list, to the coordinator: the driver never touches the bytes of an actor's state.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Union
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from .checkpoint_io import rank_files
+from .config import EngineConfig
+from .coordinator import NAMESPACE, CoordinatorActor, actor_name
+from .errors import (CheckpointError, IntegrityError, InvalidArgumentError, InvalidSaveError,
+                     RestoreError, SaveError)
+from .formats.manifest import Manifest
+from .snapshot import (ActorProvider, CallableProvider, apply_in_actor, capture, discard_in_actor,
+                       read_state, snapshot_in_actor, stage_in_actor, tiers_of)
+from .storage.layout import validate_name
+from .storage.tier import _one_line
+from .types import CheckpointMeta, OnBusy, RestoreReport, SaveResult, StateReport, Strategy
+
+log = logging.getLogger("ray_ckpt")
+
+
+@dataclass
+class Registration:
+    name: str
+    provider: Union[ActorProvider, CallableProvider]
+    strategy: Strategy
+    allow_pickle: bool = False
+
+
+class SaveHandle:
+    """The future of one save. ``wait()`` raises SaveError on failure: never silent."""
+
+    def __init__(self, engine: "CheckpointEngine", step: int, ref: Optional[ray.ObjectRef],
+                 submit_s: float, skipped: bool = False):
+        self._engine = engine
+        self.step = step
+        self.version: Optional[int] = None if skipped else step
+        self._ref = ref
+        self._remote_ref = None
+        self.submit_seconds = submit_s  # how long save() took to return
+        self.skipped = skipped
+
+    def __repr__(self) -> str:
+        state = "skipped" if self.skipped else ("done" if self.done() else "in flight")
+        return f"SaveHandle(step={self.step}, {state})"
+
+    def done(self) -> bool:
+        """True once the local commit finished (or failed); never blocks."""
+        if self._ref is None:
+            return True
+        ready, _ = ray.wait([self._ref], timeout=0)
+        return bool(ready)
+
+    def wait(self, timeout: Optional[float] = None, durability: str = "local") -> SaveResult:
+        """Block until the version is committed on the ``durability`` tier ("local" or "remote")."""
+        if self.skipped:
+            return SaveResult(None, self.step, 0, "skipped")
+        if durability not in ("local", "remote"):
+            raise InvalidArgumentError(f"durability must be 'local' or 'remote', got {durability!r}")
+        coord = self._engine._coordinator
+        if durability == "local":
+            ref = self._ref
+        else:
+            if self._remote_ref is None:
+                self._remote_ref = coord.wait.remote(self.version, "remote")
+            ref = self._remote_ref
+        try:
+            d = ray.get(ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            detail = ""
+            if durability == "remote":
+                try:
+                    err = ray.get(coord.remote_error.remote(self.version), timeout=10)
+                    detail = f"; last upload error: {err}" if err else "; upload still in progress"
+                except Exception:
+                    pass
+            raise SaveError(f"version {self.version} (step {self.step}) of run {self._engine.run!r} is not "
+                            f"durable on the {durability} tier after {timeout}s{detail}") from None
+        except ray.exceptions.RayActorError as exc:
+            raise SaveError(f"the coordinator of run {self._engine.run!r} died while version {self.version} "
+                            f"was in flight; that version was not committed ({_one_line(exc)[:200]})") from None
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+            raise SaveError(_one_line(cause)) from None
+        return SaveResult(d["version"], d["step"], d["bytes_written"], d["durability"],
+                          tuple(d.get("states", ())), d.get("seconds", 0.0))
+
+
+class CheckpointEngine:
+    """Get one with :meth:`create` (driver) or :meth:`connect` (any process of the cluster)."""
+
+    def __init__(self, coordinator: Any, config: EngineConfig):
+        self._coordinator = coordinator
+        self.config = config
+        self.run = config.run
+        self._registry: Dict[str, Registration] = {}
+        self._in_flight: List[SaveHandle] = []
+        last = ray.get(coordinator.last_version.remote(), timeout=60)
+        self._last_saved = last
+        self._step = max(last, 0)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def create(cls, run: str, local_dir: str, remote_uri: Optional[str] = None, *,
+               critical_writers: int = 2, best_effort_writers: int = 1,
+               keep_last: Optional[int] = None, keep_every: Optional[int] = None,
+               startup_timeout: float = 120.0, **options: Any) -> "CheckpointEngine":
+        """Get-or-create the named coordinator of ``run`` and its writer pools.
+
+        Other options: see :class:`~ray_ckpt.config.EngineConfig` (remote_options, keep_best,
+        remote_keep_last, remote_every, max_in_flight, compression, critical_cpus, ...)."""
+        try:
+            config = EngineConfig(run=run, local_dir=local_dir, remote_uri=remote_uri,
+                                  critical_writers=critical_writers, best_effort_writers=best_effort_writers,
+                                  keep_last=keep_last, keep_every=keep_every, **options)
+        except TypeError as exc:
+            raise InvalidArgumentError(f"CheckpointEngine.create: {exc}") from None
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        # fail fast, in the caller, on tiers that cannot be written (bad path, wrong credentials)
+        config.local_tier().check_writable()
+        if config.remote_uri:
+            config.remote_tier().check_writable()
+        if not ray.is_initialized():
+            ray.init()
+        coord = CoordinatorActor.options(
+            name=actor_name(run), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+            max_restarts=-1, num_cpus=0, max_concurrency=1000,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True),
+        ).remote(config)
+        try:
+            existing = ray.get(coord.config.remote(), timeout=startup_timeout)
+            ray.get(coord.ready.remote(), timeout=startup_timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise CheckpointError(f"the coordinator of run {run!r} or its writers did not start within "
+                                  f"{startup_timeout}s (are there enough CPUs for critical_cpus / "
+                                  f"best_effort_cpus?)") from None
+        except ray.exceptions.RayActorError as exc:
+            raise CheckpointError(f"the coordinator of run {run!r} could not start: "
+                                  f"{_one_line(exc)[:500]}") from None
+        if (existing.local_dir, existing.remote_uri) != (config.local_dir, config.remote_uri):
+            raise InvalidArgumentError(
+                f"run {run!r} already has a coordinator with local_dir={existing.local_dir!r}, "
+                f"remote_uri={existing.remote_uri!r}; connect() to it or shut it down first")
+        return cls(coord, existing)
+
+    @classmethod
+    def connect(cls, run: str, timeout: float = 60.0) -> "CheckpointEngine":
+        """Attach to the coordinator of an existing run (from any driver, task or actor)."""
+        validate_name(run, "run name")
+        if not ray.is_initialized():
+            ray.init()
+        try:
+            coord = ray.get_actor(actor_name(run), namespace=NAMESPACE)
+        except ValueError:
+            raise CheckpointError(f"no checkpoint coordinator for run {run!r}; create it with "
+                                  f"rc.CheckpointEngine.create({run!r}, local_dir=...)") from None
+        return cls(coord, ray.get(coord.config.remote(), timeout=timeout))
+
+    def shutdown(self) -> None:
+        """Stop the coordinator and its writers (committed checkpoints stay in storage)."""
+        try:
+            writers = ray.get(self._coordinator.writers.remote(), timeout=30)
+            for w in writers["critical"] + writers["best_effort"]:
+                ray.kill(w)
+        except Exception:
+            pass
+        ray.kill(self._coordinator, no_restart=True)
+
+    # ------------------------------------------------------------------ registration
+    def register(self, name: str, provider: Any = None, *, strategy: Union[Strategy, str] = Strategy.CRITICAL,
+                 loader: Optional[Callable[..., Any]] = None, allow_pickle: bool = False,
+                 replace: bool = False) -> None:
+        """Register a state. ``provider``: an actor handle (``ckpt_get_state`` / ``ckpt_set_state``),
+        ``rc.actor_provider(handle, get=..., set=...)``, or an in-process callable returning the state
+        (``loader(state)`` loads it back). A RELOADABLE state with a ``loader`` and no provider is not
+        stored: restore calls ``loader()`` to rebuild it."""
+        try:
+            validate_name(name, "state name")
+            strat = Strategy.parse(strategy)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        if name in self._registry and not replace:
+            raise InvalidArgumentError(f"state {name!r} is already registered; pass replace=True to "
+                                       f"replace it (e.g. with a relaunched actor's new handle)")
+        if isinstance(provider, ActorProvider):
+            prov: Union[ActorProvider, CallableProvider] = provider
+        elif isinstance(provider, ray.actor.ActorHandle):
+            prov = ActorProvider(provider)
+        elif provider is None:
+            if not (strat is Strategy.RELOADABLE and callable(loader)):
+                raise InvalidArgumentError(f"state {name!r}: a provider (actor handle or callable) is "
+                                           f"required, except for a RELOADABLE state rebuilt by a loader")
+            prov = CallableProvider(None, loader)
+        elif callable(provider):
+            if loader is not None and not callable(loader):
+                raise InvalidArgumentError(f"state {name!r}: loader must be callable")
+            prov = CallableProvider(provider, loader)
+        else:
+            raise InvalidArgumentError(f"state {name!r}: provider must be a Ray actor handle, "
+                                       f"rc.actor_provider(...) or a callable, not {type(provider).__name__}")
+        self._registry[name] = Registration(name, prov, strat, bool(allow_pickle))
+
+    def unregister(self, name: str) -> None:
+        if self._registry.pop(name, None) is None:
+            raise InvalidArgumentError(f"state {name!r} is not registered")
+
+    @property
+    def registered(self) -> Dict[str, Strategy]:
+        return {n: r.strategy for n, r in self._registry.items()}
+
+    # ------------------------------------------------------------------ steps
+    @property
+    def current_step(self) -> int:
+        return self._step
+
+    def advance_step(self, n: int = 1) -> int:
+        self._step += n
+        return self._step
+
+    # ------------------------------------------------------------------ saving
+    def save(self, step: Optional[int] = None, *, on_busy: Union[OnBusy, str] = OnBusy.WAIT,
+             metrics: Optional[Dict[str, float]] = None) -> SaveHandle:
+        """Capture every registered state at ``step`` (default: current_step) and return at once."""
+        t0 = time.perf_counter()
+        step = self._step if step is None else step
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise InvalidSaveError(f"step must be a non-negative integer, got {step!r}")
+        if step <= self._last_saved:
+            raise InvalidSaveError(f"step {step} is not after the last saved step {self._last_saved} of run "
+                                   f"{self.run!r}; steps must increase")
+        try:
+            policy = OnBusy.parse(on_busy)
+        except ValueError as exc:
+            raise InvalidSaveError(str(exc)) from None
+        if not self._registry:
+            raise InvalidSaveError("nothing to save: register at least one state first")
+        clean_metrics = _check_metrics(metrics)
+        self._in_flight = [h for h in self._in_flight if not h.done()]
+        if len(self._in_flight) >= self.config.max_in_flight:
+            if policy is OnBusy.SKIP:
+                return SaveHandle(self, step, None, time.perf_counter() - t0, skipped=True)
+            if policy is OnBusy.WAIT:
+                ray.wait([h._ref for h in self._in_flight], num_returns=len(self._in_flight)
+                         - self.config.max_in_flight + 1)
+                self._in_flight = [h for h in self._in_flight if not h.done()]
+        parts: List[dict] = []
+        refs: List[ray.ObjectRef] = []
+        # in-process states first: an unsupported object raises here, before anything is submitted
+        for reg in self._registry.values():
+            prov = reg.provider
+            if isinstance(prov, CallableProvider):
+                if prov.fn is None:
+                    parts.append({"name": reg.name, "strategy": reg.strategy.value, "loader": True})
+                    continue
+                flat = capture(prov.fn(), reg.name, reg.allow_pickle)
+                parts.append({"name": reg.name, "strategy": reg.strategy.value, "nbytes": flat.nbytes})
+                refs.append(ray.put(flat))
+        for reg in self._registry.values():
+            prov = reg.provider
+            if isinstance(prov, ActorProvider):
+                parts.append({"name": reg.name, "strategy": reg.strategy.value})
+                refs.append(prov.handle.__ray_call__.remote(snapshot_in_actor, prov.get, reg.name, reg.allow_pickle))
+        ref = self._coordinator.save.remote(step, parts, refs, clean_metrics)
+        self._last_saved = step
+        self._step = max(self._step, step)
+        handle = SaveHandle(self, step, ref, time.perf_counter() - t0)
+        self._in_flight.append(handle)
+        return handle
+
+    def wait_all(self, timeout: Optional[float] = None) -> List[SaveResult]:
+        """Wait for every save of this engine still in flight."""
+        out = [h.wait(timeout) for h in self._in_flight]
+        self._in_flight = []
+        return out
+
+    # ------------------------------------------------------------------ reading
+    def list_checkpoints(self) -> List[CheckpointMeta]:
+        return ray.get(self._coordinator.list.remote(), timeout=60)
+
+    def _manifest(self, version: int = -1, step: Optional[int] = None) -> Manifest:
+        m = ray.get(self._coordinator.manifest.remote(version, step), timeout=60)
+        if m is None:
+            what = "any committed checkpoint" if version == -1 and step is None else (
+                f"a committed checkpoint at step {step}" if step is not None else f"committed version {version}")
+            raise RestoreError(f"run {self.run!r} has no {what}")
+        return m
+
+    def load(self, version: int = -1, name: str = "", rank: int = 0, *, allow_pickle: Optional[bool] = None) -> Any:
+        """Read one state of a version into this process (verified), without touching providers."""
+        validate_name(name, "state name")
+        m = self._manifest(version)
+        entry = m.states.get(name)
+        if entry is None:
+            raise RestoreError(f"version {m.version} of run {self.run!r} has no state {name!r} "
+                               f"(it has: {', '.join(sorted(m.states))})")
+        if entry.status != "stored":
+            raise RestoreError(f"state {name!r} of version {m.version} is {entry.status}: {entry.detail}")
+        if allow_pickle is None:
+            reg = self._registry.get(name)
+            allow_pickle = bool(reg and reg.allow_pickle)
+        try:
+            state, _tier, _ = read_state(tiers_of(self.config), rank_files(entry, name, rank), name, allow_pickle)
+        except IntegrityError as exc:
+            raise RestoreError(f"state {name!r} of version {m.version}: {exc}") from None
+        return state
+
+    def restore(self, step: int = -1, strict: bool = True, names: Optional[Iterable[str]] = None) -> RestoreReport:
+        """Bring registered providers back to a committed version (-1: the latest).
+
+        Every file is verified against the manifest before use, read from the local tier first and
+        from the remote tier when the local copy is missing or corrupt. With ``strict=True`` nothing
+        is loaded into any provider unless every CRITICAL / RELOADABLE state verified."""
+        t0 = time.perf_counter()
+        m = self._manifest(-1) if step == -1 else self._manifest(step=step)
+        wanted = list(self._registry) if names is None else list(names)
+        for n in wanted:
+            if n not in self._registry:
+                raise InvalidArgumentError(f"state {n!r} is not registered")
+        reports: Dict[str, StateReport] = {}
+        staged_actor: Dict[str, Any] = {}
+        staged_local: Dict[str, Any] = {}
+        for name in wanted:
+            reg = self._registry[name]
+            entry = m.states.get(name)
+            if entry is None:
+                reports[name] = StateReport("missing", None, False, f"version {m.version} has no state {name!r}")
+                continue
+            if entry.status == "loader":
+                reports[name] = StateReport("reloaded", None, False, "rebuilt by its loader")
+                continue
+            if entry.status != "stored":
+                reports[name] = StateReport("missing", None, False, entry.detail or entry.status)
+                continue
+            files = rank_files(entry, name, 0)
+            prov = reg.provider
+            if isinstance(prov, ActorProvider):
+                staged_actor[name] = prov.handle.__ray_call__.remote(stage_in_actor, name, self.config, files,
+                                                                     reg.allow_pickle)
+            elif prov.loader is None:
+                reports[name] = StateReport("skipped", None, False, "no loader was registered for it")
+            else:
+                try:
+                    state, tier, problems = read_state(tiers_of(self.config), files, name, reg.allow_pickle)
+                    staged_local[name] = state
+                    reports[name] = StateReport("restored", tier, True, "; ".join(problems),
+                                                sum(f.size for f in files))
+                except (IntegrityError, RestoreError, OSError) as exc:
+                    reports[name] = StateReport("missing", None, False, _one_line(exc))
+        for name, ref in staged_actor.items():
+            try:
+                r = ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                r = {"ok": False, "tier": None, "detail": f"provider actor failed: {_one_line(exc)[:300]}"}
+            reports[name] = (StateReport("restored", r["tier"], True, r["detail"], r.get("bytes", 0)) if r["ok"]
+                             else StateReport("missing", None, False, r["detail"]))
+        failed = [f"{n}: {r.detail}" for n, r in reports.items()
+                  if r.status == "missing" and self._registry[n].strategy is not Strategy.BEST_EFFORT]
+        if strict and failed:
+            for name in staged_actor:
+                self._registry[name].provider.handle.__ray_call__.remote(discard_in_actor, name)
+            raise RestoreError(f"cannot restore version {m.version} (step {m.step}) of run {self.run!r}; nothing "
+                               f"was loaded: " + " | ".join(failed))
+        applies = []
+        for name in staged_actor:
+            prov = self._registry[name].provider
+            if reports[name].status == "restored":
+                applies.append(prov.handle.__ray_call__.remote(apply_in_actor, prov.set, name))
+        ray.get(applies)
+        for name, state in staged_local.items():
+            self._registry[name].provider.loader(state)
+        for name, r in list(reports.items()):
+            if r.status == "reloaded":
+                self._registry[name].provider.loader()
+        self._step = m.step
+        self._last_saved = max(self._last_saved, m.step)
+        return RestoreReport(m.version, m.step, reports, time.perf_counter() - t0)
+
+    def status(self) -> Dict[str, Any]:
+        """Saves in flight with each part's stage, queued bytes per pool, the last error."""
+        return ray.get(self._coordinator.status.remote(), timeout=60)
+
+
+def _check_metrics(metrics: Optional[Dict[str, float]]) -> Dict[str, float]:
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict):
+        raise InvalidSaveError(f"metrics must be a dict of name -> number, got {type(metrics).__name__}")
+    out = {}
+    for k, v in metrics.items():
+        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise InvalidSaveError(f"metrics must map str -> finite number; bad entry {k!r}: {v!r}")
+        out[k] = float(v)
+    return out

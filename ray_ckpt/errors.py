@@ -1,0 +1,29 @@
+"""Exceptions. Every failure a user can see derives from :class:`CheckpointError`."""
+
+
+class CheckpointError(Exception):
+    """Base class of every error ray_ckpt raises on purpose."""
+
+
+class SaveError(CheckpointError):
+    """A save could not be accepted or did not become durable."""
+
+
+class RestoreError(CheckpointError):
+    """A restore or load could not bring the requested state back."""
+
+
+class IntegrityError(CheckpointError):
+    """Bytes read from storage do not match the manifest (size or checksum)."""
+
+
+class UnsupportedTypeError(SaveError, TypeError):
+    """A state holds an object that has no safe (non-pickle) format."""
+
+
+class InvalidArgumentError(CheckpointError, ValueError):
+    """Bad input at the call (unknown name, bad strategy, path-like name, ...); nothing was written."""
+
+
+class InvalidSaveError(InvalidArgumentError, SaveError):
+    """A ``save()`` call refused before any byte was written (step going backwards, ...)."""

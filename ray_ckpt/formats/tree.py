@@ -1,0 +1,254 @@
+"""Nested state <-> (JSON structure, flat list of byte arrays, list of Arrow tables).
+
+The structure is plain JSON so it can live in a safetensors header and be read without executing
+code. Every leaf is encoded so that it comes back with the same Python type: integer dict keys stay
+integers, tuples stay tuples, floats are stored as hex (bit-exact, NaN and inf included), tensors and
+arrays keep dtype and shape. Tensors and arrays travel as flat ``uint8`` numpy *views* of their
+memory, so capturing them costs no copy until Ray puts them into the object store.
+
+Node encoding (scalars are plain JSON; everything else is a one-tag object):
+  null / true / false / int / str   the value itself
+  {"f": hex}                        float
+  {"d": [[key, node], ...]}         dict  (``"o": 1`` for OrderedDict); keys are str or int
+  {"l": [...]} / {"u": [...]}       list / tuple
+  {"T": i, "dt": "BF16", "sh": []}  torch tensor, bytes in arrays[i]
+  {"N": i, "dt": "<f4", "sh": []}   numpy array,  bytes in arrays[i]
+  {"A": i}                          pyarrow Table, tables[i]
+  {"ns": "<f4", "h": hex}           numpy scalar
+  {"b": base64}                     bytes
+  {"tdt": "float32"}                torch.dtype
+  {"P": i}                          pickled object in arrays[i] (only with allow_pickle=True)
+"""
+from __future__ import annotations
+
+import base64
+import collections
+import json
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+import numpy as np
+
+from ..errors import RestoreError, UnsupportedTypeError
+
+try:  # torch is a hard dependency of the package, but keep formats importable without it
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None
+
+try:
+    import pyarrow as pa
+except ImportError:  # pragma: no cover
+    pa = None
+
+# torch dtype <-> safetensors dtype name (what other tools read); anything else is stored as U8.
+_TORCH_TO_ST = {}
+if torch is not None:
+    for _name, _st in [
+        ("float64", "F64"), ("float32", "F32"), ("float16", "F16"), ("bfloat16", "BF16"),
+        ("int64", "I64"), ("int32", "I32"), ("int16", "I16"), ("int8", "I8"), ("uint8", "U8"),
+        ("bool", "BOOL"), ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
+        ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("complex64", "C64"),
+    ]:
+        if hasattr(torch, _name):
+            _TORCH_TO_ST[getattr(torch, _name)] = _st
+_ST_TO_TORCH = {v: k for k, v in _TORCH_TO_ST.items()}
+_NP_TO_ST = {
+    "f8": "F64", "f4": "F32", "f2": "F16", "i8": "I64", "i4": "I32", "i2": "I16", "i1": "I8",
+    "u1": "U8", "b1": "BOOL", "u2": "U16", "u4": "U32", "u8": "U64", "c8": "C64",
+}
+
+
+def st_dtype_of_numpy(dt: np.dtype) -> str:
+    """The safetensors dtype name for a little-endian numpy dtype (U8 when it has none)."""
+    if dt.byteorder == ">":
+        return "U8"
+    return _NP_TO_ST.get(f"{dt.kind}{dt.itemsize}", "U8")
+
+
+@dataclass
+class Flat:
+    """A flattened state: what a snapshot carries and what formats serialise."""
+
+    structure: Any
+    arrays: List[np.ndarray] = field(default_factory=list)  # flat uint8 views
+    tables: List[Any] = field(default_factory=list)  # pyarrow Tables
+    leaf_info: List[dict] = field(default_factory=list)  # per array: name, st dtype, shape, itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays) + sum(t.nbytes for t in self.tables)
+
+
+def _path_str(path: list) -> str:
+    return "".join(f"[{k!r}]" for k in path) or "<root>"
+
+
+def _leaf_name(path: list) -> str:
+    return "/".join(str(k) for k in path) or "value"
+
+
+def flatten(state: Any, *, state_name: str = "state", allow_pickle: bool = False) -> Flat:
+    """Flatten ``state`` without copying tensor or array memory.
+
+    Raises :class:`UnsupportedTypeError` naming the state and the key path of the first object that
+    has no safe format.
+    """
+    flat = Flat(structure=None)
+    names: set = set()
+
+    def add_array(arr_u8: np.ndarray, path: list, st_dtype: str, shape: list, itemsize: int) -> int:
+        idx = len(flat.arrays)
+        name = _leaf_name(path)
+        if name in names:
+            name = f"{name}#{idx}"
+        names.add(name)
+        flat.arrays.append(arr_u8)
+        flat.leaf_info.append({"name": name, "dtype": st_dtype, "shape": shape, "itemsize": itemsize})
+        return idx
+
+    def unsupported(obj: Any, path: list, why: str = "") -> UnsupportedTypeError:
+        return UnsupportedTypeError(
+            f"state {state_name!r}: unsupported object of type {type(obj).__module__}.{type(obj).__qualname__} "
+            f"at {_path_str(path)}{(' (' + why + ')') if why else ''}; supported leaves are tensors, numpy "
+            f"arrays, Arrow tables and JSON scalars (pass allow_pickle=True when registering {state_name!r} "
+            f"to store it with pickle)"
+        )
+
+    def enc(obj: Any, path: list) -> Any:
+        t = type(obj)
+        if obj is None or t is bool or t is int or t is str:
+            return obj
+        if t is float:
+            return {"f": obj.hex()}
+        if t is dict or t is collections.OrderedDict:
+            items = []
+            for k, v in obj.items():
+                if type(k) not in (str, int):
+                    raise unsupported(k, path + [k], "dict keys must be str or int")
+                items.append([k, enc(v, path + [k])])
+            node = {"d": items}
+            if t is collections.OrderedDict:
+                node["o"] = 1
+            return node
+        if t is list:
+            return {"l": [enc(v, path + [i]) for i, v in enumerate(obj)]}
+        if t is tuple:
+            return {"u": [enc(v, path + [i]) for i, v in enumerate(obj)]}
+        if torch is not None and isinstance(obj, torch.Tensor):
+            if obj.layout != torch.strided or obj.is_quantized:
+                raise unsupported(obj, path, f"tensor layout {obj.layout}")
+            x = obj.detach()
+            if x.device.type != "cpu":
+                x = x.to("cpu")
+            x = x.resolve_conj().resolve_neg().contiguous()
+            st = _TORCH_TO_ST.get(x.dtype, "U8")
+            u8 = x.reshape(-1).view(torch.uint8).numpy() if x.numel() else np.empty(0, np.uint8)
+            idx = add_array(u8, path, st, list(x.shape), x.element_size())
+            return {"T": idx, "dt": str(x.dtype).replace("torch.", ""), "sh": list(x.shape)}
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.hasobject or obj.dtype.fields is not None:
+                raise unsupported(obj, path, f"numpy dtype {obj.dtype}")
+            a = np.ascontiguousarray(obj)
+            u8 = a.reshape(-1).view(np.uint8) if a.size else np.empty(0, np.uint8)
+            st = st_dtype_of_numpy(a.dtype)
+            idx = add_array(u8, path, st, list(a.shape), a.dtype.itemsize)
+            return {"N": idx, "dt": a.dtype.str, "sh": list(a.shape)}
+        if isinstance(obj, np.generic) and not isinstance(obj, np.object_):
+            return {"ns": obj.dtype.str, "h": obj.tobytes().hex()}
+        if t is bytes:
+            return {"b": base64.b64encode(obj).decode("ascii")}
+        if torch is not None and t is torch.dtype:
+            return {"tdt": str(obj).replace("torch.", "")}
+        if pa is not None and isinstance(obj, pa.Table):
+            flat.tables.append(obj)
+            return {"A": len(flat.tables) - 1}
+        if pa is not None and isinstance(obj, pa.RecordBatch):
+            flat.tables.append(pa.Table.from_batches([obj]))
+            return {"A": len(flat.tables) - 1, "rb": 1}
+        if allow_pickle:
+            import pickle  # only on the explicit opt-in path
+
+            data = np.frombuffer(pickle.dumps(obj, protocol=5), dtype=np.uint8)
+            idx = add_array(data, path, "U8", [data.size], 1)
+            return {"P": idx}
+        raise unsupported(obj, path)
+
+    flat.structure = enc(state, [])
+    return flat
+
+
+def unflatten(structure: Any, arrays: List[Any], tables: List[Any], *, as_numpy: bool = False,
+              allow_pickle: bool = False, state_name: str = "state") -> Any:
+    """Rebuild a state from its structure. ``arrays[i]`` is a writable buffer of leaf i's bytes.
+
+    With ``as_numpy=True`` tensors come back as numpy arrays (bf16 as raw uint16), for tools
+    that must not depend on torch.
+    """
+
+    def dec(node: Any) -> Any:
+        if node is None or isinstance(node, (bool, int, str)):
+            return node
+        if "f" in node:
+            return float.fromhex(node["f"])
+        if "d" in node:
+            pairs = [(k, dec(v)) for k, v in node["d"]]
+            return collections.OrderedDict(pairs) if node.get("o") else dict(pairs)
+        if "l" in node:
+            return [dec(v) for v in node["l"]]
+        if "u" in node:
+            return tuple(dec(v) for v in node["u"])
+        if "T" in node:
+            buf = arrays[node["T"]]
+            shape = node["sh"]
+            dt = getattr(torch, node["dt"]) if torch is not None else None
+            if as_numpy or torch is None:
+                return _numpy_view(buf, node["dt"], shape)
+            if len(buf) == 0:
+                return torch.empty(shape, dtype=dt)
+            return torch.frombuffer(buf, dtype=dt).reshape(shape)
+        if "N" in node:
+            dt = np.dtype(node["dt"])
+            buf = arrays[node["N"]]
+            return np.frombuffer(buf, dtype=dt).reshape(node["sh"]) if len(buf) else np.empty(node["sh"], dt)
+        if "A" in node:
+            t = tables[node["A"]]
+            return t.to_batches()[0] if node.get("rb") and t.num_rows else t
+        if "ns" in node:
+            return np.frombuffer(bytes.fromhex(node["h"]), dtype=np.dtype(node["ns"]))[0]
+        if "b" in node:
+            return base64.b64decode(node["b"])
+        if "tdt" in node:
+            return getattr(torch, node["tdt"])
+        if "P" in node:
+            if not allow_pickle:
+                raise RestoreError(
+                    f"state {state_name!r} holds a pickled object; loading it runs code, so it is "
+                    f"refused unless allow_pickle=True is set for {state_name!r}"
+                )
+            import pickle
+
+            return pickle.loads(bytes(arrays[node["P"]]))
+        raise RestoreError(f"state {state_name!r}: unknown structure node {sorted(node)}")
+
+    return dec(structure)
+
+
+_TORCH_NAME_TO_NP = {
+    "float64": "<f8", "float32": "<f4", "float16": "<f2", "int64": "<i8", "int32": "<i4",
+    "int16": "<i2", "int8": "i1", "uint8": "u1", "bool": "?", "uint16": "<u2", "uint32": "<u4",
+    "uint64": "<u8", "complex64": "<c8", "complex128": "<c16", "bfloat16": "<u2",
+}
+
+
+def _numpy_view(buf: Any, torch_dtype_name: str, shape: list) -> np.ndarray:
+    dt = np.dtype(_TORCH_NAME_TO_NP.get(torch_dtype_name, "u1"))
+    a = np.frombuffer(buf, dtype=dt) if len(buf) else np.empty(0, dt)
+    try:
+        return a.reshape(shape)
+    except ValueError:
+        return a
+
+
+def structure_to_json(structure: Any) -> str:
+    return json.dumps(structure, separators=(",", ":"), allow_nan=False)

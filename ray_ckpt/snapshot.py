@@ -1,0 +1,85 @@
+"""Capturing a provider's state into parts that the object store moves without copies, and bringing
+restored state back into a provider.
+
+The functions whose first argument is ``actor`` run *inside* the provider actor through Ray's
+``__ray_call__``: the driver submits them itself, so Ray's per-caller ordering runs the snapshot
+right after that actor's training call for the same step, and the state's tensors leave the actor
+as flat numpy views (one memcpy into the object store, no pickling of tensor data).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from .checkpoint_io import decode_files, read_files
+from .errors import IntegrityError, RestoreError
+from .formats.manifest import FileEntry
+from .formats.tree import Flat, flatten
+from .storage.tier import Tier, _one_line
+
+_STAGED = "_ray_ckpt_staged"
+
+
+@dataclass(frozen=True)
+class ActorProvider:
+    """A Ray actor handle whose ``get(name)`` returns a state and ``set(name, state)`` loads one."""
+
+    handle: Any
+    get: str = "ckpt_get_state"
+    set: str = "ckpt_set_state"
+
+
+@dataclass(frozen=True)
+class CallableProvider:
+    """An in-process function returning the state; ``loader(state)`` loads one back."""
+
+    fn: Optional[Callable[[], Any]]
+    loader: Optional[Callable[..., Any]] = None
+
+
+def actor_provider(handle: Any, *, get: str = "ckpt_get_state", set: str = "ckpt_set_state") -> ActorProvider:
+    """Use other method names than ``ckpt_get_state`` / ``ckpt_set_state`` on an actor."""
+    return ActorProvider(handle, get, set)
+
+
+def capture(state: Any, name: str, allow_pickle: bool = False) -> Flat:
+    return flatten(state, state_name=name, allow_pickle=allow_pickle)
+
+
+def snapshot_in_actor(actor: Any, getter: str, name: str, allow_pickle: bool) -> Flat:
+    """Runs in the provider actor: call its getter and flatten (tensor memory is not copied here)."""
+    return capture(getattr(actor, getter)(name), name, allow_pickle)
+
+
+def read_state(tiers: Sequence[Tier], files: List[FileEntry], name: str, allow_pickle: bool = False):
+    """Read, verify and decode one part. Returns (state, tier used, problems seen)."""
+    bufs, tier, problems = read_files(tiers, files)
+    return decode_files(files, bufs, name=name, allow_pickle=allow_pickle), tier, problems
+
+
+def stage_in_actor(actor: Any, name: str, config: Any, files: List[FileEntry],
+                   allow_pickle: bool) -> Dict[str, Any]:
+    """Runs in the provider actor: read + verify the state from its node's tiers and hold it until
+    every state of the restore is verified (so a failed restore changes nothing)."""
+    try:
+        state, tier, problems = read_state(tiers_of(config), files, name, allow_pickle)
+    except (IntegrityError, RestoreError, OSError) as exc:
+        return {"ok": False, "tier": None, "detail": _one_line(exc)}
+    actor.__dict__.setdefault(_STAGED, {})[name] = state
+    return {"ok": True, "tier": tier, "detail": "; ".join(problems),
+            "bytes": sum(f.size for f in files)}
+
+
+def tiers_of(config: Any) -> List[Tier]:
+    """The tiers as seen from this process: its node's local tier first, then the remote one."""
+    remote = config.remote_tier()
+    return [config.local_tier()] + ([remote] if remote is not None else [])
+
+
+def apply_in_actor(actor: Any, setter: str, name: str) -> None:
+    state = actor.__dict__.get(_STAGED, {}).pop(name)
+    getattr(actor, setter)(name, state)
+
+
+def discard_in_actor(actor: Any, name: str) -> None:
+    actor.__dict__.get(_STAGED, {}).pop(name, None)

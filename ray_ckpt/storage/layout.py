@@ -1,0 +1,45 @@
+"""Path layout of a run and validation of user-given names (no path traversal, ever).
+
+  <root>/<run>/v000000000100/<state>/rank0.safetensors
+                             <state>/rank0.table0.arrow
+                             manifest.json            <- written last: the commit marker
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+MANIFEST = "manifest.json"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+_VERSION_DIR = re.compile(r"^v(\d{12})$")
+
+
+def validate_name(name: object, what: str = "name") -> str:
+    """A run or state name becomes a path component: allow letters, digits, '_', '-', '.' only."""
+    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+        raise ValueError(
+            f"invalid {what} {name!r}: use 1-128 letters, digits, '_', '-' or '.', starting with a "
+            f"letter or digit (no '/', '\\', '..' or spaces: it becomes a path component)"
+        )
+    return name
+
+
+def version_dir(version: int) -> str:
+    return f"v{version:012d}"
+
+
+def parse_version_dir(name: str) -> Optional[int]:
+    m = _VERSION_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def manifest_path(version: int) -> str:
+    return f"{version_dir(version)}/{MANIFEST}"
+
+
+def tensors_file(version: int, state: str, rank: int) -> str:
+    return f"{version_dir(version)}/{state}/rank{rank}.safetensors"
+
+
+def table_file(version: int, state: str, rank: int, index: int) -> str:
+    return f"{version_dir(version)}/{state}/rank{rank}.table{index}.arrow"

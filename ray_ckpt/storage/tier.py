@@ -1,0 +1,226 @@
+"""A storage tier: one run root on any ``pyarrow.fs`` filesystem, with atomic puts and verified reads.
+
+Local disk: files are written to a temporary name, fsynced, then renamed (and the directory
+fsynced), so a crash never leaves a half file under a final name. Object stores: an object appears
+only when its upload completes, so a single PUT is atomic. Reads return writable memory (the
+restored tensors own it) and are verified against the manifest's size and checksum before use.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import uuid
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+from urllib.parse import urlparse
+
+import pyarrow.fs as pafs
+
+from ..errors import CheckpointError, IntegrityError
+from ..formats.checksum import HashingSink, new_hasher
+from .layout import MANIFEST, parse_version_dir
+
+TMP_MARK = ".tmp-"
+_COPY_CHUNK = 16 << 20
+
+
+def resolve_filesystem(uri: str, options: Optional[Dict[str, Any]] = None) -> Tuple[pafs.FileSystem, str]:
+    """``uri`` -> (filesystem, path). ``options`` go to the filesystem's constructor (S3: endpoint,
+    region, credentials); without them ``FileSystem.from_uri`` reads the usual environment."""
+    if not isinstance(uri, str) or not uri:
+        raise ValueError(f"storage URI must be a non-empty string, got {uri!r}")
+    scheme = urlparse(uri).scheme if "://" in uri else ""
+    try:
+        if options:
+            if scheme == "s3":
+                return pafs.S3FileSystem(**options), uri[len("s3://"):].rstrip("/")
+            if scheme in ("gs", "gcs"):
+                return pafs.GcsFileSystem(**options), uri.split("://", 1)[1].rstrip("/")
+            raise ValueError(f"storage options are only understood for s3:// and gs:// URIs, not {uri!r}")
+        if scheme == "" :
+            return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
+        fs, path = pafs.FileSystem.from_uri(uri)
+        return fs, path.rstrip("/") or "/"
+    except (pafs.ArrowInvalid if hasattr(pafs, "ArrowInvalid") else ValueError, OSError, TypeError) as exc:
+        raise ValueError(f"cannot open storage URI {uri!r}: {exc}") from None
+
+
+class Tier:
+    """The run root ``<uri>`` on one filesystem. Paths given to methods are relative to it."""
+
+    def __init__(self, uri: str, name: str = "local", options: Optional[Dict[str, Any]] = None):
+        self.uri = uri
+        self.name = name
+        self.options = dict(options or {})
+        self.fs, self.root = resolve_filesystem(uri, self.options)
+        self.is_local = isinstance(self.fs, pafs.LocalFileSystem)
+
+    def __repr__(self) -> str:
+        return f"Tier({self.name}, {self.uri!r})"
+
+    def __reduce__(self):  # filesystems are re-resolved in the receiving process
+        return (Tier, (self.uri, self.name, self.options))
+
+    def abspath(self, rel: str) -> str:
+        return f"{self.root.rstrip('/')}/{rel}" if rel else self.root
+
+    def describe(self, rel: str) -> str:
+        return f"{self.name} tier {self.abspath(rel)}"
+
+    # ---------------------------------------------------------------- writing
+    @contextlib.contextmanager
+    def open_atomic(self, rel: str) -> Iterator[HashingSink]:
+        """Yield a hashing sink; the file appears under ``rel`` only if the block succeeds."""
+        final = self.abspath(rel)
+        if self.is_local:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            tmp = f"{final}{TMP_MARK}{uuid.uuid4().hex[:12]}"
+            try:
+                with open(tmp, "wb", buffering=0) as f:
+                    sink = HashingSink(f)
+                    yield sink
+                    os.fsync(f.fileno())
+                os.replace(tmp, final)
+                _fsync_dir(os.path.dirname(final))
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        else:
+            self.fs.create_dir(os.path.dirname(final), recursive=True)
+            out = self.fs.open_output_stream(final)
+            try:
+                sink = HashingSink(out)
+                yield sink
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    out.abort() if hasattr(out, "abort") else out.close()
+                raise
+            out.close()
+
+    def put_bytes(self, rel: str, data: bytes) -> Tuple[int, str]:
+        with self.open_atomic(rel) as sink:
+            sink.write(data)
+        return sink.size, sink.digest()
+
+    def copy_to(self, dest: "Tier", rel: str) -> Tuple[int, str]:
+        """Stream ``rel`` from this tier to ``dest`` (same relative path); returns (size, checksum)."""
+        with self._open_input(rel) as src, dest.open_atomic(rel) as sink:
+            while True:
+                chunk = src.read(_COPY_CHUNK)
+                if not chunk:
+                    break
+                sink.write(chunk)
+        return sink.size, sink.digest()
+
+    # ---------------------------------------------------------------- reading
+    @contextlib.contextmanager
+    def _open_input(self, rel: str):
+        path = self.abspath(rel)
+        if self.is_local:
+            with open(path, "rb") as f:
+                yield f
+        else:
+            # open_input_file: one GET for the whole object (open_input_stream issues many ranged GETs)
+            f = self.fs.open_input_file(path)
+            try:
+                yield f
+            finally:
+                f.close()
+
+    def read_bytes(self, rel: str) -> bytearray:
+        with self._open_input(rel) as f:
+            size = os.fstat(f.fileno()).st_size if self.is_local else f.size()
+            buf = bytearray(size)
+            mv = memoryview(buf)
+            got = 0
+            while got < size:
+                n = f.readinto(mv[got:])
+                if not n:
+                    break
+                got += n
+        if got != size:
+            raise IntegrityError(f"{self.describe(rel)}: short read ({got} of {size} bytes)")
+        return buf
+
+    def read_verified(self, rel: str, size: int, checksum: str) -> bytearray:
+        """Read ``rel`` and check it against the manifest. Raises FileNotFoundError or IntegrityError."""
+        buf = self.read_bytes(rel)
+        if len(buf) != size:
+            raise IntegrityError(f"{self.describe(rel)}: size {len(buf)} != manifest size {size}")
+        h = new_hasher()
+        h.update(buf)
+        if h.hexdigest() != checksum:
+            raise IntegrityError(f"{self.describe(rel)}: checksum mismatch (file is corrupt)")
+        return buf
+
+    # ---------------------------------------------------------------- listing / deleting
+    def exists(self, rel: str) -> bool:
+        return self.fs.get_file_info(self.abspath(rel)).type != pafs.FileType.NotFound
+
+    def version_dirs(self) -> Dict[int, bool]:
+        """version -> whether it has a manifest (committed). Missing root: empty."""
+        out: Dict[int, bool] = {}
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
+        except FileNotFoundError:
+            return out
+        for info in infos:
+            if info.type != pafs.FileType.Directory:
+                continue
+            v = parse_version_dir(info.base_name)
+            if v is not None:
+                out[v] = self.exists(f"{info.base_name}/{MANIFEST}")
+        return out
+
+    def list_files(self, rel: str) -> List[str]:
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(self.abspath(rel), recursive=True,
+                                                            allow_not_found=True))
+        except FileNotFoundError:
+            return []
+        base = self.root.rstrip("/") + "/"
+        return [i.path[len(base):] if i.path.startswith(base) else i.path
+                for i in infos if i.type == pafs.FileType.File]
+
+    def delete_file(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.delete_file(self.abspath(rel))
+
+    def prune_empty_dirs(self, rel: str) -> None:
+        """Remove ``rel`` and its subdirectories that hold no file; keep any that still do."""
+        if self.is_local:
+            top = self.abspath(rel)
+            for dirpath, _dirs, _files in os.walk(top, topdown=False):
+                with contextlib.suppress(OSError):
+                    os.rmdir(dirpath)  # fails (and is kept) when not empty
+        elif not self.list_files(rel):
+            with contextlib.suppress(OSError, FileNotFoundError):
+                self.fs.delete_dir(self.abspath(rel))
+
+    def check_writable(self) -> None:
+        """Fail fast (at create) on a tier that cannot be written: bad credentials, read-only disk."""
+        probe = f".ray_ckpt_probe{TMP_MARK}{uuid.uuid4().hex[:8]}"
+        try:
+            self.put_bytes(probe, b"ok")
+            self.delete_file(probe)
+        except Exception as exc:
+            raise CheckpointError(f"{self.name} tier {self.uri!r} is not writable: {_one_line(exc)}") from None
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:  # some filesystems refuse fsync on directories
+        if exc.errno not in (errno.EINVAL, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__

@@ -1,0 +1,100 @@
+"""The typed public vocabulary: strategies and the result records users read."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+
+class Strategy(str, enum.Enum):
+    """How a state is treated.
+
+    CRITICAL: must be durable before a version is visible; restored bit-exact or the restore fails.
+    BEST_EFFORT: written on the low-priority pool; never delays a commit; a missing one is reported.
+    RELOADABLE: stored once and referenced by later versions while its content is unchanged, or not
+    stored at all when a ``loader`` rebuilds it.
+    """
+
+    CRITICAL = "critical"
+    BEST_EFFORT = "best_effort"
+    RELOADABLE = "reloadable"
+
+    @classmethod
+    def parse(cls, value: "Strategy | str") -> "Strategy":
+        if isinstance(value, Strategy):
+            return value
+        if isinstance(value, str):
+            for s in cls:
+                if value.lower() in (s.value, s.name.lower()):
+                    return s
+        raise ValueError(
+            f"unknown strategy {value!r}; expected one of "
+            + ", ".join(f"rc.Strategy.{s.name}" for s in cls)
+        )
+
+
+class OnBusy(str, enum.Enum):
+    """What ``save()`` does when ``max_in_flight`` saves are already in flight."""
+
+    WAIT = "wait"    # block until one finishes (bounded memory; the default)
+    SKIP = "skip"    # return a handle marked skipped; nothing is captured
+    QUEUE = "queue"  # capture now anyway (memory grows with the queue)
+
+    @classmethod
+    def parse(cls, value: "OnBusy | str") -> "OnBusy":
+        try:
+            return value if isinstance(value, OnBusy) else cls(value)
+        except ValueError:
+            raise ValueError(f"on_busy must be 'wait', 'skip' or 'queue', got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    version: Optional[int]
+    step: int
+    bytes_written: int
+    durability: str  # "local" | "remote" | "skipped"
+    states: Tuple[str, ...] = ()
+    seconds: float = 0.0
+
+    @property
+    def skipped(self) -> bool:
+        return self.durability == "skipped"
+
+
+@dataclass(frozen=True)
+class StateReport:
+    status: str  # "restored" | "reloaded" | "skipped" | "missing"
+    tier: Optional[str]  # "local" | "remote" | None
+    verified: bool
+    detail: str = ""
+    bytes: int = 0
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    version: int
+    step: int
+    states: Dict[str, StateReport]
+    seconds: float = 0.0
+
+    def __str__(self) -> str:  # a table a person can read
+        lines = [f"restored version {self.version} (step {self.step}) in {self.seconds:.3f}s"]
+        for name, r in sorted(self.states.items()):
+            lines.append(
+                f"  {name:<20} {r.status:<9} tier={r.tier or '-':<6} verified={'yes' if r.verified else 'no':<3}"
+                + (f" {r.detail}" if r.detail else "")
+            )
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    version: int
+    step: int
+    created_at: float
+    states: Tuple[str, ...]
+    bytes: int
+    tiers: Tuple[str, ...]
+    metrics: Dict[str, float] = field(default_factory=dict)
+    missing: Tuple[str, ...] = ()

@@ -1,0 +1,106 @@
+"""Writer actors: serialise a snapshot, checksum it while writing, persist it to the local tier, and
+upload committed files to the remote tier.
+
+``PartWriter`` is the plain object that does the work (unit-testable without Ray); ``WriterActor`` is
+the thin Ray shell, created in two pools by the coordinator: a critical pool and a smaller,
+lower-priority best-effort pool, each with its own resources.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Dict, List, Optional
+
+import ray
+
+from .checkpoint_io import content_hash, write_flat
+from .errors import IntegrityError, SaveError
+from .formats.manifest import FileEntry
+from .formats.tree import Flat
+from .storage.tier import Tier, _one_line
+
+
+class PartWriter:
+    def __init__(self, local: Tier, remote: Optional[Tier] = None, *, upload_retries: int = 4,
+                 retry_base_s: float = 0.25, nice: int = 0):
+        self.local = local
+        self.remote = remote
+        self.upload_retries = upload_retries
+        self.retry_base_s = retry_base_s
+        if nice:
+            try:
+                os.nice(nice)  # below training: checkpoint I/O must not slow the learner
+            except OSError:
+                pass
+
+    def write_part(self, version: int, name: str, rank: int, flat: Flat, *,
+                   reuse: Optional[Dict[str, List[dict]]] = None,
+                   compression: Optional[str] = None) -> Dict[str, Any]:
+        """Write one (state, rank) part to the local tier.
+
+        ``reuse`` maps content hashes already stored (RELOADABLE states) to their files: when this
+        part's content hash is among them, nothing is written and the old files are referenced.
+        """
+        t0 = time.perf_counter()
+        chash = None
+        if reuse is not None:
+            chash = content_hash(flat)
+            if chash in reuse:
+                return {"files": reuse[chash], "written": 0, "content_hash": chash, "reused": True,
+                        "seconds": time.perf_counter() - t0}
+        files = write_flat(self.local, version, name, rank, flat, compression)
+        return {"files": [f.__dict__ for f in files], "written": sum(f.size for f in files),
+                "content_hash": chash, "reused": False, "seconds": time.perf_counter() - t0}
+
+    def upload(self, files: List[dict]) -> int:
+        """Copy committed local files to the remote tier, verifying each against its manifest
+        checksum while streaming. Transient errors retry with exponential backoff."""
+        if self.remote is None:
+            raise SaveError("no remote tier is configured")
+        total = 0
+        for f in map(lambda d: FileEntry(**d), files):
+            for attempt in range(self.upload_retries + 1):
+                try:
+                    size, digest = self.local.copy_to(self.remote, f.path)
+                    break
+                except FileNotFoundError:
+                    raise SaveError(f"cannot upload {f.path}: the local copy is missing") from None
+                except OSError as exc:
+                    if attempt == self.upload_retries:
+                        raise SaveError(f"uploading {f.path} to {self.remote.describe(f.path)} failed after "
+                                        f"{attempt + 1} attempts: {_one_line(exc)}") from None
+                    time.sleep(min(self.retry_base_s * (2 ** attempt), 5.0))
+            if (size, digest) != (f.size, f.checksum):
+                self.remote.delete_file(f.path)
+                raise IntegrityError(f"local copy of {f.path} does not match its manifest; not uploaded")
+            total += size
+        return total
+
+
+@ray.remote(max_restarts=-1, max_task_retries=2)
+class WriterActor:
+    """Ray shell over PartWriter. Snapshot refs arrive inside a list so Ray does not resolve them in
+    the coordinator; the writer fetches them from the object store (zero-copy on its node)."""
+
+    def __init__(self, local: Tier, remote: Optional[Tier], pool: str, nice: int = 0, upload_retries: int = 4):
+        self.pool = pool
+        self.writer = PartWriter(local, remote, nice=nice, upload_retries=upload_retries)
+
+    def write_part(self, version: int, name: str, rank: int, refs: List[Any], **kw) -> Dict[str, Any]:
+        try:
+            flat = ray.get(refs[0])
+        except ray.exceptions.RayTaskError as exc:  # the snapshot itself failed in the provider
+            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+            raise SaveError(f"snapshot of state {name!r} (rank {rank}) failed: {_one_line(cause)}") from None
+        except ray.exceptions.RayError as exc:
+            raise SaveError(f"snapshot of state {name!r} (rank {rank}) was lost: {_one_line(exc)}") from None
+        return self.writer.write_part(version, name, rank, flat, **kw)
+
+    def upload(self, files: List[dict]) -> int:
+        return self.writer.upload(files)
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def pid(self) -> int:
+        return os.getpid()
