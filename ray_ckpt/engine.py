@@ -87,7 +87,7 @@ class SaveHandle:
                     pass
             raise SaveError(f"version {self.version} (step {self.step}) of run {self._engine.run!r} is not "
                             f"durable on the {durability} tier after {timeout}s{detail}") from None
-        except ray.exceptions.RayActorError as exc:
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
             raise SaveError(f"the coordinator of run {self._engine.run!r} died while version {self.version} "
                             f"was in flight; that version was not committed ({_one_line(exc)[:200]})") from None
         except ray.exceptions.RayTaskError as exc:
@@ -292,9 +292,9 @@ class CheckpointEngine:
     def _manifest(self, version: int = -1, step: Optional[int] = None) -> Manifest:
         m = ray.get(self._coordinator.manifest.remote(version, step), timeout=60)
         if m is None:
-            what = "any committed checkpoint" if version == -1 and step is None else (
-                f"a committed checkpoint at step {step}" if step is not None else f"committed version {version}")
-            raise RestoreError(f"run {self.run!r} has no {what}")
+            what = "" if version == -1 and step is None else (
+                f" at step {step}" if step is not None else f" with version {version}")
+            raise RestoreError(f"run {self.run!r} has no committed checkpoint{what}")
         return m
 
     def load(self, version: int = -1, name: str = "", rank: int = 0, *, allow_pickle: Optional[bool] = None) -> Any:

@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
-from ..errors import CheckpointError, IntegrityError
+from ..errors import CheckpointError, IntegrityError, InvalidArgumentError
 from ..formats.checksum import HashingSink, new_hasher
 from .layout import MANIFEST, parse_version_dir
 
@@ -24,25 +24,94 @@ TMP_MARK = ".tmp-"
 _COPY_CHUNK = 16 << 20
 
 
+# S3: fail in seconds, not minutes, on a dead endpoint or wrong credentials (auth errors are not
+# retried at all; connection errors are retried max_attempts - 1 times with the SDK's backoff).
+# Anything given in ``options`` wins over these defaults.
+S3_CONNECT_TIMEOUT_S = 5.0
+S3_REQUEST_TIMEOUT_S = 60.0  # socket read timeout (the SDK applies it on Windows / macOS only)
+S3_MAX_ATTEMPTS = 3
+
+
+def _s3_defaults() -> Dict[str, Any]:
+    return {"connect_timeout": S3_CONNECT_TIMEOUT_S, "request_timeout": S3_REQUEST_TIMEOUT_S,
+            "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=S3_MAX_ATTEMPTS)}
+
+
+def _s3_env_endpoint() -> Dict[str, Any]:
+    """``AWS_ENDPOINT_URL_S3`` (else ``AWS_ENDPOINT_URL``) as S3FileSystem arguments, or {}."""
+    url = (os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "").strip()
+    if not url:
+        return {}
+    parsed = urlparse(url if "://" in url else f"https://{url}")
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ValueError(f"AWS_ENDPOINT_URL(_S3)={url!r} is not an http(s)://host[:port] URL")
+    return {"endpoint_override": parsed.netloc, "scheme": parsed.scheme}
+
+
+def _s3_filesystem(uri: str, options: Dict[str, Any]) -> Tuple[pafs.FileSystem, str]:
+    parsed = urlparse(uri)
+    path = (parsed.netloc + parsed.path).strip("/")
+    bucket = path.split("/", 1)[0]
+    if not bucket:
+        raise ValueError("no bucket in the URI")
+    if not options and (parsed.query or "@" in parsed.netloc):
+        # settings carried by the URI itself (?endpoint_override=..., key:secret@bucket): pyarrow's syntax
+        fs, p = pafs.FileSystem.from_uri(uri)
+        return fs, p.rstrip("/")
+    kwargs = _s3_defaults()
+    if "endpoint_override" not in options:
+        kwargs.update(_s3_env_endpoint())
+    kwargs.update(options)
+    if not options and kwargs.get("region") is None:  # explicit options are passed on as given
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if not region and kwargs.get("endpoint_override"):
+            region = "us-east-1"  # S3-compatible servers: any region signs; skip the lookup
+        if not region:
+            with contextlib.suppress(OSError, ValueError):  # what from_uri does; may need network
+                region = pafs.resolve_s3_region(bucket)
+        if region:
+            kwargs["region"] = region
+    return pafs.S3FileSystem(**kwargs), path
+
+
 def resolve_filesystem(uri: str, options: Optional[Dict[str, Any]] = None) -> Tuple[pafs.FileSystem, str]:
-    """``uri`` -> (filesystem, path). ``options`` go to the filesystem's constructor (S3: endpoint,
-    region, credentials); without them ``FileSystem.from_uri`` reads the usual environment."""
+    """``uri`` -> (filesystem, path). ``options`` go to the filesystem's constructor (S3: endpoint_override,
+    scheme, region, access_key, secret_key, ...); without them the usual environment is read (AWS_* for
+    S3, including AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL for S3-compatible servers). S3 filesystems get
+    short connect timeouts and a bounded retry strategy unless ``options`` set their own.
+
+    Raises InvalidArgumentError (a ValueError) for a URI or options that cannot be used."""
     if not isinstance(uri, str) or not uri:
-        raise ValueError(f"storage URI must be a non-empty string, got {uri!r}")
+        raise InvalidArgumentError(f"storage URI must be a non-empty string, got {uri!r}")
     scheme = urlparse(uri).scheme if "://" in uri else ""
     try:
+        if scheme == "s3":
+            return _s3_filesystem(uri, dict(options or {}))
         if options:
-            if scheme == "s3":
-                return pafs.S3FileSystem(**options), uri[len("s3://"):].rstrip("/")
             if scheme in ("gs", "gcs"):
                 return pafs.GcsFileSystem(**options), uri.split("://", 1)[1].rstrip("/")
             raise ValueError(f"storage options are only understood for s3:// and gs:// URIs, not {uri!r}")
-        if scheme == "" :
+        if scheme == "":
             return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
         fs, path = pafs.FileSystem.from_uri(uri)
         return fs, path.rstrip("/") or "/"
-    except (pafs.ArrowInvalid if hasattr(pafs, "ArrowInvalid") else ValueError, OSError, TypeError) as exc:
-        raise ValueError(f"cannot open storage URI {uri!r}: {exc}") from None
+    except (ValueError, OSError, TypeError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        raise InvalidArgumentError(f"cannot open storage URI {uri!r}: {_one_line(exc)}") from None
+
+
+def _s3_hint(exc: BaseException) -> str:
+    """A hint for the usual causes of an S3 failure, from the SDK's error text ('' if none)."""
+    text = str(exc)
+    if any(k in text for k in ("ACCESS_DENIED", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+                               "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH")):
+        return (" (access denied: check access_key / secret_key in remote_options or the AWS_* "
+                "environment, and that they may write to this bucket)")
+    if any(k in text for k in ("NETWORK_CONNECTION", "Could not connect", "Couldn't connect", "curlCode: 7",
+                               "curlCode: 28", "Timeout", "timed out")):
+        return " (the S3 endpoint cannot be reached: check endpoint_override / scheme and that the server is up)"
+    if "NoSuchBucket" in text or "NO_SUCH_BUCKET" in text or "Bucket" in text and "not found" in text:
+        return " (the bucket does not exist: create it first)"
+    return ""
 
 
 class Tier:
@@ -93,8 +162,12 @@ class Tier:
                 sink = HashingSink(out)
                 yield sink
             except BaseException:
+                # pyarrow exposes no abort(): closing an object store stream *completes* the upload
+                # with the bytes written so far, so remove that partial object from under the final name
                 with contextlib.suppress(Exception):
-                    out.abort() if hasattr(out, "abort") else out.close()
+                    out.close()
+                with contextlib.suppress(Exception):
+                    self.fs.delete_file(final)
                 raise
             out.close()
 
@@ -205,7 +278,8 @@ class Tier:
             self.put_bytes(probe, b"ok")
             self.delete_file(probe)
         except Exception as exc:
-            raise CheckpointError(f"{self.name} tier {self.uri!r} is not writable: {_one_line(exc)}") from None
+            hint = "" if self.is_local else _s3_hint(exc) if isinstance(self.fs, pafs.S3FileSystem) else ""
+            raise CheckpointError(f"{self.name} tier {self.uri!r} is not writable: {_one_line(exc)}{hint}") from None
 
 
 def _fsync_dir(path: str) -> None:

@@ -1,0 +1,185 @@
+"""Formats, storage and retention without Ray: milliseconds each."""
+import collections
+import math
+import random
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+import ray_ckpt as rc
+from ray_ckpt.catalogue import Catalogue
+from ray_ckpt.checkpoint_io import content_hash, decode_files, read_files, write_flat
+from ray_ckpt.formats.manifest import Manifest
+from ray_ckpt.formats.tree import flatten
+from ray_ckpt.storage.layout import validate_name
+from ray_ckpt.storage.retention import RetentionPolicy, VersionInfo, plan_deletions
+from ray_ckpt.storage.tier import Tier
+
+
+def roundtrip(state, tmp_path, name="s", allow_pickle=False):
+    tier = Tier(str(tmp_path), "local")
+    files = write_flat(tier, 7, name, 0, flatten(state, state_name=name, allow_pickle=allow_pickle))
+    bufs, used, problems = read_files([tier], files)
+    assert used == "local" and problems == []
+    return decode_files(files, bufs, name=name, allow_pickle=allow_pickle)
+
+
+def assert_same(a, b, path="root"):
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a.view(-1).view(torch.uint8) if a.numel() else a,
+                           b.view(-1).view(torch.uint8) if b.numel() else b), path
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), path
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), path
+        for k in a:
+            assert type(k) is type(next(x for x in b if x == k)), f"{path}: key type of {k!r}"
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b)
+    elif isinstance(a, pa.Table):
+        assert a.equals(b), path
+    else:
+        assert a == b, path
+
+
+def test_every_supported_type_roundtrips_exactly(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 5)).sum().backward()
+    opt.step()
+    state = {
+        "model": model.state_dict(),                      # OrderedDict
+        "optimizer": opt.state_dict(),                    # int keys, nested lists, floats, tuples (betas)
+        "torch_rng": torch.get_rng_state(),
+        "np_rng": np.random.default_rng(3).bit_generator.state,
+        "np_legacy_rng": np.random.RandomState(1).get_state(),
+        "py_rng": random.Random(5).getstate(),            # tuple of 625 ints
+        "dtypes": [torch.zeros(3, dtype=d) + 1 for d in (torch.bfloat16, torch.float16, torch.int8,
+                                                          torch.bool, torch.float64, torch.uint8)],
+        "odd": {"empty": torch.empty(0, 3), "scalar": torch.tensor(2.5), "noncontig": torch.arange(12.).view(3, 4).t(),
+                "nan": float("nan"), "inf": -math.inf, "big": 2 ** 80, "none": None, "b": b"\x00\xff",
+                "np_scalar": np.float32(1.25), "np_int": np.int64(-3), "dtype": torch.float32,
+                "arr": np.arange(6, dtype=np.uint16).reshape(2, 3), "f16": np.ones(3, np.float16)},
+        "table": pa.table({"obs": [[1.0, 2.0], [3.0, 4.0]], "reward": [0.5, -1.0], "done": [False, True]}),
+        3: ("tuple", 1, 2.0, [None, True]),
+    }
+    back = roundtrip(state, tmp_path)
+    assert type(back["model"]) is collections.OrderedDict
+    assert list(back["optimizer"]["state"].keys()) == [0, 1, 2, 3]
+    assert isinstance(back["optimizer"]["param_groups"][0]["betas"], tuple)
+    noncontig = state["odd"].pop("noncontig")
+    got = back["odd"].pop("noncontig")
+    assert torch.equal(noncontig, got)
+    assert_same(state, back)
+    # the optimizer state loads back into a fresh optimizer
+    opt2 = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt2.load_state_dict(back["optimizer"])
+
+
+def test_file_is_plain_safetensors(tmp_path):
+    from safetensors.torch import load_file
+
+    sd = {"fc.weight": torch.randn(3, 4), "fc.bias": torch.randn(3).to(torch.bfloat16)}
+    tier = Tier(str(tmp_path), "local")
+    files = write_flat(tier, 1, "policy", 0, flatten(sd))
+    loaded = load_file(str(tmp_path / files[0].path))
+    assert set(loaded) == {"fc.weight", "fc.bias"}
+    assert torch.equal(loaded["fc.weight"], sd["fc.weight"]) and loaded["fc.bias"].dtype == torch.bfloat16
+
+
+class Opaque:
+    pass
+
+
+def test_unsupported_object_names_state_and_key_path():
+    with pytest.raises(rc.UnsupportedTypeError) as ei:
+        flatten({"state": {0: {"step": Opaque()}}}, state_name="optimizer")
+    msg = str(ei.value)
+    assert "'optimizer'" in msg and "['state'][0]['step']" in msg and "Opaque" in msg and "allow_pickle" in msg
+
+
+def test_pickle_only_when_allowed(tmp_path):
+    state = {"obj": Opaque.__name__, "x": collections.Counter(a=2)}  # Counter: a dict subclass
+    with pytest.raises(rc.UnsupportedTypeError):
+        flatten(state)
+    back = roundtrip(state, tmp_path, allow_pickle=True)
+    assert back["x"] == collections.Counter(a=2)
+    tier = Tier(str(tmp_path), "local")
+    files = write_flat(tier, 2, "s", 0, flatten(state, allow_pickle=True))
+    bufs, _, _ = read_files([tier], files)
+    with pytest.raises(rc.RestoreError, match="allow_pickle"):
+        decode_files(files, bufs, name="s", allow_pickle=False)
+
+
+def test_corrupt_local_falls_back_to_remote(tmp_path):
+    local, remote = Tier(str(tmp_path / "l"), "local"), Tier(str(tmp_path / "r"), "remote")
+    files = write_flat(local, 1, "p", 0, flatten({"w": torch.arange(100.)}))
+    for f in files:
+        local.copy_to(remote, f.path)
+    p = tmp_path / "l" / files[0].path
+    data = bytearray(p.read_bytes())
+    data[-1] ^= 0xFF
+    p.write_bytes(bytes(data))
+    bufs, used, problems = read_files([local, remote], files)
+    assert used == "remote" and "checksum mismatch" in problems[0]
+    assert torch.equal(decode_files(files, bufs, name="p")["w"], torch.arange(100.))
+    (tmp_path / "r" / files[0].path).unlink()
+    with pytest.raises(rc.IntegrityError, match="no good copy"):
+        read_files([local, remote], files)
+
+
+def test_content_hash_is_stable_and_equals_file_checksum(tmp_path):
+    flat = flatten({"w": torch.ones(10)})
+    tier = Tier(str(tmp_path), "local")
+    files = write_flat(tier, 1, "ref", 0, flat)
+    assert content_hash(flat) == content_hash(flatten({"w": torch.ones(10)})) == files[0].checksum
+    assert content_hash(flatten({"w": torch.zeros(10)})) != files[0].checksum
+
+
+@pytest.mark.parametrize("bad", ["../x", "a/b", "", ".hidden", "a b", "x" * 200, None, "a\\b", "..", 3])
+def test_path_like_names_refused(bad):
+    with pytest.raises(ValueError, match="invalid"):
+        validate_name(bad)
+
+
+def test_retention_policies_compose():
+    vs = [VersionInfo(v, v * 10, {"reward": float(r)}) for v, r in zip(range(1, 11), [5, 9, 1, 2, 3, 8, 0, 1, 1, 2])]
+    assert RetentionPolicy(keep_last=2).keep(vs) == {9, 10}
+    assert RetentionPolicy(keep_every=40).keep(vs) == {4, 8, 10}
+    assert RetentionPolicy(keep_best=("reward", "max", 2)).keep(vs) == {2, 6, 10}
+    assert RetentionPolicy(keep_last=1, keep_every=50, keep_best=("reward", "min", 1)).keep(vs) == {5, 7, 10}
+    # the newest is never deleted, in-flight versions are never candidates
+    assert 10 not in plan_deletions(RetentionPolicy(keep_best=("reward", "max", 1)), vs)
+    assert 3 not in plan_deletions(RetentionPolicy(keep_last=1), vs, in_flight=[3])
+    assert plan_deletions(RetentionPolicy(), vs) == []
+    with pytest.raises(ValueError):
+        RetentionPolicy(keep_last=0)
+
+
+def test_catalogue_commits_only_when_critical_parts_are_written():
+    cat = Catalogue("run")
+    cat.begin(5, 5, [{"name": "policy", "strategy": "critical"}, {"name": "replay", "strategy": "best_effort"}])
+    assert not cat.ready_to_commit(5)
+    cat.part_written(5, "policy", 0, {"files": [{"path": "v000000000005/policy/rank0.safetensors", "size": 1,
+                                                 "checksum": "x"}], "written": 1})
+    assert cat.ready_to_commit(5) and not cat.settled(5)
+    m = cat.manifest_for(5)
+    assert m.states["replay"].status == "pending" and m.states["policy"].status == "stored"
+    cat.mark_committed(5, m)
+    assert not cat.part_failed(5, "replay", 0, "disk full")  # best-effort: not fatal
+    assert cat.manifest_for(5).states["replay"].status == "missing"
+    assert Manifest.from_json(cat.manifest_for(5).to_json()).states["policy"].files["0"][0].size == 1
+    with pytest.raises(rc.SaveError, match="steps must increase"):
+        cat.begin(4, 4, [])
+    cat.begin(6, 6, [{"name": "policy", "strategy": "critical"}])
+    assert cat.part_failed(6, "policy", 0, "boom")  # critical: the version fails
+    assert not cat.ready_to_commit(6)
