@@ -24,6 +24,7 @@ class Part:
     rank: int
     strategy: Strategy
     status: str = "pending"  # pending | written | failed
+    submitted: bool = False  # data arrived (driver snapshot or rank push) and went to a writer
     files: List[FileEntry] = field(default_factory=list)
     written: int = 0
     content_hash: Optional[str] = None
@@ -47,6 +48,9 @@ class PendingVersion:
     committed: bool = False
     error: Optional[str] = None
 
+    def missing_submits(self) -> List[str]:
+        return [f"{p.name}/rank{p.rank}" for p in self.parts.values() if not p.submitted]
+
     def stage(self) -> str:
         if self.error:
             return "failed"
@@ -62,6 +66,54 @@ class Catalogue:
         self.committed: Dict[int, Manifest] = dict(committed or {})
         self.pending: Dict[int, PendingVersion] = {}
         self.failed: Dict[int, str] = {}
+        # states pushed by rank actors (engine.submit): name -> strategy, world_size, replicated
+        self.declared: Dict[str, dict] = {}
+
+    # ------------------------------------------------------------------ pushed states
+    def declare(self, name: str, strategy: str, world_size: int, replicated: bool = False,
+                allow_pickle: bool = False) -> None:
+        Strategy.parse(strategy)
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+        self.declared[name] = {"strategy": Strategy.parse(strategy).value, "world_size": world_size,
+                               "replicated": bool(replicated), "allow_pickle": bool(allow_pickle)}
+
+    def pushed_parts(self) -> List[dict]:
+        out = []
+        for name, d in self.declared.items():
+            ranks = [0] if d["replicated"] else range(d["world_size"])
+            out += [{"name": name, "rank": r, "strategy": d["strategy"], "replicated": d["replicated"]}
+                    for r in ranks]
+        return out
+
+    def accept_push(self, version: int, step: int, name: str, rank: int) -> PendingVersion:
+        """A rank pushed its part of ``name`` for ``step``: open the version if needed and check
+        the barrier (every rank of a version is at one step)."""
+        d = self.declared.get(name)
+        if d is None:
+            raise SaveError(f"state {name!r} was not declared for pushing; register it with "
+                            f"world_size=N first (declared: {sorted(self.declared) or 'none'})")
+        if not 0 <= rank < d["world_size"]:
+            raise SaveError(f"rank {rank} is out of range for state {name!r} (world_size {d['world_size']})")
+        if version in self.committed and version not in self.pending:
+            raise SaveError(f"version {version} of run {self.run!r} is already committed")
+        pv = self.pending.get(version)
+        if pv is None:
+            pv = self.begin(version, step, [])
+        part = pv.parts.get((name, rank))
+        if part is None:
+            raise SaveError(f"version {version} does not expect state {name!r} rank {rank}")
+        if part.submitted:
+            raise SaveError(f"state {name!r} rank {rank} was already submitted for version {version}")
+        part.submitted = True
+        return pv
+
+    def barrier_violations(self, version: int, name: str, rank: int) -> List[int]:
+        """Older open versions still waiting for (name, rank): that rank has moved past them, so
+        the ranks disagree on the step. Those versions can never be consistent."""
+        return [v for v, pv in self.pending.items()
+                if v < version and not pv.committed and not pv.error
+                and (name, rank) in pv.parts and not pv.parts[(name, rank)].submitted]
 
     # ------------------------------------------------------------------ versions
     @property
@@ -82,7 +134,8 @@ class Catalogue:
             raise SaveError(f"step {step} is not after the last version {self.last_version} of run "
                             f"{self.run!r}; steps must increase")
         pv = PendingVersion(version, step, time.time(), dict(metrics or {}), {}, set(), set(), {})
-        for p in parts:
+        names = {p["name"] for p in parts}
+        for p in parts + [q for q in self.pushed_parts() if q["name"] not in names]:
             strategy = Strategy.parse(p["strategy"])
             pv.strategies[p["name"]] = strategy
             if p.get("replicated"):

@@ -35,7 +35,7 @@ import pyarrow.fs as pafs
 
 from .checkpoint_io import decode_files, delete_version, rank_files, read_files, read_manifest
 from .errors import CheckpointError
-from .formats.checksum import CHUNK, new_hasher
+from .formats.checksum import ALGORITHM, CHUNK, new_hasher
 from .formats.manifest import FileEntry, Manifest, StateEntry
 from .storage import layout
 from .storage.retention import RetentionPolicy, VersionInfo, plan_deletions
@@ -45,6 +45,7 @@ PROG = "ray-ckpt"
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 PROGRESS_AUTO_BYTES = 256 << 20  # verify shows progress by itself from this many bytes on
 MAX_HEADER = 100 << 20  # safetensors' own limit on a header's size
+MAX_ERROR_CHARS = 600
 
 
 class CliError(Exception):
@@ -156,8 +157,8 @@ def open_tier(args: argparse.Namespace) -> Tier:
         raise CliError(_one_line(exc)) from None
     try:
         info = tier.fs.get_file_info(tier.root)
-    except OSError as exc:
-        raise CliError(f"cannot open {uri}: {_one_line(exc)}") from None
+    except (OSError, ValueError) as exc:
+        raise CliError(f"cannot open {uri}: {_one_line(exc)}{_s3_hint(exc) if scheme == 's3' else ''}") from None
     if info.type == pafs.FileType.NotFound:
         what = "no such directory" if tier.is_local else "no such bucket or prefix (nothing is stored there)"
         raise CliError(f"{uri}: {what}")
@@ -187,6 +188,16 @@ def _s3_options(endpoint: str) -> Dict[str, Any]:
     return opts
 
 
+def _s3_hint(exc: BaseException) -> str:
+    text = str(exc)
+    if any(k in text for k in ("ACCESS_DENIED", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+                               "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH")):
+        return " (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
+    if any(k in text for k in ("NETWORK_CONNECTION", "Could not connect", "curlCode: 7", "curlCode: 28")):
+        return " (the S3 endpoint cannot be reached: check --endpoint-override or AWS_ENDPOINT_URL)"
+    return ""
+
+
 def _list_dir_files(tier: Tier, rel: str) -> List[pafs.FileInfo]:
     try:
         infos = tier.fs.get_file_info(pafs.FileSelector(tier.abspath(rel), recursive=True, allow_not_found=True))
@@ -211,6 +222,7 @@ class Run:
             raise CliError(f"cannot list {tier.uri}: {_one_line(exc)}") from None
         self._manifests: Dict[int, Manifest] = {}
         self._errors: Dict[int, str] = {}
+        self._uncommitted: Optional[Dict[int, Dict[str, Any]]] = None
 
     @property
     def versions(self) -> List[int]:
@@ -255,16 +267,54 @@ class Run:
                 out[v] = m
         return out
 
+    def uncommitted(self) -> Dict[int, Dict[str, Any]]:
+        """Version directories without manifest, each classified:
+
+        retired    every file in it is referenced by a committed version (a RELOADABLE state stored
+                   once, whose own version was deleted): part of the kept data, not a checkpoint
+        in_flight  newer than the newest committed version: a save may still be writing it
+        abandoned  older than the newest committed version and not (only) shared files: a save
+                   that never committed, or files that deleted versions left behind
+        """
+        if self._uncommitted is None:
+            committed = self.committed()
+            referenced = {p for m in committed.values() for p in m.referenced_paths()}
+            newest = max(committed) if committed else None
+            out: Dict[int, Dict[str, Any]] = {}
+            for v in self.without_manifest:
+                infos = _list_dir_files(self.tier, _vdir(v))
+                rels = [_rel(self.tier, i.path) for i in infos]
+                if rels and all(r in referenced for r in rels):
+                    kind = "retired"
+                    users = sorted(u for u, m in committed.items() if set(m.referenced_paths()) & set(rels))
+                    detail = (f"no manifest; holds {_n(len(rels), 'file')} still referenced by "
+                              f"version{'s' if len(users) != 1 else ''} {_vlist(users)}")
+                elif newest is None or v > newest:
+                    kind = "in_flight"
+                    detail = (f"no manifest; {_n(len(rels), 'file')}; newer than the newest committed version: "
+                              f"probably still being written")
+                else:
+                    kind = "abandoned"
+                    detail = (f"no manifest; {_n(len(rels), 'file')}; older than the newest committed version: "
+                              f"a save that never committed or leftovers (remove with 'gc --partial')")
+                out[v] = {"kind": kind, "infos": infos, "rels": rels, "detail": detail}
+            self._uncommitted = out
+        return self._uncommitted
+
     def no_versions_hint(self) -> str:
-        """For a root without versions: the subdirectories that look like run roots, if any."""
-        if not self.tier.is_local:
-            return ""
+        """For a root without versions: its subdirectories that look like run roots, if any."""
+        fs, root = self.tier.fs, self.tier.root.rstrip("/")
         try:
-            names = sorted(e.name for e in os.scandir(self.tier.root) if e.is_dir())
-        except OSError:
+            subdirs = sorted(i.base_name for i in fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+                             if i.type == pafs.FileType.Directory)[:50]
+            runs = []
+            for d in subdirs:
+                children = fs.get_file_info(pafs.FileSelector(f"{root}/{d}", allow_not_found=True))
+                if any(c.type == pafs.FileType.Directory and layout.parse_version_dir(c.base_name) is not None
+                       for c in children):
+                    runs.append(d)
+        except (OSError, ValueError):
             return ""
-        runs = [n for n in names[:200]
-                if any(layout.parse_version_dir(c) is not None for c in _safe_listdir(os.path.join(self.tier.root, n)))]
         if not runs:
             return ""
         shown = ", ".join(runs[:5]) + (", ..." if len(runs) > 5 else "")
@@ -292,13 +342,6 @@ class Run:
         return m
 
 
-def _safe_listdir(path: str) -> List[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
-
-
 def _vlist(vs: Sequence[int], limit: int = 12) -> str:
     vs = list(vs)
     if len(vs) > limit:
@@ -306,12 +349,8 @@ def _vlist(vs: Sequence[int], limit: int = 12) -> str:
     return ", ".join(map(str, vs))
 
 
-def _state_flags(m: Manifest) -> List[str]:
-    out = []
-    for name in sorted(m.states):
-        e = m.states[name]
-        out.append(name if e.status in ("stored", "loader") else f"{name}({e.status})")
-    return out
+def _n(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
 
 
 def _is_partial(m: Manifest) -> bool:
@@ -321,9 +360,11 @@ def _is_partial(m: Manifest) -> bool:
 # ============================================================================ ls
 def cmd_ls(args: argparse.Namespace) -> int:
     run = Run(open_tier(args))
-    committed = run.committed()
-    referenced: Set[str] = {p for m in committed.values() for p in m.referenced_paths()}
-    newest = max(committed) if committed else None
+    if not run.dirs:
+        hint = run.no_versions_hint()
+        if hint:  # a directory of runs, not a run: almost certainly the wrong URI
+            raise CliError(f"{run.tier.uri} holds no checkpoint versions{hint}")
+    uncommitted = run.uncommitted()
     rows: List[Dict[str, Any]] = []
     for v in run.versions:
         row: Dict[str, Any] = {"version": v, "dir": _vdir(v)}
@@ -340,21 +381,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
                                             for n, e in sorted(m.states.items())
                                             if e.status in ("missing", "pending")))
         else:
-            files = _list_dir_files(run.tier, _vdir(v))
-            mtimes = [f.mtime.timestamp() for f in files if f.mtime is not None]
-            size = sum(f.size or 0 for f in files)
-            rels = [_rel(run.tier, f.path) for f in files]
-            row.update(step=None, created_at=max(mtimes) if mtimes else None, bytes=size, states={},
-                       committed=False)
-            if rels and all(r in referenced for r in rels):
-                users = sorted(u for u, m in committed.items() if set(m.referenced_paths()) & set(rels))
-                row.update(status="retired", detail=f"no manifest; holds {len(rels)} file(s) still referenced by "
-                                                    f"version(s) {_vlist(users)}")
-            else:
-                when = ("newer than the newest committed version: probably being written"
-                        if newest is None or v > newest else "older than the newest committed version: "
-                        "abandoned (remove with 'gc --partial')")
-                row.update(status="partial", detail=f"no manifest; {len(rels)} file(s); {when}")
+            u = uncommitted[v]
+            mtimes = [i.mtime.timestamp() for i in u["infos"] if i.mtime is not None]
+            row.update(step=None, created_at=max(mtimes) if mtimes else None,
+                       bytes=sum(i.size or 0 for i in u["infos"]), states={}, committed=False,
+                       status="retired" if u["kind"] == "retired" else "partial", kind=u["kind"],
+                       detail=u["detail"])
         row["created"] = iso_time(row["created_at"])
         rows.append(row)
     if args.json:
@@ -524,15 +556,18 @@ def cmd_show(args: argparse.Namespace) -> int:
             for d in files:
                 shared = "" if d["path"].startswith(own) else \
                     f"  [shared: stored once, in {d['path'].split('/', 1)[0]}]"
-                print(f"    {d['path']}  {d['bytes']} B ({human(d['bytes'])})  {m.checksum_algorithm}:"
+                size = human(d["bytes"]) + (f" ({d['bytes']} B)" if d["bytes"] >= 1024 else "")
+                print(f"    {d['path']}  {size}  {m.checksum_algorithm}:"
                       f"{d['checksum']}  {d['role']}{shared}")
                 if "problem" in d:
                     print(f"      ! {d['problem']}")
                 if "tensors" in d:
                     t = d["tensors"]
                     counts = ", ".join(f"{dt} x{n}" for dt, n in sorted(t["dtypes"].items()))
-                    other = "" if t["other_leaves"] is None else f"; {t['other_leaves']} non-tensor leaves"
-                    print(f"      {len(t['leaves'])} tensor leaves, {human(t['tensor_bytes'])}"
+                    other = ("" if t["other_leaves"] is None else
+                             f"; {t['other_leaves']} other leaf" if t["other_leaves"] == 1 else
+                             f"; {t['other_leaves']} other leaves")
+                    print(f"      {_n(len(t['leaves']), 'tensor')}, {human(t['tensor_bytes'])}"
                           + (f" ({counts})" if counts else "") + other)
                     leaves = t["leaves"] if limit == 0 else t["leaves"][:limit]
                     if leaves:
@@ -546,7 +581,8 @@ def cmd_show(args: argparse.Namespace) -> int:
                         print(f"        ... {len(t['leaves']) - len(leaves)} more (--max-leaves 0 shows all)")
                 if "table" in d:
                     cols = d["table"]["columns"]
-                    shown = ", ".join(f"{c['name']}: {c['type']}" for c in cols[:8]) + (", ..." if len(cols) > 8 else "")
+                    shown = ", ".join(f"{c['name']}: {c['type']}" for c in cols[:8])
+                    shown += ", ..." if len(cols) > 8 else ""
                     print(f"      arrow table: {len(cols)} columns, {d['table']['record_batches']} record "
                           f"batch(es): {shown}")
     return EXIT_OK
@@ -614,28 +650,28 @@ def hash_file(tier: Tier, rel: str, progress: Progress) -> Tuple[int, str]:
     return size, h.hexdigest()
 
 
-def check_file(tier: Tier, f: FileEntry, progress: Progress) -> Optional[str]:
-    """None when ``f`` matches its manifest entry, else what is wrong (one line)."""
+def check_file(tier: Tier, f: FileEntry, progress: Progress) -> Optional[Tuple[str, str]]:
+    """None when ``f`` matches its manifest entry, else (KIND, what is wrong)."""
     try:
         info = tier.fs.get_file_info(tier.abspath(f.path))
         if info.type == pafs.FileType.NotFound:
             progress.add(f.size)
-            return "MISSING: the file does not exist"
+            return "MISSING", "the file does not exist"
         if info.type != pafs.FileType.File:
             progress.add(f.size)
-            return "MISSING: not a regular file"
+            return "MISSING", "not a regular file"
         if info.size is not None and info.size != f.size:
             progress.add(f.size)
-            return f"SIZE: {info.size} bytes, the manifest says {f.size}"
+            return "SIZE", f"{info.size} bytes, the manifest says {f.size}"
         size, digest = hash_file(tier, f.path, progress)
     except FileNotFoundError:
-        return "MISSING: the file does not exist"
+        return "MISSING", "the file does not exist"
     except OSError as exc:
-        return f"UNREADABLE: {_one_line(exc)}"
+        return "UNREADABLE", _one_line(exc)
     if size != f.size:
-        return f"SIZE: {size} bytes, the manifest says {f.size}"
+        return "SIZE", f"{size} bytes, the manifest says {f.size}"
     if digest != f.checksum:
-        return "CORRUPT: checksum mismatch (the bytes differ from what was written)"
+        return "CORRUPT", f"{ALGORITHM} checksum mismatch (the bytes differ from what was written)"
     return None
 
 
@@ -649,8 +685,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if not targets:
             raise CliError(f"{run.tier.uri} has no committed version (version directories without manifest: "
                            f"{_vlist(run.without_manifest)})")
-        for v in run.without_manifest:
-            notes.append(f"note: {_vdir(v)} has no manifest (being written or abandoned); not verified")
+        for v, u in run.uncommitted().items():
+            if u["kind"] == "retired":
+                notes.append(f"note: {_vdir(v)} has no manifest of its own; its files were verified as part "
+                             f"of the versions that refer to them")
+            else:
+                why = "probably being written" if u["kind"] == "in_flight" else "a save that never committed"
+                notes.append(f"note: {_vdir(v)} has no manifest ({why}); not verified")
     else:
         targets = [run.manifest(args.version).version]
     bad_manifests: Dict[int, str] = {}
@@ -659,20 +700,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
         m = run.load(v)
         if m is None:
             bad_manifests[v] = run.error(v)
+        elif m.checksum_algorithm != ALGORITHM:
+            bad_manifests[v] = (f"unsupported checksum algorithm {m.checksum_algorithm!r} (this ray-ckpt "
+                                f"checks {ALGORITHM})")
         else:
             manifests[v] = m
     # every distinct file once, even when several versions refer to it (a RELOADABLE state)
     unique: Dict[str, FileEntry] = {}
-    conflicts: Dict[str, str] = {}
+    conflicts: Dict[str, Tuple[str, str]] = {}
     for v, m in manifests.items():
         for f in (f for e in m.states.values() for f in e.all_files()):
             seen = unique.setdefault(f.path, f)
             if (seen.size, seen.checksum) != (f.size, f.checksum):
-                conflicts[f.path] = (f"manifests disagree about it (size/checksum differ in version {v})")
+                conflicts[f.path] = ("CONFLICT", f"manifests disagree about its size or checksum (see version {v})")
     total = sum(f.size for f in unique.values())
     enabled = (args.progress is True) or (args.progress is None and total >= PROGRESS_AUTO_BYTES)
     progress = Progress(total, enabled)
-    results: Dict[str, Optional[str]] = {}
+    results: Dict[str, Optional[Tuple[str, str]]] = {}
     try:
         for path, f in unique.items():
             results[path] = conflicts.get(path) or check_file(run.tier, f, progress)
@@ -698,22 +742,22 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     problem = results.get(f.path)
                     if problem:
                         n_bad += 1
-                        lines.append(f"  {problem.split(':', 1)[0]:<10} {f.path}  (state {name!r}, rank {rank})"
-                                     f"{': ' + problem.split(':', 1)[1].strip() if ':' in problem else ''}")
+                        lines.append(f"  {problem[0]:<10} {f.path}  (state {name!r}, rank {rank}): {problem[1]}")
         failed = [ln for ln in lines if not ln.startswith("  note:")]
         size = sum(f.size for e in m.states.values() for f in e.all_files())
-        head = (f"version {v} (step {m.step}): " + (f"OK, {files} files, {human(size)} verified" if not failed
-                else f"FAILED, {len(failed)} of {files} files bad"))
-        print(head)
+        if failed:
+            print(f"version {v} (step {m.step}): FAILED, {len(failed)} of {_n(files, 'file')} bad")
+        else:
+            print(f"version {v} (step {m.step}): OK, {_n(files, 'file')}, {human(size)} verified")
         for ln in lines:
             print(ln)
     for note in notes:
         print(note)
     if n_bad:
-        what = f"{n_bad} problem(s) in {len(targets)} version(s)"
-        raise CliError(f"verification failed: {what} (listed above)")
-    print(f"OK: {len(targets)} version(s), {len(unique)} distinct files, {human(total)} verified "
-          f"({manifests[targets[-1]].checksum_algorithm if targets and targets[-1] in manifests else 'xxh3_128'})")
+        raise CliError(f"verification failed: {_n(n_bad, 'problem')} in {_n(len(targets), 'version')} of "
+                       f"{run.tier.uri} (listed above)")
+    print(f"OK: {_n(len(targets), 'version')}, {_n(len(unique), 'distinct file')}, {human(total)} verified "
+          f"({ALGORITHM})")
     return EXIT_OK
 
 
@@ -745,51 +789,56 @@ def cmd_gc(args: argparse.Namespace) -> int:
         doomed.remove(newest)
     kept = sorted(v for v in committed if v not in doomed)
     keep_paths: Set[str] = {p for v in kept for p in committed[v].referenced_paths()}
-    in_flight = [v for v in run.without_manifest if v > newest]
-    abandoned = [v for v in run.without_manifest if v < newest]
+    uncommitted = run.uncommitted()
+    in_flight = [v for v, u in uncommitted.items() if u["kind"] == "in_flight"]
+    abandoned = [v for v, u in uncommitted.items() if u["kind"] == "abandoned"]
     if in_flight:
-        print(f"warning: {_vlist(in_flight)} newer than the newest committed version {newest} "
-              f"{'has' if len(in_flight) == 1 else 'have'} no manifest yet (a save may be in flight); "
-              f"they are left alone", file=sys.stderr)
-    print(f"keeping {len(kept)} version(s): {_vlist(kept)} (newest: {newest})")
-    total_files = total_bytes = n_versions = 0
+        print(f"warning: leaving {_vlist([_vdir(v) for v in in_flight])} alone: newer than the newest committed "
+              f"version {newest} and without manifest (a save may be in flight)", file=sys.stderr)
+    print(f"keeping {_n(len(kept), 'version')}: {_vlist(kept)} (newest: {newest})")
+    total_files = total_bytes = n_versions = n_dirs = 0
     targets = [(v, f"version {v} (step {committed[v].step})") for v in doomed]
+    # directories that only held shared files (their own version was deleted earlier) whose files
+    # no kept version refers to any more: complete files nobody can restore, never in flight
+    targets += [(v, f"{_vdir(v)} (shared files of deleted versions)") for v, u in uncommitted.items()
+                if u["kind"] == "retired" and any(r not in keep_paths for r in u["rels"])]
     if args.partial:
         targets += [(v, f"uncommitted {_vdir(v)} (no manifest)") for v in abandoned]
-        targets.sort()
+    targets.sort()
     for v, label in targets:
-        infos_v = _list_dir_files(tier, _vdir(v))
-        sizes = {_rel(tier, i.path): (i.size or 0) for i in infos_v}
+        sizes = {_rel(tier, i.path): (i.size or 0) for i in _list_dir_files(tier, _vdir(v))}
         sizes.pop(layout.manifest_path(v), None)
         to_go = sorted(p for p in sizes if p not in keep_paths)
         shared = sorted(p for p in sizes if p in keep_paths)
-        if not to_go and v not in committed:
-            print(f"{label}: nothing to delete; its {len(shared)} file(s) are referenced by kept versions")
-            continue
         if not dry:
             try:
-                deleted = delete_version(tier, v, keep_paths)
+                to_go = sorted(delete_version(tier, v, keep_paths))
             except OSError as exc:
                 raise CliError(f"deleting {_vdir(v)} from {tier.uri} failed: {_one_line(exc)}"
-                               + (f" ({n_versions} version(s) deleted before it)" if n_versions else "")) from None
-            to_go = sorted(deleted)
+                               + (f" (deleted {_n(n_versions, 'version')} before it)" if n_versions else "")) from None
         size = sum(sizes.get(p, 0) for p in to_go)
-        n_versions += 1
+        if v in committed:
+            n_versions += 1
+        else:
+            n_dirs += 1
         total_files += len(to_go)
         total_bytes += size
-        keep_note = f"; kept {len(shared)} shared file(s) still referenced by kept versions" if shared else ""
-        print(f"{verb} {label}: {len(to_go)} file(s), {human(size)}{keep_note}")
+        keep_note = (f"; kept {_n(len(shared), 'shared file')} that kept versions still refer to"
+                     if shared else "")
+        print(f"{verb} {label}: {_n(len(to_go), 'file')}, {human(size)}{keep_note}")
         if args.verbose:
             for p in to_go:
                 print(f"  {p}")
             for p in shared:
                 print(f"  kept {p}")
     if not args.partial and abandoned:
-        print(f"note: {_vlist(abandoned)} older than version {newest} {'has' if len(abandoned) == 1 else 'have'} "
-              f"no manifest (abandoned saves, or directories that only hold shared files); "
-              f"pass --partial to remove them")
+        print(f"note: {_vlist([_vdir(v) for v in abandoned])} (older than version {newest}) "
+              f"{'has' if len(abandoned) == 1 else 'have'} no manifest (a save that never committed, or "
+              f"leftovers); "
+              f"pass --partial to remove {'it' if len(abandoned) == 1 else 'them'}")
     prefix = "gc (dry run): would delete" if dry else "gc: deleted"
-    print(f"{prefix} {n_versions} version(s), {total_files} file(s), {human(total_bytes)}")
+    dirs = f" and {n_dirs} other version director{'y' if n_dirs == 1 else 'ies'}" if n_dirs else ""
+    print(f"{prefix} {_n(n_versions, 'version')}{dirs}, {_n(total_files, 'file')}, {human(total_bytes)}")
     return EXIT_OK
 
 
@@ -875,7 +924,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise CliError(f"state {name!r} of version {m.version} has no stored bytes: it is {entry.status}"
                        + (f" ({entry.detail})" if entry.detail else ""))
     files = rank_files(entry, name, rank)
-    bufs, _tier, _problems = read_files([run.tier], files)  # verifies size + checksum of every file
+    try:
+        bufs, _tier, _problems = read_files([run.tier], files)  # verifies size + checksum of every file
+    except CheckpointError as exc:
+        raise CliError(f"cannot export state {name!r} of version {m.version}: {_one_line(exc)}") from None
     try:
         state = decode_files(files, bufs, name=name, as_numpy=False)
     except CheckpointError as exc:
@@ -1038,7 +1090,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also keep the N best versions by a metric given to save(metrics=...)")
     s.add_argument("--partial", action="store_true",
                    help="also remove version directories without a manifest that are older than the newest "
-                        "committed version (abandoned saves); never newer ones, which may be in flight")
+                        "committed version (abandoned saves); never newer ones, which may be in flight. "
+                        "Files that kept versions refer to are never deleted; shared files that no kept "
+                        "version refers to any more are deleted without this flag")
     s.add_argument("--dry-run", "-n", action="store_true", help="print what would be deleted; delete nothing")
     s.add_argument("--verbose", "-v", action="store_true", help="list every file")
     s.set_defaults(func=cmd_gc)
@@ -1065,7 +1119,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _error(message: str) -> None:
     try:
-        sys.stderr.write(f"{PROG}: error: {' '.join(str(message).split())}\n")
+        text = " ".join(str(message).split())
+        if len(text) > MAX_ERROR_CHARS:
+            text = text[: MAX_ERROR_CHARS - 3] + "..."
+        sys.stderr.write(f"{PROG}: error: {text}\n")
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
@@ -1076,6 +1133,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv[:1] or os.environ.get("RAY_CKPT_DEBUG") == "1"
     try:
+        head = [a for a in argv[:2] if a == "--debug"]
+        if argv[len(head):len(head) + 1] == ["demo"]:  # everything after 'demo' belongs to the demo
+            debug = debug or bool(head)
+            return cmd_demo(argparse.Namespace(demo_args=argv[len(head) + 1:]))
         try:
             args = build_parser().parse_args(argv)
         except SystemExit as exc:  # --help / --version

@@ -15,7 +15,7 @@ class EngineConfig:
     run: str
     local_dir: str
     remote_uri: Optional[str] = None
-    remote_options: Optional[Dict[str, Any]] = None  # e.g. S3: endpoint_override, access_key, ...
+    remote_options: Optional[Dict[str, Any]] = field(default=None, repr=False)  # S3: endpoint_override, keys
     critical_writers: int = 2
     best_effort_writers: int = 1
     critical_cpus: float = 0.25
@@ -30,7 +30,8 @@ class EngineConfig:
     max_in_flight: int = 2
     compression: Optional[str] = None  # Arrow IPC buffer compression: None | "zstd" | "lz4"
     best_effort_nice: int = 10
-    upload_retries: int = 4
+    upload_retries: int = 1  # per upload call; the coordinator retries with backoff on top
+    rank_timeout_s: float = 600.0  # a pushed version fails if a rank's part has not arrived by then
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):

@@ -9,6 +9,7 @@ rebuilds its catalogue from the manifests.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Any, Dict, List, Optional, Set
@@ -27,6 +28,7 @@ from .writers import WriterActor
 
 log = logging.getLogger("ray_ckpt.coordinator")
 NAMESPACE = "ray_ckpt"
+DECLARED = "declared_states.json"  # pushed-state declarations, so a restarted coordinator knows them
 
 
 def actor_name(run: str) -> str:
@@ -38,14 +40,21 @@ class CheckpointCoordinator:
         self.cfg = config
         self.local = config.local_tier()
         self.remote = config.remote_tier()
-        self.local.check_writable()
-        if self.remote is not None:
-            self.remote.check_writable()
+        self.local.check_writable()  # the remote tier is checked by create(): it may be down at a restart
         committed, partial, bad = scan(self.local)
         for problem in bad:
             log.warning("ignoring %s", problem)
         self.catalogue = Catalogue(config.run, committed)
-        self.remote_committed: Dict[int, Manifest] = scan(self.remote)[0] if self.remote else {}
+        if self.local.exists(DECLARED):
+            for name, d in json.loads(bytes(self.local.read_bytes(DECLARED))).items():
+                self.catalogue.declare(name, **{k: d[k] for k in ("strategy", "world_size", "replicated",
+                                                                  "allow_pickle")})
+        self.remote_committed: Dict[int, Manifest] = {}
+        if self.remote is not None:
+            try:
+                self.remote_committed = scan(self.remote)[0]
+            except Exception as exc:  # remote down at (re)start: local checkpointing goes on
+                log.warning("cannot list the remote tier %s: %s", self.remote.uri, _one_line(exc))
         self.remote_paths: Set[str] = {p for m in self.remote_committed.values() for p in m.referenced_paths()}
         self.node_id = ray.get_runtime_context().get_node_id()
         self.critical = [self._writer("critical", config.critical_cpus, 0) for _ in range(config.critical_writers)]
@@ -121,27 +130,88 @@ class CheckpointCoordinator:
         have no ref. Raises SaveError if the version cannot commit."""
         t0 = time.perf_counter()
         version = step
-        pv = self.catalogue.begin(version, step, parts, metrics)
-        loop = asyncio.get_running_loop()
-        self.commit_futures[version] = loop.create_future()
-        self.version_locks[version] = asyncio.Lock()
+        self.catalogue.begin(version, step, parts, metrics)
+        self._opened(version)
         stored = [p for p in parts if not p.get("loader")]
         if len(stored) != len(refs):
             self.catalogue.fail(version, "internal: parts and refs differ in number")
         for p, ref in zip(stored, refs):
-            strategy = Strategy.parse(p["strategy"])
-            pool = self.best_effort if strategy is Strategy.BEST_EFFORT and self.best_effort else self.critical
-            writer = min(pool, key=lambda w: self.outstanding.get(id(w), 0))
-            size = int(p.get("nbytes", 0))
-            self.outstanding[id(writer)] = self.outstanding.get(id(writer), 0) + size
-            reuse = self.catalogue.reuse_for(p["name"]) if strategy is Strategy.RELOADABLE else None
-            obj = writer.write_part.remote(version, p["name"], int(p.get("rank", 0)), [ref],
-                                           reuse=reuse, compression=self.cfg.compression)
-            asyncio.ensure_future(self._track(version, p["name"], int(p.get("rank", 0)), obj, writer, size))
+            self._dispatch(version, p["name"], int(p.get("rank", 0)), ref, int(p.get("nbytes", 0)))
+        self._watch_pushed(version)
         await self._progress(version)
         result = await self.commit_futures[version]
         result["seconds"] = time.perf_counter() - t0
         return result
+
+    def _opened(self, version: int) -> None:
+        self.commit_futures[version] = asyncio.get_running_loop().create_future()
+        self.version_locks[version] = asyncio.Lock()
+
+    def _dispatch(self, version: int, name: str, rank: int, ref: Any, size: int) -> None:
+        """Send one part's snapshot ref (inside a list: not resolved here) to the least busy writer."""
+        part = self.catalogue.pending[version].parts[(name, rank)]
+        part.submitted = True
+        pool = self.best_effort if part.strategy is Strategy.BEST_EFFORT and self.best_effort else self.critical
+        writer = min(pool, key=lambda w: self.outstanding.get(id(w), 0))
+        self.outstanding[id(writer)] = self.outstanding.get(id(writer), 0) + size
+        reuse = self.catalogue.reuse_for(name) if part.strategy is Strategy.RELOADABLE else None
+        obj = writer.write_part.remote(version, name, rank, [ref], reuse=reuse, compression=self.cfg.compression)
+        asyncio.ensure_future(self._track(version, name, rank, obj, writer, size))
+
+    # ------------------------------------------------------------------ pushed states (ranks)
+    def declare(self, name: str, strategy: str, world_size: int, replicated: bool = False,
+                allow_pickle: bool = False) -> None:
+        self.catalogue.declare(name, strategy, world_size, replicated, allow_pickle)
+        self.local.put_bytes(DECLARED, json.dumps(self.catalogue.declared, sort_keys=True).encode())
+
+    def declared(self) -> Dict[str, dict]:
+        return dict(self.catalogue.declared)
+
+    async def submit(self, step: int, name: str, rank: int, refs: List[Any], nbytes: int = 0) -> Dict[str, Any]:
+        """A rank's part of ``name`` at ``step``; returns the SaveResult once the version commits."""
+        version = step
+        d = self.catalogue.declared.get(name)
+        if d is not None and d["replicated"] and rank != 0:
+            rank_zero_only = True  # DDP-style replicas: rank 0's copy is the one stored
+        else:
+            rank_zero_only = False
+            is_new = version not in self.catalogue.pending
+            self.catalogue.accept_push(version, step, name, rank)
+            if is_new:
+                self._opened(version)
+                self._watch_pushed(version)
+            for v in self.catalogue.barrier_violations(version, name, rank):
+                pv = self.catalogue.pending[v]
+                self.catalogue.fail(v, f"ranks disagree on the step: state {name!r} rank {rank} submitted step "
+                                       f"{step} while version {v} (step {pv.step}) still awaits its part")
+                log.error("version %d: %s", v, pv.error)
+                await self._progress(v)
+            self._dispatch(version, name, rank, refs[0], nbytes)
+            await self._progress(version)
+        while version not in self.commit_futures:  # a non-zero replica rank ran ahead of rank 0
+            await asyncio.sleep(0.05)
+        result = await self.commit_futures[version]
+        return dict(result, rank_zero_only=rank_zero_only)
+
+    def _watch_pushed(self, version: int) -> None:
+        pv = self.catalogue.pending.get(version)
+        if pv is not None and pv.missing_submits():
+            asyncio.ensure_future(self._deadline(version))
+
+    async def _deadline(self, version: int) -> None:
+        """A rank that never submits fails its version loudly after rank_timeout_s (a best-effort
+        part is reported missing instead); later versions are not blocked."""
+        await asyncio.sleep(self.cfg.rank_timeout_s)
+        pv = self.catalogue.pending.get(version)
+        if pv is None or not pv.missing_submits():
+            return
+        why = f"no part arrived within rank_timeout_s={self.cfg.rank_timeout_s}s"
+        log.error("version %d: %s from %s", version, why, ", ".join(pv.missing_submits()))
+        for p in list(pv.parts.values()):
+            if not p.submitted:
+                p.submitted = True
+                self.catalogue.part_failed(version, p.name, p.rank, why)
+        await self._progress(version)
 
     async def _track(self, version: int, name: str, rank: int, obj, writer, size: int) -> None:
         try:

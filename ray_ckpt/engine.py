@@ -33,9 +33,12 @@ log = logging.getLogger("ray_ckpt")
 @dataclass
 class Registration:
     name: str
-    provider: Union[ActorProvider, CallableProvider]
+    provider: Union[ActorProvider, CallableProvider, None]
     strategy: Strategy
     allow_pickle: bool = False
+    world_size: Optional[int] = None  # set: a state pushed by ranks with submit()
+    rank_providers: Optional[List[ActorProvider]] = None  # pushed state: rank r restores into [r]
+    replicated: bool = False
 
 
 class SaveHandle:
@@ -106,6 +109,8 @@ class CheckpointEngine:
         self.run = config.run
         self._registry: Dict[str, Registration] = {}
         self._in_flight: List[SaveHandle] = []
+        self._declared: Dict[str, dict] = {}
+        self._last_pushed: Dict[tuple, int] = {}
         last = ray.get(coordinator.last_version.remote(), timeout=60)
         self._last_saved = last
         self._step = max(last, 0)
@@ -181,11 +186,17 @@ class CheckpointEngine:
     # ------------------------------------------------------------------ registration
     def register(self, name: str, provider: Any = None, *, strategy: Union[Strategy, str] = Strategy.CRITICAL,
                  loader: Optional[Callable[..., Any]] = None, allow_pickle: bool = False,
-                 replace: bool = False) -> None:
+                 replace: bool = False, world_size: Optional[int] = None, replicated: bool = False) -> None:
         """Register a state. ``provider``: an actor handle (``ckpt_get_state`` / ``ckpt_set_state``),
         ``rc.actor_provider(handle, get=..., set=...)``, or an in-process callable returning the state
         (``loader(state)`` loads it back). A RELOADABLE state with a ``loader`` and no provider is not
-        stored: restore calls ``loader()`` to rebuild it."""
+        stored: restore calls ``loader()`` to rebuild it.
+
+        ``world_size=N`` declares a state that N rank actors push themselves with
+        ``rc.CheckpointEngine.connect(run).submit(step, name, state, rank=r)``; a version commits when
+        every rank's part is durable. ``provider`` may then be the list of rank actor handles, so that
+        ``restore()`` hands rank r its own part. ``replicated=True`` (DDP replicas) stores rank 0's
+        copy once and restores it to every rank."""
         try:
             validate_name(name, "state name")
             strat = Strategy.parse(strategy)
@@ -194,6 +205,9 @@ class CheckpointEngine:
         if name in self._registry and not replace:
             raise InvalidArgumentError(f"state {name!r} is already registered; pass replace=True to "
                                        f"replace it (e.g. with a relaunched actor's new handle)")
+        if world_size is not None:
+            self._register_pushed(name, provider, strat, world_size, replicated, allow_pickle)
+            return
         if isinstance(provider, ActorProvider):
             prov: Union[ActorProvider, CallableProvider] = provider
         elif isinstance(provider, ray.actor.ActorHandle):
@@ -211,6 +225,62 @@ class CheckpointEngine:
             raise InvalidArgumentError(f"state {name!r}: provider must be a Ray actor handle, "
                                        f"rc.actor_provider(...) or a callable, not {type(provider).__name__}")
         self._registry[name] = Registration(name, prov, strat, bool(allow_pickle))
+
+    def _register_pushed(self, name, provider, strat, world_size, replicated, allow_pickle) -> None:
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise InvalidArgumentError(f"state {name!r}: world_size must be an integer >= 1, got {world_size!r}")
+        handles = None
+        if provider is not None:
+            items = list(provider) if isinstance(provider, (list, tuple)) else None
+            if items is None or len(items) != world_size:
+                raise InvalidArgumentError(f"state {name!r}: with world_size={world_size}, provider must be "
+                                           f"None or a list of {world_size} rank actor handles")
+            handles = []
+            for h in items:
+                if isinstance(h, ActorProvider):
+                    handles.append(h)
+                elif isinstance(h, ray.actor.ActorHandle):
+                    handles.append(ActorProvider(h))
+                else:
+                    raise InvalidArgumentError(f"state {name!r}: rank providers must be actor handles")
+        ray.get(self._coordinator.declare.remote(name, strat.value, world_size, bool(replicated),
+                                                 bool(allow_pickle)), timeout=60)
+        self._registry[name] = Registration(name, None, strat, bool(allow_pickle), world_size, handles,
+                                            bool(replicated))
+
+    def submit(self, step: int, name: str, state: Any, rank: int = 0) -> SaveHandle:
+        """Push this rank's part of a declared state for ``step`` (from inside a rank actor).
+
+        Returns at once with a handle; the version commits when every declared rank has pushed."""
+        t0 = time.perf_counter()
+        validate_name(name, "state name")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise InvalidSaveError(f"step must be a non-negative integer, got {step!r}")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise InvalidSaveError(f"rank must be a non-negative integer, got {rank!r}")
+        decl = self._declared.get(name)
+        if decl is None:
+            self._declared = ray.get(self._coordinator.declared.remote(), timeout=60)
+            decl = self._declared.get(name)
+        if decl is None:
+            raise InvalidSaveError(f"state {name!r} is not declared for pushing in run {self.run!r}; the "
+                                   f"driver registers it with engine.register({name!r}, world_size=N)")
+        if rank >= decl["world_size"]:
+            raise InvalidSaveError(f"rank {rank} is out of range for state {name!r} (world_size {decl['world_size']})")
+        last = self._last_pushed.get((name, rank), -1)
+        if step <= last:
+            raise InvalidSaveError(f"state {name!r} rank {rank}: step {step} is not after its last submitted "
+                                   f"step {last}; steps must increase")
+        if decl["replicated"] and rank != 0:
+            ref = None  # replicas: rank 0's copy is stored; this rank's handle follows the version
+        else:
+            flat = capture(state, name, decl["allow_pickle"])
+            ref = ray.put(flat)
+        obj = self._coordinator.submit.remote(step, name, rank, [ref] if ref is not None else [], 0)
+        self._last_pushed[(name, rank)] = step
+        handle = SaveHandle(self, step, obj, time.perf_counter() - t0)
+        self._in_flight.append(handle)
+        return handle
 
     def unregister(self, name: str) -> None:
         if self._registry.pop(name, None) is None:
@@ -244,8 +314,9 @@ class CheckpointEngine:
             policy = OnBusy.parse(on_busy)
         except ValueError as exc:
             raise InvalidSaveError(str(exc)) from None
-        if not self._registry:
-            raise InvalidSaveError("nothing to save: register at least one state first")
+        if not any(r.world_size is None for r in self._registry.values()):
+            raise InvalidSaveError("nothing to save from the driver: register at least one state with a "
+                                   "provider (pushed states are saved by their ranks with submit())")
         clean_metrics = _check_metrics(metrics)
         self._in_flight = [h for h in self._in_flight if not h.done()]
         if len(self._in_flight) >= self.config.max_in_flight:
@@ -260,6 +331,8 @@ class CheckpointEngine:
         # in-process states first: an unsupported object raises here, before anything is submitted
         for reg in self._registry.values():
             prov = reg.provider
+            if reg.world_size is not None:
+                continue  # pushed by its ranks; the coordinator expects those parts itself
             if isinstance(prov, CallableProvider):
                 if prov.fn is None:
                     parts.append({"name": reg.name, "strategy": reg.strategy.value, "loader": True})
@@ -343,11 +416,20 @@ class CheckpointEngine:
             if entry.status != "stored":
                 reports[name] = StateReport("missing", None, False, entry.detail or entry.status)
                 continue
+            if reg.world_size is not None:
+                if not reg.rank_providers:
+                    reports[name] = StateReport("skipped", None, False, "pushed state: each rank loads its "
+                                                f"part with engine.load({m.version}, {name!r}, rank=r)")
+                    continue
+                for r, p in enumerate(reg.rank_providers):
+                    staged_actor[(name, r)] = p.handle.__ray_call__.remote(
+                        stage_in_actor, name, self.config, rank_files(entry, name, r), reg.allow_pickle)
+                continue
             files = rank_files(entry, name, 0)
             prov = reg.provider
             if isinstance(prov, ActorProvider):
-                staged_actor[name] = prov.handle.__ray_call__.remote(stage_in_actor, name, self.config, files,
-                                                                     reg.allow_pickle)
+                staged_actor[(name, None)] = prov.handle.__ray_call__.remote(
+                    stage_in_actor, name, self.config, files, reg.allow_pickle)
             elif prov.loader is None:
                 reports[name] = StateReport("skipped", None, False, "no loader was registered for it")
             else:
@@ -358,25 +440,34 @@ class CheckpointEngine:
                                                 sum(f.size for f in files))
                 except (IntegrityError, RestoreError, OSError) as exc:
                     reports[name] = StateReport("missing", None, False, _one_line(exc))
-        for name, ref in staged_actor.items():
+        per_state: Dict[str, List[dict]] = {}
+        for (name, rank), ref in staged_actor.items():
             try:
                 r = ray.get(ref)
             except ray.exceptions.RayError as exc:
                 r = {"ok": False, "tier": None, "detail": f"provider actor failed: {_one_line(exc)[:300]}"}
-            reports[name] = (StateReport("restored", r["tier"], True, r["detail"], r.get("bytes", 0)) if r["ok"]
-                             else StateReport("missing", None, False, r["detail"]))
+            if rank is not None and r["detail"]:
+                r["detail"] = f"rank {rank}: {r['detail']}"
+            per_state.setdefault(name, []).append(r)
+        for name, rs in per_state.items():
+            detail = "; ".join(r["detail"] for r in rs if r["detail"])
+            if all(r["ok"] for r in rs):
+                tier = "remote" if any(r["tier"] == "remote" for r in rs) else "local"
+                reports[name] = StateReport("restored", tier, True, detail, sum(r.get("bytes", 0) for r in rs))
+            else:
+                reports[name] = StateReport("missing", None, False, detail)
         failed = [f"{n}: {r.detail}" for n, r in reports.items()
                   if r.status == "missing" and self._registry[n].strategy is not Strategy.BEST_EFFORT]
         if strict and failed:
-            for name in staged_actor:
-                self._registry[name].provider.handle.__ray_call__.remote(discard_in_actor, name)
+            for key in staged_actor:
+                self._stage_target(key).handle.__ray_call__.remote(discard_in_actor, key[0])
             raise RestoreError(f"cannot restore version {m.version} (step {m.step}) of run {self.run!r}; nothing "
                                f"was loaded: " + " | ".join(failed))
         applies = []
-        for name in staged_actor:
-            prov = self._registry[name].provider
-            if reports[name].status == "restored":
-                applies.append(prov.handle.__ray_call__.remote(apply_in_actor, prov.set, name))
+        for key in staged_actor:
+            if reports[key[0]].status == "restored":
+                prov = self._stage_target(key)
+                applies.append(prov.handle.__ray_call__.remote(apply_in_actor, prov.set, key[0]))
         ray.get(applies)
         for name, state in staged_local.items():
             self._registry[name].provider.loader(state)
@@ -386,6 +477,10 @@ class CheckpointEngine:
         self._step = m.step
         self._last_saved = max(self._last_saved, m.step)
         return RestoreReport(m.version, m.step, reports, time.perf_counter() - t0)
+
+    def _stage_target(self, key) -> ActorProvider:
+        reg = self._registry[key[0]]
+        return reg.provider if key[1] is None else reg.rank_providers[key[1]]
 
     def status(self) -> Dict[str, Any]:
         """Saves in flight with each part's stage, queued bytes per pool, the last error."""

@@ -77,12 +77,15 @@ class PartWriter:
         return total
 
 
-@ray.remote(max_restarts=-1, max_task_retries=2)
+@ray.remote(max_restarts=-1, max_task_retries=2, concurrency_groups={"upload": 2})
 class WriterActor:
     """Ray shell over PartWriter. Snapshot refs arrive inside a list so Ray does not resolve them in
-    the coordinator; the writer fetches them from the object store (zero-copy on its node)."""
+    the coordinator; the writer fetches them from the object store (zero-copy on its node).
 
-    def __init__(self, local: Tier, remote: Optional[Tier], pool: str, nice: int = 0, upload_retries: int = 4):
+    Uploads run in their own concurrency group: a slow or unreachable remote store never delays
+    the local writes that commits wait for."""
+
+    def __init__(self, local: Tier, remote: Optional[Tier], pool: str, nice: int = 0, upload_retries: int = 1):
         self.pool = pool
         self.writer = PartWriter(local, remote, nice=nice, upload_retries=upload_retries)
 
@@ -96,6 +99,7 @@ class WriterActor:
             raise SaveError(f"snapshot of state {name!r} (rank {rank}) was lost: {_one_line(exc)}") from None
         return self.writer.write_part(version, name, rank, flat, **kw)
 
+    @ray.method(concurrency_group="upload")
     def upload(self, files: List[dict]) -> int:
         return self.writer.upload(files)
 

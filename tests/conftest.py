@@ -40,3 +40,22 @@ def engine_factory(ray_session, tmp_path, run_name):
             eng.shutdown()
         except Exception:
             pass
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3-compatible server (SeaweedFS ``weed mini``, credentials enforced) for the whole
+    session, with its bucket created. Yields the tests.s3server.S3Server: ``endpoint``,
+    ``access_key``, ``secret_key``, ``bucket``, ``options`` (remote_options), ``uri(prefix)``,
+    ``filesystem()``, and ``stop()`` / ``start()`` (same ports and data) for outage tests."""
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:  # tests/ is not a package; pytest's default import mode adds it anyway
+        sys.path.insert(0, here)
+    from s3server import S3Server
+
+    srv = S3Server(str(tmp_path_factory.mktemp("s3server")))
+    srv.start()
+    yield srv
+    srv.stop()

@@ -28,7 +28,7 @@ _COPY_CHUNK = 16 << 20
 # retried at all; connection errors are retried max_attempts - 1 times with the SDK's backoff).
 # Anything given in ``options`` wins over these defaults.
 S3_CONNECT_TIMEOUT_S = 5.0
-S3_REQUEST_TIMEOUT_S = 60.0  # socket read timeout (the SDK applies it on Windows / macOS only)
+S3_REQUEST_TIMEOUT_S = 20.0  # curl low-speed limit: fail when < 1 byte/s moves for this long
 S3_MAX_ATTEMPTS = 3
 
 

@@ -1,0 +1,128 @@
+"""Ranks that run their own loop push their parts (OpenRLHF / verl style)."""
+import os
+import time
+
+import pytest
+import ray
+import torch
+
+import ray_ckpt as rc
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@ray.remote(num_cpus=0.1)
+class Rank:
+    def __init__(self, run: str, rank: int, seed=None):
+        self.run, self.rank = run, rank
+        g = torch.Generator().manual_seed(rank if seed is None else seed)
+        self.shard = {"w": torch.randn(64, 64, generator=g), "step": 0}
+        self.engine = None
+        self.handles = {}
+
+    def train_and_submit(self, step: int, name: str = "shard"):
+        self.shard["w"] += 1.0
+        self.shard["step"] = step
+        if self.engine is None:
+            self.engine = rc.CheckpointEngine.connect(self.run)
+        t = time.perf_counter()
+        self.handles[(name, step)] = self.engine.submit(step, name, self.shard, rank=self.rank)
+        return time.perf_counter() - t
+
+    def wait_saved(self, step: int, name: str = "shard", timeout: float = 60):
+        try:
+            return ("ok", self.handles[(name, step)].wait(timeout=timeout).version)
+        except rc.SaveError as exc:
+            return ("error", str(exc))
+
+    def ckpt_get_state(self, name):
+        return self.shard
+
+    def ckpt_set_state(self, name, state):
+        self.shard = state
+
+    def get(self):
+        return {"w": self.shard["w"].clone(), "step": self.shard["step"]}
+
+    def scramble(self):
+        self.shard = {"w": torch.zeros(1), "step": -1}
+
+
+def wait_until(pred, timeout=60):
+    deadline = time.time() + timeout
+    while not pred():
+        assert time.time() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def test_version_commits_when_every_rank_pushed_and_restores_per_rank(engine_factory, run_name):
+    eng = engine_factory()
+    ranks = [Rank.remote(run_name, r) for r in range(2)]
+    eng.register("shard", ranks, world_size=2)
+    assert ray.get(ranks[0].train_and_submit.remote(1)) < 0.5  # returns at once
+    wait_until(lambda: 1 in eng.status()["in_flight"])
+    assert eng.status()["in_flight"][1]["parts"]["shard/rank1"] == "pending"
+    assert eng.list_checkpoints() == []  # rank 1 has not pushed: not visible
+    ray.get(ranks[1].train_and_submit.remote(1))
+    assert ray.get([r.wait_saved.remote(1) for r in ranks]) == [("ok", 1), ("ok", 1)]
+    assert [m.version for m in eng.list_checkpoints()] == [1]
+    want = ray.get([r.get.remote() for r in ranks])
+    ray.get([r.scramble.remote() for r in ranks])
+    report = eng.restore()
+    assert report.states["shard"].status == "restored"
+    got = ray.get([r.get.remote() for r in ranks])
+    for a, b in zip(want, got):
+        assert torch.equal(a["w"], b["w"]) and a["step"] == b["step"] == 1
+    assert not torch.equal(got[0]["w"], got[1]["w"])  # each rank got its own part
+    assert torch.equal(eng.load(1, "shard", rank=1)["w"], want[1]["w"])
+
+
+def test_ranks_at_different_steps_fail_the_version(engine_factory, run_name):
+    eng = engine_factory()
+    ranks = [Rank.remote(run_name, r) for r in range(2)]
+    eng.register("shard", world_size=2)
+    ray.get(ranks[0].train_and_submit.remote(2))
+    ray.get(ranks[1].train_and_submit.remote(3))  # rank 1 skipped step 2
+    status, msg = ray.get(ranks[0].wait_saved.remote(2))
+    assert status == "error" and "ranks disagree on the step" in msg and "rank 1" in msg
+    ray.get(ranks[0].train_and_submit.remote(3))
+    assert ray.get(ranks[0].wait_saved.remote(3)) == ("ok", 3)
+    assert [m.version for m in eng.list_checkpoints()] == [3]
+
+
+def test_missing_rank_times_out_loudly_without_blocking_later_versions(engine_factory, run_name, tmp_path):
+    eng = engine_factory(rank_timeout_s=2.0)
+    ranks = [Rank.remote(run_name, r) for r in range(2)]
+    eng.register("shard", world_size=2)
+    ray.get(ranks[0].train_and_submit.remote(5))   # rank 1 is silent (hung, or lost)
+    status, msg = ray.get(ranks[0].wait_saved.remote(5, timeout=30))
+    assert status == "error" and "rank_timeout_s" in msg and "shard' rank 1" in msg
+    ray.get([r.train_and_submit.remote(6) for r in ranks])
+    assert ray.get([r.wait_saved.remote(6) for r in ranks]) == [("ok", 6), ("ok", 6)]
+    assert [m.version for m in eng.list_checkpoints()] == [6]
+    wait_until(lambda: not os.path.exists(tmp_path / "local" / run_name / "v000000000005"))
+
+
+def test_replicated_state_is_stored_once_and_restored_to_every_rank(engine_factory, run_name, tmp_path):
+    eng = engine_factory()
+    ranks = [Rank.remote(run_name, r, seed=0) for r in range(2)]  # same seed: DDP replicas
+    eng.register("shard", ranks, world_size=2, replicated=True)
+    ray.get([r.train_and_submit.remote(1) for r in ranks])
+    assert ray.get([r.wait_saved.remote(1) for r in ranks]) == [("ok", 1), ("ok", 1)]
+    assert os.listdir(tmp_path / "local" / run_name / "v000000000001" / "shard") == ["rank0.safetensors"]
+    want = ray.get(ranks[0].get.remote())
+    ray.get([r.scramble.remote() for r in ranks])
+    eng.restore()
+    for got in ray.get([r.get.remote() for r in ranks]):
+        assert torch.equal(got["w"], want["w"])
+
+
+def test_submit_bad_input(engine_factory, run_name):
+    eng = engine_factory()
+    eng.register("shard", world_size=2)
+    with pytest.raises(rc.SaveError, match="not declared"):
+        eng.submit(1, "other", {"x": torch.ones(1)}, rank=0)
+    with pytest.raises(rc.SaveError, match="out of range"):
+        eng.submit(1, "shard", {"x": torch.ones(1)}, rank=2)
+    with pytest.raises(rc.InvalidArgumentError, match="list of 2 rank actor handles"):
+        eng.register("shard2", [Rank.remote(run_name, 0)], world_size=2)
