@@ -80,7 +80,7 @@ def decode_files(files: List[FileEntry], bufs: List[bytearray], *, name: str,
     tensors_buf = [b for f, b in zip(files, bufs) if f.role == "tensors"]
     if len(tensors_buf) != 1:
         raise IntegrityError(f"state {name!r}: expected one tensors file, manifest lists {len(tensors_buf)}")
-    structure, views = safetensors_io.read(tensors_buf[0], path=files[0].path)
+    structure, views = safetensors_io.read(tensors_buf[0], path=next(f.path for f in files if f.role == "tensors"))
     tables = [arrow_io.read(b) for f, b in zip(files, bufs) if f.role == "table"]
     return unflatten(structure, views, tables, as_numpy=as_numpy, allow_pickle=allow_pickle, state_name=name)
 
@@ -116,16 +116,18 @@ def scan(tier: Tier) -> Tuple[Dict[int, Manifest], List[int], List[str]]:
     return committed, partial, bad
 
 
-def delete_version(tier: Tier, version: int, keep_paths: set) -> List[str]:
-    """Delete a version: its manifest first (it disappears at once), then its files that no kept
-    version refers to, then empty directories. Returns the deleted file paths."""
+def delete_version(tier: Tier, version: int, keep_paths: set, referenced: Sequence[str] = ()) -> List[str]:
+    """Delete a version: its manifest first (it disappears at once), then its files and the files
+    of older versions it referred to (``referenced``) that no kept version refers to, then empty
+    directories. Returns the deleted file paths."""
     tier.delete_file(layout.manifest_path(version))
     deleted = []
-    for rel in tier.list_files(layout.version_dir(version)):
+    for rel in sorted(set(tier.list_files(layout.version_dir(version))) | set(referenced)):
         if rel not in keep_paths:
             tier.delete_file(rel)
             deleted.append(rel)
-    tier.prune_empty_dirs(layout.version_dir(version))
+    for top in {layout.version_dir(version)} | {rel.split("/", 1)[0] for rel in deleted}:
+        tier.prune_empty_dirs(top)
     return deleted
 
 

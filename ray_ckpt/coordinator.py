@@ -352,10 +352,11 @@ class CheckpointCoordinator:
         if not doomed:
             return
         keep = self.catalogue.kept_paths(set(doomed))
+        referenced = {v: self.catalogue.committed[v].referenced_paths() for v in doomed}
         for v in doomed:
             self.catalogue.forget(v)
         for v in doomed:
-            await asyncio.to_thread(delete_version, self.local, v, keep)
+            await asyncio.to_thread(delete_version, self.local, v, keep, referenced[v])
             log.info("retention: deleted version %d from the local tier", v)
 
     async def _apply_remote_retention(self) -> None:
@@ -369,7 +370,7 @@ class CheckpointCoordinator:
         keep |= {p for v in self.remote_pending for p in self.catalogue.committed.get(v, Manifest("", v, 0, 0)).referenced_paths()}
         for v in doomed:
             m = self.remote_committed.pop(v)
-            await asyncio.to_thread(delete_version, self.remote, v, keep)
+            await asyncio.to_thread(delete_version, self.remote, v, keep, m.referenced_paths())
             self.remote_paths -= set(m.referenced_paths()) - keep
 
     async def ready(self) -> bool:

@@ -183,3 +183,30 @@ def test_catalogue_commits_only_when_critical_parts_are_written():
     cat.begin(6, 6, [{"name": "policy", "strategy": "critical"}])
     assert cat.part_failed(6, "policy", 0, "boom")  # critical: the version fails
     assert not cat.ready_to_commit(6)
+
+
+def test_manifest_with_path_traversal_is_refused():
+    m = Manifest("run", 1, 1, 0.0)
+    from ray_ckpt.formats.manifest import FileEntry, StateEntry
+
+    m.states["p"] = StateEntry("critical", "stored", files={"0": [FileEntry("../../etc/passwd", 1, "x")]})
+    with pytest.raises(rc.IntegrityError, match="invalid file path"):
+        Manifest.from_json(m.to_json())
+
+
+def test_deleting_versions_removes_shared_files_once_unreferenced(tmp_path):
+    from ray_ckpt.checkpoint_io import delete_version, write_manifest
+    from ray_ckpt.formats.manifest import StateEntry
+
+    tier = Tier(str(tmp_path), "local")
+    shared = write_flat(tier, 1, "ref", 0, flatten({"w": torch.ones(4)}))
+    manifests = {}
+    for v in (1, 2):  # v2 refers to v1's file (a RELOADABLE state stored once)
+        m = Manifest("run", v, v, 0.0)
+        m.states["ref"] = StateEntry("reloadable", "stored", files={"0": shared})
+        write_manifest(tier, m)
+        manifests[v] = m
+    assert delete_version(tier, 1, set(manifests[2].referenced_paths()), manifests[1].referenced_paths()) == []
+    assert (tmp_path / shared[0].path).exists()  # still used by v2
+    assert delete_version(tier, 2, set(), manifests[2].referenced_paths()) == [shared[0].path]
+    assert not (tmp_path / "v000000000001").exists() and not (tmp_path / "v000000000002").exists()

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
 from ..errors import IntegrityError
+from ..storage.layout import is_valid_file_path
 from .checksum import ALGORITHM
 
 MANIFEST_FORMAT = "ray_ckpt.manifest/1"
@@ -68,6 +69,9 @@ class Manifest:
             states = {}
             for name, s in d["states"].items():
                 files = {r: [FileEntry(**f) for f in fs] for r, fs in s.pop("files").items()}
+                for f in (f for fs in files.values() for f in fs):
+                    if not is_valid_file_path(f.path):
+                        raise ValueError(f"state {name!r} lists an invalid file path {f.path!r}")
                 states[name] = StateEntry(files=files, **s)
             d["states"] = states
             return cls(**d)

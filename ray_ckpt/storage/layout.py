@@ -24,6 +24,14 @@ def validate_name(name: object, what: str = "name") -> str:
     return name
 
 
+_FILE_PATH = re.compile(r"^v\d{12}/[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}/[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+
+
+def is_valid_file_path(rel: str) -> bool:
+    """A manifest's file path: ``v<12 digits>/<state>/<file>``, nothing that could leave the run root."""
+    return isinstance(rel, str) and bool(_FILE_PATH.match(rel)) and ".." not in rel
+
+
 def version_dir(version: int) -> str:
     return f"v{version:012d}"
 
