@@ -15,6 +15,7 @@ import time
 from typing import Any, Dict, List, Optional, Set
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .catalogue import Catalogue, meta_of
 from .checkpoint_io import delete_version, scan, write_manifest
@@ -57,9 +58,11 @@ class CheckpointCoordinator:
                 log.warning("cannot list the remote tier %s: %s", self.remote.uri, _one_line(exc))
         self.remote_paths: Set[str] = {p for m in self.remote_committed.values() for p in m.referenced_paths()}
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.critical = [self._writer("critical", config.critical_cpus, 0) for _ in range(config.critical_writers)]
+        # critical writers per node (they write where the snapshot lies); best-effort ones run here
+        self.pools: Dict[str, list] = {self.node_id: self._make_pool(self.node_id)}
         self.best_effort = [self._writer("best_effort", config.best_effort_cpus, config.best_effort_nice)
                             for _ in range(config.best_effort_writers)]
+        self.file_nodes: Dict[str, str] = {}  # local file path -> node whose local tier holds it
         self.outstanding: Dict[int, int] = {}  # id(writer) -> bytes queued
         self.commit_futures: Dict[int, asyncio.Future] = {}
         self.remote_futures: Dict[int, asyncio.Future] = {}
@@ -71,9 +74,36 @@ class CheckpointCoordinator:
         self.last_error: Optional[str] = None
         self.started_at = time.time()
 
-    def _writer(self, pool: str, cpus: float, nice: int):
-        return WriterActor.options(num_cpus=cpus, name=None).remote(
-            self.local, self.remote, pool, nice, self.cfg.upload_retries)
+    def _writer(self, pool: str, cpus: float, nice: int, node: Optional[str] = None):
+        opts: Dict[str, Any] = {"num_cpus": cpus}
+        if node is not None:
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+        return WriterActor.options(**opts).remote(self.cfg, pool, nice)
+
+    def _make_pool(self, node: str) -> list:
+        return [self._writer("critical", self.cfg.critical_cpus, 0, node) for _ in range(self.cfg.critical_writers)]
+
+    @property
+    def critical(self) -> list:
+        return [w for pool in self.pools.values() for w in pool]
+
+    def _critical_on(self, node: Optional[str]) -> list:
+        """The critical pool of ``node`` (created on first use), or this node's when unknown/gone."""
+        if node and node not in self.pools:
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            if node in alive:
+                self.pools[node] = self._make_pool(node)
+        return self.pools.get(node) or self.pools[self.node_id]
+
+    async def _locate(self, ref: Any) -> Optional[str]:
+        """The node holding a snapshot once it is ready (not fetched here: fetch_local=False)."""
+        try:
+            await asyncio.to_thread(ray.wait, [ref], num_returns=1, fetch_local=False)
+            locs = ray.experimental.get_object_locations([ref]).get(ref) or {}
+            nodes = locs.get("node_ids") or []
+            return nodes[0] if nodes else None
+        except Exception:  # a failed snapshot has no location: the writer reports its error
+            return None
 
     # ------------------------------------------------------------------ queries
     def config(self) -> EngineConfig:
@@ -116,10 +146,12 @@ class CheckpointCoordinator:
                              "best_effort": sum(self.outstanding.get(id(w), 0) for w in self.best_effort)},
             "committed": len(self.catalogue.committed), "remote_committed": len(self.remote_committed),
             "commits": self.commits, "failures": self.failures, "last_error": self.last_error,
+            "started_at": self.started_at,
         }
 
     def writers(self) -> Dict[str, list]:
-        return {"critical": list(self.critical), "best_effort": list(self.best_effort)}
+        return {"critical": list(self.critical), "best_effort": list(self.best_effort),
+                "nodes": {n: len(p) for n, p in self.pools.items()}}
 
     # ------------------------------------------------------------------ saving
     async def save(self, step: int, parts: List[dict], refs: List[Any],
@@ -151,12 +183,19 @@ class CheckpointCoordinator:
         """Send one part's snapshot ref (inside a list: not resolved here) to the least busy writer."""
         part = self.catalogue.pending[version].parts[(name, rank)]
         part.submitted = True
-        pool = self.best_effort if part.strategy is Strategy.BEST_EFFORT and self.best_effort else self.critical
+        asyncio.ensure_future(self._write(version, part, ref, size))
+
+    async def _write(self, version: int, part: Any, ref: Any, size: int) -> None:
+        if part.strategy is Strategy.BEST_EFFORT and self.best_effort:
+            pool = self.best_effort  # may run anywhere: reads the snapshot over the network if needed
+        else:
+            pool = self._critical_on(await self._locate(ref))  # node affinity: a shared-memory read
         writer = min(pool, key=lambda w: self.outstanding.get(id(w), 0))
         self.outstanding[id(writer)] = self.outstanding.get(id(writer), 0) + size
-        reuse = self.catalogue.reuse_for(name) if part.strategy is Strategy.RELOADABLE else None
-        obj = writer.write_part.remote(version, name, rank, [ref], reuse=reuse, compression=self.cfg.compression)
-        asyncio.ensure_future(self._track(version, name, rank, obj, writer, size))
+        reuse = self.catalogue.reuse_for(part.name) if part.strategy is Strategy.RELOADABLE else None
+        obj = writer.write_part.remote(version, part.name, part.rank, [ref], reuse=reuse,
+                                       compression=self.cfg.compression)
+        await self._track(version, part.name, part.rank, obj, writer, size)
 
     # ------------------------------------------------------------------ pushed states (ranks)
     def declare(self, name: str, strategy: str, world_size: int, replicated: bool = False,
@@ -216,6 +255,9 @@ class CheckpointCoordinator:
     async def _track(self, version: int, name: str, rank: int, obj, writer, size: int) -> None:
         try:
             result = await obj
+            for f in result["files"]:
+                if not result.get("reused"):
+                    self.file_nodes[f["path"]] = result.get("node", self.node_id)
             self.catalogue.part_written(version, name, rank, result)
         except Exception as exc:  # reaches the handle through the commit future
             msg = _one_line(getattr(exc, "cause", None) or exc)
@@ -261,16 +303,25 @@ class CheckpointCoordinator:
             if not self.catalogue.settled(version):
                 return
             self.catalogue.finish(version)
-        if pv.error:
-            await asyncio.to_thread(self._discard_failed, version)
+        if pv.error:  # never listed: remove what its parts wrote
+            await self._delete_everywhere(version, self.catalogue.kept_paths(set()), [])
         else:
             if version in self.remote_pending or version in self.remote_committed:
                 asyncio.ensure_future(self._sync_remote(version))
             await self._apply_retention()
 
-    def _discard_failed(self, version: int) -> None:
-        """Remove the files of a version that will never commit (it was never listed)."""
-        delete_version(self.local, version, self.catalogue.kept_paths(set()))
+    async def _delete_everywhere(self, version: int, keep: Set[str], referenced: List[str]) -> None:
+        """Delete a version from every node's local tier (each node's local tier is its own disk)."""
+        await asyncio.to_thread(delete_version, self.local, version, keep, referenced)
+        others = [pool[0] for node, pool in self.pools.items() if node != self.node_id and pool]
+        results = await asyncio.gather(*[w.delete_version.remote(version, keep, referenced) for w in others],
+                                       return_exceptions=True)
+        for r in results:
+            if isinstance(r, Exception):
+                log.warning("version %d: deleting on another node failed: %s", version, _one_line(r))
+        for path in [p for p in self.file_nodes if p.startswith(f"v{version:012d}/") or p in referenced]:
+            if path not in keep:
+                self.file_nodes.pop(path, None)
 
     # ------------------------------------------------------------------ remote tier
     def _plan_remote(self, version: int) -> None:
@@ -298,10 +349,13 @@ class CheckpointCoordinator:
                 files = [f.__dict__ for s in manifest.states.values() for f in s.all_files()
                          if f.path not in self.remote_paths]
                 try:
-                    if files:
-                        writer = min(self.critical, key=lambda w: self.outstanding.get(id(w), 0))
-                        await writer.upload.remote(files)
-                        self.remote_paths.update(f["path"] for f in files)
+                    by_node: Dict[str, list] = {}
+                    for f in files:  # upload from the node whose local tier holds the file
+                        by_node.setdefault(self.file_nodes.get(f["path"], self.node_id), []).append(f)
+                    await asyncio.gather(*[
+                        min(self._critical_on(node), key=lambda w: self.outstanding.get(id(w), 0)).upload.remote(fs)
+                        for node, fs in by_node.items()])
+                    self.remote_paths.update(f["path"] for f in files)
                     await asyncio.to_thread(write_manifest, self.remote, manifest)
                 except Exception as exc:
                     msg = _one_line(getattr(exc, "cause", None) or exc)
@@ -324,6 +378,15 @@ class CheckpointCoordinator:
     async def wait(self, version: int, durability: str = "local") -> Dict[str, Any]:
         if durability not in ("local", "remote"):
             raise SaveError(f"durability must be 'local' or 'remote', got {durability!r}")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30.0
+        # an async actor may run this call before the save() submitted just before it: wait a little
+        while (version not in self.commit_futures and version not in self.catalogue.committed
+               and version not in self.remote_committed and version not in self.catalogue.failed
+               and loop.time() < deadline):
+            await asyncio.sleep(0.02)
+        if version in self.catalogue.failed and version not in self.commit_futures:
+            raise SaveError(f"version {version} of run {self.cfg.run!r} failed: {self.catalogue.failed[version]}")
         if version not in self.commit_futures:
             if version in self.catalogue.committed and durability == "local":
                 m = self.catalogue.committed[version]
@@ -356,7 +419,7 @@ class CheckpointCoordinator:
         for v in doomed:
             self.catalogue.forget(v)
         for v in doomed:
-            await asyncio.to_thread(delete_version, self.local, v, keep, referenced[v])
+            await self._delete_everywhere(v, keep, referenced[v])
             log.info("retention: deleted version %d from the local tier", v)
 
     async def _apply_remote_retention(self) -> None:

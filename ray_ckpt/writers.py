@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional
 
 import ray
 
-from .checkpoint_io import content_hash, write_flat
+from .checkpoint_io import content_hash, delete_version, write_flat
 from .errors import IntegrityError, SaveError
 from .formats.manifest import FileEntry
 from .formats.tree import Flat
@@ -85,9 +85,12 @@ class WriterActor:
     Uploads run in their own concurrency group: a slow or unreachable remote store never delays
     the local writes that commits wait for."""
 
-    def __init__(self, local: Tier, remote: Optional[Tier], pool: str, nice: int = 0, upload_retries: int = 1):
+    def __init__(self, config: Any, pool: str, nice: int = 0):
+        # tiers are resolved here, in the writer's own process: a local_dir with "{node_id}" is this node's
         self.pool = pool
-        self.writer = PartWriter(local, remote, nice=nice, upload_retries=upload_retries)
+        self.node = ray.get_runtime_context().get_node_id()
+        self.writer = PartWriter(config.local_tier(), config.remote_tier(), nice=nice,
+                                 upload_retries=config.upload_retries)
 
     def write_part(self, version: int, name: str, rank: int, refs: List[Any], **kw) -> Dict[str, Any]:
         try:
@@ -97,14 +100,20 @@ class WriterActor:
             raise SaveError(f"snapshot of state {name!r} (rank {rank}) failed: {_one_line(cause)}") from None
         except ray.exceptions.RayError as exc:
             raise SaveError(f"snapshot of state {name!r} (rank {rank}) was lost: {_one_line(exc)}") from None
-        return self.writer.write_part(version, name, rank, flat, **kw)
+        result = self.writer.write_part(version, name, rank, flat, **kw)
+        result["node"] = self.node
+        return result
+
+    def delete_version(self, version: int, keep_paths: set, referenced: List[str]) -> List[str]:
+        """Retention on this node's local tier (each node's local tier is its own disk)."""
+        return delete_version(self.writer.local, version, keep_paths, referenced)
 
     @ray.method(concurrency_group="upload")
     def upload(self, files: List[dict]) -> int:
         return self.writer.upload(files)
 
     def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
+        return self.node
 
     def pid(self) -> int:
         return os.getpid()

@@ -108,15 +108,18 @@ def test_coordinator_killed_and_recreated_with_catalogue(engine_factory, run_nam
         eng.save(s).wait(timeout=60)
     listed = [(m.version, m.step, m.states) for m in eng.list_checkpoints()]
     coord = ray.get_actor(f"ray_ckpt.coordinator.{run_name}", namespace="ray_ckpt")
+    started = eng.status()["started_at"]
     ray.kill(coord, no_restart=False)     # Ray restarts it by name; it rebuilds from storage
-    deadline = time.time() + 60
+    deadline = time.time() + 60           # ray.kill is asynchronous: wait for the new process
     while True:
         try:
-            again = [(m.version, m.step, m.states) for m in eng.list_checkpoints()]
-            break
+            if eng.status()["started_at"] != started:
+                break
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-            assert time.time() < deadline
-            time.sleep(0.2)
+            pass
+        assert time.time() < deadline, "coordinator was not restarted in time"
+        time.sleep(0.2)
+    again = [(m.version, m.step, m.states) for m in eng.list_checkpoints()]
     assert again == listed
     assert rc.CheckpointEngine.connect(run_name).list_checkpoints()[-1].version == 2
     assert eng.save(3).wait(timeout=60).version == 3

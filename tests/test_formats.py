@@ -178,8 +178,8 @@ def test_catalogue_commits_only_when_critical_parts_are_written():
     assert not cat.part_failed(5, "replay", 0, "disk full")  # best-effort: not fatal
     assert cat.manifest_for(5).states["replay"].status == "missing"
     assert Manifest.from_json(cat.manifest_for(5).to_json()).states["policy"].files["0"][0].size == 1
-    with pytest.raises(rc.SaveError, match="steps must increase"):
-        cat.begin(4, 4, [])
+    with pytest.raises(rc.SaveError, match="already exists"):
+        cat.begin(5, 5, [])
     cat.begin(6, 6, [{"name": "policy", "strategy": "critical"}])
     assert cat.part_failed(6, "policy", 0, "boom")  # critical: the version fails
     assert not cat.ready_to_commit(6)

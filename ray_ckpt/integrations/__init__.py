@@ -1,0 +1,11 @@
+"""Integrations of ray_ckpt with training frameworks.
+
+Each integration is its own module and imports its framework lazily, so ``import ray_ckpt`` never
+requires them:
+
+- :mod:`ray_ckpt.integrations.rllib` -- RLlib (new API stack): ``RayCkptCallback`` /
+  ``make_callback(...)`` save an Algorithm's learner, connector, counter and RNG state every N
+  iterations without blocking ``train()``; ``restore_algorithm(...)`` brings an Algorithm back from a
+  version and synchronises (and verifies) the weights on every env runner before it returns.
+  Needs ``pip install "ray-ckpt[rllib]"``.
+"""
