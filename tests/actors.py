@@ -58,6 +58,9 @@ class Learner:
 
         return os.getpid()
 
+    def node(self):
+        return ray.get_runtime_context().get_node_id()
+
 
 class BigState:
     """Holds a large state to make a save take a while."""

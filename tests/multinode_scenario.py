@@ -1,0 +1,85 @@
+"""Preemption across nodes, on a real multi-node Ray cluster on one machine (ray.cluster_utils.Cluster).
+
+Run by tests/test_multinode.py in its own process (a Cluster needs its own ray.init). Prints
+"MULTINODE OK" and exits 0 when every check holds; an AssertionError otherwise.
+
+  1. the learner runs on node A; its critical writer runs on A too (files land in A's local tier);
+  2. the version is committed remotely; node A is removed (preemption);
+  3. the learner restarts on node B, whose local tier lacks the version: restore reads the remote
+     tier, the report says "remote", and training continues bit-identically.
+"""
+import os
+import sys
+import tempfile
+import time
+
+import ray
+import torch
+from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ray_ckpt as rc  # noqa: E402
+from actors import Learner, remote  # noqa: E402
+
+
+def main() -> int:
+    root = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="rc_multinode_")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    node_a = cluster.add_node(num_cpus=1, resources={"learner_slot": 1})
+    node_b = cluster.add_node(num_cpus=1, resources={"learner_slot": 1})
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+        a, b = node_a.node_id, node_b.node_id
+
+        reference = remote(Learner).remote(seed=11)
+        ray.get(reference.train.remote(5))
+        expected = ray.get(reference.snapshot.remote())
+
+        learner = remote(Learner, max_restarts=1, resources={"learner_slot": 1},
+                         scheduling_strategy=NodeAffinitySchedulingStrategy(a, soft=True)).remote(seed=11)
+        assert ray.get(learner.node.remote()) == a
+        engine = rc.CheckpointEngine.create("multinode", local_dir=os.path.join(root, "local", "{node_id}"),
+                                            remote_uri="file://" + os.path.join(root, "remote"))
+        for name in ("policy", "optimizer", "rng"):
+            engine.register(name, learner)
+        ray.get(learner.train.remote(2))
+        result = engine.save(2).wait(timeout=120, durability="remote")
+        assert result.durability == "remote", result
+        on_a = os.path.join(root, "local", a[:12], "multinode", "v000000000002", "policy", "rank0.safetensors")
+        assert os.path.exists(on_a), f"critical writer did not write on the learner's node: {on_a} missing"
+        print(f"saved version 2 on node A ({a[:12]}) and uploaded it", flush=True)
+
+        cluster.remove_node(node_a)  # preemption of node A
+        deadline = time.time() + 120
+        while True:
+            try:
+                if ray.get(learner.node.remote(), timeout=20) == b:
+                    break
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
+                    ray.exceptions.GetTimeoutError):
+                pass
+            assert time.time() < deadline, "learner was not restarted on node B"
+            time.sleep(0.2)
+        print(f"learner restarted on node B ({b[:12]})", flush=True)
+        report = engine.restore()
+        print(report, flush=True)
+        assert report.version == 2
+        for name, st in report.states.items():
+            assert st.status == "restored" and st.tier == "remote" and st.verified, (name, st)
+        ray.get(learner.train.remote(3))
+        got = ray.get(learner.snapshot.remote())
+        assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got), \
+            "training after the cross-node restore differs from the uninterrupted run"
+        assert engine.save(5).wait(timeout=120).version == 5  # saving works on the new node
+        engine.shutdown()
+        print("MULTINODE OK", flush=True)
+        return 0
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
