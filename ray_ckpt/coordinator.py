@@ -22,6 +22,7 @@ from .checkpoint_io import delete_version, scan, write_manifest
 from .config import EngineConfig
 from .errors import SaveError
 from .formats.manifest import Manifest
+from .metrics import Metrics
 from .storage.retention import VersionInfo, plan_deletions
 from .storage.tier import _one_line
 from .types import Strategy
@@ -73,6 +74,8 @@ class CheckpointCoordinator:
         self.failures = 0
         self.last_error: Optional[str] = None
         self.started_at = time.time()
+        self.metrics = Metrics(config.run)
+        self.accepted_at: Dict[int, float] = {}
 
     def _writer(self, pool: str, cpus: float, nice: int, node: Optional[str] = None):
         opts: Dict[str, Any] = {"num_cpus": cpus}
@@ -178,6 +181,8 @@ class CheckpointCoordinator:
     def _opened(self, version: int) -> None:
         self.commit_futures[version] = asyncio.get_running_loop().create_future()
         self.version_locks[version] = asyncio.Lock()
+        self.accepted_at[version] = time.perf_counter()
+        self.metrics.set_in_flight(len(self.catalogue.pending))
 
     def _dispatch(self, version: int, name: str, rank: int, ref: Any, size: int) -> None:
         """Send one part's snapshot ref (inside a list: not resolved here) to the least busy writer."""
@@ -277,6 +282,7 @@ class CheckpointCoordinator:
         async with self.version_locks[version]:
             if pv.error and not fut.done():
                 self.failures += 1
+                self.metrics.failed("save")
                 fut.set_exception(SaveError(f"version {version} (step {pv.step}) of run {self.cfg.run!r} "
                                             f"failed and is not listed: {pv.error}"))
             elif not pv.committed and self.catalogue.ready_to_commit(version):
@@ -291,6 +297,8 @@ class CheckpointCoordinator:
                 else:
                     self.catalogue.mark_committed(version, manifest)
                     self.commits += 1
+                    self.metrics.committed("local", time.perf_counter() - self.accepted_at.get(version, 0.0),
+                                           self.catalogue.bytes_written(version))
                     fut.set_result({"version": version, "step": pv.step, "durability": "local",
                                     "bytes_written": self.catalogue.bytes_written(version) + len(manifest.to_json()),
                                     "states": sorted(pv.strategies)})
@@ -303,12 +311,27 @@ class CheckpointCoordinator:
             if not self.catalogue.settled(version):
                 return
             self.catalogue.finish(version)
+            self.metrics.set_in_flight(len(self.catalogue.pending))
+            self._prune_bookkeeping()
         if pv.error:  # never listed: remove what its parts wrote
             await self._delete_everywhere(version, self.catalogue.kept_paths(set()), [])
         else:
-            if version in self.remote_pending or version in self.remote_committed:
-                asyncio.ensure_future(self._sync_remote(version))
+            uploaded = self.remote_committed.get(version)
+            current = self.catalogue.committed.get(version)
+            if version in self.remote_pending or (uploaded is not None and current is not None
+                                                  and uploaded.to_json() != current.to_json()):
+                asyncio.ensure_future(self._sync_remote(version))  # best-effort parts landed since
             await self._apply_retention()
+
+    def _prune_bookkeeping(self, keep: int = 32) -> None:
+        """Forget futures and locks of old, finished versions (wait() answers those from the catalogue)."""
+        for v in sorted(self.commit_futures)[:-keep]:
+            remote = self.remote_futures.get(v)
+            if v in self.catalogue.pending or v in self.remote_pending or (remote is not None and not remote.done()):
+                continue
+            for d in (self.commit_futures, self.remote_futures, self.version_locks, self.accepted_at):
+                d.pop(v, None)
+            self.version_locks.pop(-v - 1, None)
 
     async def _delete_everywhere(self, version: int, keep: Set[str], referenced: List[str]) -> None:
         """Delete a version from every node's local tier (each node's local tier is its own disk)."""
@@ -346,6 +369,10 @@ class CheckpointCoordinator:
                 if manifest is None:
                     self.remote_pending.discard(version)
                     return
+                uploaded = self.remote_committed.get(version)
+                if uploaded is not None and uploaded.to_json() == manifest.to_json():
+                    self.remote_pending.discard(version)
+                    return
                 files = [f.__dict__ for s in manifest.states.values() for f in s.all_files()
                          if f.path not in self.remote_paths]
                 try:
@@ -361,12 +388,15 @@ class CheckpointCoordinator:
                     msg = _one_line(getattr(exc, "cause", None) or exc)
                     self.remote_errors[version] = msg
                     self.last_error = f"version {version} upload: {msg}"
+                    self.metrics.failed("upload")
                     log.warning("version %d: remote upload failed, retrying in %.1fs: %s", version, backoff, msg)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 30.0)
                     continue
                 self.remote_committed[version] = manifest
                 self.remote_errors.pop(version, None)
+                self.metrics.committed("remote", time.perf_counter() - self.accepted_at.get(version, 0.0),
+                                       sum(f["size"] for f in files))
                 self.remote_pending.discard(version)
                 fut = self.remote_futures.setdefault(version, asyncio.get_running_loop().create_future())
                 if not fut.done():

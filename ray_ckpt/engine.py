@@ -21,6 +21,7 @@ from .coordinator import NAMESPACE, CoordinatorActor, actor_name
 from .errors import (CheckpointError, IntegrityError, InvalidArgumentError, InvalidSaveError,
                      RestoreError, SaveError)
 from .formats.manifest import Manifest
+from .metrics import for_run as metrics_for_run
 from .snapshot import (ActorProvider, CallableProvider, apply_in_actor, capture, discard_in_actor,
                        read_state, snapshot_in_actor, stage_in_actor, tiers_of)
 from .storage.layout import validate_name
@@ -476,7 +477,9 @@ class CheckpointEngine:
                 self._registry[name].provider.loader()
         self._step = m.step
         self._last_saved = max(self._last_saved, m.step)
-        return RestoreReport(m.version, m.step, reports, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        metrics_for_run(self.run).restored(seconds)
+        return RestoreReport(m.version, m.step, reports, seconds)
 
     def _stage_target(self, key) -> ActorProvider:
         reg = self._registry[key[0]]

@@ -78,7 +78,6 @@ from __future__ import annotations
 
 import base64
 import collections
-import dataclasses
 import hashlib
 import io
 import logging
@@ -112,7 +111,7 @@ try:
     from ray.rllib.callbacks.callbacks import RLlibCallback
     from ray.rllib.core import (COMPONENT_ENV_TO_MODULE_CONNECTOR, COMPONENT_LEARNER,
                                 COMPONENT_METRICS_LOGGER, COMPONENT_MODULE_TO_ENV_CONNECTOR,
-                                COMPONENT_OPTIMIZER, COMPONENT_RL_MODULE)
+                                COMPONENT_OPTIMIZER, COMPONENT_RL_MODULE, DEFAULT_MODULE_ID)
     from ray.rllib.utils.metrics import (ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME,
                                          WEIGHTS_SEQ_NO)
 except ImportError as _exc:  # pragma: no cover - exercised only without ray[rllib]
@@ -266,6 +265,18 @@ def _deep_equal(a: Any, b: Any) -> bool:
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
     return type(a) is type(b) and a == b
+
+
+def _runner_module_state(runner: Any) -> Optional[Dict[str, Any]]:
+    """{module id: {param: array}} of an env runner's module (a single-agent runner holds one RLModule,
+    whose state is not keyed by module id; it is then keyed by DEFAULT_MODULE_ID, as the learner's)."""
+    module = getattr(runner, "module", None)
+    if module is None:
+        return None
+    st = module.get_state()
+    if st and not all(isinstance(v, dict) for v in st.values()):
+        st = {DEFAULT_MODULE_ID: st}
+    return st
 
 
 def _weights_digest(module_state: Dict[str, Any]) -> str:
@@ -503,6 +514,7 @@ class RayCkptCallback(RLlibCallback):
         self._pending: Dict[str, Any] = {}
         self._open: List[int] = []
         self._runner_names: set = set()
+        self._last_step = -1
 
     # ------------------------------------------------------------------ RLlib hooks
     def on_algorithm_init(self, *, algorithm: Any, metrics_logger: Any = None, **kwargs: Any) -> None:
@@ -523,8 +535,15 @@ class RayCkptCallback(RLlibCallback):
         t0 = time.perf_counter()
         eng = self._ensure_engine()
         it = int(algorithm.iteration) if iteration is None else int(iteration)
-        errors: Dict[str, str] = {}
         s = self.settings
+        if it <= self._last_step:
+            # e.g. the algorithm was restored to an older version: versions are steps and only grow
+            self.skipped.append(it)
+            log.warning("ray_ckpt: iteration %d not saved: run %r already has version %d (the algorithm was "
+                        "restored to an older version?); saving resumes after iteration %d",
+                        it, s.run, self._last_step, self._last_step)
+            return SaveHandle(eng, it, None, time.perf_counter() - t0, skipped=True)
+        errors: Dict[str, str] = {}
         self._pending = capture_algorithm_state(algorithm, rng=s.rng, metrics=s.metrics,
                                                 allow_pickle=s.allow_pickle, errors=errors)
         for name, why in errors.items():
@@ -543,6 +562,7 @@ class RayCkptCallback(RLlibCallback):
         else:
             self.saves[it] = handle
             self._open.append(it)
+            self._last_step = it
         return handle
 
     def flush(self, timeout: Optional[float] = None) -> Dict[int, SaveResult]:
@@ -570,6 +590,7 @@ class RayCkptCallback(RLlibCallback):
     def _ensure_engine(self) -> CheckpointEngine:
         if self.engine is None:
             self.engine = self.settings.engine()
+            self._last_step = max((m.version for m in self.engine.list_checkpoints()), default=-1)
             self._register_static(self.engine)
         return self.engine
 
@@ -726,8 +747,8 @@ def _apply_on_runner(runner: Any, payload: Dict[str, Any]) -> Dict[str, Any]:
         own = from_storable(own)
         _set_process_rng_state(own["process_rng"])
         rng_note = f"rng+{_set_env_rng_states(runner, own.get('env_rng') or [])} env rng"
-    module = getattr(runner, "module", None)
-    digest = _weights_digest(module.get_state()) if module is not None else ""
+    module_state = _runner_module_state(runner)
+    digest = _weights_digest(module_state) if module_state is not None else ""
     conn = runner.get_state(components=[COMPONENT_ENV_TO_MODULE_CONNECTOR, COMPONENT_MODULE_TO_ENV_CONNECTOR])
     conn.pop(NUM_ENV_STEPS_SAMPLED_LIFETIME, None)
     return {"worker_index": idx, "digest": digest, "connectors": to_storable(conn, CONNECTORS, True),
@@ -889,7 +910,7 @@ def restore_algorithm(algorithm: Any, run: Union[str, CheckpointEngine], version
 
 
 def env_runner_weights(algorithm: Any, timeout_s: float = 60.0) -> Dict[int, Dict[str, Any]]:
-    """{remote runner id: its module state} fetched from the remote env runners (for checks)."""
+    """{remote runner id: {module id: {param: array}}} fetched from the remote env runners (for checks)."""
     answers = algorithm.env_runner_group.foreach_env_runner(
-        lambda r: (r.worker_index, r.module.get_state()), local_env_runner=False, timeout_seconds=timeout_s)
+        lambda r: (r.worker_index, _runner_module_state(r)), local_env_runner=False, timeout_seconds=timeout_s)
     return dict(answers)
