@@ -95,9 +95,8 @@ class S3Server:
         self.startup_timeout = startup_timeout
         os.makedirs(self.data_dir, exist_ok=True)
         os.makedirs(self.log_dir, exist_ok=True)
-        taken: "set[int]" = set()
-        self.ports: Dict[str, int] = dict(zip(_PORT_NAMES, _free_ports(len(_PORT_NAMES), taken)))
-        self.ports["admin"] = _free_ports(1, taken)[0]  # its gRPC port is admin + 10000 (see above)
+        self._pick_ports()
+        self.ever_ready = False
         self.config_path = os.path.join(self.base_dir, "identities.json")
         with open(self.config_path, "w") as f:
             json.dump({"identities": [{
@@ -108,6 +107,11 @@ class S3Server:
         self.proc: Optional[subprocess.Popen] = None
         self._log = None
         self.starts = 0
+
+    def _pick_ports(self) -> None:
+        taken: "set[int]" = set()
+        self.ports: Dict[str, int] = dict(zip(_PORT_NAMES, _free_ports(len(_PORT_NAMES), taken)))
+        self.ports["admin"] = _free_ports(1, taken)[0]  # its gRPC port is admin + 10000 (see above)
 
     # ------------------------------------------------------------------ addresses
     @property
@@ -165,7 +169,20 @@ class S3Server:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self) -> "S3Server":
-        """Start the server (same ports and data directory as before) and wait until S3 answers."""
+        """Start the server (same ports and data directory as before) and wait until S3 answers.
+
+        A port taken by another process between picking and binding (the machine runs Ray
+        instances too) makes a *first* start pick fresh ports and try again, at most 3 times."""
+        for attempt in range(3):
+            try:
+                return self._start_once()
+            except RuntimeError as exc:
+                if self.ever_ready or "is not available" not in str(exc) or attempt == 2:
+                    raise
+                self._pick_ports()
+        return self
+
+    def _start_once(self) -> "S3Server":
         if self.running():
             return self
         self._remove_sockets()
@@ -183,6 +200,7 @@ class S3Server:
         except BaseException:
             self.stop()
             raise
+        self.ever_ready = True
         return self
 
     def _wait_ready(self) -> None:
