@@ -42,13 +42,60 @@ def actor_provider(handle: Any, *, get: str = "ckpt_get_state", set: str = "ckpt
     return ActorProvider(handle, get, set)
 
 
-def capture(state: Any, name: str, allow_pickle: bool = False) -> Flat:
-    return flatten(state, state_name=name, allow_pickle=allow_pickle)
+class HostStaging:
+    """Device -> host copies for snapshots, into host buffers reused across saves.
+
+    On CUDA the buffers are pinned and the copies run on a side stream with ``non_blocking=True``;
+    the side stream first waits for the training stream's queued work (so the copy sees this
+    step's values), and only the snapshotting thread waits for the copies, never the training
+    stream. ``stage_cpu=True`` sends CPU tensors through the same path (how it is tested without
+    a GPU, and a way to snapshot tensors that keep changing in place from other threads).
+    """
+
+    def __init__(self, stage_cpu: bool = False):
+        self.stage_cpu = stage_cpu
+        self.buffers: Dict[str, Any] = {}
+        self.streams: Dict[Any, Any] = {}
+
+    def __call__(self, tensor: Any, key: str) -> Any:
+        import torch
+
+        t = tensor.contiguous()
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            pin = t.is_cuda and torch.cuda.is_available()
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            self.buffers[key] = buf
+        if t.is_cuda:
+            stream = self.streams.get(t.device)
+            if stream is None:
+                stream = self.streams[t.device] = torch.cuda.Stream(device=t.device)
+            stream.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(stream):
+                buf.copy_(t, non_blocking=True)
+                t.record_stream(stream)  # the allocator must not reuse t's memory before the copy ends
+        else:
+            buf.copy_(t)
+        return buf
+
+    def synchronize(self) -> None:
+        for stream in self.streams.values():
+            stream.synchronize()
+
+
+def capture(state: Any, name: str, allow_pickle: bool = False, staging: Optional[HostStaging] = None) -> Flat:
+    flat = flatten(state, state_name=name, allow_pickle=allow_pickle, to_host=staging)
+    if staging is not None:
+        staging.synchronize()  # every device->host copy has landed before the bytes leave
+    return flat
 
 
 def snapshot_in_actor(actor: Any, getter: str, name: str, allow_pickle: bool) -> Flat:
-    """Runs in the provider actor: call its getter and flatten (tensor memory is not copied here)."""
-    return capture(getattr(actor, getter)(name), name, allow_pickle)
+    """Runs in the provider actor: call its getter and flatten (CPU tensor memory is not copied
+    here; Ray copies it once into the object store when this returns; device tensors go through
+    the actor's reused pinned staging buffers)."""
+    staging = actor.__dict__.setdefault("_ray_ckpt_host_staging", HostStaging())
+    return capture(getattr(actor, getter)(name), name, allow_pickle, staging)
 
 
 def read_state(tiers: Sequence[Tier], files: List[FileEntry], name: str, allow_pickle: bool = False):

@@ -210,3 +210,30 @@ def test_deleting_versions_removes_shared_files_once_unreferenced(tmp_path):
     assert (tmp_path / shared[0].path).exists()  # still used by v2
     assert delete_version(tier, 2, set(), manifests[2].referenced_paths()) == [shared[0].path]
     assert not (tmp_path / "v000000000001").exists() and not (tmp_path / "v000000000002").exists()
+
+
+def test_host_staging_path_reuses_buffers_and_keeps_bytes(tmp_path):
+    """The device->host staging path (pinned buffers + side stream on CUDA), run on CPU tensors."""
+    from ray_ckpt.snapshot import HostStaging, capture
+
+    staging = HostStaging(stage_cpu=True)
+    model = torch.nn.Linear(16, 8)
+    first = capture(model.state_dict(), "policy", staging=staging)
+    ptrs = {k: b.data_ptr() for k, b in staging.buffers.items()}
+    assert set(ptrs) == {"weight", "bias"}
+    # the staged copy is a snapshot: later in-place training does not change it
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    back = decode_files(*_write_read(first, tmp_path, 1), name="policy")
+    assert not torch.equal(back["weight"], model.weight)
+    second = capture(model.state_dict(), "policy", staging=staging)
+    assert {k: b.data_ptr() for k, b in staging.buffers.items()} == ptrs  # reused across saves
+    back2 = decode_files(*_write_read(second, tmp_path, 2), name="policy")
+    assert torch.equal(back2["weight"], model.weight) and torch.equal(back2["bias"], model.bias)
+
+
+def _write_read(flat, tmp_path, version):
+    tier = Tier(str(tmp_path), "local")
+    files = write_flat(tier, version, "policy", 0, flat)
+    bufs, _, _ = read_files([tier], files)
+    return files, bufs

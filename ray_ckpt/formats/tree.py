@@ -88,8 +88,13 @@ def _leaf_name(path: list) -> str:
     return "/".join(str(k) for k in path) or "value"
 
 
-def flatten(state: Any, *, state_name: str = "state", allow_pickle: bool = False) -> Flat:
+def flatten(state: Any, *, state_name: str = "state", allow_pickle: bool = False,
+            to_host: Optional[Any] = None) -> Flat:
     """Flatten ``state`` without copying tensor or array memory.
+
+    ``to_host(tensor, leaf_name)`` moves a device tensor to host memory (default: ``.to("cpu")``);
+    the snapshot path passes a :class:`~ray_ckpt.snapshot.HostStaging` that copies into reused
+    pinned buffers on a side stream.
 
     Raises :class:`UnsupportedTypeError` naming the state and the key path of the first object that
     has no safe format.
@@ -139,8 +144,8 @@ def flatten(state: Any, *, state_name: str = "state", allow_pickle: bool = False
             if obj.layout != torch.strided or obj.is_quantized:
                 raise unsupported(obj, path, f"tensor layout {obj.layout}")
             x = obj.detach()
-            if x.device.type != "cpu":
-                x = x.to("cpu")
+            if x.device.type != "cpu" or (to_host is not None and getattr(to_host, "stage_cpu", False)):
+                x = to_host(x, _leaf_name(path)) if to_host is not None else x.to("cpu")
             x = x.resolve_conj().resolve_neg().contiguous()
             st = _TORCH_TO_ST.get(x.dtype, "U8")
             u8 = x.reshape(-1).view(torch.uint8).numpy() if x.numel() else np.empty(0, np.uint8)
