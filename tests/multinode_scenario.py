@@ -33,12 +33,14 @@ def main() -> int:
         cluster.wait_for_nodes()
         a, b = node_a.node_id, node_b.node_id
 
-        reference = remote(Learner).remote(seed=11)
+        reference = remote(Learner).remote(seed=11, hidden=8192)
         ray.get(reference.train.remote(5))
         expected = ray.get(reference.snapshot.remote())
 
+        # a state over 100 KB lives in the object store of the learner's node (smaller ones are inlined
+        # into the owner's memory, and any writer is as close to them as another)
         learner = remote(Learner, max_restarts=1, resources={"learner_slot": 1},
-                         scheduling_strategy=NodeAffinitySchedulingStrategy(a, soft=True)).remote(seed=11)
+                         scheduling_strategy=NodeAffinitySchedulingStrategy(a, soft=True)).remote(seed=11, hidden=8192)
         assert ray.get(learner.node.remote()) == a
         engine = rc.CheckpointEngine.create("multinode", local_dir=os.path.join(root, "local", "{node_id}"),
                                             remote_uri="file://" + os.path.join(root, "remote"))
