@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     root = tempfile.mkdtemp(prefix="rc_remote_bench_")
     srv = S3Server(os.path.join(root, "s3")).start()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, object_store_memory=4 << 30)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, object_store_memory=4 << 30)
     try:
         per = args.mb * (1 << 20) // args.states
         states = {f"s{i}": {"w": torch.randint(0, 255, (per,), dtype=torch.uint8)} for i in range(args.states)}

@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     root = args.dir or tempfile.mkdtemp(prefix="ray_ckpt_bench_")
     os.makedirs(root, exist_ok=True)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              object_store_memory=6 << 30)
     rows = []
     try:

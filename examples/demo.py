@@ -243,7 +243,7 @@ def main(argv=None) -> int:
     root = args.dir or tempfile.mkdtemp(prefix="ray_ckpt_demo_")
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         print(f"uninterrupted run: {args.steps} steps")
         ref, _ = train("demo-reference", os.path.join(root, "a"), args.steps, args.save_every, None, quiet=True)

@@ -47,6 +47,7 @@ class PendingVersion:
     parts: Dict[PartKey, Part]
     committed: bool = False
     error: Optional[str] = None
+    opened_by_push: bool = False
 
     def missing_submits(self) -> List[str]:
         return [f"{p.name}/rank{p.rank}" for p in self.parts.values() if not p.submitted]
@@ -100,6 +101,7 @@ class Catalogue:
         pv = self.pending.get(version)
         if pv is None:
             pv = self.begin(version, step, [])
+            pv.opened_by_push = True
         part = pv.parts.get((name, rank))
         if part is None:
             raise SaveError(f"version {version} does not expect state {name!r} rank {rank}")
@@ -130,8 +132,13 @@ class Catalogue:
         (a RELOADABLE state rebuilt by a loader: no bytes) or replicated=True."""
         # Steps increasing is checked by each engine at the call; here only duplicates are refused,
         # because Ray may start an async actor's calls out of submission order.
+        pv = self.pending.get(version)
+        if pv is not None and pv.opened_by_push and parts and not pv.committed and not pv.error:
+            return self._merge(pv, parts, metrics)  # ranks pushed first; the driver's parts join them
         if version in self.committed or version in self.pending:
-            raise SaveError(f"version {version} of run {self.run!r} already exists; steps must increase")
+            raise SaveError(f"version {version} of run {self.run!r} already exists"
+                            + (" and is committed" if version in self.committed else "")
+                            + "; steps must increase")
         pv = PendingVersion(version, step, time.time(), dict(metrics or {}), {}, set(), set(), {})
         names = {p["name"] for p in parts}
         for p in parts + [q for q in self.pushed_parts() if q["name"] not in names]:
@@ -144,6 +151,20 @@ class Catalogue:
                 continue
             pv.parts[(p["name"], int(p.get("rank", 0)))] = Part(p["name"], int(p.get("rank", 0)), strategy)
         self.pending[version] = pv
+        return pv
+
+    def _merge(self, pv: "PendingVersion", parts: List[dict], metrics: Optional[Dict[str, float]]) -> "PendingVersion":
+        pv.opened_by_push = False
+        pv.metrics.update(metrics or {})
+        for p in parts:
+            if p["name"] in pv.strategies:
+                raise SaveError(f"version {pv.version}: state {p['name']!r} is both pushed and saved by the driver")
+            strategy = Strategy.parse(p["strategy"])
+            pv.strategies[p["name"]] = strategy
+            if p.get("loader"):
+                pv.loader_states.add(p["name"])
+                continue
+            pv.parts[(p["name"], int(p.get("rank", 0)))] = Part(p["name"], int(p.get("rank", 0)), strategy)
         return pv
 
     def part_written(self, version: int, name: str, rank: int, result: dict) -> None:

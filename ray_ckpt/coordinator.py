@@ -9,6 +9,7 @@ rebuilds its catalogue from the manifests.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import time
@@ -64,6 +65,9 @@ class CheckpointCoordinator:
         self.best_effort = [self._writer("best_effort", config.best_effort_cpus, config.best_effort_nice)
                             for _ in range(config.best_effort_writers)]
         self.file_nodes: Dict[str, str] = {}  # local file path -> node whose local tier holds it
+        self._locator = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="locate")
+        self._nodes: Set[str] = set()
+        self._nodes_at = 0.0
         self.outstanding: Dict[int, int] = {}  # id(writer) -> bytes queued
         self.commit_futures: Dict[int, asyncio.Future] = {}
         self.remote_futures: Dict[int, asyncio.Future] = {}
@@ -76,6 +80,7 @@ class CheckpointCoordinator:
         self.started_at = time.time()
         self.metrics = Metrics(config.run)
         self.accepted_at: Dict[int, float] = {}
+        self.remote_bytes: Dict[int, int] = {}  # bytes uploaded per version (files + manifest)
 
     def _writer(self, pool: str, cpus: float, nice: int, node: Optional[str] = None):
         opts: Dict[str, Any] = {"num_cpus": cpus}
@@ -93,19 +98,33 @@ class CheckpointCoordinator:
     def _critical_on(self, node: Optional[str]) -> list:
         """The critical pool of ``node`` (created on first use), or this node's when unknown/gone."""
         if node and node not in self.pools:
-            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-            if node in alive:
+            self._nodes_at = 0.0
+            if node in self._alive_nodes():
                 self.pools[node] = self._make_pool(node)
         return self.pools.get(node) or self.pools[self.node_id]
 
+    def _alive_nodes(self) -> Set[str]:
+        now = time.monotonic()
+        if now - self._nodes_at > 5.0:
+            self._nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            self._nodes_at = now
+        return self._nodes
+
     async def _locate(self, ref: Any) -> Optional[str]:
-        """The node holding a snapshot once it is ready (not fetched here: fetch_local=False)."""
+        """The node holding a snapshot once it is ready (not fetched here: fetch_local=False).
+
+        The wait may last as long as the provider's current training call, so it runs on its own
+        thread pool, never on the one that writes manifests."""
+        if len(self._alive_nodes()) <= 1:
+            return None
         try:
-            await asyncio.to_thread(ray.wait, [ref], num_returns=1, fetch_local=False)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._locator, lambda: ray.wait([ref], num_returns=1, fetch_local=False))
             locs = ray.experimental.get_object_locations([ref]).get(ref) or {}
             nodes = locs.get("node_ids") or []
             return nodes[0] if nodes else None
-        except Exception:  # a failed snapshot has no location: the writer reports its error
+        except Exception as exc:  # a failed snapshot has no location: the writer reports its error
+            log.info("no location for a snapshot (%s); writing it from this node", _one_line(exc))
             return None
 
     # ------------------------------------------------------------------ queries
@@ -149,7 +168,8 @@ class CheckpointCoordinator:
                              "best_effort": sum(self.outstanding.get(id(w), 0) for w in self.best_effort)},
             "committed": len(self.catalogue.committed), "remote_committed": len(self.remote_committed),
             "commits": self.commits, "failures": self.failures, "last_error": self.last_error,
-            "started_at": self.started_at,
+            "started_at": self.started_at, "node": self.node_id,
+            "writer_nodes": {n[:12]: len(p) for n, p in self.pools.items()},
         }
 
     def writers(self) -> Dict[str, list]:
@@ -165,8 +185,10 @@ class CheckpointCoordinator:
         have no ref. Raises SaveError if the version cannot commit."""
         t0 = time.perf_counter()
         version = step
+        merged = version in self.catalogue.pending
         self.catalogue.begin(version, step, parts, metrics)
-        self._opened(version)
+        if not merged:
+            self._opened(version)
         stored = [p for p in parts if not p.get("loader")]
         if len(stored) != len(refs):
             self.catalogue.fail(version, "internal: parts and refs differ in number")
@@ -329,7 +351,8 @@ class CheckpointCoordinator:
             remote = self.remote_futures.get(v)
             if v in self.catalogue.pending or v in self.remote_pending or (remote is not None and not remote.done()):
                 continue
-            for d in (self.commit_futures, self.remote_futures, self.version_locks, self.accepted_at):
+            for d in (self.commit_futures, self.remote_futures, self.version_locks, self.accepted_at,
+                      self.remote_bytes):
                 d.pop(v, None)
             self.version_locks.pop(-v - 1, None)
 
@@ -395,13 +418,16 @@ class CheckpointCoordinator:
                     continue
                 self.remote_committed[version] = manifest
                 self.remote_errors.pop(version, None)
+                uploaded_bytes = sum(f["size"] for f in files) + len(manifest.to_json())
+                self.remote_bytes[version] = self.remote_bytes.get(version, 0) + uploaded_bytes
                 self.metrics.committed("remote", time.perf_counter() - self.accepted_at.get(version, 0.0),
-                                       sum(f["size"] for f in files))
+                                       uploaded_bytes)
                 self.remote_pending.discard(version)
                 fut = self.remote_futures.setdefault(version, asyncio.get_running_loop().create_future())
                 if not fut.done():
                     fut.set_result({"version": version, "step": manifest.step, "durability": "remote",
-                                    "bytes_written": manifest.bytes, "states": sorted(manifest.states)})
+                                    "bytes_written": self.remote_bytes.get(version, 0),
+                                    "states": sorted(manifest.states)})
                 break
         await self._apply_remote_retention()
 

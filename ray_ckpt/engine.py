@@ -175,13 +175,8 @@ class CheckpointEngine:
         return cls(coord, ray.get(coord.config.remote(), timeout=timeout))
 
     def shutdown(self) -> None:
-        """Stop the coordinator and its writers (committed checkpoints stay in storage)."""
-        try:
-            writers = ray.get(self._coordinator.writers.remote(), timeout=30)
-            for w in writers["critical"] + writers["best_effort"]:
-                ray.kill(w)
-        except Exception:
-            pass
+        """Stop the coordinator; its writers, which it owns, stop with it. Committed checkpoints stay
+        in storage; saves still in flight are not committed (wait for their handles first)."""
         ray.kill(self._coordinator, no_restart=True)
 
     # ------------------------------------------------------------------ registration
@@ -277,6 +272,7 @@ class CheckpointEngine:
         else:
             flat = capture(state, name, decl["allow_pickle"])
             ref = ray.put(flat)
+        self._in_flight = [h for h in self._in_flight if not h.done()]
         obj = self._coordinator.submit.remote(step, name, rank, [ref] if ref is not None else [], 0)
         self._last_pushed[(name, rank)] = step
         handle = SaveHandle(self, step, obj, time.perf_counter() - t0)

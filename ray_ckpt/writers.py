@@ -108,7 +108,7 @@ class WriterActor:
         """Retention on this node's local tier (each node's local tier is its own disk)."""
         return delete_version(self.writer.local, version, keep_paths, referenced)
 
-    @ray.method(concurrency_group="upload")
+    @ray.method(concurrency_group="upload", max_task_retries=0)  # the coordinator retries uploads itself
     def upload(self, files: List[dict]) -> int:
         return self.writer.upload(files)
 

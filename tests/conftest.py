@@ -9,7 +9,7 @@ import ray
 def ray_session():
     """One local Ray instance for the whole test session (2-core machines: fractional CPUs)."""
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield
     ray.shutdown()

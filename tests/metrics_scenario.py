@@ -26,7 +26,7 @@ def free_port() -> int:
 def main() -> int:
     root = tempfile.mkdtemp(prefix="rc_metrics_")
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=port,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=port,
              _system_config={"metrics_report_interval_ms": 500})
     try:
         model = torch.nn.Linear(8, 8)

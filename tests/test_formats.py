@@ -237,3 +237,17 @@ def _write_read(flat, tmp_path, version):
     files = write_flat(tier, version, "policy", 0, flat)
     bufs, _, _ = read_files([tier], files)
     return files, bufs
+
+
+def test_driver_save_joins_a_version_its_ranks_opened_first():
+    """Ray orders calls per caller only: rank pushes may reach the coordinator before the driver's save."""
+    cat = Catalogue("run")
+    cat.declare("shard", "critical", world_size=2)
+    cat.accept_push(4, 4, "shard", 0)
+    cat.begin(4, 4, [{"name": "reference", "strategy": "reloadable"}])  # merged, not refused
+    assert set(cat.pending[4].parts) == {("shard", 0), ("shard", 1), ("reference", 0)}
+    for name, rank in [("shard", 0), ("shard", 1)]:
+        cat.part_written(4, name, rank, {"files": [], "written": 0})
+    assert not cat.ready_to_commit(4)  # the driver's part is awaited too
+    with pytest.raises(rc.SaveError, match="already exists"):
+        cat.begin(4, 4, [{"name": "other", "strategy": "critical"}])  # only once

@@ -798,7 +798,7 @@ def restore_algorithm(algorithm: Any, run: Union[str, CheckpointEngine], version
         raise RestoreError(f"cannot restore version {v} of run {engine.run!r} into the algorithm; nothing "
                            f"was changed: " + " | ".join(missing_critical))
     for name in getattr(meta, "missing", ()) or ():
-        states.setdefault(name, "missing: not saved in this version (best effort)")
+        states.setdefault(name, "missing: not written (or not yet: best-effort parts land after the commit)")
 
     # ---- learner: weights + optimizer, stamped with a weights_seq_no newer than anything out there
     lg = algorithm.learner_group
