@@ -265,5 +265,6 @@ def meta_of(m: Manifest, tiers: Tuple[str, ...]) -> CheckpointMeta:
         version=m.version, step=m.step, created_at=m.created_at,
         states=tuple(sorted(n for n, e in m.states.items() if e.status in ("stored", "loader"))),
         bytes=m.bytes, tiers=tiers, metrics=dict(m.metrics),
-        missing=tuple(sorted(n for n, e in m.states.items() if e.status in ("missing", "pending"))),
+        missing=tuple(sorted(n for n, e in m.states.items() if e.status == "missing")),
+        pending=tuple(sorted(n for n, e in m.states.items() if e.status == "pending")),
     )

@@ -81,6 +81,7 @@ class CheckpointCoordinator:
         self.metrics = Metrics(config.run)
         self.accepted_at: Dict[int, float] = {}
         self.remote_bytes: Dict[int, int] = {}  # bytes uploaded per version (files + manifest)
+        self.settled_futures: Dict[int, asyncio.Future] = {}  # every part, best-effort too, is done
 
     def _writer(self, pool: str, cpus: float, nice: int, node: Optional[str] = None):
         opts: Dict[str, Any] = {"num_cpus": cpus}
@@ -202,6 +203,7 @@ class CheckpointCoordinator:
 
     def _opened(self, version: int) -> None:
         self.commit_futures[version] = asyncio.get_running_loop().create_future()
+        self.settled_futures[version] = asyncio.get_running_loop().create_future()
         self.version_locks[version] = asyncio.Lock()
         self.accepted_at[version] = time.perf_counter()
         self.metrics.set_in_flight(len(self.catalogue.pending))
@@ -333,6 +335,9 @@ class CheckpointCoordinator:
             if not self.catalogue.settled(version):
                 return
             self.catalogue.finish(version)
+            settled = self.settled_futures.get(version)
+            if settled is not None and not settled.done():
+                settled.set_result(True)
             self.metrics.set_in_flight(len(self.catalogue.pending))
             self._prune_bookkeeping()
         if pv.error:  # never listed: remove what its parts wrote
@@ -352,7 +357,7 @@ class CheckpointCoordinator:
             if v in self.catalogue.pending or v in self.remote_pending or (remote is not None and not remote.done()):
                 continue
             for d in (self.commit_futures, self.remote_futures, self.version_locks, self.accepted_at,
-                      self.remote_bytes):
+                      self.remote_bytes, self.settled_futures):
                 d.pop(v, None)
             self.version_locks.pop(-v - 1, None)
 
@@ -431,9 +436,26 @@ class CheckpointCoordinator:
                 break
         await self._apply_remote_retention()
 
-    async def wait(self, version: int, durability: str = "local") -> Dict[str, Any]:
+    async def wait(self, version: int, durability: str = "local", best_effort: bool = False) -> Dict[str, Any]:
+        """The SaveResult once ``version`` is committed on the ``durability`` tier; with
+        ``best_effort=True`` also once its best-effort parts are written (or reported missing)."""
         if durability not in ("local", "remote"):
             raise SaveError(f"durability must be 'local' or 'remote', got {durability!r}")
+        if best_effort:
+            result = await self.wait(version, "local")
+            settled = self.settled_futures.get(version)
+            if settled is not None:
+                await settled
+            if durability == "local":
+                m = self.catalogue.committed.get(version)
+                return dict(result, missing=sorted(n for n, e in m.states.items() if e.status == "missing")
+                            if m else [])
+            # a manifest updated by late best-effort parts is uploaded again: wait for that copy
+            while version in self.remote_pending or (
+                    version in self.catalogue.committed and version in self.remote_committed
+                    and self.remote_committed[version].to_json() != self.catalogue.committed[version].to_json()):
+                await asyncio.sleep(0.05)
+            return await self.wait(version, "remote")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 30.0
         # an async actor may run this call before the save() submitted just before it: wait a little

@@ -66,14 +66,20 @@ class SaveHandle:
         ready, _ = ray.wait([self._ref], timeout=0)
         return bool(ready)
 
-    def wait(self, timeout: Optional[float] = None, durability: str = "local") -> SaveResult:
-        """Block until the version is committed on the ``durability`` tier ("local" or "remote")."""
+    def wait(self, timeout: Optional[float] = None, durability: str = "local",
+             best_effort: bool = False) -> SaveResult:
+        """Block until the version is committed on the ``durability`` tier ("local" or "remote").
+
+        ``best_effort=True`` also waits for the version's best-effort parts to be written or
+        reported missing (a commit never waits for them)."""
         if self.skipped:
             return SaveResult(None, self.step, 0, "skipped")
         if durability not in ("local", "remote"):
             raise InvalidArgumentError(f"durability must be 'local' or 'remote', got {durability!r}")
         coord = self._engine._coordinator
-        if durability == "local":
+        if best_effort:
+            ref = coord.wait.remote(self.version, durability, True)
+        elif durability == "local":
             ref = self._ref
         else:
             if self._remote_ref is None:

@@ -97,4 +97,5 @@ class CheckpointMeta:
     bytes: int
     tiers: Tuple[str, ...]
     metrics: Dict[str, float] = field(default_factory=dict)
-    missing: Tuple[str, ...] = ()
+    missing: Tuple[str, ...] = ()   # best-effort states that failed (reported, not fatal)
+    pending: Tuple[str, ...] = ()   # best-effort states still being written

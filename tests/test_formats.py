@@ -71,6 +71,7 @@ def test_every_supported_type_roundtrips_exactly(tmp_path):
                 "arr": np.arange(6, dtype=np.uint16).reshape(2, 3), "f16": np.ones(3, np.float16)},
         "table": pa.table({"obs": [[1.0, 2.0], [3.0, 4.0]], "reward": [0.5, -1.0], "done": [False, True]}),
         3: ("tuple", 1, 2.0, [None, True]),
+        "rllib_style": {None: {"obs_filter": np.zeros(3)}, True: 1, False: "f"},  # None / bool keys
     }
     back = roundtrip(state, tmp_path)
     assert type(back["model"]) is collections.OrderedDict

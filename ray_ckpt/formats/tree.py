@@ -9,7 +9,8 @@ memory, so capturing them costs no copy until Ray puts them into the object stor
 Node encoding (scalars are plain JSON; everything else is a one-tag object):
   null / true / false / int / str   the value itself
   {"f": hex}                        float
-  {"d": [[key, node], ...]}         dict  (``"o": 1`` for OrderedDict); keys are str or int
+  {"d": [[key, node], ...]}         dict  (``"o": 1`` for OrderedDict); keys str or int, or
+                                    {"kn": 1} for None and {"kb": b} for a bool
   {"l": [...]} / {"u": [...]}       list / tuple
   {"T": i, "dt": "BF16", "sh": []}  torch tensor, bytes in arrays[i]
   {"N": i, "dt": "<f4", "sh": []}   numpy array,  bytes in arrays[i]
@@ -129,9 +130,13 @@ def flatten(state: Any, *, state_name: str = "state", allow_pickle: bool = False
         if t is dict or t is collections.OrderedDict:
             items = []
             for k, v in obj.items():
-                if type(k) not in (str, int):
-                    raise unsupported(k, path + [k], "dict keys must be str or int")
-                items.append([k, enc(v, path + [k])])
+                if type(k) in (str, int):
+                    key = k
+                elif k is None or type(k) is bool:  # RLlib keys single-agent state by None
+                    key = {"kn": 1} if k is None else {"kb": k}
+                else:
+                    raise unsupported(k, path + [k], "dict keys must be str, int, bool or None")
+                items.append([key, enc(v, path + [k])])
             node = {"d": items}
             if t is collections.OrderedDict:
                 node["o"] = 1
@@ -197,7 +202,7 @@ def unflatten(structure: Any, arrays: List[Any], tables: List[Any], *, as_numpy:
         if "f" in node:
             return float.fromhex(node["f"])
         if "d" in node:
-            pairs = [(k, dec(v)) for k, v in node["d"]]
+            pairs = [(_dec_key(k), dec(v)) for k, v in node["d"]]
             return collections.OrderedDict(pairs) if node.get("o") else dict(pairs)
         if "l" in node:
             return [dec(v) for v in node["l"]]
@@ -237,6 +242,12 @@ def unflatten(structure: Any, arrays: List[Any], tables: List[Any], *, as_numpy:
         raise RestoreError(f"state {state_name!r}: unknown structure node {sorted(node)}")
 
     return dec(structure)
+
+
+def _dec_key(k: Any) -> Any:
+    if isinstance(k, dict):
+        return None if "kn" in k else bool(k["kb"])
+    return k
 
 
 _TORCH_NAME_TO_NP = {
