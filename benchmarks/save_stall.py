@@ -4,10 +4,11 @@ safetensors, torch DCP async_save and dd, in one run on one disk.
     python benchmarks/save_stall.py [--sizes 64,512,2048] [--dir /path/on/the/disk] [--repeats 3]
 
 State: a model-like dict of float32 tensors (weights + two Adam moments) of the given total size.
-Columns (medians over --repeats):
+Columns (medians over --repeats; every repeat measures each contender once, interleaved):
   save() ms        how long engine.save() takes to return to the driver
-  pause ms         how long the learner actor is busy with the snapshot (a no-op call queued right
-                   after the snapshot returns after this long), vs memcpy ms = one copy_ of the bytes
+  pause ms         how long the learner actor is busy with the snapshot: a no-op call queued right
+                   after the snapshot runs at this time after save() (half an idle actor-call round
+                   trip subtracted), vs memcpy ms = one copy_ of the bytes into a preallocated buffer
   durable s        save() until the local version is committed (fsynced files + manifest)
   torch.save s     torch.save + fsync of the same state, in the learner's place (it blocks)
   safetensors s    safetensors.torch.save_file + fsync
@@ -64,6 +65,12 @@ class Learner:
         for k, v in self.sd.items():
             dst[k].copy_(v)
         return time.perf_counter() - t
+
+
+def _rtt(learner) -> float:
+    t = time.perf_counter()
+    ray.get(learner.ping.remote())
+    return time.perf_counter() - t
 
 
 def fsync_path(path: str) -> None:
@@ -146,47 +153,51 @@ def main(argv=None) -> int:
              object_store_memory=6 << 30)
     rows = []
     try:
-        for mb in [int(s) for s in args.sizes.split(",")]:
+        for mb in [int(x) for x in args.sizes.split(",")]:
             learner = Learner.remote(mb)
             ray.get(learner.ping.remote())
             eng = rc.CheckpointEngine.create(f"bench{mb}", local_dir=os.path.join(root, "ckpt"), keep_last=1)
             eng.register("state", learner)
-            stall, pause, durable, written = [], [], [], 0
-            for i in range(args.repeats + 1):  # the first save warms the writers up; not counted
-                base = ray.get(learner.ping.remote())
+            eng.save(1).wait(timeout=600)  # warm-up: writers started, pages touched; not counted
+            rtt = statistics.median(_rtt(learner) for _ in range(5))
+            sd = make_state(mb)
+            nbytes = sum(v.nbytes for v in sd.values())
+            m = {k: [] for k in ("stall", "pause", "durable", "torch", "st", "dcp_stall", "dcp_dur", "dd")}
+            written = 0
+            # interleaved: every repeat measures each contender once, so a slow spell of the disk
+            # (this VM's write speed varies by 2x from one second to the next) hits all of them
+            for i in range(args.repeats):
                 t0 = time.perf_counter()
-                h = eng.save(i + 1)
+                h = eng.save(i + 2)
                 t1 = time.perf_counter()
                 after = ray.get(learner.ping.remote())
-                res = h.wait(timeout=600)
+                written = h.wait(timeout=600).bytes_written
                 t2 = time.perf_counter()
-                if i:
-                    stall.append((t1 - t0) * 1e3)
-                    pause.append(max(0.0, after - t0) * 1e3)
-                    durable.append(t2 - t0)
-                    written = res.bytes_written
+                m["stall"].append((t1 - t0) * 1e3)
+                m["pause"].append(max(0.0, after - t0 - rtt / 2) * 1e3)
+                m["durable"].append(t2 - t0)
+                m["torch"].append(bench_torch_save(sd, root))
+                m["st"].append(bench_safetensors(sd, root))
+                r = bench_dcp(sd, root)
+                if r:
+                    m["dcp_stall"].append(r[0] * 1e3)
+                    m["dcp_dur"].append(r[1])
+                m["dd"].append(bench_dd(nbytes, root))
             memcpy = statistics.median(ray.get(learner.memcpy_s.remote()) for _ in range(3)) * 1e3
             eng.shutdown()
             ray.kill(learner)
-            sd = make_state(mb)
-            nbytes = sum(v.nbytes for v in sd.values())
-            ts = statistics.median(bench_torch_save(sd, root) for _ in range(args.repeats))
-            st = statistics.median(bench_safetensors(sd, root) for _ in range(args.repeats))
-            dcp_runs = [bench_dcp(sd, root) for _ in range(args.repeats)]
-            dcp_runs = [r for r in dcp_runs if r]
-            dd = statistics.median(bench_dd(nbytes, root) for _ in range(args.repeats))
             del sd
-            med_d = statistics.median(durable)
+            med = {k: (statistics.median(v) if v else float("nan")) for k, v in m.items()}
             rows.append({
-                "MB": mb, "save() ms": statistics.median(stall), "pause ms": statistics.median(pause),
-                "memcpy ms": memcpy, "durable s": med_d, "torch.save s": ts, "safetensors s": st,
-                "dcp stall ms": statistics.median(r[0] for r in dcp_runs) * 1e3 if dcp_runs else float("nan"),
-                "dcp durable s": statistics.median(r[1] for r in dcp_runs) if dcp_runs else float("nan"),
-                "dd s": dd, "durable/dd": med_d / dd, "torch.save/durable": ts / med_d,
-                "pause/memcpy": statistics.median(pause) / memcpy if memcpy else float("nan"),
+                "MB": mb, "save() ms": med["stall"], "pause ms": med["pause"], "memcpy ms": memcpy,
+                "pause/memcpy": med["pause"] / memcpy, "durable s": med["durable"],
+                "torch.save s": med["torch"], "safetensors s": med["st"],
+                "dcp stall ms": med["dcp_stall"], "dcp durable s": med["dcp_dur"], "dd s": med["dd"],
+                "durable/dd": med["durable"] / med["dd"], "torch.save/durable": med["torch"] / med["durable"],
                 "written MB": written / (1 << 20),
             })
-            print(f"  {mb} MB done", file=sys.stderr)
+            print(f"  {mb} MB done (actor call round trip {rtt * 1e3:.1f} ms, half of it subtracted from "
+                  f"the pause)", file=sys.stderr)
     finally:
         ray.shutdown()
         if args.dir is None:
