@@ -435,6 +435,7 @@ class CheckpointCoordinator:
                                     "states": sorted(manifest.states)})
                 break
         await self._apply_remote_retention()
+        await self._apply_retention()  # a local version held back for its upload may go now
 
     async def wait(self, version: int, durability: str = "local", best_effort: bool = False) -> Dict[str, Any]:
         """The SaveResult once ``version`` is committed on the ``durability`` tier; with

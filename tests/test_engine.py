@@ -253,3 +253,30 @@ def test_writer_killed_mid_write(engine_factory, tmp_path, run_name):
     assert versions in ([], [1])
     assert eng.save(2).wait(timeout=120).version == 2
     assert eng.restore().version == 2
+
+
+def test_remote_cadence_and_per_tier_retention(engine_factory, tmp_path, run_name):
+    learner = remote(Learner).remote(seed=9)
+    eng = engine_factory(remote_every=2, keep_last=1, remote_keep_last=2)
+    register_learner(eng, learner)
+    handles = [eng.save(s) for s in range(1, 7)]
+    for s, h in enumerate(handles, start=1):
+        if s % 2 == 0:
+            assert h.wait(timeout=60, durability="remote").durability == "remote"
+        else:
+            h.wait(timeout=60)
+            with pytest.raises(rc.SaveError, match="remote_every=2"):
+                h.wait(timeout=60, durability="remote")
+    remote_dir = tmp_path / "remote" / run_name
+    deadline = time.time() + 30
+    while sorted(p.name for p in remote_dir.iterdir()) != ["v000000000004", "v000000000006"]:
+        assert time.time() < deadline, sorted(p.name for p in remote_dir.iterdir())
+        time.sleep(0.1)
+    tiers = {m.version: m.tiers for m in eng.list_checkpoints()}
+    assert tiers == {4: ("remote",), 6: ("local", "remote")}
+    # a corrupt remote copy does not matter while the local one is good
+    p = remote_dir / "v000000000006" / "policy" / "rank0.safetensors"
+    p.write_bytes(p.read_bytes()[:-1] + b"\x00")
+    assert eng.restore().states["policy"].tier == "local"
+    # version 4 exists only remotely: restored from there
+    assert {r.tier for r in eng.restore(step=4).states.values()} == {"remote"}

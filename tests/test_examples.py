@@ -15,3 +15,16 @@ def test_demo_resumes_bit_identically(ray_session, tmp_path, capsys):
     assert "restored version 6 (step 6)" in out
     assert "bit-identical" in out and "| bit-identical      |              yes |" in out
     assert rc_ == 0
+
+
+@pytest.mark.timeout(300)
+def test_s3_example_restores_from_s3(ray_session, s3_server, capsys, run_name):
+    ex = runpy.run_path(str(ROOT / "examples" / "s3_example.py"), run_name="s3_example_under_test")
+    code = ex["main"](["--remote-uri", s3_server.uri("examples"), "--endpoint", s3_server.endpoint,
+                       "--access-key", s3_server.access_key, "--secret-key", s3_server.secret_key,
+                       "--run", run_name])
+    out = capsys.readouterr().out
+    assert "restored from remote; weights after replay bit-identical: yes" in out, out
+    # remote_every=2: odd versions stay local; the remote keeps the uploaded ones
+    assert "v6[local+remote]" in out and "v5[local]" in out, out
+    assert code == 0
