@@ -330,8 +330,13 @@ class CheckpointCoordinator:
             elif pv.committed:  # a best-effort part landed after the commit: add it to the manifest
                 manifest = self.catalogue.manifest_for(version)
                 if version in self.catalogue.committed and manifest.to_json() != self.catalogue.committed[version].to_json():
-                    await asyncio.to_thread(write_manifest, self.local, manifest)
-                    self.catalogue.committed[version] = manifest
+                    try:
+                        await asyncio.to_thread(write_manifest, self.local, manifest)
+                        self.catalogue.committed[version] = manifest
+                    except Exception as exc:  # the committed manifest stays; the late part is reported
+                        self.last_error = f"version {version}: adding best-effort parts to the manifest " \
+                                          f"failed: {_one_line(exc)}"
+                        log.error(self.last_error)
             if not self.catalogue.settled(version):
                 return
             self.catalogue.finish(version)

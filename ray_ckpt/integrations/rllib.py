@@ -369,7 +369,9 @@ def _remote_runner_handles(group: Any) -> Dict[int, Any]:
     try:
         actors = mgr.actors()
         return {i: actors[i] for i in mgr.healthy_actor_ids() if i in actors}
-    except Exception:  # pragma: no cover - RLlib internals changed
+    except Exception as exc:  # pragma: no cover - RLlib internals changed
+        log.warning("ray_ckpt: cannot list RLlib's remote env runners (%s); their best-effort RNG "
+                       "states are not saved", exc)
         return {}
 
 
