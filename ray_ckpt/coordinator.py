@@ -111,6 +111,20 @@ class CheckpointCoordinator:
             self._nodes_at = now
         return self._nodes
 
+    @staticmethod
+    def _locate_blocking(ref: Any) -> Optional[str]:
+        ray.wait([ref], num_returns=1, fetch_local=False)
+        # this actor only borrows the ref: the owner's location report can lag the object's
+        # readiness a little, so ask again for a bounded moment before giving up on affinity
+        for _ in range(40):
+            locs = ray.experimental.get_object_locations([ref]).get(ref) or {}
+            if locs.get("node_ids"):
+                return locs["node_ids"][0]
+            if 0 < (locs.get("object_size") or 0) < 100 * 1024:
+                return None  # small objects are inlined in their owner's memory: no node to prefer
+            time.sleep(0.025)
+        return None
+
     async def _locate(self, ref: Any) -> Optional[str]:
         """The node holding a snapshot once it is ready (not fetched here: fetch_local=False).
 
@@ -120,10 +134,7 @@ class CheckpointCoordinator:
             return None
         try:
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._locator, lambda: ray.wait([ref], num_returns=1, fetch_local=False))
-            locs = ray.experimental.get_object_locations([ref]).get(ref) or {}
-            nodes = locs.get("node_ids") or []
-            return nodes[0] if nodes else None
+            return await loop.run_in_executor(self._locator, self._locate_blocking, ref)
         except Exception as exc:  # a failed snapshot has no location: the writer reports its error
             log.info("no location for a snapshot (%s); writing it from this node", _one_line(exc))
             return None

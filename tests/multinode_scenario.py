@@ -50,7 +50,10 @@ def main() -> int:
         result = engine.save(2).wait(timeout=120, durability="remote")
         assert result.durability == "remote", result
         on_a = os.path.join(root, "local", a[:12], "multinode", "v000000000002", "policy", "rank0.safetensors")
-        assert os.path.exists(on_a), f"critical writer did not write on the learner's node: {on_a} missing"
+        written = sorted(os.path.relpath(os.path.join(d, f), root)
+                         for d, _, fs in os.walk(os.path.join(root, "local")) for f in fs)
+        assert os.path.exists(on_a), (f"critical writer did not write on the learner's node: {on_a} missing; "
+                                      f"files: {written}; status: {engine.status()}")
         print(f"saved version 2 on node A ({a[:12]}) and uploaded it; coordinator on "
               f"{engine.status()['node'][:12]}, head {ray.get_runtime_context().get_node_id()[:12]}, "
               f"writers {engine.status()['writer_nodes']}", flush=True)
