@@ -140,6 +140,66 @@ def bench_dcp(sd, d):
         return None
 
 
+def measure_save(mb: int, repeats: int, root: str) -> dict:
+    """One row of the table for a state of ``mb`` MB: medians over ``repeats`` interleaved repeats.
+
+    Needs a running Ray instance; creates (and shuts down) its own learner actor and engine (run
+    ``bench<mb>`` under ``<root>/ckpt``, keep_last=1). The keys are the table's columns."""
+    learner = Learner.remote(mb)
+    ray.get(learner.ping.remote())
+    eng = rc.CheckpointEngine.create(f"bench{mb}", local_dir=os.path.join(root, "ckpt"), keep_last=1)
+    eng.register("state", learner)
+    base = eng.current_step  # > 0 when --dir holds versions of an earlier run: steps must increase
+    eng.save(base + 1).wait(timeout=600)  # warm-up: writers started, pages touched; not counted
+    rtt = statistics.median(_rtt(learner) for _ in range(5))
+    sd = make_state(mb)
+    nbytes = sum(v.nbytes for v in sd.values())
+    m = {k: [] for k in ("stall", "pause", "durable", "torch", "st", "dcp_stall", "dcp_dur", "dd")}
+    written = 0
+    # interleaved: every repeat measures each contender once, so a slow spell of the disk
+    # (this VM's write speed varies by 2x from one second to the next) hits all of them
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        h = eng.save(base + i + 2)
+        t1 = time.perf_counter()
+        after = ray.get(learner.ping.remote())
+        written = h.wait(timeout=600).bytes_written
+        t2 = time.perf_counter()
+        m["stall"].append((t1 - t0) * 1e3)
+        m["pause"].append(max(0.0, after - t0 - rtt / 2) * 1e3)
+        m["durable"].append(t2 - t0)
+        m["torch"].append(bench_torch_save(sd, root))
+        m["st"].append(bench_safetensors(sd, root))
+        r = bench_dcp(sd, root)
+        if r:
+            m["dcp_stall"].append(r[0] * 1e3)
+            m["dcp_dur"].append(r[1])
+        m["dd"].append(bench_dd(nbytes, root))
+    memcpy = statistics.median(ray.get(learner.memcpy_s.remote()) for _ in range(3)) * 1e3
+    eng.shutdown()
+    ray.kill(learner)
+    del sd
+    med = {k: (statistics.median(v) if v else float("nan")) for k, v in m.items()}
+    print(f"  {mb} MB done (actor call round trip {rtt * 1e3:.1f} ms, half of it subtracted from "
+          f"the pause)", file=sys.stderr)
+    return {
+        "MB": mb, "save() ms": med["stall"], "pause ms": med["pause"], "memcpy ms": memcpy,
+        "pause/memcpy": med["pause"] / memcpy, "durable s": med["durable"],
+        "torch.save s": med["torch"], "safetensors s": med["st"],
+        "dcp stall ms": med["dcp_stall"], "dcp durable s": med["dcp_dur"], "dd s": med["dd"],
+        "durable/dd": med["durable"] / med["dd"], "torch.save/durable": med["torch"] / med["durable"],
+        "written MB": written / (1 << 20),
+    }
+
+
+def format_table(rows: list) -> str:
+    cols = list(rows[0].keys())
+    table = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        table.append("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+    return "\n".join(table)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="64,512,2048", help="state sizes in MB")
@@ -154,59 +214,12 @@ def main(argv=None) -> int:
     rows = []
     try:
         for mb in [int(x) for x in args.sizes.split(",")]:
-            learner = Learner.remote(mb)
-            ray.get(learner.ping.remote())
-            eng = rc.CheckpointEngine.create(f"bench{mb}", local_dir=os.path.join(root, "ckpt"), keep_last=1)
-            eng.register("state", learner)
-            eng.save(1).wait(timeout=600)  # warm-up: writers started, pages touched; not counted
-            rtt = statistics.median(_rtt(learner) for _ in range(5))
-            sd = make_state(mb)
-            nbytes = sum(v.nbytes for v in sd.values())
-            m = {k: [] for k in ("stall", "pause", "durable", "torch", "st", "dcp_stall", "dcp_dur", "dd")}
-            written = 0
-            # interleaved: every repeat measures each contender once, so a slow spell of the disk
-            # (this VM's write speed varies by 2x from one second to the next) hits all of them
-            for i in range(args.repeats):
-                t0 = time.perf_counter()
-                h = eng.save(i + 2)
-                t1 = time.perf_counter()
-                after = ray.get(learner.ping.remote())
-                written = h.wait(timeout=600).bytes_written
-                t2 = time.perf_counter()
-                m["stall"].append((t1 - t0) * 1e3)
-                m["pause"].append(max(0.0, after - t0 - rtt / 2) * 1e3)
-                m["durable"].append(t2 - t0)
-                m["torch"].append(bench_torch_save(sd, root))
-                m["st"].append(bench_safetensors(sd, root))
-                r = bench_dcp(sd, root)
-                if r:
-                    m["dcp_stall"].append(r[0] * 1e3)
-                    m["dcp_dur"].append(r[1])
-                m["dd"].append(bench_dd(nbytes, root))
-            memcpy = statistics.median(ray.get(learner.memcpy_s.remote()) for _ in range(3)) * 1e3
-            eng.shutdown()
-            ray.kill(learner)
-            del sd
-            med = {k: (statistics.median(v) if v else float("nan")) for k, v in m.items()}
-            rows.append({
-                "MB": mb, "save() ms": med["stall"], "pause ms": med["pause"], "memcpy ms": memcpy,
-                "pause/memcpy": med["pause"] / memcpy, "durable s": med["durable"],
-                "torch.save s": med["torch"], "safetensors s": med["st"],
-                "dcp stall ms": med["dcp_stall"], "dcp durable s": med["dcp_dur"], "dd s": med["dd"],
-                "durable/dd": med["durable"] / med["dd"], "torch.save/durable": med["torch"] / med["durable"],
-                "written MB": written / (1 << 20),
-            })
-            print(f"  {mb} MB done (actor call round trip {rtt * 1e3:.1f} ms, half of it subtracted from "
-                  f"the pause)", file=sys.stderr)
+            rows.append(measure_save(mb, args.repeats, root))
     finally:
         ray.shutdown()
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
-    cols = list(rows[0].keys())
-    table = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        table.append("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
-    text = "\n".join(table)
+    text = format_table(rows)
     print(text)
     if args.out:
         with open(args.out, "a") as f:

@@ -362,13 +362,14 @@ def _install_runner_provider(runner: Any) -> None:
 
 
 def _remote_runner_handles(group: Any) -> Dict[int, Any]:
-    """{runner id: actor handle} of the healthy remote env runners (RLlib has no public accessor)."""
+    """{runner id: actor handle} of the remote env runners (RLlib has no public accessor)."""
     mgr = getattr(group, "_worker_manager", None)
     if mgr is None:
         return {}
     try:
-        actors = mgr.actors()
-        return {i: actors[i] for i in mgr.healthy_actor_ids() if i in actors}
+        # every runner, healthy or not: a runner that cannot answer its snapshot is then reported
+        # missing in the version (best-effort), instead of silently left out of it
+        return dict(mgr.actors())
     except Exception as exc:  # pragma: no cover - RLlib internals changed
         log.warning("ray_ckpt: cannot list RLlib's remote env runners (%s); their best-effort RNG "
                        "states are not saved", exc)
