@@ -29,6 +29,7 @@ class EngineConfig:
     remote_every: int = 1
     max_in_flight: int = 2
     compression: Optional[str] = None  # Arrow IPC buffer compression: None | "zstd" | "lz4"
+    critical_nice: int = 5  # OS priority of critical writers: below training, above best-effort
     best_effort_nice: int = 10
     upload_retries: int = 1  # per upload call; the coordinator retries with backoff on top
     rank_timeout_s: float = 600.0  # a pushed version fails if a rank's part has not arrived by then

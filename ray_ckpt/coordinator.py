@@ -90,7 +90,8 @@ class CheckpointCoordinator:
         return WriterActor.options(**opts).remote(self.cfg, pool, nice)
 
     def _make_pool(self, node: str) -> list:
-        return [self._writer("critical", self.cfg.critical_cpus, 0, node) for _ in range(self.cfg.critical_writers)]
+        return [self._writer("critical", self.cfg.critical_cpus, self.cfg.critical_nice, node)
+                for _ in range(self.cfg.critical_writers)]
 
     @property
     def critical(self) -> list:
