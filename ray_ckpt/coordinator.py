@@ -316,6 +316,8 @@ class CheckpointCoordinator:
             return
         fut = self.commit_futures[version]
         async with self.version_locks[version]:
+            if version not in self.catalogue.pending:  # finished by a call that held the lock before us
+                return
             if pv.error and not fut.done():
                 self.failures += 1
                 self.metrics.failed("save")
@@ -339,16 +341,20 @@ class CheckpointCoordinator:
                                     "bytes_written": self.catalogue.bytes_written(version) + len(manifest.to_json()),
                                     "states": sorted(pv.strategies)})
                     self._plan_remote(version)
-            elif pv.committed:  # a best-effort part landed after the commit: add it to the manifest
+            # best-effort parts that landed after the commit (or while its manifest was being written)
+            # join the manifest; loop, because another may land during the rewrite
+            while pv.committed and version in self.catalogue.committed:
                 manifest = self.catalogue.manifest_for(version)
-                if version in self.catalogue.committed and manifest.to_json() != self.catalogue.committed[version].to_json():
-                    try:
-                        await asyncio.to_thread(write_manifest, self.local, manifest)
-                        self.catalogue.committed[version] = manifest
-                    except Exception as exc:  # the committed manifest stays; the late part is reported
-                        self.last_error = f"version {version}: adding best-effort parts to the manifest " \
-                                          f"failed: {_one_line(exc)}"
-                        log.error(self.last_error)
+                if manifest.to_json() == self.catalogue.committed[version].to_json():
+                    break
+                try:
+                    await asyncio.to_thread(write_manifest, self.local, manifest)
+                    self.catalogue.committed[version] = manifest
+                except Exception as exc:  # the committed manifest stays; the late part is reported
+                    self.last_error = f"version {version}: adding best-effort parts to the manifest " \
+                                      f"failed: {_one_line(exc)}"
+                    log.error(self.last_error)
+                    break
             if not self.catalogue.settled(version):
                 return
             self.catalogue.finish(version)

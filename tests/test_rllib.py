@@ -124,7 +124,8 @@ def _wait_for_states(engine, version, names, timeout=60.0):
     while True:
         meta = next(m for m in engine.list_checkpoints() if m.version == version)
         if names <= set(meta.states) or time.monotonic() > deadline:
-            assert names <= set(meta.states), (meta.states, meta.missing)
+            assert names <= set(meta.states), (meta.states, meta.missing, meta.pending, engine.status(),
+                                               engine.registered)
             return meta
         time.sleep(0.2)
 
