@@ -67,7 +67,7 @@ def main(argv=None) -> int:
         o, r = statistics.median(ours), statistics.median(raw)
         rows = [("ray_ckpt upload (local commit -> remote commit)", o, nbytes / o / 1e6),
                 ("raw pyarrow S3FileSystem writes, same bytes", r, nbytes / r / 1e6)]
-        lines = [f"| what | seconds | MB/s |", "|---|---|---|"]
+        lines = ["| what | seconds | MB/s |", "|---|---|---|"]
         lines += [f"| {n} | {s:.2f} | {bw:.0f} |" for n, s, bw in rows]
         lines.append(f"| **ratio ours/raw (throughput)** | | **{r / o:.2f}x** |")
         text = "\n".join(lines)
