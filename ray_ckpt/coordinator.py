@@ -511,6 +511,34 @@ class CheckpointCoordinator:
     def remote_error(self, version: int) -> Optional[str]:
         return self.remote_errors.get(version)
 
+    # ------------------------------------------------------------------ rewind
+    async def rewind(self, version: int) -> List[int]:
+        """Delete every committed version after ``version`` from both tiers, so that training can
+        go on from ``version`` with the same step numbers (a roll-back after divergence). Refused
+        while saves are in flight. Returns the versions deleted."""
+        busy = sorted(v for v in self.catalogue.pending if v > version)
+        if busy:
+            raise SaveError(f"cannot rewind run {self.cfg.run!r} to version {version}: versions {busy} are "
+                            f"still being written; wait for their handles first")
+        newer_local = sorted(v for v in self.catalogue.committed if v > version)
+        keep = self.catalogue.kept_paths(set(newer_local))
+        for v in newer_local:
+            referenced = self.catalogue.committed[v].referenced_paths()
+            self.catalogue.forget(v)
+            await self._delete_everywhere(v, keep, referenced)
+        newer_remote = sorted(v for v in self.remote_committed if v > version)
+        if newer_remote:
+            keep_r = {p for v, m in self.remote_committed.items() if v <= version for p in m.referenced_paths()}
+            for v in newer_remote:
+                m = self.remote_committed.pop(v)
+                self.remote_pending.discard(v)
+                await asyncio.to_thread(delete_version, self.remote, v, keep_r, m.referenced_paths())
+                self.remote_paths -= set(m.referenced_paths()) - keep_r
+        gone = sorted(set(newer_local) | set(newer_remote))
+        if gone:
+            log.warning("rewind to version %d deleted versions %s", version, gone)
+        return gone
+
     # ------------------------------------------------------------------ retention
     async def _apply_retention(self) -> None:
         doomed = self.catalogue.plan_retention(self.cfg.local_policy(), protect=self.remote_pending)

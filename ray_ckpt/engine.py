@@ -392,12 +392,17 @@ class CheckpointEngine:
             raise RestoreError(f"state {name!r} of version {m.version}: {exc}") from None
         return state
 
-    def restore(self, step: int = -1, strict: bool = True, names: Optional[Iterable[str]] = None) -> RestoreReport:
+    def restore(self, step: int = -1, strict: bool = True, names: Optional[Iterable[str]] = None,
+                rewind: bool = False) -> RestoreReport:
         """Bring registered providers back to a committed version (-1: the latest).
 
         Every file is verified against the manifest before use, read from the local tier first and
         from the remote tier when the local copy is missing or corrupt. With ``strict=True`` nothing
-        is loaded into any provider unless every CRITICAL / RELOADABLE state verified."""
+        is loaded into any provider unless every CRITICAL / RELOADABLE state verified.
+
+        Versions are steps, so after restoring an older version, saves must go past the newest
+        one. ``rewind=True`` instead deletes every version newer than the restored one (after the
+        restore succeeded), and training goes on from it with the same step numbers."""
         t0 = time.perf_counter()
         m = self._manifest(-1) if step == -1 else self._manifest(step=step)
         wanted = list(self._registry) if names is None else list(names)
@@ -477,11 +482,16 @@ class CheckpointEngine:
         for name, r in list(reports.items()):
             if r.status == "reloaded":
                 self._registry[name].provider.loader()
+        rewound: List[int] = []
+        if rewind:
+            rewound = ray.get(self._coordinator.rewind.remote(m.version), timeout=300)
+            self._last_saved = m.step
+        else:
+            self._last_saved = max(self._last_saved, m.step)
         self._step = m.step
-        self._last_saved = max(self._last_saved, m.step)
         seconds = time.perf_counter() - t0
         metrics_for_run(self.run).restored(seconds)
-        return RestoreReport(m.version, m.step, reports, seconds)
+        return RestoreReport(m.version, m.step, reports, seconds, tuple(rewound))
 
     def _stage_target(self, key) -> ActorProvider:
         reg = self._registry[key[0]]

@@ -77,6 +77,7 @@ class RestoreReport:
     step: int
     states: Dict[str, StateReport]
     seconds: float = 0.0
+    rewound: Tuple[int, ...] = ()  # newer versions deleted by restore(..., rewind=True)
 
     def __str__(self) -> str:  # a table a person can read
         lines = [f"restored version {self.version} (step {self.step}) in {self.seconds:.3f}s"]

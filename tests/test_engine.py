@@ -280,3 +280,26 @@ def test_remote_cadence_and_per_tier_retention(engine_factory, tmp_path, run_nam
     assert eng.restore().states["policy"].tier == "local"
     # version 4 exists only remotely: restored from there
     assert {r.tier for r in eng.restore(step=4).states.values()} == {"remote"}
+
+
+def test_restore_with_rewind_continues_from_an_older_version(engine_factory, tmp_path, run_name):
+    learner = remote(Learner).remote(seed=10)
+    eng = engine_factory()
+    register_learner(eng, learner)
+    snaps = {}
+    for s in range(1, 5):
+        ray.get(learner.train.remote())
+        eng.save(s).wait(timeout=60, durability="remote")
+        snaps[s] = ray.get(learner.snapshot.remote())
+    eng.restore(step=2)
+    with pytest.raises(rc.SaveError, match="steps must increase"):
+        eng.save(3)                      # without rewind, v3 and v4 are still there
+    report = eng.restore(step=2, rewind=True)
+    assert report.rewound == (3, 4) and equal_snapshots(ray.get(learner.snapshot.remote()), snaps[2])
+    assert [m.version for m in eng.list_checkpoints()] == [1, 2]
+    assert sorted(os.listdir(tmp_path / "local" / run_name)) == ["v000000000001", "v000000000002"]
+    assert sorted(p.name for p in (tmp_path / "remote" / run_name).iterdir()) == ["v000000000001",
+                                                                                 "v000000000002"]
+    ray.get(learner.train.remote())
+    assert eng.save(3).wait(timeout=60).version == 3   # the same step numbers again
+    assert eng.restore().version == 3
