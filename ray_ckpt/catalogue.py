@@ -123,9 +123,6 @@ class Catalogue:
         known = list(self.committed) + list(self.pending)
         return max(known) if known else -1
 
-    def latest_committed(self) -> Optional[Manifest]:
-        return self.committed[max(self.committed)] if self.committed else None
-
     def begin(self, version: int, step: int, parts: List[dict], metrics: Optional[Dict[str, float]] = None
               ) -> PendingVersion:
         """Open a version. ``parts``: dicts with name, rank, strategy, and optionally loader=True
@@ -141,7 +138,22 @@ class Catalogue:
                             + "; steps must increase")
         pv = PendingVersion(version, step, time.time(), dict(metrics or {}), {}, set(), set(), {})
         names = {p["name"] for p in parts}
-        for p in parts + [q for q in self.pushed_parts() if q["name"] not in names]:
+        self._add_parts(pv, parts + [q for q in self.pushed_parts() if q["name"] not in names])
+        self.pending[version] = pv
+        return pv
+
+    def _merge(self, pv: "PendingVersion", parts: List[dict], metrics: Optional[Dict[str, float]]) -> "PendingVersion":
+        both = sorted({p["name"] for p in parts} & set(pv.strategies))
+        if both:
+            raise SaveError(f"version {pv.version}: states {both} are both pushed and saved by the driver")
+        pv.opened_by_push = False
+        pv.metrics.update(metrics or {})
+        self._add_parts(pv, parts)
+        return pv
+
+    @staticmethod
+    def _add_parts(pv: "PendingVersion", parts: List[dict]) -> None:
+        for p in parts:
             strategy = Strategy.parse(p["strategy"])
             pv.strategies[p["name"]] = strategy
             if p.get("replicated"):
@@ -149,23 +161,8 @@ class Catalogue:
             if p.get("loader"):
                 pv.loader_states.add(p["name"])
                 continue
-            pv.parts[(p["name"], int(p.get("rank", 0)))] = Part(p["name"], int(p.get("rank", 0)), strategy)
-        self.pending[version] = pv
-        return pv
-
-    def _merge(self, pv: "PendingVersion", parts: List[dict], metrics: Optional[Dict[str, float]]) -> "PendingVersion":
-        pv.opened_by_push = False
-        pv.metrics.update(metrics or {})
-        for p in parts:
-            if p["name"] in pv.strategies:
-                raise SaveError(f"version {pv.version}: state {p['name']!r} is both pushed and saved by the driver")
-            strategy = Strategy.parse(p["strategy"])
-            pv.strategies[p["name"]] = strategy
-            if p.get("loader"):
-                pv.loader_states.add(p["name"])
-                continue
-            pv.parts[(p["name"], int(p.get("rank", 0)))] = Part(p["name"], int(p.get("rank", 0)), strategy)
-        return pv
+            rank = int(p.get("rank", 0))
+            pv.parts[(p["name"], rank)] = Part(p["name"], rank, strategy)
 
     def part_written(self, version: int, name: str, rank: int, result: dict) -> None:
         part = self.pending[version].parts[(name, rank)]

@@ -5,7 +5,6 @@ actors, the coordinator and the ``ray-ckpt`` command line alike.
 """
 from __future__ import annotations
 
-import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .errors import IntegrityError, RestoreError, SaveError
@@ -130,6 +129,3 @@ def delete_version(tier: Tier, version: int, keep_paths: set, referenced: Sequen
         tier.prune_empty_dirs(top)
     return deleted
 
-
-def now() -> float:
-    return time.time()

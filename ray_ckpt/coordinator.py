@@ -74,6 +74,7 @@ class CheckpointCoordinator:
         self.remote_pending: Set[int] = set()
         self.remote_errors: Dict[int, str] = {}
         self.version_locks: Dict[int, asyncio.Lock] = {}
+        self.remote_locks: Dict[int, asyncio.Lock] = {}  # one upload sequence per version at a time
         self.commits = 0
         self.failures = 0
         self.last_error: Optional[str] = None
@@ -382,7 +383,7 @@ class CheckpointCoordinator:
             for d in (self.commit_futures, self.remote_futures, self.version_locks, self.accepted_at,
                       self.remote_bytes, self.settled_futures):
                 d.pop(v, None)
-            self.version_locks.pop(-v - 1, None)
+            self.remote_locks.pop(v, None)
 
     async def _delete_everywhere(self, version: int, keep: Set[str], referenced: List[str]) -> None:
         """Delete a version from every node's local tier (each node's local tier is its own disk)."""
@@ -412,7 +413,7 @@ class CheckpointCoordinator:
         asyncio.ensure_future(self._sync_remote(version))
 
     async def _sync_remote(self, version: int) -> None:
-        lock = self.version_locks.setdefault(-version - 1, asyncio.Lock())
+        lock = self.remote_locks.setdefault(version, asyncio.Lock())
         backoff = 0.5
         async with lock:
             while True:

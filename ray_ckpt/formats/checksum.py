@@ -17,12 +17,6 @@ def new_hasher():
     return xxhash.xxh3_128()
 
 
-def digest_of(data: Any) -> str:
-    h = new_hasher()
-    h.update(memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else data)
-    return h.hexdigest()
-
-
 class HashingSink:
     """A binary sink that hashes and counts every byte it forwards to ``target`` (or to nowhere)."""
 

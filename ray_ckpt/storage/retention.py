@@ -6,7 +6,7 @@ touches the newest committed version, versions still being written, or files a k
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 
 @dataclass(frozen=True)
@@ -68,11 +68,3 @@ def plan_deletions(policy: RetentionPolicy, committed: Sequence[VersionInfo],
     busy = set(in_flight)
     kept = policy.keep(committed)
     return sorted(v.version for v in committed if v.version not in kept and v.version not in busy)
-
-
-def files_to_delete(doomed: Mapping[int, Iterable[str]], kept: Mapping[int, Iterable[str]]) -> Dict[int, List[str]]:
-    """For each doomed version, its files that no kept version refers to (shared files survive)."""
-    referenced: Set[str] = set()
-    for paths in kept.values():
-        referenced.update(paths)
-    return {v: sorted(set(p) - referenced) for v, p in doomed.items()}
