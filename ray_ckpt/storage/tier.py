@@ -23,6 +23,7 @@ from .layout import MANIFEST, parse_version_dir
 
 TMP_MARK = ".tmp-"
 _COPY_CHUNK = 16 << 20
+_MAP_FROM = 1 << 20  # local files from 1 MiB are mapped for reading, not copied
 
 
 # S3: fail in seconds, not minutes, on a dead endpoint or wrong credentials (auth errors are not
@@ -218,8 +219,15 @@ class Tier:
         return buf
 
     def read_verified(self, rel: str, size: int, checksum: str) -> Any:
-        """Read ``rel`` and check it against the manifest. Raises FileNotFoundError or IntegrityError."""
-        buf = self.read_bytes(rel)
+        """Read ``rel`` and check it against the manifest. Raises FileNotFoundError or IntegrityError.
+
+        Large local files are mapped rather than read (see ``_map_file``): the checksum pass pulls
+        the pages in, and the tensors decoded from the result share the page cache until written."""
+        buf = None
+        if self.is_local and size >= _MAP_FROM:
+            buf = _map_file(self.abspath(rel))
+        if buf is None:
+            buf = self.read_bytes(rel)
         if len(buf) != size:
             raise IntegrityError(f"{self.describe(rel)}: size {len(buf)} != manifest size {size}")
         h = new_hasher()
@@ -284,6 +292,27 @@ class Tier:
 
 
 _POPULATE_FROM = 32 << 20
+
+
+def _map_file(path: str) -> Optional[mmap.mmap]:
+    """A private, copy-on-write mapping of a local file (None if it cannot be mapped).
+
+    Why not read(): reading 2 GiB into fresh memory costs the copy *and* faulting in 2 GiB of new
+    anonymous pages (2.6 s on the build VM against 0.9 s for dd); a private mapping reuses the page
+    cache's pages, so restore costs about one disk read plus the copy into the parameters (1.1 s).
+    Writable (tensors built on it are ordinary writable tensors), private (a write copies that page
+    and never reaches the file). Not populated up front: MAP_POPULATE on a writable private
+    mapping copies every page. Checkpoint files are replaced by rename and deleted by unlink, never
+    rewritten or truncated in place, so the verified bytes stay the bytes that are used.
+    """
+    try:
+        with open(path, "rb") as f:
+            m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except ValueError:  # empty file, or a filesystem that cannot map
+        return None
+    with contextlib.suppress(AttributeError, OSError):
+        m.madvise(mmap.MADV_SEQUENTIAL)  # large readahead for the checksum pass
+    return m
 
 
 def _host_buffer(size: int) -> Any:
