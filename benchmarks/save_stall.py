@@ -42,6 +42,16 @@ def make_state(mb: int) -> dict:
     return sd
 
 
+def load_into(sd, state) -> None:
+    """What a trainer's load_state_dict does: copy into the tensors it already has (so a restored
+    state's buffers, e.g. a mapped file, are released once the call returns)."""
+    if set(state) != set(sd):
+        raise ValueError("restored state has other keys than the learner's")
+    with torch.no_grad():
+        for k, v in state.items():
+            sd[k].copy_(v)
+
+
 @ray.remote(num_cpus=0.5)
 class Learner:
     def __init__(self, mb: int):
@@ -52,7 +62,7 @@ class Learner:
         return self.sd
 
     def ckpt_set_state(self, name, state):
-        self.sd = state
+        load_into(self.sd, state)
 
     def ping(self):
         return time.perf_counter()

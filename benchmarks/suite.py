@@ -109,6 +109,7 @@ class Cache:
         if self.cold:
             self.error = drop_caches()
             self.resident.append(resident_fraction(path))
+            print(f"  [cache] {os.path.basename(path)} {self.resident[-1]:.0%} resident after drop", file=sys.stderr)
 
     def label(self) -> str:
         if not self.cold:
@@ -187,13 +188,13 @@ def _write_baselines(actor: Any, torch_path: str, st_path: str) -> int:
 
 
 def _torch_load_into(actor: Any, path: str) -> None:
-    actor.sd = torch.load(path, weights_only=True)
+    ss.load_into(actor.sd, torch.load(path, weights_only=True))
 
 
 def _st_load_into(actor: Any, path: str) -> None:
     from safetensors.torch import load_file
 
-    actor.sd = load_file(path)
+    ss.load_into(actor.sd, load_file(path))
 
 
 def _timed(ref) -> float:

@@ -138,6 +138,44 @@ def test_corrupt_local_falls_back_to_remote(tmp_path):
         read_files([local, remote], files)
 
 
+def _mapped(path) -> bool:
+    with open("/proc/self/maps") as f:
+        return any(str(path) in line for line in f)
+
+
+def test_large_local_file_is_mapped_verified_private_and_released(tmp_path):
+    """Large local files are restored from a private mapping: corruption is still caught, writing a
+    restored tensor never reaches the file, and the mapping goes away with the last tensor (no
+    garbage collection needed: the decoder keeps no reference cycle)."""
+    import gc
+
+    local, remote = Tier(str(tmp_path / "l"), "local"), Tier(str(tmp_path / "r"), "remote")
+    w = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB: above the mapping threshold
+    files = write_flat(local, 1, "p", 0, flatten({"w": w, "step": 3}))
+    path = tmp_path / "l" / files[0].path
+    original = path.read_bytes()
+    gc.disable()
+    try:
+        bufs, used, _ = read_files([local], files)
+        state = decode_files(files, bufs, name="p")
+        del bufs
+        assert _mapped(path) and torch.equal(state["w"], w) and state["step"] == 3
+        state["w"].add_(1)  # private: the file keeps its bytes
+        assert path.read_bytes() == original
+        del state
+        assert not _mapped(path), "the restored file is still mapped after its tensors were dropped"
+    finally:
+        gc.enable()
+    for f in files:
+        local.copy_to(remote, f.path)
+    data = bytearray(original)
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    bufs, used, problems = read_files([local, remote], files)
+    assert used == "remote" and "checksum mismatch" in problems[0]
+    assert torch.equal(decode_files(files, bufs, name="p")["w"], w)
+
+
 def test_content_hash_is_stable_and_equals_file_checksum(tmp_path):
     flat = flatten({"w": torch.ones(10)})
     tier = Tier(str(tmp_path), "local")

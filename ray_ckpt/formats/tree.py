@@ -184,7 +184,10 @@ def flatten(state: Any, *, state_name: str = "state", allow_pickle: bool = False
             return {"P": idx}
         raise unsupported(obj, path)
 
-    flat.structure = enc(state, [])
+    try:
+        flat.structure = enc(state, [])
+    finally:
+        enc = None  # noqa: F841 -- enc refers to itself: break the cycle so the views are freed at once
     return flat
 
 
@@ -241,7 +244,12 @@ def unflatten(structure: Any, arrays: List[Any], tables: List[Any], *, as_numpy:
             return pickle.loads(bytes(arrays[node["P"]]))
         raise RestoreError(f"state {state_name!r}: unknown structure node {sorted(node)}")
 
-    return dec(structure)
+    try:
+        return dec(structure)
+    finally:
+        # dec refers to itself through its closure; without this the cycle keeps ``arrays`` (a
+        # restored file's whole buffer or mapping) alive until the next garbage collection
+        dec = None  # noqa: F841
 
 
 def _dec_key(k: Any) -> Any:

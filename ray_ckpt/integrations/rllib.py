@@ -225,7 +225,10 @@ def to_storable(obj: Any, state_name: str = "state", allow_pickle: bool = False)
             return x
         raise refuse(x, path)
 
-    return conv(obj, [])
+    try:
+        return conv(obj, [])
+    finally:
+        conv = None  # noqa: F841 -- conv refers to itself: break the cycle so obj is not kept alive
 
 
 def from_storable(obj: Any) -> Any:
