@@ -148,7 +148,7 @@ class Tier:
             tmp = f"{final}{TMP_MARK}{uuid.uuid4().hex[:12]}"
             try:
                 with open(tmp, "wb", buffering=0) as f:
-                    sink = HashingSink(_WritebackFile(f))
+                    sink = HashingSink(_WholeWrites(f))
                     yield sink
                     os.fsync(f.fileno())
                 os.replace(tmp, final)
@@ -294,41 +294,17 @@ class Tier:
 _POPULATE_FROM = 32 << 20
 
 
-def _sync_file_range() -> Any:
-    """libc's sync_file_range (Linux), or None."""
-    try:
-        import ctypes
+class _WholeWrites:
+    """A local file that writes all it is given: unbuffered files may return short writes.
 
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_SFR = _sync_file_range()
-_SFR_WRITE, _SFR_WAIT_ALL = 2, 1 | 2 | 4  # SYNC_FILE_RANGE_WRITE; WAIT_BEFORE | WRITE | WAIT_AFTER
-WRITEBACK_WINDOW = 64 << 20
-
-
-class _WritebackFile:
-    """A local file being written, whose pages are sent to the disk while later ones are written.
-
-    Why: written pages otherwise sit dirty in the page cache until the final fsync, which then
-    waits for the whole file at once: the copy into the cache and the disk's work run one after
-    the other. Here each 64 MiB window is queued for writeback as soon as it is written, and the
-    window before the previous one is waited for, so the disk works while the next windows are
-    copied, dirty memory stays under ~3 windows per file, and the final fsync has little left to do
-    (measured on the build VM, 2 GiB: 0.83 s against 1.31 s for write-then-fsync). The fsync is
-    still what makes the file durable (sync_file_range flushes neither metadata nor disk caches).
-    Also loops on short writes, which unbuffered files may return.
+    (Tried and measured, then dropped: queueing each 64 MiB window for writeback with
+    sync_file_range and waiting for the one before. It won 0.83 s vs 1.31 s for 2 GiB in a loop
+    alone, but lost inside the engine, 1.76-1.85 s without vs 2.14-2.88 s with, A/B in one session:
+    the waits stall the writer while the object-store copy could go on. See RESULTS.md.)
     """
 
     def __init__(self, f: Any):
-        self.f, self.fd = f, f.fileno()
-        self.pos = self.queued = self.waited = 0
-        self.sfr = _SFR
+        self.f = f
 
     def write(self, data: Any) -> int:
         mv = memoryview(data).cast("B")
@@ -336,16 +312,8 @@ class _WritebackFile:
         while done < len(mv):
             n = self.f.write(mv[done:])
             if not n:
-                raise OSError(errno.EIO, "write made no progress")
+                raise OSError(errno.EIO, f"write to {self.f.name} made no progress")
             done += n
-        self.pos += done
-        if self.sfr is not None and self.pos - self.queued >= WRITEBACK_WINDOW:
-            if self.sfr(self.fd, self.queued, self.pos - self.queued, _SFR_WRITE) != 0:
-                self.sfr = None  # not supported here (e.g. some network filesystems): fsync does it all
-            elif self.queued > self.waited:  # everything queued before the window just queued
-                self.sfr(self.fd, self.waited, self.queued - self.waited, _SFR_WAIT_ALL)
-                self.waited = self.queued
-            self.queued = self.pos
         return done
 
 
