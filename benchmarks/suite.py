@@ -437,11 +437,12 @@ def build_rows(save_rows, restore_rows, thr, storage, memory, cache: Cache) -> L
             r["st"], notes=cache_note)
         add("restore", "restore() into the actor, s", mb, r["ours"], "dd read of the file, s", r["dd"],
             notes=f"{cache_note}; disk read {r['file_mb'] / r['dd']:.0f} MB/s" if r["dd"] == r["dd"] else cache_note)
-    if thr:
-        add("throughput", f"steps/s, save every {thr['every']} steps", thr["MB"], thr["ckpt"],
-            "steps/s without checkpoints", thr["plain"],
-            notes=f"{thr['steps']} steps of {thr['step_ms']:.0f} ms ({thr['reps']} x 1024^2 matmul, 1 thread); "
-                  f"{thr['saves']} saves; all durable {thr['drained_s']:.2f} s after the loop began")
+    for t in thr or []:
+        add("throughput", f"steps/s, save every {t['every']} steps", t["MB"], t["ckpt"],
+            "steps/s without checkpoints", t["plain"],
+            notes=f"{t['steps']} steps of {t['step_ms']:.0f} ms ({t['reps']} x 1024^2 matmul, 1 thread); "
+                  f"{t['saves']} saves, one per {t['every'] * t['step_ms'] / 1e3:.1f} s; all durable "
+                  f"{t['drained_s']:.2f} s after the loop began")
     if storage:
         st = storage
         tag = f"ref {st['ref_mb']} + policy {st['policy_mb']}"
@@ -575,16 +576,20 @@ def make_plots(plots_dir: str, save_rows, restore_rows, thr, storage) -> List[st
                                    ("dd", "dd read (disk floor)", "kx--")])
         finish(fig, ax, "restore.png", "Restore", "s")
     if thr:
-        fig, ax = plt.subplots(figsize=(5.2, 4.2))
-        vals = [thr["plain"], thr["ckpt"]]
-        bars = ax.bar(["no checkpoints", f"save every {thr['every']} steps"], vals, color=["#888", "#1f77b4"])
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        labels, vals, colors = [], [], []
+        for t in thr:
+            labels += [f"no ckpt\n(run k={t['every']})", f"save every\n{t['every']} steps"]
+            vals += [t["plain"], t["ckpt"]]
+            colors += ["#888", "#1f77b4"]
+        bars = ax.bar(labels, vals, color=colors)
         for b_, v in zip(bars, vals):
             ax.annotate(f"{v:.2f}", (b_.get_x() + b_.get_width() / 2, v), ha="center", va="bottom")
         ax.set_ylim(0, max(vals) * 1.15)
-        ax.set_xlabel(f"{thr['MB']} MB state, {thr['step_ms']:.0f} ms steps")
-        finish(fig, ax, "throughput.png",
-               f"Training throughput: ratio {ratio(thr['ckpt'], thr['plain']):.3f}", "steps/s", log=False,
-               legend=False)
+        ax.set_xlabel(f"{thr[0]['MB']} MB state, {thr[0]['step_ms']:.0f} ms steps")
+        finish(fig, ax, "throughput.png", "Training throughput: " + ", ".join(
+            f"k={t['every']}: {ratio(t['ckpt'], t['plain']):.3f}" for t in thr), "steps/s", log=False,
+            legend=False)
     if storage:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         n = storage["versions"]
@@ -634,7 +639,8 @@ def main(argv=None) -> int:
     ap.add_argument("--train-mb", type=int, default=None,
                     help="state of the throughput run, MB (default 512, or the smallest size if all are below 512)")
     ap.add_argument("--steps", type=int, default=None, help="throughput steps per run (default 60; --quick: 30)")
-    ap.add_argument("--every", type=int, default=10, help="checkpoint every k steps in the throughput run")
+    ap.add_argument("--every", default="10,50",
+                    help="checkpoint every k steps in the throughput run; a comma list runs each k")
     ap.add_argument("--mem-saves", type=int, default=20, help="saves of the memory run")
     ap.add_argument("--object-store-mb", type=int, default=None)
     ap.add_argument("--only", default="save,restore,throughput,storage,memory", help="sections to run")
@@ -666,7 +672,8 @@ def main(argv=None) -> int:
             for mb in sizes:
                 restore_rows.append(measure_restore(mb, repeats, root, cache))
         if "throughput" in only:
-            thr = measure_throughput(train_mb, steps, args.every, repeats, root)
+            thr = [measure_throughput(train_mb, max(steps, 3 * k), k, repeats, root)
+                   for k in sorted({int(x) for x in str(args.every).split(",") if x.strip()})]
         if "storage" in only:
             storage = measure_storage(ref_mb, policy_mb, 5, root)
         if "memory" in only:
