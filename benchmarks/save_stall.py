@@ -150,14 +150,15 @@ def bench_dcp(sd, d):
         return None
 
 
-def measure_save(mb: int, repeats: int, root: str) -> dict:
+def measure_save(mb: int, repeats: int, root: str, **engine_options) -> dict:
     """One row of the table for a state of ``mb`` MB: medians over ``repeats`` interleaved repeats.
 
     Needs a running Ray instance; creates (and shuts down) its own learner actor and engine (run
     ``bench<mb>`` under ``<root>/ckpt``, keep_last=1). The keys are the table's columns."""
     learner = Learner.remote(mb)
     ray.get(learner.ping.remote())
-    eng = rc.CheckpointEngine.create(f"bench{mb}", local_dir=os.path.join(root, "ckpt"), keep_last=1)
+    eng = rc.CheckpointEngine.create(f"bench{mb}", local_dir=os.path.join(root, "ckpt"), keep_last=1,
+                                     **engine_options)
     eng.register("state", learner)
     base = eng.current_step  # > 0 when --dir holds versions of an earlier run: steps must increase
     eng.save(base + 1).wait(timeout=600)  # warm-up: writers started, pages touched; not counted

@@ -645,6 +645,8 @@ def main(argv=None) -> int:
     ap.add_argument("--object-store-mb", type=int, default=None)
     ap.add_argument("--only", default="save,restore,throughput,storage,memory", help="sections to run")
     ap.add_argument("--quick", action="store_true", help="smaller defaults, for a smoke run")
+    ap.add_argument("--write-threads", type=int, default=None,
+                    help="EngineConfig.write_threads for the save section (default: the engine's)")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
     repeats = args.repeats or (1 if args.quick else 3)
@@ -664,10 +666,11 @@ def main(argv=None) -> int:
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              object_store_memory=store_mb * MiB)
     save_rows, restore_rows, thr, storage, memory = [], [], None, None, None
+    engine_options = {} if args.write_threads is None else {"write_threads": args.write_threads}
     try:
         if "save" in only:
             for mb in sizes:
-                save_rows.append(ss.measure_save(mb, repeats, root))
+                save_rows.append(ss.measure_save(mb, repeats, root, **engine_options))
         if "restore" in only:
             for mb in sizes:
                 restore_rows.append(measure_restore(mb, repeats, root, cache))

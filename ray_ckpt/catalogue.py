@@ -29,6 +29,7 @@ class Part:
     written: int = 0
     content_hash: Optional[str] = None
     error: str = ""
+    timings: Dict[str, float] = field(default_factory=dict)  # from the writer: snapshot_wait_s, write_s
 
     @property
     def blocks_commit(self) -> bool:
@@ -48,6 +49,15 @@ class PendingVersion:
     committed: bool = False
     error: Optional[str] = None
     opened_by_push: bool = False
+
+    def stages(self) -> Dict[str, float]:
+        """Where the version's time went: the slowest part's wait for its snapshot and its write."""
+        out: Dict[str, float] = {}
+        for key in ("snapshot_wait_s", "write_s"):
+            vals = [p.timings[key] for p in self.parts.values() if key in p.timings]
+            if vals:
+                out[key] = max(vals)
+        return out
 
     def missing_submits(self) -> List[str]:
         return [f"{p.name}/rank{p.rank}" for p in self.parts.values() if not p.submitted]
@@ -170,6 +180,7 @@ class Catalogue:
         part.files = [f if isinstance(f, FileEntry) else FileEntry(**f) for f in result["files"]]
         part.written = result.get("written", 0)
         part.content_hash = result.get("content_hash")
+        part.timings = dict(result.get("timings") or {})
 
     def part_failed(self, version: int, name: str, rank: int, error: str) -> bool:
         """Record a failed part; returns True when the version can no longer commit."""

@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .errors import IntegrityError, RestoreError, SaveError
 from .formats import arrow_io, safetensors_io
-from .formats.checksum import HashingSink
+from .formats.checksum import BLOCK, HashingSink
 from .formats.manifest import FileEntry, Manifest, StateEntry
 from .formats.tree import Flat, unflatten
 from .storage import layout
@@ -25,15 +25,24 @@ def content_hash(flat: Flat) -> str:
     return sink.digest()
 
 
+PARALLEL_FROM = 2 * BLOCK  # tensors files from this size are written by several threads
+
+
 def write_flat(tier: Tier, version: int, name: str, rank: int, flat: Flat,
-               compression: Optional[str] = None) -> List[FileEntry]:
-    """Write one (state, rank) part: a safetensors file, plus one Arrow IPC file per table."""
+               compression: Optional[str] = None, threads: int = 1) -> List[FileEntry]:
+    """Write one (state, rank) part: a safetensors file, plus one Arrow IPC file per table.
+
+    A large tensors file on a local tier is written by ``threads`` threads, block by block."""
     entries = []
     rel = layout.tensors_file(version, name, rank)
     try:
-        with tier.open_atomic(rel) as sink:
-            safetensors_io.write(flat, sink)
-        entries.append(FileEntry(rel, sink.size, sink.digest(), "tensors"))
+        if threads > 1 and tier.is_local and flat.nbytes >= PARALLEL_FROM:
+            size, digest = tier.write_blocks(rel, safetensors_io.segments(flat), threads)
+        else:
+            with tier.open_atomic(rel) as sink:
+                safetensors_io.write(flat, sink)
+            size, digest = sink.size, sink.digest()
+        entries.append(FileEntry(rel, size, digest, "tensors"))
         for i, table in enumerate(flat.tables):
             rel = layout.table_file(version, name, rank, i)
             with tier.open_atomic(rel) as sink:

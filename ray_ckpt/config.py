@@ -29,6 +29,7 @@ class EngineConfig:
     remote_every: int = 1
     max_in_flight: int = 2
     compression: Optional[str] = None  # Arrow IPC buffer compression: None | "zstd" | "lz4"
+    write_threads: int = 2  # threads per writer for one large file (block-parallel write + checksum)
     critical_nice: int = 5  # OS priority of critical writers: below training, above best-effort
     best_effort_nice: int = 10
     upload_retries: int = 1  # per upload call; the coordinator retries with backoff on top
@@ -39,7 +40,7 @@ class EngineConfig:
         validate_name(self.run, "run name")
         if not isinstance(self.local_dir, str) or not self.local_dir:
             raise ValueError(f"local_dir must be a directory path or file:// URI, got {self.local_dir!r}")
-        for name in ("critical_writers", "max_in_flight", "remote_every"):
+        for name in ("critical_writers", "max_in_flight", "remote_every", "write_threads"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")

@@ -326,6 +326,7 @@ class CheckpointCoordinator:
                                             f"failed and is not listed: {pv.error}"))
             elif not pv.committed and self.catalogue.ready_to_commit(version):
                 manifest = self.catalogue.manifest_for(version)
+                t_commit = time.perf_counter()
                 try:
                     await asyncio.to_thread(write_manifest, self.local, manifest)
                 except Exception as exc:
@@ -340,7 +341,9 @@ class CheckpointCoordinator:
                                            self.catalogue.bytes_written(version))
                     fut.set_result({"version": version, "step": pv.step, "durability": "local",
                                     "bytes_written": self.catalogue.bytes_written(version) + len(manifest.to_json()),
-                                    "states": sorted(pv.strategies)})
+                                    "states": sorted(pv.strategies),
+                                    "stages": dict(pv.stages(),
+                                                   manifest_s=time.perf_counter() - t_commit)})
                     self._plan_remote(version)
             # best-effort parts that landed after the commit (or while its manifest was being written)
             # join the manifest; loop, because another may land during the rewrite

@@ -104,7 +104,7 @@ class SaveHandle:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             raise SaveError(_one_line(cause)) from None
         return SaveResult(d["version"], d["step"], d["bytes_written"], d["durability"],
-                          tuple(d.get("states", ())), d.get("seconds", 0.0))
+                          tuple(d.get("states", ())), d.get("seconds", 0.0), dict(d.get("stages") or {}))
 
 
 class CheckpointEngine:

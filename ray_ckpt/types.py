@@ -55,7 +55,10 @@ class SaveResult:
     bytes_written: int
     durability: str  # "local" | "remote" | "skipped"
     states: Tuple[str, ...] = ()
-    seconds: float = 0.0
+    seconds: float = 0.0  # from the coordinator accepting the version to its commit on this tier
+    # where the time went (local commit only): snapshot_wait_s — the slowest writer's wait for its
+    # snapshot; write_s — its serialise + checksum + fsync; manifest_s — writing the manifest
+    stages: Dict[str, float] = field(default_factory=dict)
 
     @property
     def skipped(self) -> bool:

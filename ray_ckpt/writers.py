@@ -22,8 +22,9 @@ from .storage.tier import Tier, _one_line
 
 class PartWriter:
     def __init__(self, local: Tier, remote: Optional[Tier] = None, *, upload_retries: int = 4,
-                 retry_base_s: float = 0.25, nice: int = 0):
+                 retry_base_s: float = 0.25, nice: int = 0, write_threads: int = 1):
         self.local = local
+        self.write_threads = write_threads
         self.remote = remote
         self.upload_retries = upload_retries
         self.retry_base_s = retry_base_s
@@ -48,7 +49,7 @@ class PartWriter:
             if chash in reuse:
                 return {"files": reuse[chash], "written": 0, "content_hash": chash, "reused": True,
                         "seconds": time.perf_counter() - t0}
-        files = write_flat(self.local, version, name, rank, flat, compression)
+        files = write_flat(self.local, version, name, rank, flat, compression, self.write_threads)
         return {"files": [f.__dict__ for f in files], "written": sum(f.size for f in files),
                 "content_hash": chash, "reused": False, "seconds": time.perf_counter() - t0}
 
@@ -90,9 +91,10 @@ class WriterActor:
         self.pool = pool
         self.node = ray.get_runtime_context().get_node_id()
         self.writer = PartWriter(config.local_tier(), config.remote_tier(), nice=nice,
-                                 upload_retries=config.upload_retries)
+                                 upload_retries=config.upload_retries, write_threads=config.write_threads)
 
     def write_part(self, version: int, name: str, rank: int, refs: List[Any], **kw) -> Dict[str, Any]:
+        t0 = time.perf_counter()
         try:
             flat = ray.get(refs[0])
         except ray.exceptions.RayTaskError as exc:  # the snapshot itself failed in the provider
@@ -100,8 +102,10 @@ class WriterActor:
             raise SaveError(f"snapshot of state {name!r} (rank {rank}) failed: {_one_line(cause)}") from None
         except ray.exceptions.RayError as exc:
             raise SaveError(f"snapshot of state {name!r} (rank {rank}) was lost: {_one_line(exc)}") from None
+        waited = time.perf_counter() - t0
         result = self.writer.write_part(version, name, rank, flat, **kw)
         result["node"] = self.node
+        result["timings"] = {"snapshot_wait_s": waited, "write_s": result["seconds"]}
         return result
 
     def delete_version(self, version: int, keep_paths: set, referenced: List[str]) -> List[str]:

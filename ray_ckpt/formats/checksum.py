@@ -1,20 +1,76 @@
 """Checksums computed while bytes stream to storage (no second read of the data).
 
-xxh3-128: ~20 GB/s on one core here, so hashing never limits a disk write; the same digest is the
-content hash used to store a RELOADABLE state once.
+The digest of a file is a two-level xxh3-128: each 64 MiB block of the file is hashed on its own,
+and the digest is the xxh3-128 of the blocks' digests followed by the file size. Why blocks: a
+large file can then be written (and verified) by several threads at once, each hashing the blocks
+it writes, and still get the same digest as a single stream over the file (an upload, ``ray-ckpt
+verify``). xxh3 runs at ~20-28 GB/s on one core of the build VM, so hashing never limits a disk
+write; the same digest is the content hash used to store a RELOADABLE state once.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import struct
+from typing import Any, Iterable, List, Optional
 
 import xxhash
 
-ALGORITHM = "xxh3_128"
+ALGORITHM = "xxh3_128-blocks64m"
+BLOCK = 64 << 20  # the unit of the two-level digest (fixed: changing it changes every digest)
 CHUNK = 8 << 20  # hash and write in 8 MiB pieces so each piece is hashed while still in cache
 
 
-def new_hasher():
-    return xxhash.xxh3_128()
+def block_digest(pieces: Iterable[Any]) -> bytes:
+    """The digest of one block given as consecutive byte pieces."""
+    h = xxhash.xxh3_128()
+    for p in pieces:
+        h.update(p)
+    return h.digest()
+
+
+def combine(block_digests: List[bytes], size: int) -> str:
+    """The file digest from its blocks' digests, in file order."""
+    h = xxhash.xxh3_128()
+    for d in block_digests:
+        h.update(d)
+    h.update(struct.pack("<Q", size))
+    return h.hexdigest()
+
+
+class BlockHasher:
+    """Streaming form of the digest: ``update`` with consecutive bytes, then ``hexdigest``."""
+
+    def __init__(self):
+        self._block = xxhash.xxh3_128()
+        self._in_block = 0
+        self._digests: List[bytes] = []
+        self.size = 0
+
+    def update(self, data: Any) -> None:
+        mv = memoryview(data).cast("B")
+        off = 0
+        while off < len(mv):
+            take = min(len(mv) - off, BLOCK - self._in_block)
+            self._block.update(mv[off: off + take])
+            off += take
+            self._in_block += take
+            if self._in_block == BLOCK:
+                self._digests.append(self._block.digest())
+                self._block = xxhash.xxh3_128()
+                self._in_block = 0
+        self.size += len(mv)
+
+    def hexdigest(self) -> str:
+        tail = [self._block.digest()] if self._in_block or not self._digests else []
+        return combine(self._digests + tail, self.size)
+
+
+def new_hasher() -> BlockHasher:
+    return BlockHasher()
+
+
+def num_blocks(size: int) -> int:
+    """Blocks of a file of ``size`` bytes (an empty file is one empty block)."""
+    return max(1, -(-size // BLOCK))
 
 
 class HashingSink:

@@ -41,13 +41,16 @@ def _header(flat: Flat) -> Tuple[bytes, List[int]]:
     return struct.pack("<Q", len(raw)) + raw, order
 
 
+def segments(flat: Flat) -> List[Any]:
+    """The file as consecutive byte pieces: the header, then each tensor's bytes (no copies)."""
+    head, order = _header(flat)
+    return [head] + [flat.arrays[i] for i in order if flat.arrays[i].nbytes]
+
+
 def write(flat: Flat, sink: Any) -> None:
     """Stream the file into ``sink`` (anything with ``write(bytes-like)``)."""
-    head, order = _header(flat)
-    sink.write(head)
-    for i in order:
-        if flat.arrays[i].nbytes:
-            sink.write(flat.arrays[i])
+    for piece in segments(flat):
+        sink.write(piece)
 
 
 def read(buf: Any, *, path: str = "<buffer>") -> Tuple[Any, List[memoryview]]:

@@ -12,17 +12,19 @@ import errno
 import mmap
 import os
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
 from ..errors import CheckpointError, IntegrityError, InvalidArgumentError
-from ..formats.checksum import HashingSink, new_hasher
+from ..formats.checksum import BLOCK, HashingSink, block_digest, combine, new_hasher, num_blocks
 from .layout import MANIFEST, parse_version_dir
 
 TMP_MARK = ".tmp-"
 _COPY_CHUNK = 16 << 20
+_IOV_MAX = 512  # well under Linux's IOV_MAX (1024)
 _MAP_FROM = 1 << 20  # local files from 1 MiB are mapped for reading, not copied
 
 
@@ -173,6 +175,50 @@ class Tier:
                 raise
             out.close()
 
+    def write_blocks(self, rel: str, segments: List[Any], threads: int) -> Tuple[int, str]:
+        """Write the concatenation of ``segments`` (bytes-like, in file order) to ``rel`` with
+        ``threads`` threads, each hashing and writing whole checksum blocks at their offsets.
+
+        Why: one thread copying into the page cache is CPU-bound well below what the disk takes
+        (build VM, 2 GiB: 1.10 s with one thread, 0.88 s with two, 0.82 s with four). The digest is
+        the same as streaming the bytes through ``open_atomic``. Local tiers only (object stores
+        take a single stream); atomic like ``open_atomic``: temporary name, fsync, rename."""
+        if not self.is_local:
+            raise CheckpointError("write_blocks is for local tiers; object stores take one stream")
+        views = [memoryview(x).cast("B") for x in segments]
+        size = sum(len(v) for v in views)
+        final = self.abspath(rel)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        tmp = f"{final}{TMP_MARK}{uuid.uuid4().hex[:12]}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                if size:
+                    os.ftruncate(fd, size)
+
+                def block(i: int) -> bytes:
+                    pieces = _slice(views, i * BLOCK, min(size, (i + 1) * BLOCK))
+                    digest = block_digest(pieces)
+                    _pwrite_all(fd, pieces, i * BLOCK)
+                    return digest
+
+                n = num_blocks(size)
+                if threads <= 1 or n == 1:
+                    digests = [block(i) for i in range(n)]
+                else:
+                    with ThreadPoolExecutor(min(threads, n), thread_name_prefix="ray_ckpt_write") as pool:
+                        digests = list(pool.map(block, range(n)))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+            _fsync_dir(os.path.dirname(final))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return size, combine(digests, size)
+
     def put_bytes(self, rel: str, data: bytes) -> Tuple[int, str]:
         with self.open_atomic(rel) as sink:
             sink.write(data)
@@ -315,6 +361,34 @@ class _WholeWrites:
                 raise OSError(errno.EIO, f"write to {self.f.name} made no progress")
             done += n
         return done
+
+
+def _slice(views: List[memoryview], start: int, end: int) -> List[memoryview]:
+    """The pieces of the concatenation of ``views`` covering bytes [start, end)."""
+    out, pos = [], 0
+    for v in views:
+        lo, hi = max(start, pos), min(end, pos + len(v))
+        if lo < hi:
+            out.append(v[lo - pos: hi - pos])
+        pos += len(v)
+        if pos >= end:
+            break
+    return out
+
+
+def _pwrite_all(fd: int, pieces: List[memoryview], offset: int) -> None:
+    """pwritev every piece at ``offset``, resuming after short writes."""
+    pieces = [p for p in pieces if len(p)]
+    while pieces:
+        n = os.pwritev(fd, pieces[:_IOV_MAX], offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        offset += n
+        while pieces and n >= len(pieces[0]):
+            n -= len(pieces[0])
+            pieces.pop(0)
+        if n:
+            pieces[0] = pieces[0][n:]
 
 
 def _map_file(path: str) -> Optional[mmap.mmap]:
