@@ -203,7 +203,15 @@ def test_block_parallel_write_equals_one_stream(tmp_path):
     assert h.hexdigest() == par[0].checksum
     bufs, used, _ = read_files([tier], par)
     assert_same(decode_files(par, bufs, name="s"), state)
+    del bufs
     assert not [p for p in tmp_path.rglob("*") if ".tmp-" in p.name]
+    with open(tmp_path / par[0].path, "r+b") as f:  # one flipped byte in the third block
+        f.seek(2 * BLOCK + 12345)
+        b = f.read(1)
+        f.seek(2 * BLOCK + 12345)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(rc.IntegrityError, match="checksum mismatch"):
+        read_files([tier], par)
 
 
 def test_content_hash_is_stable_and_equals_file_checksum(tmp_path):
