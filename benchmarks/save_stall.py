@@ -165,31 +165,46 @@ def measure_save(mb: int, repeats: int, root: str, **engine_options) -> dict:
     rtt = statistics.median(_rtt(learner) for _ in range(5))
     sd = make_state(mb)
     nbytes = sum(v.nbytes for v in sd.values())
-    m = {k: [] for k in ("stall", "pause", "durable", "torch", "st", "dcp_stall", "dcp_dur", "dd")}
+    m = {k: [] for k in ("stall", "pause", "durable", "torch", "st", "dcp_stall", "dcp_dur", "dd", "wait_s",
+                         "write_s")}
     written = 0
-    # interleaved: every repeat measures each contender once, so a slow spell of the disk
-    # (this VM's write speed varies by 2x from one second to the next) hits all of them
-    for i in range(repeats):
+    # interleaved: every repeat measures each contender once, so a slow spell of the disk hits all
+    # of them; and the order rotates from repeat to repeat, because this VM's disk writes at a
+    # fraction of its speed for seconds after a burst (a 2 GB save took 6 s right after 6 GB of
+    # other writes, 1.2-1.3 s otherwise): whoever runs right after the others' writes pays for them
+    def ours(i):
         t0 = time.perf_counter()
         h = eng.save(base + i + 2)
         t1 = time.perf_counter()
         after = ray.get(learner.ping.remote())
-        written = h.wait(timeout=600).bytes_written
+        res = h.wait(timeout=600)
         t2 = time.perf_counter()
+        m["wait_s"].append(res.stages.get("snapshot_wait_s", float("nan")))
+        m["write_s"].append(res.stages.get("write_s", float("nan")))
         m["stall"].append((t1 - t0) * 1e3)
         m["pause"].append(max(0.0, after - t0 - rtt / 2) * 1e3)
         m["durable"].append(t2 - t0)
-        m["torch"].append(bench_torch_save(sd, root))
-        m["st"].append(bench_safetensors(sd, root))
+        return res.bytes_written
+
+    def dcp(i):
         r = bench_dcp(sd, root)
         if r:
             m["dcp_stall"].append(r[0] * 1e3)
             m["dcp_dur"].append(r[1])
-        m["dd"].append(bench_dd(nbytes, root))
+
+    contenders = [ours, lambda i: m["torch"].append(bench_torch_save(sd, root)),
+                  lambda i: m["st"].append(bench_safetensors(sd, root)), dcp,
+                  lambda i: m["dd"].append(bench_dd(nbytes, root))]
+    for i in range(repeats):
+        k = i % len(contenders)
+        for run in contenders[k:] + contenders[:k]:
+            out = run(i)
+            if run is ours:
+                written = out
     memcpy = statistics.median(ray.get(learner.memcpy_s.remote()) for _ in range(3)) * 1e3
     eng.shutdown()
     ray.kill(learner)
-    del sd
+    sd = None  # free the driver copy before the next size
     med = {k: (statistics.median(v) if v else float("nan")) for k, v in m.items()}
     print(f"  {mb} MB done (actor call round trip {rtt * 1e3:.1f} ms, half of it subtracted from "
           f"the pause)", file=sys.stderr)
@@ -200,6 +215,7 @@ def measure_save(mb: int, repeats: int, root: str, **engine_options) -> dict:
         "dcp stall ms": med["dcp_stall"], "dcp durable s": med["dcp_dur"], "dd s": med["dd"],
         "durable/dd": med["durable"] / med["dd"], "torch.save/durable": med["torch"] / med["durable"],
         "written MB": written / (1 << 20),
+        "snapshot wait s": med["wait_s"], "write s": med["write_s"],  # SaveResult.stages
     }
 
 

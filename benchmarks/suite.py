@@ -42,6 +42,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 import ray_ckpt as rc  # noqa: E402
+from ray_ckpt.storage.layout import version_dir  # noqa: E402
 import save_stall as ss  # noqa: E402
 
 MiB = 1 << 20
@@ -215,8 +216,9 @@ def measure_restore(mb: int, repeats: int, root: str, cache: Cache) -> Dict[str,
     run = f"suite_restore{mb}"
     eng = rc.CheckpointEngine.create(run, local_dir=os.path.join(root, "ckpt"), keep_last=1)
     eng.register("state", learner)
-    eng.save(eng.current_step + 1).wait(timeout=1200)
-    ours = files_under(os.path.join(root, "ckpt", run), ".safetensors")
+    res = eng.save(eng.current_step + 1).wait(timeout=1200)
+    # this version's file (an older version left in --dir by an earlier run may not be deleted yet)
+    ours = files_under(os.path.join(root, "ckpt", run, version_dir(res.version)), ".safetensors")
     if len(ours) != 1:
         raise RuntimeError(f"expected one checkpoint file under {run}, found {ours}")
     ours = ours[0]
@@ -422,7 +424,9 @@ def build_rows(save_rows, restore_rows, thr, storage, memory, cache: Cache) -> L
         add("save", "learner pause, ms", mb, s["pause ms"], "memcpy of the state, ms", s["memcpy ms"],
             notes="floor: one copy_ into a preallocated buffer")
         add("save", "time to durable, s", mb, s["durable s"], "dd conv=fsync write, s", s["dd s"],
-            notes=f"{s['written MB']:.0f} MB written")
+            notes=f"{s['written MB']:.0f} MB written; SaveResult.stages: writer waited "
+                  f"{s['snapshot wait s']:.3g} s for the snapshot, wrote + checksummed + fsynced in "
+                  f"{s['write s']:.3g} s")
         add("save", "time to durable, s", mb, s["durable s"], "torch.save + fsync (blocks), s", s["torch.save s"])
         add("save", "time to durable, s", mb, s["durable s"], "safetensors save_file + fsync, s",
             s["safetensors s"])

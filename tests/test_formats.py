@@ -271,6 +271,13 @@ def test_manifest_with_path_traversal_is_refused():
         Manifest.from_json(m.to_json())
 
 
+def test_manifest_with_other_checksum_algorithm_is_refused_clearly():
+    m = Manifest("run", 1, 1, 0.0, checksum_algorithm="xxh3_128")
+    with pytest.raises(rc.IntegrityError, match="its checksums are 'xxh3_128'; this ray_ckpt verifies"):
+        Manifest.from_json(m.to_json())
+    assert Manifest.from_json(Manifest("run", 1, 1, 0.0).to_json()).version == 1
+
+
 def test_deleting_versions_removes_shared_files_once_unreferenced(tmp_path):
     from ray_ckpt.checkpoint_io import delete_version, write_manifest
     from ray_ckpt.formats.manifest import StateEntry

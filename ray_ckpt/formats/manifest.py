@@ -66,6 +66,9 @@ class Manifest:
             d = json.loads(data)
             if d.get("format") != MANIFEST_FORMAT:
                 raise ValueError(f"unknown format {d.get('format')!r}")
+            if d.get("checksum_algorithm", ALGORITHM) != ALGORITHM:
+                raise ValueError(f"its checksums are {d['checksum_algorithm']!r}; this ray_ckpt verifies "
+                                 f"{ALGORITHM!r} (written by an older ray_ckpt: re-save it with that one)")
             states = {}
             for name, s in d["states"].items():
                 files = {r: [FileEntry(**f) for f in fs] for r, fs in s.pop("files").items()}
