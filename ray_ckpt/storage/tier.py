@@ -147,19 +147,10 @@ class Tier:
         """Yield a hashing sink; the file appears under ``rel`` only if the block succeeds."""
         final = self.abspath(rel)
         if self.is_local:
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            tmp = f"{final}{TMP_MARK}{uuid.uuid4().hex[:12]}"
-            try:
-                with open(tmp, "wb", buffering=0) as f:
-                    sink = HashingSink(_WholeWrites(f))
-                    yield sink
-                    os.fsync(f.fileno())
-                os.replace(tmp, final)
-                _fsync_dir(os.path.dirname(final))
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            with _local_atomic(final) as tmp, open(tmp, "wb", buffering=0) as f:
+                sink = HashingSink(_WholeWrites(f))
+                yield sink
+                os.fsync(f.fileno())
         else:
             self.fs.create_dir(os.path.dirname(final), recursive=True)
             out = self.fs.open_output_stream(final)
@@ -188,10 +179,7 @@ class Tier:
             raise CheckpointError("write_blocks is for local tiers; object stores take one stream")
         views = [memoryview(x).cast("B") for x in segments]
         size = sum(len(v) for v in views)
-        final = self.abspath(rel)
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        tmp = f"{final}{TMP_MARK}{uuid.uuid4().hex[:12]}"
-        try:
+        with _local_atomic(self.abspath(rel)) as tmp:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 if size:
@@ -212,12 +200,6 @@ class Tier:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, final)
-            _fsync_dir(os.path.dirname(final))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
         return size, combine(digests, size)
 
     def put_bytes(self, rel: str, data: bytes) -> Tuple[int, str]:
@@ -337,6 +319,22 @@ class Tier:
 
 
 _POPULATE_FROM = 32 << 20
+
+
+@contextlib.contextmanager
+def _local_atomic(final: str) -> Iterator[str]:
+    """Yield a temporary path next to ``final``; on success it is renamed to ``final`` and the
+    directory fsynced (the caller fsyncs the file), on failure it is removed."""
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    tmp = f"{final}{TMP_MARK}{uuid.uuid4().hex[:12]}"
+    try:
+        yield tmp
+        os.replace(tmp, final)
+        _fsync_dir(os.path.dirname(final))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 class _WholeWrites:
