@@ -1,8 +1,12 @@
-"""ray_ckpt: non-blocking, tiered, verified checkpoints for reinforcement learning on Ray."""
-from .engine import CheckpointEngine, SaveHandle
+"""ray_ckpt: non-blocking, tiered, verified checkpoints for reinforcement learning on Ray.
+
+``CheckpointEngine``, ``SaveHandle`` and ``actor_provider`` are imported on first use (they bring
+in Ray and torch), so ``ray-ckpt`` and other tools that only read checkpoints start quickly.
+"""
+from typing import Any
+
 from .errors import (CheckpointError, IntegrityError, InvalidArgumentError, RestoreError, SaveError,
                      UnsupportedTypeError)
-from .snapshot import actor_provider
 from .types import CheckpointMeta, OnBusy, RestoreReport, SaveResult, StateReport, Strategy
 
 __version__ = "0.1.0"
@@ -12,3 +16,19 @@ __all__ = [
     "CheckpointMeta", "CheckpointError", "SaveError", "RestoreError", "IntegrityError",
     "InvalidArgumentError", "UnsupportedTypeError", "actor_provider",
 ]
+
+_LAZY = {"CheckpointEngine": "engine", "SaveHandle": "engine", "actor_provider": "snapshot"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ray_ckpt' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -847,10 +847,10 @@ def _to_torch(arr: Any, info: Dict[str, Any]):
     """A flat uint8 leaf (from tree.flatten) -> a torch tensor of its safetensors dtype and shape."""
     import torch
 
-    from .formats.tree import _ST_TO_TORCH
+    from .formats.tree import _torch_to_st
 
     st = info["dtype"]
-    dt = _ST_TO_TORCH.get(st)
+    dt = {v: k for k, v in _torch_to_st().items()}.get(st)
     u8 = torch.from_numpy(arr.copy()) if arr.size else torch.empty(0, dtype=torch.uint8)
     if dt is None or (st == "U8" and info["itemsize"] != 1):
         return u8, False  # no safetensors dtype: exported as raw bytes

@@ -503,3 +503,11 @@ def test_s3_uri(ckpt, tmp_path, capsys, monkeypatch):
         assert_one_line_error(err, code)
     finally:
         srv.stop()
+
+
+def test_command_line_starts_without_ray_or_torch():
+    """Reading checkpoints needs neither Ray nor torch: `ray-ckpt ls` must not pay ~2 s to import them."""
+    out = subprocess.run([sys.executable, "-c", "import sys, ray_ckpt.cli, ray_ckpt; "
+                          "print(sorted(m for m in ('ray', 'torch') if m in sys.modules))"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import base64
 import collections
+import functools
 import json
+import sys
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
@@ -32,28 +34,37 @@ import numpy as np
 
 from ..errors import RestoreError, UnsupportedTypeError
 
-try:  # torch is a hard dependency of the package, but keep formats importable without it
-    import torch
-except ImportError:  # pragma: no cover
-    torch = None
-
 try:
     import pyarrow as pa
 except ImportError:  # pragma: no cover
     pa = None
 
-# torch dtype <-> safetensors dtype name (what other tools read); anything else is stored as U8.
-_TORCH_TO_ST = {}
-if torch is not None:
-    for _name, _st in [
+
+# torch is imported on first use, not here: the command line lists, verifies and shows checkpoints
+# without it (importing torch is ~1 s of its start-up). A tensor or a torch.dtype can only exist
+# once torch is imported, so flatten() looks in sys.modules; unflatten() imports it to build tensors.
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_to_st() -> dict:
+    """torch dtype -> safetensors dtype name (what other tools read); anything else is stored as U8."""
+    torch = _torch()
+    out = {}
+    for name, st in [
         ("float64", "F64"), ("float32", "F32"), ("float16", "F16"), ("bfloat16", "BF16"),
         ("int64", "I64"), ("int32", "I32"), ("int16", "I16"), ("int8", "I8"), ("uint8", "U8"),
         ("bool", "BOOL"), ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
         ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("complex64", "C64"),
     ]:
-        if hasattr(torch, _name):
-            _TORCH_TO_ST[getattr(torch, _name)] = _st
-_ST_TO_TORCH = {v: k for k, v in _TORCH_TO_ST.items()}
+        if hasattr(torch, name):
+            out[getattr(torch, name)] = st
+    return out
+
+
 _NP_TO_ST = {
     "f8": "F64", "f4": "F32", "f2": "F16", "i8": "I64", "i4": "I32", "i2": "I16", "i1": "I8",
     "u1": "U8", "b1": "BOOL", "u2": "U16", "u4": "U32", "u8": "U64", "c8": "C64",
@@ -100,6 +111,7 @@ def flatten(state: Any, *, state_name: str = "state", allow_pickle: bool = False
     Raises :class:`UnsupportedTypeError` naming the state and the key path of the first object that
     has no safe format.
     """
+    torch = sys.modules.get("torch")  # no torch imported: no tensor in the state (see _torch)
     flat = Flat(structure=None)
     names: set = set()
 
@@ -152,7 +164,7 @@ def flatten(state: Any, *, state_name: str = "state", allow_pickle: bool = False
             if x.device.type != "cpu" or (to_host is not None and getattr(to_host, "stage_cpu", False)):
                 x = to_host(x, _leaf_name(path)) if to_host is not None else x.to("cpu")
             x = x.resolve_conj().resolve_neg().contiguous()
-            st = _TORCH_TO_ST.get(x.dtype, "U8")
+            st = _torch_to_st().get(x.dtype, "U8")
             u8 = x.reshape(-1).view(torch.uint8).numpy() if x.numel() else np.empty(0, np.uint8)
             idx = add_array(u8, path, st, list(x.shape), x.element_size())
             return {"T": idx, "dt": str(x.dtype).replace("torch.", ""), "sh": list(x.shape)}
@@ -199,6 +211,8 @@ def unflatten(structure: Any, arrays: List[Any], tables: List[Any], *, as_numpy:
     that must not depend on torch.
     """
 
+    torch = None if as_numpy else _torch()
+
     def dec(node: Any) -> Any:
         if node is None or isinstance(node, (bool, int, str)):
             return node
@@ -232,7 +246,7 @@ def unflatten(structure: Any, arrays: List[Any], tables: List[Any], *, as_numpy:
         if "b" in node:
             return base64.b64decode(node["b"])
         if "tdt" in node:
-            return getattr(torch, node["tdt"])
+            return getattr(torch or _torch(), node["tdt"])
         if "P" in node:
             if not allow_pickle:
                 raise RestoreError(
