@@ -295,10 +295,12 @@ class Trainer:
         self.sd = state
 
 
-def measure_throughput(mb: int, steps: int, every: int, repeats: int, root: str) -> Dict[str, Any]:
+def measure_throughput(mb: int, steps: int, every: int, repeats: int, root: str,
+                       **engine_options) -> Dict[str, Any]:
     trainer = Trainer.remote(mb)
     info = ray.get(trainer.info.remote())
-    eng = rc.CheckpointEngine.create("suite_throughput", local_dir=os.path.join(root, "ckpt"), keep_last=2)
+    eng = rc.CheckpointEngine.create("suite_throughput", local_dir=os.path.join(root, "ckpt"), keep_last=2,
+                                     **engine_options)
     eng.register("learner", trainer)
     eng.save(eng.current_step + 1).wait(timeout=1200)  # writers started; not counted
     for _ in range(3):
@@ -650,7 +652,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="save,restore,throughput,storage,memory", help="sections to run")
     ap.add_argument("--quick", action="store_true", help="smaller defaults, for a smoke run")
     ap.add_argument("--write-threads", type=int, default=None,
-                    help="EngineConfig.write_threads for the save section (default: the engine's)")
+                    help="EngineConfig.write_threads for the save and throughput sections (default: the engine's)")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
     repeats = args.repeats or (1 if args.quick else 3)
@@ -679,7 +681,7 @@ def main(argv=None) -> int:
             for mb in sizes:
                 restore_rows.append(measure_restore(mb, repeats, root, cache))
         if "throughput" in only:
-            thr = [measure_throughput(train_mb, max(steps, 3 * k), k, repeats, root)
+            thr = [measure_throughput(train_mb, max(steps, 3 * k), k, repeats, root, **engine_options)
                    for k in sorted({int(x) for x in str(args.every).split(",") if x.strip()})]
         if "storage" in only:
             storage = measure_storage(ref_mb, policy_mb, 5, root)
