@@ -413,11 +413,11 @@ def _map_file(path: str) -> Optional[mmap.mmap]:
     mapping copies every page. Checkpoint files are replaced by rename and deleted by unlink, never
     rewritten or truncated in place, so the verified bytes stay the bytes that are used.
     """
-    try:
-        with open(path, "rb") as f:
+    with open(path, "rb") as f:  # a missing file raises here, as a read would
+        try:
             m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    except ValueError:  # empty file, or a filesystem that cannot map
-        return None
+        except (ValueError, OSError):  # empty file, or a filesystem that cannot map: read it instead
+            return None
     with contextlib.suppress(AttributeError, OSError):
         m.madvise(mmap.MADV_SEQUENTIAL)  # large readahead for the checksum pass
     return m
