@@ -335,3 +335,12 @@ def test_driver_save_joins_a_version_its_ranks_opened_first():
     assert not cat.ready_to_commit(4)  # the driver's part is awaited too
     with pytest.raises(rc.SaveError, match="already exists"):
         cat.begin(4, 4, [{"name": "other", "strategy": "critical"}])  # only once
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_write_threads_must_be_a_positive_integer(bad, tmp_path):
+    from ray_ckpt.config import EngineConfig
+
+    with pytest.raises(ValueError, match="write_threads must be an integer >= 1"):
+        EngineConfig(run="r", local_dir=str(tmp_path), write_threads=bad)
+    assert not any(tmp_path.iterdir()), "nothing may be written for a bad configuration"
