@@ -214,6 +214,20 @@ def test_block_parallel_write_equals_one_stream(tmp_path):
         read_files([tier], par)
 
 
+@pytest.mark.parametrize("size", [0, 1, 64 << 20, (64 << 20) + 12345], ids=["empty", "1B", "block", "block+"])
+def test_digest_at_block_edges_is_the_same_threaded_or_streamed(size):
+    """Empty, tiny, exactly one block, one block and a bit: every way of computing a digest agrees,
+    and a different size (trailing zero byte) gives a different digest."""
+    from ray_ckpt.formats.checksum import BLOCK, digest, new_hasher
+
+    assert BLOCK == 64 << 20
+    data = bytes(size)
+    h = new_hasher()
+    h.update(data)
+    assert digest(data, 1) == digest(data, 2) == h.hexdigest()
+    assert digest(data + b"\0") != digest(data)
+
+
 def test_content_hash_is_stable_and_equals_file_checksum(tmp_path):
     flat = flatten({"w": torch.ones(10)})
     tier = Tier(str(tmp_path), "local")

@@ -91,19 +91,9 @@ def test_callback_settings_are_validated_up_front(tmp_path):
 
 # ---------------------------------------------------------------- PPO end to end
 def _ppo_config(callback):
-    from ray.rllib.algorithms.ppo import PPOConfig
-    from ray.rllib.connectors.env_to_module import MeanStdFilter
-
-    return (
-        PPOConfig()
-        .environment("CartPole-v1")
-        .env_runners(num_env_runners=1, num_cpus_per_env_runner=0.25, num_envs_per_env_runner=1,
-                     env_to_module_connector=lambda env, spaces=None, device=None: MeanStdFilter())
-        .learners(num_learners=0)
-        .training(train_batch_size_per_learner=256, minibatch_size=64, num_epochs=1)
-        .callbacks(callback)
-        .debugging(seed=7)
-    )
+    """The example's PPO config (one definition of it), with its own seed."""
+    example = runpy.run_path(str(ROOT / "examples" / "rllib_example.py"), run_name="rllib_example_config")
+    return example["build_config"](callback, seed=7)
 
 
 def _learner(algo, inference_only=False):

@@ -10,6 +10,7 @@ write; the same digest is the content hash used to store a RELOADABLE state once
 from __future__ import annotations
 
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, List, Optional
 
 import xxhash
@@ -62,6 +63,21 @@ class BlockHasher:
     def hexdigest(self) -> str:
         tail = [self._block.digest()] if self._in_block or not self._digests else []
         return combine(self._digests + tail, self.size)
+
+
+def digest(buf: Any, threads: int = 1) -> str:
+    """The digest of the bytes in ``buf``, its blocks hashed by up to ``threads`` threads (xxhash
+    releases the GIL; for a mapped file that also means several page-ins from the disk at once)."""
+    mv = memoryview(buf).cast("B")
+    n = num_blocks(len(mv))
+
+    def one(i: int) -> bytes:
+        return block_digest([mv[i * BLOCK: (i + 1) * BLOCK]])
+
+    if threads < 2 or n < 2:
+        return combine([one(i) for i in range(n)], len(mv))
+    with ThreadPoolExecutor(min(threads, n), thread_name_prefix="ray_ckpt_hash") as pool:
+        return combine(list(pool.map(one, range(n))), len(mv))
 
 
 def new_hasher() -> BlockHasher:

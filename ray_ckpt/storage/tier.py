@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 import pyarrow.fs as pafs
 
 from ..errors import CheckpointError, IntegrityError, InvalidArgumentError
-from ..formats.checksum import BLOCK, HashingSink, block_digest, combine, new_hasher, num_blocks
+from ..formats.checksum import BLOCK, HashingSink, block_digest, combine, digest, num_blocks
 from .layout import MANIFEST, parse_version_dir
 
 TMP_MARK = ".tmp-"
@@ -187,9 +187,9 @@ class Tier:
 
                 def block(i: int) -> bytes:
                     pieces = _slice(views, i * BLOCK, min(size, (i + 1) * BLOCK))
-                    digest = block_digest(pieces)
+                    d = block_digest(pieces)
                     _pwrite_all(fd, pieces, i * BLOCK)
-                    return digest
+                    return d
 
                 n = num_blocks(size)
                 if threads <= 1 or n == 1:
@@ -259,7 +259,7 @@ class Tier:
             buf = self.read_bytes(rel)
         if len(buf) != size:
             raise IntegrityError(f"{self.describe(rel)}: size {len(buf)} != manifest size {size}")
-        if _digest(buf) != checksum:
+        if digest(buf, VERIFY_THREADS) != checksum:
             raise IntegrityError(f"{self.describe(rel)}: checksum mismatch (file is corrupt)")
         return buf
 
@@ -358,20 +358,6 @@ class _WholeWrites:
                 raise OSError(errno.EIO, f"write to {self.f.name} made no progress")
             done += n
         return done
-
-
-def _digest(buf: Any) -> str:
-    """The checksum of ``buf``; blocks are hashed by VERIFY_THREADS threads (xxhash releases the
-    GIL), which for a mapped file also means several page-ins from the disk at once."""
-    mv = memoryview(buf).cast("B")
-    n = num_blocks(len(mv))
-    if n < 2 or VERIFY_THREADS < 2:
-        h = new_hasher()
-        h.update(mv)
-        return h.hexdigest()
-    with ThreadPoolExecutor(min(VERIFY_THREADS, n), thread_name_prefix="ray_ckpt_verify") as pool:
-        digests = list(pool.map(lambda i: block_digest([mv[i * BLOCK: (i + 1) * BLOCK]]), range(n)))
-    return combine(digests, len(mv))
 
 
 def _slice(views: List[memoryview], start: int, end: int) -> List[memoryview]:
