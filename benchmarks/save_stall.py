@@ -111,11 +111,13 @@ def bench_safetensors(sd, d) -> float:
     return dt
 
 
-def bench_dd(nbytes: int, d) -> float:
+def bench_dd(nbytes: int, d, oflag=None) -> float:
+    """dd bs=64M conv=fsync of ``nbytes`` (``oflag="direct"``: bypassing the page cache)."""
     p = os.path.join(d, "dd.bin")
     count = max(1, nbytes // (64 << 20))
+    extra = [f"oflag={oflag}"] if oflag else []
     t = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={p}", "bs=64M", f"count={count}", "conv=fsync"],
+    subprocess.run(["dd", "if=/dev/zero", f"of={p}", "bs=64M", f"count={count}", "conv=fsync", *extra],
                    check=True, capture_output=True)
     dt = (time.perf_counter() - t) * nbytes / (count * (64 << 20))
     os.remove(p)

@@ -25,19 +25,20 @@ def content_hash(flat: Flat) -> str:
     return sink.digest()
 
 
-PARALLEL_FROM = 2 * BLOCK  # tensors files from this size are written by several threads
+PARALLEL_FROM = 2 * BLOCK  # tensors files from this size are written by blocks (threads, O_DIRECT)
 
 
 def write_flat(tier: Tier, version: int, name: str, rank: int, flat: Flat,
-               compression: Optional[str] = None, threads: int = 1) -> List[FileEntry]:
+               compression: Optional[str] = None, threads: int = 1, direct: bool = False) -> List[FileEntry]:
     """Write one (state, rank) part: a safetensors file, plus one Arrow IPC file per table.
 
-    A large tensors file on a local tier is written by ``threads`` threads, block by block."""
+    A large tensors file on a local tier is written block by block by ``threads`` threads, with
+    O_DIRECT when ``direct`` (see ``Tier.write_blocks``)."""
     entries = []
     rel = layout.tensors_file(version, name, rank)
     try:
-        if threads > 1 and tier.is_local and flat.nbytes >= PARALLEL_FROM:
-            size, digest = tier.write_blocks(rel, safetensors_io.segments(flat), threads)
+        if (threads > 1 or direct) and tier.is_local and flat.nbytes >= PARALLEL_FROM:
+            size, digest = tier.write_blocks(rel, safetensors_io.segments(flat), threads, direct)
         else:
             with tier.open_atomic(rel) as sink:
                 safetensors_io.write(flat, sink)

@@ -30,6 +30,7 @@ class EngineConfig:
     max_in_flight: int = 2
     compression: Optional[str] = None  # Arrow IPC buffer compression: None | "zstd" | "lz4"
     write_threads: int = 2  # threads per writer for one large file (block-parallel write + checksum)
+    direct_io: bool = True  # large local files bypass the page cache (O_DIRECT), where the filesystem allows
     critical_nice: int = 5  # OS priority of critical writers: below training, above best-effort
     best_effort_nice: int = 10
     upload_retries: int = 1  # per upload call; the coordinator retries with backoff on top
@@ -46,6 +47,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if not isinstance(self.best_effort_writers, int) or self.best_effort_writers < 0:
             raise ValueError(f"best_effort_writers must be an integer >= 0, got {self.best_effort_writers!r}")
+        if not isinstance(self.direct_io, bool):
+            raise ValueError(f"direct_io must be True or False, got {self.direct_io!r}")
         if self.compression not in (None, "zstd", "lz4"):
             raise ValueError(f"compression must be None, 'zstd' or 'lz4', got {self.compression!r}")
         self.local_policy()  # validates retention arguments

@@ -22,9 +22,11 @@ from .storage.tier import Tier, _one_line
 
 class PartWriter:
     def __init__(self, local: Tier, remote: Optional[Tier] = None, *, upload_retries: int = 4,
-                 retry_base_s: float = 0.25, nice: int = 0, write_threads: int = 1):
+                 retry_base_s: float = 0.25, nice: int = 0, write_threads: int = 1,
+                 direct_io: bool = False):
         self.local = local
         self.write_threads = write_threads
+        self.direct_io = direct_io
         self.remote = remote
         self.upload_retries = upload_retries
         self.retry_base_s = retry_base_s
@@ -49,7 +51,7 @@ class PartWriter:
             if chash in reuse:
                 return {"files": reuse[chash], "written": 0, "content_hash": chash, "reused": True,
                         "seconds": time.perf_counter() - t0}
-        files = write_flat(self.local, version, name, rank, flat, compression, self.write_threads)
+        files = write_flat(self.local, version, name, rank, flat, compression, self.write_threads, self.direct_io)
         return {"files": [f.__dict__ for f in files], "written": sum(f.size for f in files),
                 "content_hash": chash, "reused": False, "seconds": time.perf_counter() - t0}
 
@@ -91,7 +93,8 @@ class WriterActor:
         self.pool = pool
         self.node = ray.get_runtime_context().get_node_id()
         self.writer = PartWriter(config.local_tier(), config.remote_tier(), nice=nice,
-                                 upload_retries=config.upload_retries, write_threads=config.write_threads)
+                                 upload_retries=config.upload_retries, write_threads=config.write_threads,
+                                 direct_io=config.direct_io)
 
     def write_part(self, version: int, name: str, rank: int, refs: List[Any], **kw) -> Dict[str, Any]:
         t0 = time.perf_counter()

@@ -1,7 +1,10 @@
 """Formats, storage and retention without Ray: milliseconds each."""
 import collections
 import math
+import os
 import random
+import shutil
+import subprocess
 
 import numpy as np
 import pyarrow as pa
@@ -212,6 +215,62 @@ def test_block_parallel_write_equals_one_stream(tmp_path):
         f.write(bytes([b[0] ^ 1]))
     with pytest.raises(rc.IntegrityError, match="checksum mismatch"):
         read_files([tier], par)
+
+
+def _resident_bytes(path) -> int:
+    """How much of ``path`` is in the page cache (util-linux fincore)."""
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+                         check=True, capture_output=True, text=True).stdout
+    return int(out.strip())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_direct_io_write_has_the_same_bytes_and_leaves_the_page_cache_alone(tmp_path, threads):
+    """O_DIRECT writes go through aligned buffers and pad the last chunk: the file must still be
+    byte-for-byte the buffered file (exact size, same checksum), and its pages are not left in
+    the page cache (what direct I/O is for)."""
+    from ray_ckpt.checkpoint_io import PARALLEL_FROM
+    from ray_ckpt.formats.checksum import BLOCK
+
+    g = torch.Generator().manual_seed(threads)
+    state = {"a": torch.randint(0, 255, (BLOCK + 4099,), dtype=torch.uint8, generator=g),
+             "b": torch.randn(BLOCK // 4 + 7, generator=g), "step": 3}
+    flat = flatten(state)
+    assert flat.nbytes >= PARALLEL_FROM
+    tier = Tier(str(tmp_path), "local")
+    direct = write_flat(tier, 1, "s", 0, flat, threads=threads, direct=True)
+    fs_type = subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True, text=True).stdout
+    if shutil.which("fincore") and "tmpfs" not in fs_type:  # tmpfs *is* the page cache
+        assert _resident_bytes(tmp_path / direct[0].path) < direct[0].size // 10
+    buffered = write_flat(tier, 2, "s", 0, flat, threads=1)
+    data = (tmp_path / direct[0].path).read_bytes()
+    assert len(data) == direct[0].size and direct[0].size % 4096  # the padding was cut off
+    assert data == (tmp_path / buffered[0].path).read_bytes()
+    assert direct[0].checksum == buffered[0].checksum == content_hash(flat)
+    bufs, _, _ = read_files([tier], direct)
+    assert_same(decode_files(direct, bufs, name="s"), state)
+    del bufs
+    assert not [p for p in tmp_path.rglob("*") if ".tmp-" in p.name]
+
+
+def test_direct_io_falls_back_to_buffered_writes_where_there_is_none(tmp_path, monkeypatch):
+    """A platform without O_DIRECT (macOS) gets the ordinary write, same bytes and checksum."""
+    from ray_ckpt.checkpoint_io import PARALLEL_FROM
+
+    flat = flatten({"w": torch.arange(PARALLEL_FROM // 8 + 5, dtype=torch.float64)})
+    tier = Tier(str(tmp_path), "local")
+    expected = write_flat(tier, 1, "s", 0, flat, threads=1)
+    monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    got = write_flat(tier, 2, "s", 0, flat, threads=2, direct=True)
+    assert (got[0].size, got[0].checksum) == (expected[0].size, expected[0].checksum)
+    assert (tmp_path / got[0].path).read_bytes() == (tmp_path / expected[0].path).read_bytes()
+
+
+def test_direct_io_must_be_a_bool(tmp_path):
+    from ray_ckpt.config import EngineConfig
+
+    with pytest.raises(ValueError, match="direct_io must be True or False"):
+        EngineConfig(run="r", local_dir=str(tmp_path), direct_io="yes")
 
 
 @pytest.mark.parametrize("size", [0, 1, 64 << 20, (64 << 20) + 12345], ids=["empty", "1B", "block", "block+"])

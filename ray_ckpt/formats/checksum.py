@@ -20,9 +20,14 @@ BLOCK = 64 << 20  # the unit of the two-level digest (fixed: changing it changes
 CHUNK = 8 << 20  # hash and write in 8 MiB pieces so each piece is hashed while still in cache
 
 
+def block_hasher() -> Any:
+    """The hasher of one block: ``update`` it with the block's bytes in order, then ``digest()``."""
+    return xxhash.xxh3_128()
+
+
 def block_digest(pieces: Iterable[Any]) -> bytes:
     """The digest of one block given as consecutive byte pieces."""
-    h = xxhash.xxh3_128()
+    h = block_hasher()
     for p in pieces:
         h.update(p)
     return h.digest()

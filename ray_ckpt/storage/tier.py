@@ -11,6 +11,7 @@ import contextlib
 import errno
 import mmap
 import os
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -19,7 +20,7 @@ from urllib.parse import urlparse
 import pyarrow.fs as pafs
 
 from ..errors import CheckpointError, IntegrityError, InvalidArgumentError
-from ..formats.checksum import BLOCK, HashingSink, block_digest, combine, digest, num_blocks
+from ..formats.checksum import BLOCK, CHUNK, HashingSink, block_digest, block_hasher, combine, digest, num_blocks
 from .layout import MANIFEST, parse_version_dir
 
 TMP_MARK = ".tmp-"
@@ -167,19 +168,31 @@ class Tier:
                 raise
             out.close()
 
-    def write_blocks(self, rel: str, segments: List[Any], threads: int) -> Tuple[int, str]:
+    def write_blocks(self, rel: str, segments: List[Any], threads: int,
+                     direct: bool = False) -> Tuple[int, str]:
         """Write the concatenation of ``segments`` (bytes-like, in file order) to ``rel`` with
         ``threads`` threads, each hashing and writing whole checksum blocks at their offsets.
 
-        Why: one thread copying into the page cache is CPU-bound well below what the disk takes
-        (build VM, 2 GiB: 1.10 s with one thread, 0.88 s with two, 0.82 s with four). The digest is
-        the same as streaming the bytes through ``open_atomic``. Local tiers only (object stores
-        take a single stream); atomic like ``open_atomic``: temporary name, fsync, rename."""
+        Why threads: one thread copying into the page cache is CPU-bound well below what the disk
+        takes (build VM, 2 GiB: 1.10 s with one thread, 0.88 s with two, 0.82 s with four).
+
+        ``direct=True`` writes with O_DIRECT through small page-aligned buffers (see
+        ``_DirectBlocks``): no page-cache pages are allocated, filled and written back for the
+        checkpoint, which costs a fraction of the CPU and keeps the training process's page
+        cache. A filesystem that refuses O_DIRECT gets the buffered write instead.
+
+        The digest is the same as streaming the bytes through ``open_atomic``. Local tiers only
+        (object stores take a single stream); atomic like ``open_atomic``: temporary name, fsync,
+        rename."""
         if not self.is_local:
             raise CheckpointError("write_blocks is for local tiers; object stores take one stream")
         views = [memoryview(x).cast("B") for x in segments]
         size = sum(len(v) for v in views)
         with _local_atomic(self.abspath(rel)) as tmp:
+            if direct and size:
+                done = _DirectBlocks.write(tmp, views, size, threads)
+                if done is not None:
+                    return size, done
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 if size:
@@ -191,12 +204,7 @@ class Tier:
                     _pwrite_all(fd, pieces, i * BLOCK)
                     return d
 
-                n = num_blocks(size)
-                if threads <= 1 or n == 1:
-                    digests = [block(i) for i in range(n)]
-                else:
-                    with ThreadPoolExecutor(min(threads, n), thread_name_prefix="ray_ckpt_write") as pool:
-                        digests = list(pool.map(block, range(n)))
+                digests = _map_blocks(block, num_blocks(size), threads)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -386,6 +394,83 @@ def _pwrite_all(fd: int, pieces: List[memoryview], offset: int) -> None:
             pieces.pop(0)
         if n:
             pieces[0] = pieces[0][n:]
+
+
+def _map_blocks(fn: Any, n: int, threads: int) -> List[Any]:
+    """[fn(0), ..., fn(n - 1)], by up to ``threads`` threads."""
+    if threads <= 1 or n <= 1:
+        return [fn(i) for i in range(n)]
+    with ThreadPoolExecutor(min(threads, n), thread_name_prefix="ray_ckpt_write") as pool:
+        return list(pool.map(fn, range(n)))
+
+
+class _DirectBlocks:
+    """Block-parallel O_DIRECT writes of a file whose bytes lie anywhere in memory.
+
+    O_DIRECT needs aligned memory, offsets and lengths; snapshot buffers in the object store are
+    only 64-byte aligned, so each thread copies ``CHUNK`` (8 MiB) bytes at a time into its own page-aligned
+    buffer, hashes them there (the bytes hashed are the bytes written) and writes them. The last
+    chunk is padded to the alignment and the file truncated to its size before the fsync.
+
+    Measured on the build VM (2 GiB from a misaligned buffer, 2 threads, A/B in one run): 0.8-1.2 s
+    and 0.3-0.9 s of CPU, against 2.3-6.1 s and 2.2-5.6 s of CPU for the buffered write (the
+    kernel's page-cache copies), and 0.7-0.9 s for ``dd oflag=direct``.
+    """
+
+    ALIGN = 4096  # a multiple of every common logical block size (512, 4096)
+
+    @classmethod
+    def write(cls, path: str, views: List[memoryview], size: int, threads: int) -> Optional[str]:
+        """The digest, or None when this filesystem refuses O_DIRECT (nothing useful written)."""
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag:
+            return None
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
+        except OSError as exc:
+            if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                return None
+            raise
+        try:
+            padded = -(-size // cls.ALIGN) * cls.ALIGN
+            buffers: Dict[int, mmap.mmap] = {}
+
+            def block(i: int) -> bytes:
+                buf = buffers.get(threading.get_ident())
+                if buf is None:
+                    buf = buffers[threading.get_ident()] = mmap.mmap(-1, CHUNK)  # page-aligned
+                mv = memoryview(buf)
+                h = block_hasher()
+                start, end = i * BLOCK, min(size, (i + 1) * BLOCK)
+                for pos in range(start, end, CHUNK):
+                    n = min(CHUNK, end - pos)
+                    at = 0
+                    for piece in _slice(views, pos, pos + n):
+                        mv[at:at + len(piece)] = piece
+                        at += len(piece)
+                    h.update(mv[:n])
+                    if n % cls.ALIGN:  # the file's last chunk: pad to the alignment
+                        w = min(CHUNK, padded - pos)
+                        mv[n:w] = bytes(w - n)
+                        n = w
+                    _pwrite_all(fd, [mv[:n]], pos)
+                return h.digest()
+
+            try:
+                digests = _map_blocks(block, num_blocks(size), threads)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL:  # opened, but the filesystem refuses unbuffered I/O
+                    return None
+                raise
+            finally:
+                for b in buffers.values():
+                    b.close()
+            if padded != size:
+                os.ftruncate(fd, size)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return combine(digests, size)
 
 
 def _map_file(path: str) -> Optional[mmap.mmap]:
