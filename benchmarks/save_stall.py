@@ -13,7 +13,8 @@ Columns (medians over --repeats; every repeat measures each contender once, inte
   torch.save s     torch.save + fsync of the same state, in the learner's place (it blocks)
   safetensors s    safetensors.torch.save_file + fsync
   dcp stall / s    torch.distributed.checkpoint.async_save: call return, and until its future is done
-  dd s             dd bs=64M conv=fsync of the same number of bytes (the disk's sequential write floor)
+  dd s             dd bs=64M conv=fsync of the same number of bytes (the disk's sequential write floor
+                   through the page cache); dd direct s: the same with oflag=direct (bypassing it)
 """
 from __future__ import annotations
 
@@ -167,8 +168,8 @@ def measure_save(mb: int, repeats: int, root: str, **engine_options) -> dict:
     rtt = statistics.median(_rtt(learner) for _ in range(5))
     sd = make_state(mb)
     nbytes = sum(v.nbytes for v in sd.values())
-    m = {k: [] for k in ("stall", "pause", "durable", "torch", "st", "dcp_stall", "dcp_dur", "dd", "wait_s",
-                         "write_s")}
+    m = {k: [] for k in ("stall", "pause", "durable", "torch", "st", "dcp_stall", "dcp_dur", "dd", "dd_direct",
+                         "wait_s", "write_s")}
     written = 0
     # interleaved: every repeat measures each contender once, so a slow spell of the disk hits all
     # of them; and the order rotates from repeat to repeat, because this VM's disk writes at a
@@ -196,7 +197,8 @@ def measure_save(mb: int, repeats: int, root: str, **engine_options) -> dict:
 
     contenders = [ours, lambda i: m["torch"].append(bench_torch_save(sd, root)),
                   lambda i: m["st"].append(bench_safetensors(sd, root)), dcp,
-                  lambda i: m["dd"].append(bench_dd(nbytes, root))]
+                  lambda i: m["dd"].append(bench_dd(nbytes, root)),
+                  lambda i: m["dd_direct"].append(bench_dd(nbytes, root, oflag="direct"))]
     for i in range(repeats):
         k = i % len(contenders)
         for run in contenders[k:] + contenders[:k]:
@@ -215,7 +217,7 @@ def measure_save(mb: int, repeats: int, root: str, **engine_options) -> dict:
         "pause/memcpy": med["pause"] / memcpy, "durable s": med["durable"],
         "torch.save s": med["torch"], "safetensors s": med["st"],
         "dcp stall ms": med["dcp_stall"], "dcp durable s": med["dcp_dur"], "dd s": med["dd"],
-        "durable/dd": med["durable"] / med["dd"], "torch.save/durable": med["torch"] / med["durable"],
+        "dd direct s": med["dd_direct"], "durable/dd": med["durable"] / med["dd"], "torch.save/durable": med["torch"] / med["durable"],
         "written MB": written / (1 << 20),
         "snapshot wait s": med["wait_s"], "write s": med["write_s"],  # SaveResult.stages
     }

@@ -429,6 +429,8 @@ def build_rows(save_rows, restore_rows, thr, storage, memory, cache: Cache) -> L
             notes=f"{s['written MB']:.0f} MB written; SaveResult.stages: writer waited "
                   f"{s['snapshot wait s']:.3g} s for the snapshot, wrote + checksummed + fsynced in "
                   f"{s['write s']:.3g} s")
+        add("save", "time to durable, s", mb, s["durable s"], "dd oflag=direct conv=fsync write, s", s["dd direct s"],
+            notes="the disk without the page cache (large files are written with O_DIRECT)")
         add("save", "time to durable, s", mb, s["durable s"], "torch.save + fsync (blocks), s", s["torch.save s"])
         add("save", "time to durable, s", mb, s["durable s"], "safetensors save_file + fsync, s",
             s["safetensors s"])
@@ -653,6 +655,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller defaults, for a smoke run")
     ap.add_argument("--write-threads", type=int, default=None,
                     help="EngineConfig.write_threads for the save and throughput sections (default: the engine's)")
+    ap.add_argument("--direct-io", choices=("on", "off"), default=None,
+                    help="EngineConfig.direct_io for the save and throughput sections (default: the engine's)")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
     repeats = args.repeats or (1 if args.quick else 3)
@@ -672,7 +676,9 @@ def main(argv=None) -> int:
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              object_store_memory=store_mb * MiB)
     save_rows, restore_rows, thr, storage, memory = [], [], None, None, None
-    engine_options = {} if args.write_threads is None else {"write_threads": args.write_threads}
+    engine_options: Dict[str, Any] = {} if args.write_threads is None else {"write_threads": args.write_threads}
+    if args.direct_io is not None:
+        engine_options["direct_io"] = args.direct_io == "on"
     try:
         if "save" in only:
             for mb in sizes:

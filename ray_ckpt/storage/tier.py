@@ -21,9 +21,10 @@ import pyarrow.fs as pafs
 
 from ..errors import CheckpointError, IntegrityError, InvalidArgumentError
 from ..formats.checksum import BLOCK, CHUNK, HashingSink, block_digest, block_hasher, combine, digest, num_blocks
-from .layout import MANIFEST, parse_version_dir
+from .layout import MANIFEST, parse_version_dir, version_dir
 
 TMP_MARK = ".tmp-"
+_OBJECT_STORES = tuple(c for c in (getattr(pafs, "S3FileSystem", None), getattr(pafs, "GcsFileSystem", None)) if c)
 _COPY_CHUNK = 16 << 20
 _IOV_MAX = 512  # well under Linux's IOV_MAX (1024)
 VERIFY_THREADS = 2  # threads hashing one large file being restored
@@ -129,6 +130,9 @@ class Tier:
         self.options = dict(options or {})
         self.fs, self.root = resolve_filesystem(uri, self.options)
         self.is_local = isinstance(self.fs, pafs.LocalFileSystem)
+        # keys, not directories: "creating" a parent directory there writes an empty marker object
+        # per level (requests, and objects a plain listing shows)
+        self.is_object_store = isinstance(self.fs, _OBJECT_STORES)
 
     def __repr__(self) -> str:
         return f"Tier({self.name}, {self.uri!r})"
@@ -153,7 +157,8 @@ class Tier:
                 yield sink
                 os.fsync(f.fileno())
         else:
-            self.fs.create_dir(os.path.dirname(final), recursive=True)
+            if not self.is_object_store:  # object stores have no directories to create
+                self.fs.create_dir(os.path.dirname(final), recursive=True)
             out = self.fs.open_output_stream(final)
             try:
                 sink = HashingSink(out)
@@ -276,18 +281,30 @@ class Tier:
         return self.fs.get_file_info(self.abspath(rel)).type != pafs.FileType.NotFound
 
     def version_dirs(self) -> Dict[int, bool]:
-        """version -> whether it has a manifest (committed). Missing root: empty."""
+        """version -> whether it has a manifest (committed). Missing root: empty.
+
+        Object stores are listed once, recursively (a page per 1,000 keys), rather than asked
+        about each version's manifest (one request per version: 200 versions on S3 took 200
+        round trips before any catalogue was built)."""
         out: Dict[int, bool] = {}
+        recursive = not self.is_local
         try:
-            infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
+            infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True, recursive=recursive))
         except FileNotFoundError:
             return out
+        base = self.root.rstrip("/") + "/"
         for info in infos:
-            if info.type != pafs.FileType.Directory:
+            rel = info.path[len(base):] if info.path.startswith(base) else info.base_name
+            top, _, rest = rel.partition("/")
+            v = parse_version_dir(top)
+            if v is None:
                 continue
-            v = parse_version_dir(info.base_name)
-            if v is not None:
-                out[v] = self.exists(f"{info.base_name}/{MANIFEST}")
+            if not rest and info.type == pafs.FileType.Directory:
+                out.setdefault(v, False)
+            elif rest == MANIFEST and info.type == pafs.FileType.File:
+                out[v] = True
+        if not recursive:
+            out = {v: self.exists(f"{version_dir(v)}/{MANIFEST}") for v in out}
         return out
 
     def list_files(self, rel: str) -> List[str]:
@@ -319,6 +336,10 @@ class Tier:
         """Fail fast (at create) on a tier that cannot be written: bad credentials, read-only disk."""
         probe = f".ray_ckpt_probe{TMP_MARK}{uuid.uuid4().hex[:8]}"
         try:
+            if self.is_object_store:  # some S3-compatible servers create a missing bucket on a PUT
+                bucket = self.root.split("/", 1)[0]
+                if self.fs.get_file_info(bucket).type == pafs.FileType.NotFound:
+                    raise FileNotFoundError(f"NoSuchBucket: the bucket {bucket!r} was not found")
             self.put_bytes(probe, b"ok")
             self.delete_file(probe)
         except Exception as exc:
