@@ -430,7 +430,7 @@ def build_rows(save_rows, restore_rows, thr, storage, memory, cache: Cache) -> L
                   f"{s['snapshot wait s']:.3g} s for the snapshot, wrote + checksummed + fsynced in "
                   f"{s['write s']:.3g} s")
         add("save", "time to durable, s", mb, s["durable s"], "dd oflag=direct conv=fsync write, s", s["dd direct s"],
-            notes="the disk without the page cache (large files are written with O_DIRECT)")
+            notes="the disk without the page cache (tensors files from 128 MiB are written with O_DIRECT)")
         add("save", "time to durable, s", mb, s["durable s"], "torch.save + fsync (blocks), s", s["torch.save s"])
         add("save", "time to durable, s", mb, s["durable s"], "safetensors save_file + fsync, s",
             s["safetensors s"])
