@@ -1,4 +1,5 @@
 import os
+import subprocess
 import uuid
 
 import pytest
@@ -59,3 +60,24 @@ def s3_server(tmp_path_factory):
     srv.start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(mb)`` mounts a real filesystem of ``mb`` MiB (tmpfs) and returns its path, to be
+    filled up; unmounted afterwards. Skipped where this process may not mount (not root)."""
+    mounted = []
+
+    def mount(mb: int):
+        path = tmp_path / f"disk{len(mounted)}"
+        path.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mb}m", "tmpfs", str(path)],
+                           capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a small filesystem here: {r.stderr.strip() or r.returncode}")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)

@@ -308,3 +308,29 @@ def test_restore_with_rewind_continues_from_an_older_version(engine_factory, tmp
     ray.get(learner.train.remote())
     assert eng.save(3).wait(timeout=60).version == 3   # the same step numbers again
     assert eng.restore().version == 3
+
+
+def test_full_disk_fails_the_save_clearly_and_keeps_older_versions(small_disk, engine_factory, run_name):
+    """The failure model's 'disk full': the save's handle raises SaveError naming the cause, the
+    committed version is still listed and restores bit-exactly, nothing of the failed version is
+    left on the disk, and once there is room again the next save commits."""
+    disk = small_disk(96)
+    state = {"w": torch.arange(1 << 18, dtype=torch.float32)}  # 1 MiB
+    restored = {}
+    eng = engine_factory(local_dir=str(disk), remote_uri=None)
+    eng.register("policy", lambda: state, loader=lambda s: restored.update(s))
+    assert eng.save(1).wait(timeout=60).version == 1
+    first = {k: v.clone() for k, v in state.items()}
+    state["w"] = torch.ones(40 << 20, dtype=torch.float32)  # 160 MiB: written with O_DIRECT, block by block
+    with pytest.raises(rc.SaveError, match="No space left on device"):
+        eng.save(2).wait(timeout=120)
+    assert [m.version for m in eng.list_checkpoints()] == [1]
+    left = sorted(str(p.relative_to(disk / run_name)) for p in (disk / run_name).rglob("*"))
+    assert left == ["v000000000001", "v000000000001/manifest.json", "v000000000001/policy",
+                    "v000000000001/policy/rank0.safetensors"], left
+    report = eng.restore()
+    assert report.version == 1 and report.states["policy"].status == "restored"
+    assert torch.equal(restored["w"], first["w"])
+    state["w"] = torch.full((1 << 18,), 2.0)
+    assert eng.save(3).wait(timeout=60).version == 3
+    assert [m.version for m in eng.list_checkpoints()] == [1, 3]

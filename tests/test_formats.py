@@ -266,6 +266,21 @@ def test_direct_io_falls_back_to_buffered_writes_where_there_is_none(tmp_path, m
     assert (tmp_path / got[0].path).read_bytes() == (tmp_path / expected[0].path).read_bytes()
 
 
+@pytest.mark.parametrize("mb,direct", [(8, False), (160, True)], ids=["stream", "direct-blocks"])
+def test_full_disk_is_a_clear_save_error_and_leaves_nothing(small_disk, mb, direct):
+    """ENOSPC half way through a file, on either write path: SaveError naming the state, the file
+    and the cause; no temporary or partial file left behind; what was there before is intact."""
+    disk = small_disk(mb // 2)
+    tier = Tier(str(disk / "run"), "local")
+    small = write_flat(tier, 1, "s", 0, flatten({"w": torch.arange(1000)}))
+    big = flatten({"w": torch.zeros(mb << 18)})  # mb MiB of float32
+    with pytest.raises(rc.SaveError, match=r"writing state 's' rank 0 of version 2 .*No space left on device"):
+        write_flat(tier, 2, "s", 0, big, threads=2, direct=direct)
+    assert sorted(str(p.relative_to(disk)) for p in disk.rglob("*") if p.is_file()) == [f"run/{small[0].path}"]
+    bufs, _, _ = read_files([tier], small)
+    assert torch.equal(decode_files(small, bufs, name="s")["w"], torch.arange(1000))
+
+
 def test_direct_io_must_be_a_bool(tmp_path):
     from ray_ckpt.config import EngineConfig
 

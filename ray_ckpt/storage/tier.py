@@ -485,7 +485,8 @@ class _DirectBlocks:
                 raise
             finally:
                 for b in buffers.values():
-                    b.close()
+                    with contextlib.suppress(BufferError):  # still viewed by a failed block's traceback:
+                        b.close()  # freed with it; the error in flight is the one that matters
             if padded != size:
                 os.ftruncate(fd, size)
             os.fsync(fd)
