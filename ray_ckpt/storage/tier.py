@@ -428,14 +428,15 @@ def _map_blocks(fn: Any, n: int, threads: int) -> List[Any]:
 class _DirectBlocks:
     """Block-parallel O_DIRECT writes of a file whose bytes lie anywhere in memory.
 
-    O_DIRECT needs aligned memory, offsets and lengths; snapshot buffers in the object store are
-    only 64-byte aligned, so each thread copies ``CHUNK`` (8 MiB) bytes at a time into its own page-aligned
-    buffer, hashes them there (the bytes hashed are the bytes written) and writes them. The last
-    chunk is padded to the alignment and the file truncated to its size before the fsync.
+    O_DIRECT needs aligned memory, offsets and lengths (the build VM's disk: 512-byte memory
+    alignment); snapshot buffers in the object store are only 64-byte aligned, so each thread
+    copies ``CHUNK`` (8 MiB) at a time into its own page-aligned buffer, hashes it there (the bytes
+    hashed are the bytes written) and writes it. The last chunk is padded to the alignment and the
+    file truncated to its size before the fsync.
 
-    Measured on the build VM (2 GiB from a misaligned buffer, 2 threads, A/B in one run): 0.8-1.2 s
-    and 0.3-0.9 s of CPU, against 2.3-6.1 s and 2.2-5.6 s of CPU for the buffered write (the
-    kernel's page-cache copies), and 0.7-0.9 s for ``dd oflag=direct``.
+    Measured on the build VM (``benchmarks/write_path.py``, a 2 GB state, two write threads, A/B in
+    one run): time to durable 1.14 s and 0.78 CPU seconds against 1.58 s and 0.92 s buffered, and
+    1.63 s against 5.34 s (4.5 CPU seconds) in a run where the VM's page cache was slow.
     """
 
     ALIGN = 4096  # a multiple of every common logical block size (512, 4096)
@@ -512,7 +513,7 @@ def _map_file(path: str) -> Optional[mmap.mmap]:
         except (ValueError, OSError):  # empty file, or a filesystem that cannot map: read it instead
             return None
     # No MADV_SEQUENTIAL: with several threads hashing different blocks it made the cold read
-    # slower, 1.45-1.73 s vs 1.04-1.18 s for 2 GiB with two threads (build VM, 5 runs each)
+    # slower: 1.71 s vs 0.99 s (2 threads) and 0.92 s (4) for 2 GiB (benchmarks/restore_read.py)
     return m
 
 
