@@ -655,6 +655,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller defaults, for a smoke run")
     ap.add_argument("--write-threads", type=int, default=None,
                     help="EngineConfig.write_threads for the save and throughput sections (default: the engine's)")
+    ap.add_argument("--plasma-dir", default=None,
+                    help="Ray's object store directory (ray.init _plasma_directory), e.g. a tmpfs mounted with huge=always")
     ap.add_argument("--direct-io", choices=("on", "off"), default=None,
                     help="EngineConfig.direct_io for the save and throughput sections (default: the engine's)")
     args = ap.parse_args(argv)
@@ -674,7 +676,8 @@ def main(argv=None) -> int:
     cache = Cache()
     print(f"page cache: {'can be dropped' if cache.cold else cache.error}", file=sys.stderr)
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             object_store_memory=store_mb * MiB)
+             object_store_memory=store_mb * MiB,
+             **({"_plasma_directory": args.plasma_dir} if args.plasma_dir else {}))
     save_rows, restore_rows, thr, storage, memory = [], [], None, None, None
     engine_options: Dict[str, Any] = {} if args.write_threads is None else {"write_threads": args.write_threads}
     if args.direct_io is not None:
