@@ -33,6 +33,7 @@ class EngineConfig:
     direct_io: bool = True  # large local files bypass the page cache (O_DIRECT), where the filesystem allows
     critical_nice: int = 5  # OS priority of critical writers: below training, above best-effort
     best_effort_nice: int = 10
+    best_effort_max_mb_s: Optional[float] = None  # best-effort writers' local writes, MB/s (None: no limit)
     upload_retries: int = 1  # per upload call; the coordinator retries with backoff on top
     rank_timeout_s: float = 600.0  # a pushed version fails if a rank's part has not arrived by then
     extra: Dict[str, Any] = field(default_factory=dict)
@@ -47,6 +48,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if not isinstance(self.best_effort_writers, int) or self.best_effort_writers < 0:
             raise ValueError(f"best_effort_writers must be an integer >= 0, got {self.best_effort_writers!r}")
+        v = self.best_effort_max_mb_s
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+            raise ValueError(f"best_effort_max_mb_s must be a number > 0 (MB/s) or None, got {v!r}")
         if not isinstance(self.direct_io, bool):
             raise ValueError(f"direct_io must be True or False, got {self.direct_io!r}")
         if self.compression not in (None, "zstd", "lz4"):

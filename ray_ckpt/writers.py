@@ -17,14 +17,16 @@ from .checkpoint_io import content_hash, delete_version, write_flat
 from .errors import IntegrityError, SaveError
 from .formats.manifest import FileEntry
 from .formats.tree import Flat
-from .storage.tier import Tier, _one_line
+from .storage.tier import RateLimit, Tier, _one_line
 
 
 class PartWriter:
     def __init__(self, local: Tier, remote: Optional[Tier] = None, *, upload_retries: int = 4,
                  retry_base_s: float = 0.25, nice: int = 0, write_threads: int = 1,
-                 direct_io: bool = False):
+                 direct_io: bool = False, max_bytes_per_s: Optional[float] = None):
         self.local = local
+        if max_bytes_per_s:
+            local.rate_limit = RateLimit(max_bytes_per_s)
         self.write_threads = write_threads
         self.direct_io = direct_io
         self.remote = remote
@@ -92,9 +94,10 @@ class WriterActor:
         # tiers are resolved here, in the writer's own process: a local_dir with "{node_id}" is this node's
         self.pool = pool
         self.node = ray.get_runtime_context().get_node_id()
+        limit = config.best_effort_max_mb_s if pool == "best_effort" else None
         self.writer = PartWriter(config.local_tier(), config.remote_tier(), nice=nice,
                                  upload_retries=config.upload_retries, write_threads=config.write_threads,
-                                 direct_io=config.direct_io)
+                                 direct_io=config.direct_io, max_bytes_per_s=limit and limit * 1e6)
 
     def write_part(self, version: int, name: str, rank: int, refs: List[Any], **kw) -> Dict[str, Any]:
         t0 = time.perf_counter()

@@ -334,3 +334,25 @@ def test_full_disk_fails_the_save_clearly_and_keeps_older_versions(small_disk, e
     state["w"] = torch.full((1 << 18,), 2.0)
     assert eng.save(3).wait(timeout=60).version == 3
     assert [m.version for m in eng.list_checkpoints()] == [1, 3]
+
+
+def test_best_effort_writes_are_rate_limited_and_do_not_hold_the_commit(engine_factory):
+    """best_effort_max_mb_s: a 40 MiB replay buffer at 20 MB/s takes at least its share of time
+    (chunks of 8 MiB are scheduled 0.42 s apart), the version commits while it is still being
+    written, and it restores bit-exactly."""
+    replay = {"obs": torch.randint(0, 255, (40 << 20,), dtype=torch.uint8)}
+    policy = {"w": torch.randn(1000)}
+    got = {}
+    eng = engine_factory(best_effort_max_mb_s=20)
+    eng.register("policy", lambda: policy, loader=lambda s: got.update(policy=s))
+    eng.register("replay", lambda: replay, strategy=rc.Strategy.BEST_EFFORT, loader=lambda s: got.update(replay=s))
+    t0 = time.perf_counter()
+    h = eng.save(1)
+    assert h.wait(timeout=60).version == 1
+    assert eng.list_checkpoints()[0].pending == ("replay",)  # committed without waiting for it
+    h.wait(timeout=60, best_effort=True)
+    assert time.perf_counter() - t0 >= (40 - 8) * (1 << 20) / 20e6
+    assert eng.list_checkpoints()[0].pending == () and eng.list_checkpoints()[0].missing == ()
+    report = eng.restore(strict=True)
+    assert report.states["replay"].status == "restored"
+    assert torch.equal(got["replay"]["obs"], replay["obs"]) and torch.equal(got["policy"]["w"], policy["w"])

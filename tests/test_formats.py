@@ -5,6 +5,7 @@ import os
 import random
 import shutil
 import subprocess
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -432,3 +433,34 @@ def test_write_threads_must_be_a_positive_integer(bad, tmp_path):
     with pytest.raises(ValueError, match="write_threads must be an integer >= 1"):
         EngineConfig(run="r", local_dir=str(tmp_path), write_threads=bad)
     assert not any(tmp_path.iterdir()), "nothing may be written for a bad configuration"
+
+
+@pytest.mark.parametrize("path", ["stream", "blocks", "direct"])
+def test_rate_limited_local_writes_take_their_time_and_write_the_same_bytes(tmp_path, path):
+    """A tier with a RateLimit schedules each 8 MiB chunk's write at the limit's pace (no burst
+    from idle credit), on every write path; the bytes and digest are those of an unlimited write."""
+    from ray_ckpt.checkpoint_io import PARALLEL_FROM
+    from ray_ckpt.formats.checksum import CHUNK
+    from ray_ckpt.storage.tier import RateLimit
+
+    mb = 24 if path == "stream" else PARALLEL_FROM >> 20
+    flat = flatten({"w": torch.randint(0, 255, (mb << 20,), dtype=torch.uint8)})
+    free = Tier(str(tmp_path / "free"), "local")
+    limited = Tier(str(tmp_path / "limited"), "local")
+    rate = (mb << 20) / 0.6  # the whole file in ~0.6 s
+    limited.rate_limit = RateLimit(rate)
+    kw = {"stream": {}, "blocks": {"threads": 2}, "direct": {"threads": 2, "direct": True}}[path]
+    expected = write_flat(free, 1, "s", 0, flat, **kw)
+    t = time.perf_counter()
+    got = write_flat(limited, 1, "s", 0, flat, **kw)
+    assert time.perf_counter() - t >= (got[0].size - CHUNK) / rate * 0.99
+    assert (got[0].size, got[0].checksum) == (expected[0].size, expected[0].checksum)
+    assert (tmp_path / "limited" / got[0].path).read_bytes() == (tmp_path / "free" / expected[0].path).read_bytes()
+
+
+@pytest.mark.parametrize("bad", [0, -5, "fast", True])
+def test_best_effort_max_mb_s_is_validated(tmp_path, bad):
+    from ray_ckpt.config import EngineConfig
+
+    with pytest.raises(ValueError, match="best_effort_max_mb_s must be a number > 0"):
+        EngineConfig(run="r", local_dir=str(tmp_path), best_effort_max_mb_s=bad)

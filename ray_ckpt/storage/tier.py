@@ -12,6 +12,7 @@ import errno
 import mmap
 import os
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -20,7 +21,7 @@ from urllib.parse import urlparse
 import pyarrow.fs as pafs
 
 from ..errors import CheckpointError, IntegrityError, InvalidArgumentError
-from ..formats.checksum import BLOCK, CHUNK, HashingSink, block_digest, block_hasher, combine, digest, num_blocks
+from ..formats.checksum import BLOCK, CHUNK, HashingSink, block_hasher, combine, digest, num_blocks
 from .layout import MANIFEST, parse_version_dir, version_dir
 
 TMP_MARK = ".tmp-"
@@ -133,6 +134,7 @@ class Tier:
         # keys, not directories: "creating" a parent directory there writes an empty marker object
         # per level (requests, and objects a plain listing shows)
         self.is_object_store = isinstance(self.fs, _OBJECT_STORES)
+        self.rate_limit: Optional[RateLimit] = None  # local writes only; set per process (not pickled)
 
     def __repr__(self) -> str:
         return f"Tier({self.name}, {self.uri!r})"
@@ -153,7 +155,7 @@ class Tier:
         final = self.abspath(rel)
         if self.is_local:
             with _local_atomic(final) as tmp, open(tmp, "wb", buffering=0) as f:
-                sink = HashingSink(_WholeWrites(f))
+                sink = HashingSink(_WholeWrites(f, self.rate_limit))
                 yield sink
                 os.fsync(f.fileno())
         else:
@@ -182,7 +184,7 @@ class Tier:
         takes (build VM, 2 GiB: 1.10 s with one thread, 0.88 s with two, 0.82 s with four).
 
         ``direct=True`` writes with O_DIRECT through small page-aligned buffers (see
-        ``_DirectBlocks``): no page-cache pages are allocated, filled and written back for the
+        ``_write_direct``): no page-cache pages are allocated, filled and written back for the
         checkpoint, which costs a fraction of the CPU and keeps the training process's page
         cache. A filesystem that refuses O_DIRECT gets the buffered write instead.
 
@@ -194,25 +196,16 @@ class Tier:
         views = [memoryview(x).cast("B") for x in segments]
         size = sum(len(v) for v in views)
         with _local_atomic(self.abspath(rel)) as tmp:
-            if direct and size:
-                done = _DirectBlocks.write(tmp, views, size, threads)
-                if done is not None:
-                    return size, done
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                if size:
-                    os.ftruncate(fd, size)
-
-                def block(i: int) -> bytes:
-                    pieces = _slice(views, i * BLOCK, min(size, (i + 1) * BLOCK))
-                    d = block_digest(pieces)
-                    _pwrite_all(fd, pieces, i * BLOCK)
-                    return d
-
-                digests = _map_blocks(block, num_blocks(size), threads)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            digests = _write_direct(tmp, views, size, threads, self.rate_limit) if direct and size else None
+            if digests is None:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    if size:
+                        os.ftruncate(fd, size)
+                    digests = _write_chunks(fd, views, size, threads, self.rate_limit, aligned=False)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
         return size, combine(digests, size)
 
     def put_bytes(self, rel: str, data: bytes) -> Tuple[int, str]:
@@ -350,6 +343,30 @@ class Tier:
 _POPULATE_FROM = 32 << 20
 
 
+class RateLimit:
+    """At most ``bytes_per_s`` on average: call ``before(n)`` before writing n bytes; it sleeps until
+    those bytes' slot begins. Idle time earns no credit, so a limited writer never bursts.
+
+    Why: best-effort state (replay buffers can be gigabytes) must not take the disk from training
+    or from critical saves; a writer with a limit spreads its writes out instead. Shared by the
+    threads of one writer (a lock keeps the schedule)."""
+
+    def __init__(self, bytes_per_s: float):
+        if not bytes_per_s > 0:
+            raise ValueError(f"a rate limit must be > 0 bytes/s, got {bytes_per_s!r}")
+        self.bytes_per_s = float(bytes_per_s)
+        self._lock = threading.Lock()
+        self._free_at = 0.0  # when the next byte may be written
+
+    def before(self, n: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            start = max(self._free_at, now)
+            self._free_at = start + n / self.bytes_per_s
+        if start > now:
+            time.sleep(start - now)
+
+
 @contextlib.contextmanager
 def _local_atomic(final: str) -> Iterator[str]:
     """Yield a temporary path next to ``final``; on success it is renamed to ``final`` and the
@@ -375,11 +392,14 @@ class _WholeWrites:
     the waits stall the writer while the object-store copy could go on. See RESULTS.md.)
     """
 
-    def __init__(self, f: Any):
+    def __init__(self, f: Any, limit: Optional[RateLimit] = None):
         self.f = f
+        self.limit = limit
 
     def write(self, data: Any) -> int:
         mv = memoryview(data).cast("B")
+        if self.limit is not None:
+            self.limit.before(len(mv))
         done = 0
         while done < len(mv):
             n = self.f.write(mv[done:])
@@ -425,75 +445,89 @@ def _map_blocks(fn: Any, n: int, threads: int) -> List[Any]:
         return list(pool.map(fn, range(n)))
 
 
-class _DirectBlocks:
-    """Block-parallel O_DIRECT writes of a file whose bytes lie anywhere in memory.
+_ALIGN = 4096  # O_DIRECT: a multiple of every common logical block size (512, 4096)
 
-    O_DIRECT needs aligned memory, offsets and lengths (the build VM's disk: 512-byte memory
-    alignment); snapshot buffers in the object store are only 64-byte aligned, so each thread
-    copies ``CHUNK`` (8 MiB) at a time into its own page-aligned buffer, hashes it there (the bytes
-    hashed are the bytes written) and writes it. The last chunk is padded to the alignment and the
-    file truncated to its size before the fsync.
 
-    Measured on the build VM (``benchmarks/write_path.py``, a 2 GB state, two write threads, A/B in
-    one run): time to durable 1.14 s and 0.78 CPU seconds against 1.58 s and 0.92 s buffered, and
-    1.63 s against 5.34 s (4.5 CPU seconds) in a run where the VM's page cache was slow.
-    """
+def _write_chunks(fd: int, views: List[memoryview], size: int, threads: int,
+                  limit: Optional[RateLimit], aligned: bool) -> List[bytes]:
+    """Hash and write the concatenation of ``views`` into ``fd`` at its offsets: each checksum
+    block by one of ``threads`` threads, ``CHUNK`` (8 MiB) at a time, hashed while in cache and
+    then written. Returns the blocks' digests.
 
-    ALIGN = 4096  # a multiple of every common logical block size (512, 4096)
+    ``aligned`` (for O_DIRECT, which needs aligned memory, offsets and lengths; the build VM's disk
+    wants 512-byte aligned memory and snapshot buffers in the object store are only 64-byte
+    aligned): each chunk is first copied into the thread's own page-aligned buffer and hashed
+    there (the bytes hashed are the bytes written); the file's last chunk is padded to the
+    alignment, so the caller truncates the file to ``size`` afterwards."""
+    padded = -(-size // _ALIGN) * _ALIGN
+    buffers: Dict[int, mmap.mmap] = {}
 
-    @classmethod
-    def write(cls, path: str, views: List[memoryview], size: int, threads: int) -> Optional[str]:
-        """The digest, or None when this filesystem refuses O_DIRECT (nothing useful written)."""
-        flag = getattr(os, "O_DIRECT", 0)
-        if not flag:
-            return None
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
-        except OSError as exc:
-            if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
-                return None
-            raise
-        try:
-            padded = -(-size // cls.ALIGN) * cls.ALIGN
-            buffers: Dict[int, mmap.mmap] = {}
-
-            def block(i: int) -> bytes:
+    def block(i: int) -> bytes:
+        h = block_hasher()
+        end = min(size, (i + 1) * BLOCK)
+        for pos in range(i * BLOCK, end, CHUNK):
+            n = min(CHUNK, end - pos)
+            pieces = _slice(views, pos, pos + n)
+            if aligned:
                 buf = buffers.get(threading.get_ident())
                 if buf is None:
                     buf = buffers[threading.get_ident()] = mmap.mmap(-1, CHUNK)  # page-aligned
                 mv = memoryview(buf)
-                h = block_hasher()
-                start, end = i * BLOCK, min(size, (i + 1) * BLOCK)
-                for pos in range(start, end, CHUNK):
-                    n = min(CHUNK, end - pos)
-                    at = 0
-                    for piece in _slice(views, pos, pos + n):
-                        mv[at:at + len(piece)] = piece
-                        at += len(piece)
-                    h.update(mv[:n])
-                    if n % cls.ALIGN:  # the file's last chunk: pad to the alignment
-                        w = min(CHUNK, padded - pos)
-                        mv[n:w] = bytes(w - n)
-                        n = w
-                    _pwrite_all(fd, [mv[:n]], pos)
-                return h.digest()
+                at = 0
+                for piece in pieces:
+                    mv[at:at + len(piece)] = piece
+                    at += len(piece)
+                w = min(CHUNK, padded - pos) if n % _ALIGN else n
+                mv[n:w] = bytes(w - n)
+                pieces, out = [mv[:n]], [mv[:w]]
+            else:
+                out = pieces
+            for p in pieces:
+                h.update(p)
+            if limit is not None:
+                limit.before(n)
+            _pwrite_all(fd, out, pos)
+        return h.digest()
 
-            try:
-                digests = _map_blocks(block, num_blocks(size), threads)
-            except OSError as exc:
-                if exc.errno == errno.EINVAL:  # opened, but the filesystem refuses unbuffered I/O
-                    return None
-                raise
-            finally:
-                for b in buffers.values():
-                    with contextlib.suppress(BufferError):  # still viewed by a failed block's traceback:
-                        b.close()  # freed with it; the error in flight is the one that matters
-            if padded != size:
-                os.ftruncate(fd, size)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return combine(digests, size)
+    try:
+        return _map_blocks(block, num_blocks(size), threads)
+    finally:
+        for b in buffers.values():
+            with contextlib.suppress(BufferError):  # still viewed by a failed block's traceback:
+                b.close()  # freed with it; the error in flight is the one that matters
+
+
+def _write_direct(path: str, views: List[memoryview], size: int, threads: int,
+                  limit: Optional[RateLimit]) -> Optional[List[bytes]]:
+    """``_write_chunks`` with O_DIRECT into a new file at ``path``, fsynced; None when this platform
+    or filesystem refuses O_DIRECT (the caller then writes through the page cache).
+
+    Why: no page-cache pages are allocated, filled and written back for the checkpoint. Measured
+    on the build VM (``benchmarks/write_path.py``, a 2 GB state, two write threads, A/B in one run):
+    time to durable 1.14 s and 0.78 CPU seconds against 1.58 s and 0.92 s buffered, and 1.63 s
+    against 5.34 s (4.5 CPU seconds) in a run where the VM's page cache was slow."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return None
+        raise
+    try:
+        try:
+            digests = _write_chunks(fd, views, size, threads, limit, aligned=True)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:  # opened, but the filesystem refuses unbuffered I/O
+                return None
+            raise
+        if size % _ALIGN:
+            os.ftruncate(fd, size)  # cut the last chunk's padding
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return digests
 
 
 def _map_file(path: str) -> Optional[mmap.mmap]:
