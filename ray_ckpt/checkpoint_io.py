@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .errors import IntegrityError, RestoreError, SaveError
+from .errors import IntegrityError, RestoreError, SaveError, one_line
 from .formats import arrow_io, safetensors_io
 from .formats.checksum import BLOCK, HashingSink
 from .formats.manifest import FileEntry, Manifest, StateEntry
 from .formats.tree import Flat, unflatten
 from .storage import layout
-from .storage.tier import Tier, _one_line
+from .storage.tier import Tier
 
 
 def content_hash(flat: Flat) -> str:
@@ -51,7 +51,7 @@ def write_flat(tier: Tier, version: int, name: str, rank: int, flat: Flat,
             entries.append(FileEntry(rel, sink.size, sink.digest(), "table"))
     except OSError as exc:
         raise SaveError(f"writing state {name!r} rank {rank} of version {version} to "
-                        f"{tier.describe(rel)} failed: {_one_line(exc)}") from None
+                        f"{tier.describe(rel)} failed: {one_line(exc)}") from None
     return entries
 
 
@@ -75,7 +75,7 @@ def read_files(tiers: Sequence[Tier], files: List[FileEntry]) -> Tuple[List[byte
             except IntegrityError as exc:
                 errors.append(f"{tier.name}: {exc}")
             except OSError as exc:
-                errors.append(f"{tier.name}: {_one_line(exc)}")
+                errors.append(f"{tier.name}: {one_line(exc)}")
         else:
             raise IntegrityError(f"no good copy of {f.path} ({'; '.join(errors)})")
         problems.extend(errors)

@@ -34,12 +34,12 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import pyarrow.fs as pafs
 
 from .checkpoint_io import decode_files, delete_version, rank_files, read_files, read_manifest
-from .errors import CheckpointError
+from .errors import CheckpointError, one_line
 from .formats.checksum import ALGORITHM, CHUNK, new_hasher
 from .formats.manifest import FileEntry, Manifest, StateEntry
 from .storage import layout
 from .storage.retention import RetentionPolicy, VersionInfo, plan_deletions
-from .storage.tier import TMP_MARK, Tier, _one_line
+from .storage.tier import TMP_MARK, Tier
 
 PROG = "ray-ckpt"
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -154,11 +154,11 @@ def open_tier(args: argparse.Namespace) -> Tier:
     try:
         tier = Tier(uri, "remote" if remote else "local", options)
     except ValueError as exc:
-        raise CliError(_one_line(exc)) from None
+        raise CliError(one_line(exc)) from None
     try:
         info = tier.fs.get_file_info(tier.root)
     except (OSError, ValueError) as exc:
-        raise CliError(f"cannot open {uri}: {_one_line(exc)}{_s3_hint(exc) if scheme == 's3' else ''}") from None
+        raise CliError(f"cannot open {uri}: {one_line(exc)}{_s3_hint(exc) if scheme == 's3' else ''}") from None
     if info.type == pafs.FileType.NotFound:
         what = "no such directory" if tier.is_local else "no such bucket or prefix (nothing is stored there)"
         raise CliError(f"{uri}: {what}")
@@ -219,7 +219,7 @@ class Run:
         try:
             self.dirs: Dict[int, bool] = tier.version_dirs()  # version -> has manifest.json
         except OSError as exc:
-            raise CliError(f"cannot list {tier.uri}: {_one_line(exc)}") from None
+            raise CliError(f"cannot list {tier.uri}: {one_line(exc)}") from None
         self._manifests: Dict[int, Manifest] = {}
         self._errors: Dict[int, str] = {}
         self._uncommitted: Optional[Dict[int, Dict[str, Any]]] = None
@@ -252,7 +252,7 @@ class Run:
         except FileNotFoundError:
             self._errors[v] = f"version {v}: manifest.json disappeared while reading (deleted concurrently?)"
         except (CheckpointError, OSError, ValueError) as exc:
-            self._errors[v] = _one_line(exc)
+            self._errors[v] = one_line(exc)
         return None
 
     def error(self, v: int) -> str:
@@ -513,7 +513,7 @@ def _file_details(tier: Tier, f: FileEntry) -> Dict[str, Any]:
     except FileNotFoundError:
         d["problem"] = "file is missing"
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        d["problem"] = f"cannot read its header: {_one_line(exc)}"
+        d["problem"] = f"cannot read its header: {one_line(exc)}"
     return d
 
 
@@ -667,7 +667,7 @@ def check_file(tier: Tier, f: FileEntry, progress: Progress) -> Optional[Tuple[s
     except FileNotFoundError:
         return "MISSING", "the file does not exist"
     except OSError as exc:
-        return "UNREADABLE", _one_line(exc)
+        return "UNREADABLE", one_line(exc)
     if size != f.size:
         return "SIZE", f"{size} bytes, the manifest says {f.size}"
     if digest != f.checksum:
@@ -814,7 +814,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             try:
                 to_go = sorted(delete_version(tier, v, keep_paths))
             except OSError as exc:
-                raise CliError(f"deleting {_vdir(v)} from {tier.uri} failed: {_one_line(exc)}"
+                raise CliError(f"deleting {_vdir(v)} from {tier.uri} failed: {one_line(exc)}"
                                + (f" (deleted {_n(n_versions, 'version')} before it)" if n_versions else "")) from None
         size = sum(sizes.get(p, 0) for p in to_go)
         if v in committed:
@@ -927,11 +927,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         bufs, _tier, _problems = read_files([run.tier], files)  # verifies size + checksum of every file
     except CheckpointError as exc:
-        raise CliError(f"cannot export state {name!r} of version {m.version}: {_one_line(exc)}") from None
+        raise CliError(f"cannot export state {name!r} of version {m.version}: {one_line(exc)}") from None
     try:
         state = decode_files(files, bufs, name=name, as_numpy=False)
     except CheckpointError as exc:
-        msg = _one_line(exc)
+        msg = one_line(exc)
         if "pickled" in msg:
             msg = f"state {name!r} holds pickled objects; export does not unpickle (it would run code)"
         raise CliError(msg) from None
@@ -1163,14 +1163,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except Exception as exc:  # never a traceback for the user; --debug shows it
         if debug:
             raise
-        _error(f"unexpected {type(exc).__name__}: {_one_line(exc)} (run with --debug for a traceback)")
+        _error(f"unexpected {type(exc).__name__}: {one_line(exc)} (run with --debug for a traceback)")
         return EXIT_FAIL
 
 
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, PermissionError) and getattr(exc, "filename", None):
         return f"permission denied: {exc.filename}"
-    return _one_line(exc)
+    return one_line(exc)
 
 
 if __name__ == "__main__":

@@ -21,11 +21,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from .catalogue import Catalogue, meta_of
 from .checkpoint_io import delete_version, scan, write_manifest
 from .config import EngineConfig
-from .errors import SaveError
+from .errors import SaveError, one_line
 from .formats.manifest import Manifest
 from .metrics import Metrics
 from .storage.retention import VersionInfo, plan_deletions
-from .storage.tier import _one_line
 from .types import Strategy
 from .writers import WriterActor
 
@@ -57,7 +56,7 @@ class CheckpointCoordinator:
             try:
                 self.remote_committed = scan(self.remote)[0]
             except Exception as exc:  # remote down at (re)start: local checkpointing goes on
-                log.warning("cannot list the remote tier %s: %s", self.remote.uri, _one_line(exc))
+                log.warning("cannot list the remote tier %s: %s", self.remote.uri, one_line(exc))
         self.remote_paths: Set[str] = {p for m in self.remote_committed.values() for p in m.referenced_paths()}
         self.node_id = ray.get_runtime_context().get_node_id()
         # critical writers per node (they write where the snapshot lies); best-effort ones run here
@@ -138,7 +137,7 @@ class CheckpointCoordinator:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._locator, self._locate_blocking, ref)
         except Exception as exc:  # a failed snapshot has no location: the writer reports its error
-            log.info("no location for a snapshot (%s); writing it from this node", _one_line(exc))
+            log.info("no location for a snapshot (%s); writing it from this node", one_line(exc))
             return None
 
     # ------------------------------------------------------------------ queries
@@ -302,7 +301,7 @@ class CheckpointCoordinator:
                     self.file_nodes[f["path"]] = result.get("node", self.node_id)
             self.catalogue.part_written(version, name, rank, result)
         except Exception as exc:  # reaches the handle through the commit future
-            msg = _one_line(getattr(exc, "cause", None) or exc)
+            msg = one_line(getattr(exc, "cause", None) or exc)
             log.error("version %d: state %r rank %d failed: %s", version, name, rank, msg)
             self.last_error = f"version {version} state {name!r} rank {rank}: {msg}"
             self.catalogue.part_failed(version, name, rank, msg)
@@ -330,10 +329,10 @@ class CheckpointCoordinator:
                 try:
                     await asyncio.to_thread(write_manifest, self.local, manifest)
                 except Exception as exc:
-                    self.catalogue.fail(version, f"writing the manifest failed: {_one_line(exc)}")
+                    self.catalogue.fail(version, f"writing the manifest failed: {one_line(exc)}")
                     self.failures += 1
                     fut.set_exception(SaveError(f"version {version}: writing the manifest failed: "
-                                                f"{_one_line(exc)}"))
+                                                f"{one_line(exc)}"))
                 else:
                     self.catalogue.mark_committed(version, manifest)
                     self.commits += 1
@@ -356,7 +355,7 @@ class CheckpointCoordinator:
                     self.catalogue.committed[version] = manifest
                 except Exception as exc:  # the committed manifest stays; the late part is reported
                     self.last_error = f"version {version}: adding best-effort parts to the manifest " \
-                                      f"failed: {_one_line(exc)}"
+                                      f"failed: {one_line(exc)}"
                     log.error(self.last_error)
                     break
             if not self.catalogue.settled(version):
@@ -396,7 +395,7 @@ class CheckpointCoordinator:
                                        return_exceptions=True)
         for r in results:
             if isinstance(r, Exception):
-                log.warning("version %d: deleting on another node failed: %s", version, _one_line(r))
+                log.warning("version %d: deleting on another node failed: %s", version, one_line(r))
         for path in [p for p in self.file_nodes if p.startswith(f"v{version:012d}/") or p in referenced]:
             if path not in keep:
                 self.file_nodes.pop(path, None)
@@ -440,7 +439,7 @@ class CheckpointCoordinator:
                     self.remote_paths.update(f["path"] for f in files)
                     await asyncio.to_thread(write_manifest, self.remote, manifest)
                 except Exception as exc:
-                    msg = _one_line(getattr(exc, "cause", None) or exc)
+                    msg = one_line(getattr(exc, "cause", None) or exc)
                     self.remote_errors[version] = msg
                     self.last_error = f"version {version} upload: {msg}"
                     self.metrics.failed("upload")

@@ -18,14 +18,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from .checkpoint_io import rank_files
 from .config import EngineConfig
 from .coordinator import NAMESPACE, CoordinatorActor, actor_name
-from .errors import (CheckpointError, IntegrityError, InvalidArgumentError, InvalidSaveError,
-                     RestoreError, SaveError)
+from .errors import (CheckpointError, IntegrityError, InvalidArgumentError, InvalidSaveError, RestoreError,
+                     SaveError, one_line)
 from .formats.manifest import Manifest
 from .metrics import for_run as metrics_for_run
 from .snapshot import (ActorProvider, CallableProvider, apply_in_actor, capture, discard_in_actor,
                        read_state, snapshot_in_actor, stage_in_actor, tiers_of)
 from .storage.layout import validate_name
-from .storage.tier import _one_line
 from .types import CheckpointMeta, OnBusy, RestoreReport, SaveResult, StateReport, Strategy
 
 log = logging.getLogger("ray_ckpt")
@@ -99,10 +98,10 @@ class SaveHandle:
                             f"durable on the {durability} tier after {timeout}s{detail}") from None
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
             raise SaveError(f"the coordinator of run {self._engine.run!r} died while version {self.version} "
-                            f"was in flight; that version was not committed ({_one_line(exc)[:200]})") from None
+                            f"was in flight; that version was not committed ({one_line(exc)[:200]})") from None
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            raise SaveError(_one_line(cause)) from None
+            raise SaveError(one_line(cause)) from None
         return SaveResult(d["version"], d["step"], d["bytes_written"], d["durability"],
                           tuple(d.get("states", ())), d.get("seconds", 0.0), dict(d.get("stages") or {}))
 
@@ -160,7 +159,7 @@ class CheckpointEngine:
                                   f"best_effort_cpus?)") from None
         except ray.exceptions.RayActorError as exc:
             raise CheckpointError(f"the coordinator of run {run!r} could not start: "
-                                  f"{_one_line(exc)[:500]}") from None
+                                  f"{one_line(exc)[:500]}") from None
         if (existing.local_dir, existing.remote_uri) != (config.local_dir, config.remote_uri):
             raise InvalidArgumentError(
                 f"run {run!r} already has a coordinator with local_dir={existing.local_dir!r}, "
@@ -447,13 +446,13 @@ class CheckpointEngine:
                     reports[name] = StateReport("restored", tier, True, "; ".join(problems),
                                                 sum(f.size for f in files))
                 except (IntegrityError, RestoreError, OSError) as exc:
-                    reports[name] = StateReport("missing", None, False, _one_line(exc))
+                    reports[name] = StateReport("missing", None, False, one_line(exc))
         per_state: Dict[str, List[dict]] = {}
         for (name, rank), ref in staged_actor.items():
             try:
                 r = ray.get(ref)
             except ray.exceptions.RayError as exc:
-                r = {"ok": False, "tier": None, "detail": f"provider actor failed: {_one_line(exc)[:300]}"}
+                r = {"ok": False, "tier": None, "detail": f"provider actor failed: {one_line(exc)[:300]}"}
             if rank is not None and r["detail"]:
                 r["detail"] = f"rank {rank}: {r['detail']}"
             per_state.setdefault(name, []).append(r)

@@ -27,3 +27,8 @@ class InvalidArgumentError(CheckpointError, ValueError):
 
 class InvalidSaveError(InvalidArgumentError, SaveError):
     """A ``save()`` call refused before any byte was written (step going backwards, ...)."""
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line of text (SDK errors span many), for error messages and reports."""
+    return " ".join(str(exc).split()) or type(exc).__name__

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .checkpoint_io import decode_files, read_files
-from .errors import IntegrityError, RestoreError
+from .errors import IntegrityError, RestoreError, one_line
 from .formats.manifest import FileEntry
 from .formats.tree import Flat, flatten
-from .storage.tier import Tier, _one_line
+from .storage.tier import Tier
 
 _STAGED = "_ray_ckpt_staged"
 
@@ -111,7 +111,7 @@ def stage_in_actor(actor: Any, name: str, config: Any, files: List[FileEntry],
     try:
         state, tier, problems = read_state(tiers_of(config), files, name, allow_pickle)
     except (IntegrityError, RestoreError, OSError) as exc:
-        return {"ok": False, "tier": None, "detail": _one_line(exc)}
+        return {"ok": False, "tier": None, "detail": one_line(exc)}
     actor.__dict__.setdefault(_STAGED, {})[name] = state
     return {"ok": True, "tier": tier, "detail": "; ".join(problems),
             "bytes": sum(f.size for f in files)}

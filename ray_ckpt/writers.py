@@ -14,10 +14,10 @@ from typing import Any, Dict, List, Optional
 import ray
 
 from .checkpoint_io import content_hash, delete_version, write_flat
-from .errors import IntegrityError, SaveError
+from .errors import IntegrityError, SaveError, one_line
 from .formats.manifest import FileEntry
 from .formats.tree import Flat
-from .storage.tier import RateLimit, Tier, _one_line
+from .storage.tier import RateLimit, Tier
 
 
 class PartWriter:
@@ -73,7 +73,7 @@ class PartWriter:
                 except OSError as exc:
                     if attempt == self.upload_retries:
                         raise SaveError(f"uploading {f.path} to {self.remote.describe(f.path)} failed after "
-                                        f"{attempt + 1} attempts: {_one_line(exc)}") from None
+                                        f"{attempt + 1} attempts: {one_line(exc)}") from None
                     time.sleep(min(self.retry_base_s * (2 ** attempt), 5.0))
             if (size, digest) != (f.size, f.checksum):
                 self.remote.delete_file(f.path)
@@ -105,9 +105,9 @@ class WriterActor:
             flat = ray.get(refs[0])
         except ray.exceptions.RayTaskError as exc:  # the snapshot itself failed in the provider
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            raise SaveError(f"snapshot of state {name!r} (rank {rank}) failed: {_one_line(cause)}") from None
+            raise SaveError(f"snapshot of state {name!r} (rank {rank}) failed: {one_line(cause)}") from None
         except ray.exceptions.RayError as exc:
-            raise SaveError(f"snapshot of state {name!r} (rank {rank}) was lost: {_one_line(exc)}") from None
+            raise SaveError(f"snapshot of state {name!r} (rank {rank}) was lost: {one_line(exc)}") from None
         waited = time.perf_counter() - t0
         result = self.writer.write_part(version, name, rank, flat, **kw)
         result["node"] = self.node
