@@ -29,6 +29,19 @@ from .types import CheckpointMeta, OnBusy, RestoreReport, SaveResult, StateRepor
 
 log = logging.getLogger("ray_ckpt")
 
+_HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
+
+
+def _coordinator_placement() -> Dict[str, Any]:
+    """Where the coordinator runs: on the head node where Ray marks it — worker nodes are the
+    preemptible ones, and a coordinator that dies with one fails the saves in flight — else next
+    to this process. (A soft node-affinity request alone was not honoured for this num_cpus=0
+    detached actor: on a 3-node ``Cluster`` it landed on a worker.)"""
+    if _HEAD_RESOURCE in ray.cluster_resources():
+        return {"resources": {_HEAD_RESOURCE: 0.001}}
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                  soft=True)}
+
 
 @dataclass
 class Registration:
@@ -147,8 +160,7 @@ class CheckpointEngine:
             ray.init()
         coord = CoordinatorActor.options(
             name=actor_name(run), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-            max_restarts=-1, num_cpus=0, max_concurrency=1000,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True),
+            max_restarts=-1, num_cpus=0, max_concurrency=1000, **_coordinator_placement(),
         ).remote(config)
         try:
             existing = ray.get(coord.config.remote(), timeout=startup_timeout)

@@ -54,9 +54,14 @@ def main() -> int:
                          for d, _, fs in os.walk(os.path.join(root, "local")) for f in fs)
         assert os.path.exists(on_a), (f"critical writer did not write on the learner's node: {on_a} missing; "
                                       f"files: {written}; status: {engine.status()}")
+        head = ray.get_runtime_context().get_node_id()
         print(f"saved version 2 on node A ({a[:12]}) and uploaded it; coordinator on "
-              f"{engine.status()['node'][:12]}, head {ray.get_runtime_context().get_node_id()[:12]}, "
+              f"{engine.status()['node'][:12]}, head {head[:12]}, "
               f"writers {engine.status()['writer_nodes']}", flush=True)
+        # the coordinator lives on the head node: a worker's preemption never takes it (and the
+        # saves it holds) down
+        assert engine.status()["node"] == head, (engine.status()["node"], head)
+        coordinator_started = engine.status()["started_at"]
 
         cluster.remove_node(node_a)  # preemption of node A
         deadline = time.time() + 120
@@ -83,6 +88,8 @@ def main() -> int:
         assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got), \
             "training after the cross-node restore differs from the uninterrupted run"
         assert engine.save(5).wait(timeout=120).version == 5  # saving works on the new node
+        status = engine.status()
+        assert (status["node"], status["started_at"]) == (head, coordinator_started), status  # never restarted
         engine.shutdown()
         print("MULTINODE OK", flush=True)
         return 0
