@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Dict, List, Optional
 
@@ -388,17 +389,32 @@ def measure_memory(mb: int, saves: int, root: str) -> Dict[str, Any]:
         return {"store": object_store_used(), "writers": rss_of(writers), "coord": rss_of(coord)}
 
     before = snap()
+    peak = {"store": 0.0, "in_flight": 0}
+    done = threading.Event()
+
+    def sample():  # while the saves run: object-store use and versions in flight, every 50 ms
+        while not done.is_set():
+            used = ray.cluster_resources().get("object_store_memory", 0) - \
+                ray.available_resources().get("object_store_memory", 0)
+            peak["store"] = max(peak["store"], used)
+            peak["in_flight"] = max(peak["in_flight"], len(eng.status()["in_flight"]))
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     t = time.perf_counter()
     handles = [eng.save(base + 3 + i) for i in range(saves)]  # on_busy="wait": at most 2 in flight
     for h in handles:
         h.wait(timeout=600)
     seconds = time.perf_counter() - t
+    done.set()
+    sampler.join(timeout=10)
     after = snap()
     eng.shutdown()
     ray.kill(learner)
     print("  memory done", file=sys.stderr)
     return {"MB": mb, "saves": saves, "before": before, "after": after, "seconds": seconds,
-            "n_writers": len(writers)}
+            "n_writers": len(writers), "peak": peak, "max_in_flight": eng.config.max_in_flight}
 
 
 # ------------------------------------------------------------------------------- table
@@ -469,6 +485,11 @@ def build_rows(save_rows, restore_rows, thr, storage, memory, cache: Cache) -> L
     if memory:
         b, a = memory["before"], memory["after"]
         n, mb = memory["saves"], memory["MB"]
+        pk = memory["peak"]
+        add("memory", f"object store peak during {n} back-to-back saves, MB", mb, pk["store"] / MiB,
+            "max_in_flight x state, MB", memory["max_in_flight"] * mb,
+            notes=f"sampled every 50 ms (the raylet reports about once a second, so a short peak can be "
+                  f"missed); most versions in flight seen: {pk['in_flight']} (on_busy='wait')")
         add("memory", f"object store used after {n} saves, MB", mb, a["store"] / MiB, "before, MB",
             b["store"] / MiB, r=NAN, notes=f"delta {(a['store'] - b['store']) / MiB:+.1f} MB")
         aw, bw = a["writers"], b["writers"]
