@@ -27,6 +27,7 @@ import os
 import re
 import struct
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
@@ -39,7 +40,8 @@ from .formats.checksum import ALGORITHM, CHUNK, new_hasher
 from .formats.manifest import FileEntry, Manifest, StateEntry
 from .storage import layout
 from .storage.retention import RetentionPolicy, VersionInfo, plan_deletions
-from .storage.tier import TMP_MARK, Tier
+from .storage.local_files import hash_file as hash_local_file
+from .storage.tier import TMP_MARK, VERIFY_THREADS, Tier
 
 PROG = "ray-ckpt"
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -599,8 +601,13 @@ class Progress:
         self.tty = sys.stderr.isatty()
         self._last_t = 0.0
         self._last_decile = -1
+        self._lock = threading.Lock()
 
     def add(self, n: int) -> None:
+        with self._lock:  # called from the threads hashing a file's blocks
+            self._add(n)
+
+    def _add(self, n: int) -> None:
         self.done += n
         if not self.enabled:
             return
@@ -623,30 +630,21 @@ class Progress:
 
 
 def hash_file(tier: Tier, rel: str, progress: Progress) -> Tuple[int, str]:
-    """Stream ``rel`` through the checksum in CHUNK pieces. Returns (size, digest)."""
+    """(size, digest) of ``rel``: a local file by blocks in parallel, a remote one streamed in CHUNK
+    pieces."""
+    path = tier.abspath(rel)
+    if tier.is_local:  # checksum blocks read in parallel
+        return hash_local_file(path, VERIFY_THREADS, progress.add)
     h = new_hasher()
     size = 0
-    path = tier.abspath(rel)
-    if tier.is_local:
-        buf = bytearray(CHUNK)
-        mv = memoryview(buf)
-        with open(path, "rb", buffering=0) as f:
-            while True:
-                n = f.readinto(buf)
-                if not n:
-                    break
-                h.update(mv[:n])
-                size += n
-                progress.add(n)
-    else:
-        with tier.fs.open_input_stream(path) as f:
-            while True:
-                chunk = f.read(CHUNK)
-                if not chunk:
-                    break
-                h.update(chunk)
-                size += len(chunk)
-                progress.add(len(chunk))
+    with tier.fs.open_input_stream(path) as f:
+        while True:
+            chunk = f.read(CHUNK)
+            if not chunk:
+                break
+            h.update(chunk)
+            size += len(chunk)
+            progress.add(len(chunk))
     return size, h.hexdigest()
 
 

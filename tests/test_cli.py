@@ -236,6 +236,32 @@ def test_verify_detects_corruption(ckpt, run_copy, capsys):
     assert code == 1 and "version 2 (step 2): FAILED, 1 of 6 files bad" in out
 
 
+def test_verify_reads_a_large_file_by_blocks_and_finds_a_flip_in_any(tmp_path, capsys):
+    """A file of several checksum blocks is verified by threads reading blocks in parallel: OK when
+    intact (progress reaches 100 %), CORRUPT for one flipped byte in its third block."""
+    from ray_ckpt.checkpoint_io import write_flat, write_manifest
+    from ray_ckpt.formats.checksum import BLOCK
+    from ray_ckpt.formats.manifest import Manifest, StateEntry
+    from ray_ckpt.formats.tree import flatten
+    from ray_ckpt.storage.tier import Tier
+
+    tier = Tier(str(tmp_path / "big"), "local")
+    state = {"w": torch.randint(0, 255, (2 * BLOCK + 12345,), dtype=torch.uint8)}
+    files = write_flat(tier, 1, "policy", 0, flatten(state))
+    write_manifest(tier, Manifest("big", 1, 1, 0.0, {"policy": StateEntry(
+        "critical", "stored", {"0": files}, sum(f.size for f in files))}))
+    code, out, err = cli(capsys, "verify", tmp_path / "big", "--progress")
+    assert code == 0, err
+    assert "version 1 (step 1): OK" in out and "(100%)" in err
+    with open(tmp_path / "big" / files[0].path, "r+b") as f:
+        f.seek(2 * BLOCK + 100)
+        b = f.read(1)
+        f.seek(2 * BLOCK + 100)
+        f.write(bytes([b[0] ^ 1]))
+    code, out, _ = cli(capsys, "verify", tmp_path / "big")
+    assert code == 1 and "CORRUPT" in out and files[0].path in out
+
+
 # ---------------------------------------------------------------------------- gc
 def test_gc_dry_run_deletes_nothing(run_copy, capsys):
     before = tree_files(run_copy)

@@ -11,9 +11,9 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from ..formats.checksum import BLOCK, CHUNK, block_hasher, num_blocks
+from ..formats.checksum import BLOCK, CHUNK, block_hasher, combine, num_blocks
 
 TMP_MARK = ".tmp-"  # temporary files: <final name>.tmp-<random>; never listed as checkpoint files
 _IOV_MAX = 512  # well under Linux's IOV_MAX (1024)
@@ -114,7 +114,7 @@ def _pwrite_all(fd: int, pieces: List[memoryview], offset: int) -> None:
             pieces[0] = pieces[0][n:]
 
 
-def _map_blocks(fn: Any, n: int, threads: int) -> List[Any]:
+def map_blocks(fn: Any, n: int, threads: int) -> List[Any]:
     """[fn(0), ..., fn(n - 1)], by up to ``threads`` threads."""
     if threads <= 1 or n <= 1:
         return [fn(i) for i in range(n)]
@@ -167,7 +167,7 @@ def write_chunks(fd: int, views: List[memoryview], size: int, threads: int,
         return h.digest()
 
     try:
-        return _map_blocks(block, num_blocks(size), threads)
+        return map_blocks(block, num_blocks(size), threads)
     finally:
         for b in buffers.values():
             with contextlib.suppress(BufferError):  # still viewed by a failed block's traceback:
@@ -205,6 +205,34 @@ def write_direct(path: str, views: List[memoryview], size: int, threads: int,
     finally:
         os.close(fd)
     return digests
+
+
+def hash_file(path: str, threads: int, on_bytes: Optional[Callable[[int], None]] = None) -> Tuple[int, str]:
+    """(size, digest) of a local file, its checksum blocks read and hashed by ``threads`` threads
+    (``pread`` into one reused 8 MiB buffer per block; ``on_bytes(n)`` after each piece, from any
+    thread). Several reads in flight: a single stream is the slowest and least steady way to read
+    this build VM's disk (``benchmarks/restore_read.py``)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+
+        def block(i: int) -> bytes:
+            buf = memoryview(bytearray(min(CHUNK, size) or 1))
+            h = block_hasher()
+            pos, end = i * BLOCK, min(size, (i + 1) * BLOCK)
+            while pos < end:
+                n = os.preadv(fd, [buf[:min(CHUNK, end - pos)]], pos)
+                if n <= 0:
+                    raise OSError(errno.EIO, f"{path} ended at {pos} bytes while being read ({size} expected)")
+                h.update(buf[:n])
+                pos += n
+                if on_bytes is not None:
+                    on_bytes(n)
+            return h.digest()
+
+        return size, combine(map_blocks(block, num_blocks(size), threads), size)
+    finally:
+        os.close(fd)
 
 
 def map_file(path: str) -> Optional[mmap.mmap]:
