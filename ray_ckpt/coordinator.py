@@ -82,6 +82,7 @@ class CheckpointCoordinator:
         self.accepted_at: Dict[int, float] = {}
         self.remote_bytes: Dict[int, int] = {}  # bytes uploaded per version (files + manifest)
         self.settled_futures: Dict[int, asyncio.Future] = {}  # every part, best-effort too, is done
+        self.background: Set[asyncio.Future] = set()  # writes (with commit and retention), uploads
 
     def _writer(self, pool: str, cpus: float, nice: int, node: Optional[str] = None):
         opts: Dict[str, Any] = {"num_cpus": cpus}
@@ -224,7 +225,7 @@ class CheckpointCoordinator:
         """Send one part's snapshot ref (inside a list: not resolved here) to the least busy writer."""
         part = self.catalogue.pending[version].parts[(name, rank)]
         part.submitted = True
-        asyncio.ensure_future(self._write(version, part, ref, size))
+        self._in_background(self._write(version, part, ref, size))
 
     async def _write(self, version: int, part: Any, ref: Any, size: int) -> None:
         if part.strategy is Strategy.BEST_EFFORT and self.best_effort:
@@ -373,7 +374,7 @@ class CheckpointCoordinator:
             current = self.catalogue.committed.get(version)
             if version in self.remote_pending or (uploaded is not None and current is not None
                                                   and uploaded.to_json() != current.to_json()):
-                asyncio.ensure_future(self._sync_remote(version))  # best-effort parts landed since
+                self._in_background(self._sync_remote(version))  # best-effort parts landed since
             await self._apply_retention()
 
     def _prune_bookkeeping(self, keep: int = 32) -> None:
@@ -412,7 +413,7 @@ class CheckpointCoordinator:
                 f"{self.cfg.remote_every}th committed version"))
             return
         self.remote_pending.add(version)
-        asyncio.ensure_future(self._sync_remote(version))
+        self._in_background(self._sync_remote(version))
 
     async def _sync_remote(self, version: int) -> None:
         lock = self.remote_locks.setdefault(version, asyncio.Lock())
@@ -568,6 +569,28 @@ class CheckpointCoordinator:
             m = self.remote_committed.pop(v)
             await asyncio.to_thread(delete_version, self.remote, v, keep, m.referenced_paths())
             self.remote_paths -= set(m.referenced_paths()) - keep
+
+    def _in_background(self, coro: Any) -> asyncio.Future:
+        """Run ``coro`` in the background and remember it until it ends (see ``quiesce``)."""
+        fut = asyncio.ensure_future(coro)
+        self.background.add(fut)
+        fut.add_done_callback(self.background.discard)
+        return fut
+
+    async def quiesce(self, timeout: float) -> List[str]:
+        """Wait, at most ``timeout`` seconds, for the writes, commits, retention deletions and uploads
+        in progress (and any they start); returns what is still running (empty when all ended).
+        Called before the coordinator is stopped, so that no writer is still deleting or writing
+        files when ``shutdown()`` returns and no upload is cut off."""
+        deadline = time.monotonic() + timeout
+        while self.background:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            await asyncio.wait(list(self.background), timeout=left)
+        unfinished = [f"version {v}: {pv.stage()}" for v, pv in sorted(self.catalogue.pending.items())]
+        unfinished += [f"version {v}: upload" for v in sorted(self.remote_pending)]
+        return unfinished if self.background else []
 
     async def ready(self) -> bool:
         """Wait until every writer has started, so the first save does not pay for worker start-up."""

@@ -191,9 +191,19 @@ class CheckpointEngine:
                                   f"rc.CheckpointEngine.create({run!r}, local_dir=...)") from None
         return cls(coord, ray.get(coord.config.remote(), timeout=timeout))
 
-    def shutdown(self) -> None:
-        """Stop the coordinator; its writers, which it owns, stop with it. Committed checkpoints stay
-        in storage; saves still in flight are not committed (wait for their handles first)."""
+    def shutdown(self, timeout: float = 60.0) -> None:
+        """Stop the coordinator; its writers, which it owns, stop with it. First waits, at most
+        ``timeout`` seconds, for the saves, retention deletions and uploads in progress to end, so
+        that nothing still writes or deletes files once this returns; what did not end by then is
+        logged as a warning and abandoned (a version whose commit did not happen is never listed).
+        Committed checkpoints stay in storage."""
+        try:
+            unfinished = ray.get(self._coordinator.quiesce.remote(timeout), timeout=timeout + 30)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:  # already gone or stuck
+            unfinished = [f"the coordinator did not answer ({one_line(exc)[:200]})"]
+        if unfinished:
+            log.warning("shutting down run %r with work unfinished after %.0fs: %s", self.run, timeout,
+                        "; ".join(unfinished))
         ray.kill(self._coordinator, no_restart=True)
 
     # ------------------------------------------------------------------ registration

@@ -356,3 +356,20 @@ def test_best_effort_writes_are_rate_limited_and_do_not_hold_the_commit(engine_f
     report = eng.restore(strict=True)
     assert report.states["replay"].status == "restored"
     assert torch.equal(got["replay"]["obs"], replay["obs"]) and torch.equal(got["policy"]["w"], policy["w"])
+
+
+def test_shutdown_lets_saves_and_retention_in_flight_finish(engine_factory, tmp_path, run_name):
+    """shutdown() right after save() calls that nobody waited for: the saves commit, retention
+    ends, and nothing is still writing or deleting once it returns (a user may remove the
+    directory next)."""
+    learner = remote(Learner).remote(seed=3)
+    eng = engine_factory(keep_last=1, remote_uri=None)
+    eng.register("policy", learner)
+    for step in (1, 2, 3):
+        ray.get(learner.train.remote())
+        eng.save(step)
+    eng.shutdown()
+    run_dir = tmp_path / "local" / run_name
+    left = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+    assert left == ["v000000000003", "v000000000003/manifest.json", "v000000000003/policy",
+                    "v000000000003/policy/rank0.safetensors"], left
