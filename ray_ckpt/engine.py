@@ -199,7 +199,7 @@ class CheckpointEngine:
         Committed checkpoints stay in storage."""
         try:
             unfinished = ray.get(self._coordinator.quiesce.remote(timeout), timeout=timeout + 30)
-        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:  # already gone or stuck
+        except ray.exceptions.RayError as exc:  # already gone, or stuck (GetTimeoutError)
             unfinished = [f"the coordinator did not answer ({one_line(exc)[:200]})"]
         if unfinished:
             log.warning("shutting down run %r with work unfinished after %.0fs: %s", self.run, timeout,

@@ -97,7 +97,8 @@ class WriterActor:
         limit = config.best_effort_max_mb_s if pool == "best_effort" else None
         self.writer = PartWriter(config.local_tier(), config.remote_tier(), nice=nice,
                                  upload_retries=config.upload_retries, write_threads=config.write_threads,
-                                 direct_io=config.direct_io, max_bytes_per_s=limit and limit * 1e6)
+                                 direct_io=config.direct_io,
+                                 max_bytes_per_s=None if limit is None else limit * 1e6)
 
     def write_part(self, version: int, name: str, rank: int, refs: List[Any], **kw) -> Dict[str, Any]:
         t0 = time.perf_counter()

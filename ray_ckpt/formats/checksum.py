@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import struct
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, List, Optional
+from typing import Any, Callable, Iterable, List, Optional
 
 import xxhash
 
@@ -74,15 +74,17 @@ def digest(buf: Any, threads: int = 1) -> str:
     """The digest of the bytes in ``buf``, its blocks hashed by up to ``threads`` threads (xxhash
     releases the GIL; for a mapped file that also means several page-ins from the disk at once)."""
     mv = memoryview(buf).cast("B")
-    n = num_blocks(len(mv))
+    digests = map_blocks(lambda i: block_digest([mv[i * BLOCK: (i + 1) * BLOCK]]), num_blocks(len(mv)), threads)
+    return combine(digests, len(mv))
 
-    def one(i: int) -> bytes:
-        return block_digest([mv[i * BLOCK: (i + 1) * BLOCK]])
 
-    if threads < 2 or n < 2:
-        return combine([one(i) for i in range(n)], len(mv))
-    with ThreadPoolExecutor(min(threads, n), thread_name_prefix="ray_ckpt_hash") as pool:
-        return combine(list(pool.map(one, range(n))), len(mv))
+def map_blocks(fn: Callable[[int], Any], n: int, threads: int) -> List[Any]:
+    """[fn(0), ..., fn(n - 1)] for the ``n`` blocks of a file, by up to ``threads`` threads (how
+    files are hashed, written and read block-parallel)."""
+    if threads <= 1 or n <= 1:
+        return [fn(i) for i in range(n)]
+    with ThreadPoolExecutor(min(threads, n), thread_name_prefix="ray_ckpt_blocks") as pool:
+        return list(pool.map(fn, range(n)))
 
 
 def new_hasher() -> BlockHasher:

@@ -10,10 +10,9 @@ import os
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from ..formats.checksum import BLOCK, CHUNK, block_hasher, combine, num_blocks
+from ..formats.checksum import BLOCK, CHUNK, block_hasher, combine, map_blocks, num_blocks
 
 TMP_MARK = ".tmp-"  # temporary files: <final name>.tmp-<random>; never listed as checkpoint files
 _IOV_MAX = 512  # well under Linux's IOV_MAX (1024)
@@ -112,14 +111,6 @@ def _pwrite_all(fd: int, pieces: List[memoryview], offset: int) -> None:
             pieces.pop(0)
         if n:
             pieces[0] = pieces[0][n:]
-
-
-def map_blocks(fn: Any, n: int, threads: int) -> List[Any]:
-    """[fn(0), ..., fn(n - 1)], by up to ``threads`` threads."""
-    if threads <= 1 or n <= 1:
-        return [fn(i) for i in range(n)]
-    with ThreadPoolExecutor(min(threads, n), thread_name_prefix="ray_ckpt_write") as pool:
-        return list(pool.map(fn, range(n)))
 
 
 _ALIGN = 4096  # O_DIRECT: a multiple of every common logical block size (512, 4096)

@@ -197,10 +197,10 @@ class Tier:
             v = parse_version_dir(top)
             if v is None:
                 continue
-            if not rest and info.type == pafs.FileType.Directory:
-                out.setdefault(v, False)
-            elif rest == MANIFEST and info.type == pafs.FileType.File:
+            if rest == MANIFEST and info.type == pafs.FileType.File:
                 out[v] = True
+            elif rest or info.type == pafs.FileType.Directory:  # anything under a version directory
+                out.setdefault(v, False)
         if not recursive:
             out = {v: self.exists(f"{version_dir(v)}/{MANIFEST}") for v in out}
         return out
