@@ -303,6 +303,7 @@ def measure_throughput(mb: int, steps: int, every: int, repeats: int, root: str,
     eng = rc.CheckpointEngine.create("suite_throughput", local_dir=os.path.join(root, "ckpt"), keep_last=2,
                                      **engine_options)
     eng.register("learner", trainer)
+    ss.wait_prefault(trainer, engine_options)
     eng.save(eng.current_step + 1).wait(timeout=1200)  # writers started; not counted
     for _ in range(3):
         ray.get(trainer.step.remote())
@@ -680,6 +681,8 @@ def main(argv=None) -> int:
                     help="Ray's object store directory (ray.init _plasma_directory), e.g. a tmpfs mounted with huge=always")
     ap.add_argument("--direct-io", choices=("on", "off"), default=None,
                     help="EngineConfig.direct_io for the save and throughput sections (default: the engine's)")
+    ap.add_argument("--prefault", choices=("on", "off"), default=None,
+                    help="EngineConfig.prefault_object_store for the save and throughput sections")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
     repeats = args.repeats or (1 if args.quick else 3)
@@ -703,6 +706,8 @@ def main(argv=None) -> int:
     engine_options: Dict[str, Any] = {} if args.write_threads is None else {"write_threads": args.write_threads}
     if args.direct_io is not None:
         engine_options["direct_io"] = args.direct_io == "on"
+    if args.prefault is not None:
+        engine_options["prefault_object_store"] = args.prefault == "on"
     try:
         if "save" in only:
             for mb in sizes:

@@ -34,6 +34,7 @@ class EngineConfig:
     critical_nice: int = 5  # OS priority of critical writers: below training, above best-effort
     best_effort_nice: int = 10
     best_effort_max_mb_s: Optional[float] = None  # best-effort writers' local writes, MB/s (None: no limit)
+    prefault_object_store: bool = False  # providers map Ray's whole object store once (shorter pauses, more RAM)
     upload_retries: int = 1  # per upload call; the coordinator retries with backoff on top
     rank_timeout_s: float = 600.0  # a pushed version fails if a rank's part has not arrived by then
     extra: Dict[str, Any] = field(default_factory=dict)
@@ -51,8 +52,9 @@ class EngineConfig:
         v = self.best_effort_max_mb_s
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
             raise ValueError(f"best_effort_max_mb_s must be a number > 0 (MB/s) or None, got {v!r}")
-        if not isinstance(self.direct_io, bool):
-            raise ValueError(f"direct_io must be True or False, got {self.direct_io!r}")
+        for name in ("direct_io", "prefault_object_store"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.compression not in (None, "zstd", "lz4"):
             raise ValueError(f"compression must be None, 'zstd' or 'lz4', got {self.compression!r}")
         self.local_policy()  # validates retention arguments

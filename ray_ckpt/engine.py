@@ -22,6 +22,7 @@ from .errors import (CheckpointError, IntegrityError, InvalidArgumentError, Inva
                      SaveError, one_line)
 from .formats.manifest import Manifest
 from .metrics import for_run as metrics_for_run
+from .object_store import prefault_in_actor, start_prefault
 from .snapshot import (ActorProvider, CallableProvider, apply_in_actor, capture, discard_in_actor,
                        read_state, snapshot_in_actor, stage_in_actor, tiers_of)
 from .storage.layout import validate_name
@@ -248,6 +249,18 @@ class CheckpointEngine:
             raise InvalidArgumentError(f"state {name!r}: provider must be a Ray actor handle, "
                                        f"rc.actor_provider(...) or a callable, not {type(provider).__name__}")
         self._registry[name] = Registration(name, prov, strat, bool(allow_pickle))
+        self._prefault([prov])
+
+    def _prefault(self, providers) -> None:
+        """With ``prefault_object_store``: each process that will copy snapshots into the object store
+        (provider actors; this one for in-process callables) maps it now, in the background."""
+        if not self.config.prefault_object_store:
+            return
+        for prov in providers:
+            if isinstance(prov, ActorProvider):
+                prov.handle.__ray_call__.remote(prefault_in_actor)  # returns at once; no answer needed
+            elif isinstance(prov, CallableProvider) and prov.fn is not None:
+                start_prefault()
 
     def _register_pushed(self, name, provider, strat, world_size, replicated, allow_pickle) -> None:
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
@@ -270,6 +283,7 @@ class CheckpointEngine:
                                                  bool(allow_pickle)), timeout=60)
         self._registry[name] = Registration(name, None, strat, bool(allow_pickle), world_size, handles,
                                             bool(replicated))
+        # ranks push from their own processes: submit() starts their prefault
 
     def submit(self, step: int, name: str, state: Any, rank: int = 0) -> SaveHandle:
         """Push this rank's part of a declared state for ``step`` (from inside a rank actor).
@@ -297,6 +311,8 @@ class CheckpointEngine:
         if decl["replicated"] and rank != 0:
             ref = None  # replicas: rank 0's copy is stored; this rank's handle follows the version
         else:
+            if self.config.prefault_object_store:
+                start_prefault()  # once per process; this rank's later copies land in mapped pages
             flat = capture(state, name, decl["allow_pickle"])
             ref = ray.put(flat)
         self._in_flight = [h for h in self._in_flight if not h.done()]
@@ -368,7 +384,8 @@ class CheckpointEngine:
             prov = reg.provider
             if isinstance(prov, ActorProvider):
                 parts.append({"name": reg.name, "strategy": reg.strategy.value})
-                refs.append(prov.handle.__ray_call__.remote(snapshot_in_actor, prov.get, reg.name, reg.allow_pickle))
+                refs.append(prov.handle.__ray_call__.remote(snapshot_in_actor, prov.get, reg.name, reg.allow_pickle,
+                                                           self.config.prefault_object_store))
         ref = self._coordinator.save.remote(step, parts, refs, clean_metrics)
         self._last_saved = step
         self._step = max(self._step, step)

@@ -15,6 +15,7 @@ from .checkpoint_io import decode_files, read_files
 from .errors import IntegrityError, RestoreError, one_line
 from .formats.manifest import FileEntry
 from .formats.tree import Flat, flatten
+from .object_store import start_prefault
 from .storage.tier import Tier
 
 _STAGED = "_ray_ckpt_staged"
@@ -90,10 +91,13 @@ def capture(state: Any, name: str, allow_pickle: bool = False, staging: Optional
     return flat
 
 
-def snapshot_in_actor(actor: Any, getter: str, name: str, allow_pickle: bool) -> Flat:
+def snapshot_in_actor(actor: Any, getter: str, name: str, allow_pickle: bool, prefault: bool = False) -> Flat:
     """Runs in the provider actor: call its getter and flatten (CPU tensor memory is not copied
     here; Ray copies it once into the object store when this returns; device tensors go through
-    the actor's reused pinned staging buffers)."""
+    the actor's reused pinned staging buffers). ``prefault``: make sure this process maps the
+    object store (an actor that Ray restarted is a new process that ``register`` never saw)."""
+    if prefault:
+        start_prefault()
     staging = actor.__dict__.setdefault("_ray_ckpt_host_staging", HostStaging())
     return capture(getattr(actor, getter)(name), name, allow_pickle, staging)
 
@@ -108,6 +112,8 @@ def stage_in_actor(actor: Any, name: str, config: Any, files: List[FileEntry],
                    allow_pickle: bool) -> Dict[str, Any]:
     """Runs in the provider actor: read + verify the state from its node's tiers and hold it until
     every state of the restore is verified (so a failed restore changes nothing)."""
+    if config.prefault_object_store:
+        start_prefault()  # a restarted provider restores first: its next saves find the store mapped
     try:
         state, tier, problems = read_state(tiers_of(config), files, name, allow_pickle)
     except (IntegrityError, RestoreError, OSError) as exc:

@@ -287,6 +287,8 @@ def test_direct_io_must_be_a_bool(tmp_path):
 
     with pytest.raises(ValueError, match="direct_io must be True or False"):
         EngineConfig(run="r", local_dir=str(tmp_path), direct_io="yes")
+    with pytest.raises(ValueError, match="prefault_object_store must be True or False"):
+        EngineConfig(run="r", local_dir=str(tmp_path), prefault_object_store=1)
 
 
 @pytest.mark.parametrize("size", [0, 1, 64 << 20, (64 << 20) + 12345], ids=["empty", "1B", "block", "block+"])
