@@ -466,3 +466,46 @@ def test_best_effort_max_mb_s_is_validated(tmp_path, bad):
 
     with pytest.raises(ValueError, match="best_effort_max_mb_s must be a number > 0"):
         EngineConfig(run="r", local_dir=str(tmp_path), best_effort_max_mb_s=bad)
+
+
+def test_a_flat_travels_in_pieces_and_writes_the_same_file(tmp_path):
+    """Ray copies every out-of-band buffer over 1 MiB with threads it starts for that buffer, so
+    arrays up to 8 MiB travel as 1 MiB pieces (what Ray's serializer sees is pickle protocol 5 with
+    out-of-band buffers, as here); the file and its digest do not change."""
+    import io
+    import pickle
+
+    from ray_ckpt.formats import safetensors_io
+    from ray_ckpt.formats.tree import PIECE, SPLIT_UP_TO, Pieces
+
+    sizes = [0, 100, PIECE, PIECE + 1, SPLIT_UP_TO - 5, SPLIT_UP_TO, SPLIT_UP_TO + 1, 2 * SPLIT_UP_TO + 3]
+    rng = np.random.default_rng(7)
+    state = {f"t{n}": torch.from_numpy(rng.integers(0, 255, n, dtype=np.uint8)) for n in sizes}
+    state["meta"] = {"step": 3}
+    flat = flatten(state, state_name="s")
+    buffers = []
+    data = pickle.dumps(flat, protocol=5, buffer_callback=buffers.append)
+    moved = pickle.loads(data, buffers=[b.raw() for b in buffers])
+
+    assert sorted(len(b.raw()) for b in buffers)[-2:] == [SPLIT_UP_TO + 1, 2 * SPLIT_UP_TO + 3]  # whole
+    split = [a for a in moved.arrays if isinstance(a, Pieces)]
+    assert sorted(a.nbytes for a in split) == [PIECE + 1, SPLIT_UP_TO - 5, SPLIT_UP_TO]
+    assert all(len(p) <= PIECE for a in split for p in a.parts)
+    assert moved.nbytes == flat.nbytes
+
+    def file_bytes(f):
+        sink = io.BytesIO()
+        safetensors_io.write(f, sink)
+        return sink.getvalue()
+
+    assert file_bytes(moved) == file_bytes(flat)
+    assert content_hash(moved) == content_hash(flat)
+    tier = Tier(str(tmp_path), "local")
+    entry, = write_flat(tier, 1, "s", 0, moved)
+    back = decode_files([entry], read_files([tier], [entry])[0], name="s")
+    assert all(torch.equal(back[k], v) for k, v in state.items() if k != "meta") and back["meta"] == {"step": 3}
+    for direct in (False, True):  # the block writer of large files (threads, O_DIRECT) takes pieces too
+        size, digest = tier.write_blocks(f"blocks{int(direct)}", safetensors_io.segments(moved), 2, direct)
+        with open(tier.abspath(f"blocks{int(direct)}"), "rb") as f:
+            assert f.read() == file_bytes(flat)
+        assert (size, digest) == (entry.size, entry.checksum)

@@ -12,7 +12,7 @@ import struct
 from typing import Any, List, Tuple
 
 from ..errors import IntegrityError
-from .tree import Flat, structure_to_json
+from .tree import Flat, pieces_of, structure_to_json
 
 STRUCTURE_KEY = "ray_ckpt.structure"
 FORMAT_KEY = "ray_ckpt.format"
@@ -44,7 +44,7 @@ def _header(flat: Flat) -> Tuple[bytes, List[int]]:
 def segments(flat: Flat) -> List[Any]:
     """The file as consecutive byte pieces: the header, then each tensor's bytes (no copies)."""
     head, order = _header(flat)
-    return [head] + [flat.arrays[i] for i in order if flat.arrays[i].nbytes]
+    return [head] + [piece for i in order for piece in pieces_of(flat.arrays[i])]
 
 
 def write(flat: Flat, sink: Any) -> None:

@@ -3,8 +3,10 @@ fsync), block-parallel and O_DIRECT writes with checksums computed on the way, a
 and private mappings for verified reads. Plain ``os``/``mmap``; no pyarrow, no Ray."""
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
+import itertools
 import mmap
 import os
 import threading
@@ -85,16 +87,17 @@ class WholeWrites:
         return done
 
 
-def _slice(views: List[memoryview], start: int, end: int) -> List[memoryview]:
-    """The pieces of the concatenation of ``views`` covering bytes [start, end)."""
-    out, pos = [], 0
-    for v in views:
+def _slice(views: List[memoryview], starts: List[int], start: int, end: int) -> List[memoryview]:
+    """The pieces of the concatenation of ``views`` covering bytes [start, end); ``starts[k]`` is
+    where ``views[k]`` begins (a state may have thousands of pieces: found by bisection)."""
+    out = []
+    k = bisect.bisect_right(starts, start) - 1
+    while k < len(views) and starts[k] < end:
+        v, pos = views[k], starts[k]
         lo, hi = max(start, pos), min(end, pos + len(v))
         if lo < hi:
             out.append(v[lo - pos: hi - pos])
-        pos += len(v)
-        if pos >= end:
-            break
+        k += 1
     return out
 
 
@@ -129,13 +132,14 @@ def write_chunks(fd: int, views: List[memoryview], size: int, threads: int,
     alignment, so the caller truncates the file to ``size`` afterwards."""
     padded = -(-size // _ALIGN) * _ALIGN
     buffers: Dict[int, mmap.mmap] = {}
+    starts = list(itertools.accumulate((len(v) for v in views), initial=0))[:-1]
 
     def block(i: int) -> bytes:
         h = block_hasher()
         end = min(size, (i + 1) * BLOCK)
         for pos in range(i * BLOCK, end, CHUNK):
             n = min(CHUNK, end - pos)
-            pieces = _slice(views, pos, pos + n)
+            pieces = _slice(views, starts, pos, pos + n)
             if aligned:
                 buf = buffers.get(threading.get_ident())
                 if buf is None:
