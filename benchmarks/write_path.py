@@ -5,7 +5,10 @@ SaveResult.stages, the writers' CPU time, and dd on the same disk.
         --dir /work/bench_tmp
 
 A variant is ``write_threads:mode``, mode ``buffered`` (page cache, then fsync) or ``direct``
-(O_DIRECT, ``EngineConfig.direct_io``). For each repeat every variant saves the same learner state
+(O_DIRECT, ``EngineConfig.direct_io``). ``--table``: the state is one Arrow table of that size
+(a replay buffer: float32 observations, int64 actions), registered as critical so the same writers
+are compared; ``1:buffered`` then is the streamed write tables always had before the fourth
+session. For each repeat every variant saves the same learner state
 once, then dd writes the same bytes buffered (``conv=fsync``) and direct (``oflag=direct``); the
 order rotates from repeat to repeat. The page cache is synced before each measurement, and dropped
 too when the machine allows it (the VM's disk writes at a fraction of its speed for seconds after a
@@ -51,6 +54,24 @@ def writers_cpu(handles: List[Any]) -> float:
     return sum(ray.get([h.__ray_call__.remote(_cpu_s) for h in handles], timeout=60))
 
 
+@ray.remote(num_cpus=0.5)
+class TableLearner:
+    def __init__(self, mb: int):
+        import numpy as np
+        import pyarrow as pa
+
+        n = (mb << 20) // 12
+        rng = np.random.default_rng(0)
+        self.table = pa.table({"obs": rng.standard_normal(n, dtype=np.float32),
+                               "act": rng.integers(0, 1 << 40, n, dtype=np.int64)})
+
+    def ckpt_get_state(self, name):
+        return {"replay": self.table}
+
+    def ping(self):
+        return time.perf_counter()
+
+
 def parse_variants(text: str) -> List[Dict[str, Any]]:
     out = []
     for item in text.split(","):
@@ -67,11 +88,12 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="1:buffered,2:buffered,2:direct")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--table", action="store_true", help="the state is one Arrow table (a replay buffer)")
     args = ap.parse_args(argv)
     variants = parse_variants(args.variants)
     root = args.dir or tempfile.mkdtemp(prefix="ray_ckpt_wp_")
     ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": HERE}})
-    learner = ss.Learner.remote(args.mb)
+    learner = (TableLearner if args.table else ss.Learner).remote(args.mb)
     ray.get(learner.ping.remote())
     nbytes = args.mb << 20
     engines, writers = {}, {}
@@ -109,7 +131,7 @@ def main(argv=None) -> int:
         return statistics.median(xs) if xs else float("nan")
 
     dd = med("dd conv=fsync", "total")
-    print(f"{args.mb} MB state, {args.repeats} repeats (medians)\n")
+    print(f"{args.mb} MB {'Arrow table' if args.table else 'state'}, {args.repeats} repeats (medians)\n")
     print("| write_threads:mode | time to durable s | snapshot wait s | write s | writer CPU s | vs dd conv=fsync |")
     print("|---|---|---|---|---|---|")
     for label in labels:

@@ -25,15 +25,15 @@ def content_hash(flat: Flat) -> str:
     return sink.digest()
 
 
-PARALLEL_FROM = 2 * BLOCK  # tensors files from this size are written by blocks (threads, O_DIRECT)
+PARALLEL_FROM = 2 * BLOCK  # files from this size are written by blocks (threads, O_DIRECT)
 
 
 def write_flat(tier: Tier, version: int, name: str, rank: int, flat: Flat,
                compression: Optional[str] = None, threads: int = 1, direct: bool = False) -> List[FileEntry]:
     """Write one (state, rank) part: a safetensors file, plus one Arrow IPC file per table.
 
-    A large tensors file on a local tier is written block by block by ``threads`` threads, with
-    O_DIRECT when ``direct`` (see ``Tier.write_blocks``)."""
+    A large tensors file, or a large uncompressed table, on a local tier is written block by block
+    by ``threads`` threads, with O_DIRECT when ``direct`` (see ``Tier.write_blocks``)."""
     entries = []
     rel = layout.tensors_file(version, name, rank)
     try:
@@ -46,9 +46,14 @@ def write_flat(tier: Tier, version: int, name: str, rank: int, flat: Flat,
         entries.append(FileEntry(rel, size, digest, "tensors"))
         for i, table in enumerate(flat.tables):
             rel = layout.table_file(version, name, rank, i)
-            with tier.open_atomic(rel) as sink:
-                arrow_io.write(table, sink, compression)
-            entries.append(FileEntry(rel, sink.size, sink.digest(), "table"))
+            blocks = (threads > 1 or direct) and tier.is_local and table.nbytes >= PARALLEL_FROM
+            if blocks and compression is None:  # compressed buffers are made while streaming
+                size, digest = tier.write_blocks(rel, arrow_io.segments(table), threads, direct)
+            else:
+                with tier.open_atomic(rel) as sink:
+                    arrow_io.write(table, sink, compression)
+                size, digest = sink.size, sink.digest()
+            entries.append(FileEntry(rel, size, digest, "table"))
     except OSError as exc:
         raise SaveError(f"writing state {name!r} rank {rank} of version {version} to "
                         f"{tier.describe(rel)} failed: {one_line(exc)}") from None

@@ -254,6 +254,38 @@ def test_direct_io_write_has_the_same_bytes_and_leaves_the_page_cache_alone(tmp_
     assert not [p for p in tmp_path.rglob("*") if ".tmp-" in p.name]
 
 
+def test_a_large_table_is_written_by_blocks_with_the_streamed_bytes(tmp_path):
+    """Replay buffers are the largest state of many RL runs: an uncompressed table from 128 MiB is
+    written like a large tensors file (threads, O_DIRECT, straight from the table's memory); the
+    file is byte-for-byte the streamed Arrow IPC file, it leaves the page cache alone, and it reads
+    back equal. A compressed table is streamed (its buffers are made while writing)."""
+    from ray_ckpt.checkpoint_io import PARALLEL_FROM
+
+    n = PARALLEL_FROM // 12 + 1001  # rows of 12 bytes: just over the limit, not a multiple of 4096
+    rng = np.random.default_rng(5)
+    table = pa.table({"obs": rng.standard_normal(n, dtype=np.float32),
+                      "act": rng.integers(0, 1 << 40, n, dtype=np.int64)})
+    assert table.nbytes >= PARALLEL_FROM
+    state = {"replay": table, "size": n}
+    flat = flatten(state)
+    tier = Tier(str(tmp_path), "local")
+    blocks = write_flat(tier, 1, "r", 0, flat, threads=2, direct=True)
+    streamed = write_flat(tier, 2, "r", 0, flat, threads=1)
+    (tb,), (ts,) = [[e for e in entries if e.role == "table"] for entries in (blocks, streamed)]
+    fs_type = subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True, text=True).stdout
+    if shutil.which("fincore") and "tmpfs" not in fs_type:
+        assert _resident_bytes(tmp_path / tb.path) < tb.size // 10
+    assert (tb.size, tb.checksum) == (ts.size, ts.checksum) and tb.size % 4096
+    assert (tmp_path / tb.path).read_bytes() == (tmp_path / ts.path).read_bytes()
+    bufs, _, _ = read_files([tier], blocks)
+    back = decode_files(blocks, bufs, name="r")
+    assert back["size"] == n and back["replay"].equals(table)
+    del bufs, back
+    zstd = write_flat(tier, 3, "r", 0, flat, compression="zstd", threads=2, direct=True)
+    bufs, _, _ = read_files([tier], zstd)
+    assert decode_files(zstd, bufs, name="r")["replay"].equals(table)
+
+
 def test_direct_io_falls_back_to_buffered_writes_where_there_is_none(tmp_path, monkeypatch):
     """A platform without O_DIRECT (macOS) gets the ordinary write, same bytes and checksum."""
     from ray_ckpt.checkpoint_io import PARALLEL_FROM
