@@ -34,6 +34,7 @@ class EngineConfig:
     critical_nice: int = 5  # OS priority of critical writers: below training, above best-effort
     best_effort_nice: int = 10
     best_effort_max_mb_s: Optional[float] = None  # best-effort writers' local writes, MB/s (None: no limit)
+    upload_max_mb_s: Optional[float] = None  # each writer's uploads to the remote tier, MB/s (None: no limit)
     prefault_object_store: bool = False  # providers map Ray's whole object store once (shorter pauses, more RAM)
     upload_retries: int = 1  # per upload call; the coordinator retries with backoff on top
     rank_timeout_s: float = 600.0  # a pushed version fails if a rank's part has not arrived by then
@@ -49,9 +50,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if not isinstance(self.best_effort_writers, int) or self.best_effort_writers < 0:
             raise ValueError(f"best_effort_writers must be an integer >= 0, got {self.best_effort_writers!r}")
-        v = self.best_effort_max_mb_s
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
-            raise ValueError(f"best_effort_max_mb_s must be a number > 0 (MB/s) or None, got {v!r}")
+        for name in ("best_effort_max_mb_s", "upload_max_mb_s"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+                raise ValueError(f"{name} must be a number > 0 (MB/s) or None, got {v!r}")
         for name in ("direct_io", "prefault_object_store"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -23,10 +23,13 @@ from .storage.tier import RateLimit, Tier
 class PartWriter:
     def __init__(self, local: Tier, remote: Optional[Tier] = None, *, upload_retries: int = 4,
                  retry_base_s: float = 0.25, nice: int = 0, write_threads: int = 1,
-                 direct_io: bool = False, max_bytes_per_s: Optional[float] = None):
+                 direct_io: bool = False, max_bytes_per_s: Optional[float] = None,
+                 upload_bytes_per_s: Optional[float] = None):
         self.local = local
         if max_bytes_per_s:
             local.rate_limit = RateLimit(max_bytes_per_s)
+        if remote is not None and upload_bytes_per_s:
+            remote.rate_limit = RateLimit(upload_bytes_per_s)  # shared by this writer's upload threads
         self.write_threads = write_threads
         self.direct_io = direct_io
         self.remote = remote
@@ -98,7 +101,9 @@ class WriterActor:
         self.writer = PartWriter(config.local_tier(), config.remote_tier(), nice=nice,
                                  upload_retries=config.upload_retries, write_threads=config.write_threads,
                                  direct_io=config.direct_io,
-                                 max_bytes_per_s=None if limit is None else limit * 1e6)
+                                 max_bytes_per_s=None if limit is None else limit * 1e6,
+                                 upload_bytes_per_s=None if config.upload_max_mb_s is None
+                                 else config.upload_max_mb_s * 1e6)
 
     def write_part(self, version: int, name: str, rank: int, refs: List[Any], **kw) -> Dict[str, Any]:
         t0 = time.perf_counter()

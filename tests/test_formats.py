@@ -493,11 +493,12 @@ def test_rate_limited_local_writes_take_their_time_and_write_the_same_bytes(tmp_
 
 
 @pytest.mark.parametrize("bad", [0, -5, "fast", True])
-def test_best_effort_max_mb_s_is_validated(tmp_path, bad):
+@pytest.mark.parametrize("option", ["best_effort_max_mb_s", "upload_max_mb_s"])
+def test_rate_limits_are_validated(tmp_path, bad, option):
     from ray_ckpt.config import EngineConfig
 
-    with pytest.raises(ValueError, match="best_effort_max_mb_s must be a number > 0"):
-        EngineConfig(run="r", local_dir=str(tmp_path), best_effort_max_mb_s=bad)
+    with pytest.raises(ValueError, match=f"{option} must be a number > 0"):
+        EngineConfig(run="r", local_dir=str(tmp_path), **{option: bad})
 
 
 def test_a_flat_travels_in_pieces_and_writes_the_same_file(tmp_path):

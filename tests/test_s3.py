@@ -169,6 +169,26 @@ def test_tier_operations_on_s3(s3_server, tmp_path):
     assert 5 not in tier.version_dirs()
 
 
+def test_uploads_are_rate_limited(s3_server, tmp_path):
+    """upload_max_mb_s: a writer's uploads go out 8 MiB at a time at the limit's pace (a checkpoint
+    upload must not take the network from training), and arrive whole and verified."""
+    from ray_ckpt.checkpoint_io import write_flat
+    from ray_ckpt.formats.tree import flatten
+    from ray_ckpt.writers import PartWriter
+
+    local = Tier(str(tmp_path / "local"), "local")
+    remote = Tier(s3_server.uri("limited/run"), "remote", s3_server.options)
+    state = {"w": torch.randint(0, 255, (12 << 20,), dtype=torch.uint8)}
+    files = write_flat(local, 1, "policy", 0, flatten(state))
+    rate = 8e6
+    writer = PartWriter(local, remote, upload_bytes_per_s=rate)
+    t = time.perf_counter()
+    assert writer.upload([f.__dict__ for f in files]) == files[0].size
+    assert time.perf_counter() - t >= (files[0].size - (8 << 20)) / rate * 0.99  # ~0.55 s; unlimited ~0.05 s
+    assert bytes(remote.read_verified(files[0].path, files[0].size, files[0].checksum)) == \
+        (tmp_path / "local" / files[0].path).read_bytes()
+
+
 def test_failed_write_leaves_no_object_on_s3(s3_server):
     tier = Tier(s3_server.uri("partial/run"), "remote", s3_server.options)
     rel = f"{vdir(1)}/policy/rank0.safetensors"

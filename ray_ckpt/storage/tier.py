@@ -39,7 +39,7 @@ class Tier:
         self.fs, self.root = resolve_filesystem(uri, self.options)
         self.is_local = isinstance(self.fs, pafs.LocalFileSystem)
         self.is_object_store = isinstance(self.fs, OBJECT_STORES)  # keys, no directories to create
-        self.rate_limit: Optional[RateLimit] = None  # local writes only; set per process (not pickled)
+        self.rate_limit: Optional[RateLimit] = None  # this process's writes to this tier (not pickled)
 
     def __repr__(self) -> str:
         return f"Tier({self.name}, {self.uri!r})"
@@ -68,7 +68,7 @@ class Tier:
                 self.fs.create_dir(os.path.dirname(final), recursive=True)
             out = self.fs.open_output_stream(final)
             try:
-                sink = HashingSink(out)
+                sink = HashingSink(WholeWrites(out, self.rate_limit) if self.rate_limit else out)
                 yield sink
             except BaseException:
                 # pyarrow exposes no abort(): closing an object store stream *completes* the upload
