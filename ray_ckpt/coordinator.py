@@ -208,8 +208,6 @@ class CheckpointCoordinator:
             self.catalogue.fail(version, "internal: parts and refs differ in number")
         for p, ref in zip(stored, refs):
             self._dispatch(version, p["name"], int(p.get("rank", 0)), ref, int(p.get("nbytes", 0)))
-        ref = None
-        refs.clear()  # the writers' tasks hold them now: a snapshot is freed once written, not at commit
         self._watch_pushed(version)
         await self._progress(version)
         result = await self.commit_futures[version]
@@ -239,7 +237,6 @@ class CheckpointCoordinator:
         reuse = self.catalogue.reuse_for(part.name) if part.strategy is Strategy.RELOADABLE else None
         obj = writer.write_part.remote(version, part.name, part.rank, [ref], reuse=reuse,
                                        compression=self.cfg.compression)
-        del ref  # Ray keeps a task's arguments until it has finished (retries included)
         await self._track(version, part.name, part.rank, obj, writer, size)
 
     # ------------------------------------------------------------------ pushed states (ranks)
@@ -271,7 +268,6 @@ class CheckpointCoordinator:
                 log.error("version %d: %s", v, pv.error)
                 await self._progress(v)
             self._dispatch(version, name, rank, refs[0], nbytes)
-            refs.clear()  # held by the writer's task from now on (freed once written)
             await self._progress(version)
         while version not in self.commit_futures:  # a non-zero replica rank ran ahead of rank 0
             await asyncio.sleep(0.05)

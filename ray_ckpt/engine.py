@@ -249,18 +249,18 @@ class CheckpointEngine:
             raise InvalidArgumentError(f"state {name!r}: provider must be a Ray actor handle, "
                                        f"rc.actor_provider(...) or a callable, not {type(provider).__name__}")
         self._registry[name] = Registration(name, prov, strat, bool(allow_pickle))
-        self._prefault([prov])
+        self._prefault(prov)
 
-    def _prefault(self, providers) -> None:
-        """With ``prefault_object_store``: each process that will copy snapshots into the object store
-        (provider actors; this one for in-process callables) maps it now, in the background."""
+    def _prefault(self, prov: Union[ActorProvider, CallableProvider]) -> None:
+        """With ``prefault_object_store``: the process that will copy this state's snapshots into the
+        object store (the provider actor; this one for an in-process callable) maps it now, in the
+        background."""
         if not self.config.prefault_object_store:
             return
-        for prov in providers:
-            if isinstance(prov, ActorProvider):
-                prov.handle.__ray_call__.remote(prefault_in_actor)  # returns at once; no answer needed
-            elif isinstance(prov, CallableProvider) and prov.fn is not None:
-                start_prefault()
+        if isinstance(prov, ActorProvider):
+            prov.handle.__ray_call__.remote(prefault_in_actor)  # returns at once; no answer needed
+        elif prov.fn is not None:
+            start_prefault()
 
     def _register_pushed(self, name, provider, strat, world_size, replicated, allow_pickle) -> None:
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
