@@ -75,6 +75,8 @@ class CheckpointCoordinator:
         self.version_locks: Dict[int, asyncio.Lock] = {}
         self.remote_locks: Dict[int, asyncio.Lock] = {}  # one upload sequence per version at a time
         self.commits = 0
+        # a version due for upload (a multiple of remote_every) failed: the next one to commit goes instead
+        self.remote_owed = False
         self.failures = 0
         self.last_error: Optional[str] = None
         self.started_at = time.time()
@@ -320,6 +322,7 @@ class CheckpointCoordinator:
             if version not in self.catalogue.pending:  # finished by a call that held the lock before us
                 return
             if pv.error and not fut.done():
+                self._missed_remote(version)
                 self.failures += 1
                 self.metrics.failed("save")
                 fut.set_exception(SaveError(f"version {version} (step {pv.step}) of run {self.cfg.run!r} "
@@ -331,6 +334,7 @@ class CheckpointCoordinator:
                     await asyncio.to_thread(write_manifest, self.local, manifest)
                 except Exception as exc:
                     self.catalogue.fail(version, f"writing the manifest failed: {one_line(exc)}")
+                    self._missed_remote(version)
                     self.failures += 1
                     fut.set_exception(SaveError(f"version {version}: writing the manifest failed: "
                                                 f"{one_line(exc)}"))
@@ -403,17 +407,28 @@ class CheckpointCoordinator:
 
     # ------------------------------------------------------------------ remote tier
     def _plan_remote(self, version: int) -> None:
+        """Upload ``version`` (just committed) if its turn has come.
+
+        The turn goes by version number, not by commit order: versions written in parallel commit in
+        any order, and "every M-th" must name the same versions on every run."""
         if self.remote is None:
             return
         loop = asyncio.get_running_loop()
         self.remote_futures.setdefault(version, loop.create_future())
-        if self.commits % self.cfg.remote_every != 0:
+        every = self.cfg.remote_every
+        if version % every != 0 and not self.remote_owed:
             self.remote_futures[version].set_exception(SaveError(
-                f"version {version} is not uploaded: remote_every={self.cfg.remote_every} uploads every "
-                f"{self.cfg.remote_every}th committed version"))
+                f"version {version} is not uploaded: remote_every={every} uploads the versions whose number "
+                f"is a multiple of {every} (or the next to commit after such a version failed)"))
             return
+        self.remote_owed = False
         self.remote_pending.add(version)
         self._in_background(self._sync_remote(version))
+
+    def _missed_remote(self, version: int) -> None:
+        """A version failed: if it was due for upload, the remote tier must not wait M more versions."""
+        if self.remote is not None and version % self.cfg.remote_every == 0:
+            self.remote_owed = True
 
     async def _sync_remote(self, version: int) -> None:
         lock = self.remote_locks.setdefault(version, asyncio.Lock())

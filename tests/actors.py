@@ -92,6 +92,26 @@ class Frozen:
         self.sd = state
 
 
+class Flaky:
+    """A state whose capture can be made to fail (a save that fails in the provider)."""
+
+    def __init__(self):
+        self.w = torch.arange(16.0)
+        self.failing = False
+
+    def set_failing(self, failing: bool):
+        self.failing = failing
+
+    def ckpt_get_state(self, name):
+        if self.failing:
+            raise RuntimeError("capture failed on purpose")
+        self.w += 1
+        return {"w": self.w}
+
+    def ckpt_set_state(self, name, state):
+        self.w = state["w"]
+
+
 class Weird:
     def ckpt_get_state(self, name):
         return {"ok": torch.ones(2), "bad": {"inner": object()}}

@@ -7,7 +7,7 @@ import ray
 import torch
 
 import ray_ckpt as rc
-from actors import BigState, Frozen, Learner, Weird, remote
+from actors import BigState, Flaky, Frozen, Learner, Weird, remote
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -285,6 +285,37 @@ def test_remote_cadence_and_per_tier_retention(engine_factory, tmp_path, run_nam
     assert eng.restore().states["policy"].tier == "local"
     # version 4 exists only remotely: restored from there
     assert {r.tier for r in eng.restore(step=4).states.values()} == {"remote"}
+
+
+def test_remote_cadence_names_versions_and_a_failed_turn_passes_on(engine_factory, tmp_path, run_name):
+    """remote_every=2 uploads versions 2, 4, 6 whatever order they commit in; if version 4 fails,
+    version 5 (the next to commit) is uploaded instead, then 6 as planned."""
+    flaky = remote(Flaky).remote()
+    eng = engine_factory(remote_every=2, keep_last=10, remote_keep_last=10)
+    eng.register("w", flaky)
+    # saves in flight together may commit in any order: the uploaded versions stay 2 and 4
+    handles = [eng.save(s, on_busy="queue") for s in range(1, 5)]
+    for h in handles:
+        h.wait(timeout=60)
+    uploaded = []
+    for h in handles:
+        try:
+            uploaded.append(h.wait(timeout=60, durability="remote").version)
+        except rc.SaveError as exc:
+            assert "remote_every=2" in str(exc), exc
+    assert uploaded == [2, 4]
+    ray.get(flaky.set_failing.remote(True))
+    with pytest.raises(rc.SaveError, match="capture failed on purpose"):
+        eng.save(5).wait(timeout=60)  # version 5: not due
+    with pytest.raises(rc.SaveError, match="capture failed on purpose"):
+        eng.save(6).wait(timeout=60)  # version 6: due, failed
+    ray.get(flaky.set_failing.remote(False))
+    assert eng.save(7).wait(timeout=60, durability="remote").version == 7  # took version 6's turn
+    assert eng.save(8).wait(timeout=60, durability="remote").version == 8  # due as planned
+    with pytest.raises(rc.SaveError, match="remote_every=2"):
+        eng.save(9).wait(timeout=60, durability="remote")
+    remote_versions = sorted(m.version for m in eng.list_checkpoints() if "remote" in m.tiers)
+    assert remote_versions == [2, 4, 7, 8], remote_versions
 
 
 def test_restore_with_rewind_continues_from_an_older_version(engine_factory, tmp_path, run_name):
