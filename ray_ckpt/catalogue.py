@@ -10,8 +10,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
-from .errors import SaveError
+from .errors import InvalidArgumentError, SaveError
 from .formats.manifest import FileEntry, Manifest, StateEntry
+from .storage.layout import validate_name
 from .storage.retention import RetentionPolicy, VersionInfo, plan_deletions
 from .types import CheckpointMeta, Strategy
 
@@ -83,9 +84,10 @@ class Catalogue:
     # ------------------------------------------------------------------ pushed states
     def declare(self, name: str, strategy: str, world_size: int, replicated: bool = False,
                 allow_pickle: bool = False) -> None:
+        validate_name(name, "state name")  # also guards what a restarted coordinator reads back
         Strategy.parse(strategy)
         if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+            raise InvalidArgumentError(f"world_size must be an integer >= 1, got {world_size!r}")
         self.declared[name] = {"strategy": Strategy.parse(strategy).value, "world_size": world_size,
                                "replicated": bool(replicated), "allow_pickle": bool(allow_pickle)}
 

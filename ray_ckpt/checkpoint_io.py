@@ -5,10 +5,10 @@ actors, the coordinator and the ``ray-ckpt`` command line alike.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .errors import IntegrityError, RestoreError, SaveError, one_line
-from .formats import arrow_io, safetensors_io
+from .formats import arrow_io, buffer_io, safetensors_io
 from .formats.checksum import BLOCK, HashingSink
 from .formats.manifest import FileEntry, Manifest, StateEntry
 from .formats.tree import Flat, unflatten
@@ -19,6 +19,10 @@ from .storage.tier import Tier
 def content_hash(flat: Flat) -> str:
     """Digest of exactly the bytes ``write_flat`` would write (serialisation is deterministic)."""
     sink = HashingSink()
+    table = buffer_io.as_table(flat)
+    if table is not None:
+        arrow_io.write(table, sink)
+        return sink.digest()
     safetensors_io.write(flat, sink)
     for t in flat.tables:
         arrow_io.write(t, sink)
@@ -30,13 +34,17 @@ PARALLEL_FROM = 2 * BLOCK  # files from this size are written by blocks (threads
 
 def write_flat(tier: Tier, version: int, name: str, rank: int, flat: Flat,
                compression: Optional[str] = None, threads: int = 1, direct: bool = False) -> List[FileEntry]:
-    """Write one (state, rank) part: a safetensors file, plus one Arrow IPC file per table.
+    """Write one (state, rank) part: a buffer as one Arrow IPC file; anything else as a safetensors
+    file, plus one Arrow IPC file per table in it.
 
     A large tensors file, or a large uncompressed table, on a local tier is written block by block
     by ``threads`` threads, with O_DIRECT when ``direct`` (see ``Tier.write_blocks``)."""
-    entries = []
-    rel = layout.tensors_file(version, name, rank)
+    entries: List[FileEntry] = []
+    buffer = buffer_io.as_table(flat)
+    rel = layout.tensors_file(version, name, rank) if buffer is None else layout.buffer_file(version, name, rank)
     try:
+        if buffer is not None:
+            return [FileEntry(rel, *_write_table(tier, rel, buffer, compression, threads, direct), "buffer")]
         if (threads > 1 or direct) and tier.is_local and flat.nbytes >= PARALLEL_FROM:
             size, digest = tier.write_blocks(rel, safetensors_io.segments(flat), threads, direct)
         else:
@@ -46,18 +54,21 @@ def write_flat(tier: Tier, version: int, name: str, rank: int, flat: Flat,
         entries.append(FileEntry(rel, size, digest, "tensors"))
         for i, table in enumerate(flat.tables):
             rel = layout.table_file(version, name, rank, i)
-            blocks = (threads > 1 or direct) and tier.is_local and table.nbytes >= PARALLEL_FROM
-            if blocks and compression is None:  # compressed buffers are made while streaming
-                size, digest = tier.write_blocks(rel, arrow_io.segments(table), threads, direct)
-            else:
-                with tier.open_atomic(rel) as sink:
-                    arrow_io.write(table, sink, compression)
-                size, digest = sink.size, sink.digest()
-            entries.append(FileEntry(rel, size, digest, "table"))
+            entries.append(FileEntry(rel, *_write_table(tier, rel, table, compression, threads, direct), "table"))
     except OSError as exc:
         raise SaveError(f"writing state {name!r} rank {rank} of version {version} to "
                         f"{tier.describe(rel)} failed: {one_line(exc)}") from None
     return entries
+
+
+def _write_table(tier: Tier, rel: str, table: Any, compression: Optional[str], threads: int,
+                 direct: bool) -> Tuple[int, str]:
+    blocks = (threads > 1 or direct) and tier.is_local and table.nbytes >= PARALLEL_FROM
+    if blocks and compression is None:  # compressed files are made while streaming
+        return tier.write_blocks(rel, arrow_io.segments(table), threads, direct)
+    with tier.open_atomic(rel) as sink:
+        arrow_io.write(table, sink, compression)
+    return sink.size, sink.digest()
 
 
 def read_files(tiers: Sequence[Tier], files: List[FileEntry]) -> Tuple[List[bytearray], str, List[str]]:
@@ -91,6 +102,9 @@ def read_files(tiers: Sequence[Tier], files: List[FileEntry]) -> Tuple[List[byte
 
 def decode_files(files: List[FileEntry], bufs: List[bytearray], *, name: str,
                  allow_pickle: bool = False, as_numpy: bool = False):
+    if len(files) == 1 and files[0].role == "buffer":
+        structure, views = buffer_io.read(bufs[0], path=files[0].path)
+        return unflatten(structure, views, [], as_numpy=as_numpy, allow_pickle=allow_pickle, state_name=name)
     tensors_buf = [b for f, b in zip(files, bufs) if f.role == "tensors"]
     if len(tensors_buf) != 1:
         raise IntegrityError(f"state {name!r}: expected one tensors file, manifest lists {len(tensors_buf)}")

@@ -510,7 +510,7 @@ def _file_details(tier: Tier, f: FileEntry) -> Dict[str, Any]:
     try:
         if f.role == "tensors":
             d["tensors"] = tensor_summary(read_safetensors_header(tier, f.path))
-        elif f.role == "table":
+        elif f.role in ("table", "buffer"):
             d["table"] = table_summary(tier, f.path)
     except FileNotFoundError:
         d["problem"] = "file is missing"

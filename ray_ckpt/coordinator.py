@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from .catalogue import Catalogue, meta_of
 from .checkpoint_io import delete_version, scan, write_manifest
 from .config import EngineConfig
-from .errors import SaveError, one_line
+from .errors import CheckpointError, SaveError, UnsupportedTypeError, one_line
 from .formats.manifest import Manifest
 from .metrics import Metrics
 from .storage.retention import VersionInfo, plan_deletions
@@ -49,8 +49,11 @@ class CheckpointCoordinator:
         self.catalogue = Catalogue(config.run, committed)
         if self.local.exists(DECLARED):
             for name, d in json.loads(bytes(self.local.read_bytes(DECLARED))).items():
-                self.catalogue.declare(name, **{k: d[k] for k in ("strategy", "world_size", "replicated",
-                                                                  "allow_pickle")})
+                try:
+                    self.catalogue.declare(name, **{k: d[k] for k in ("strategy", "world_size", "replicated",
+                                                                      "allow_pickle")})
+                except (CheckpointError, ValueError, KeyError, TypeError) as exc:
+                    log.warning("ignoring the declaration of %r in %s: %s", name, DECLARED, one_line(exc))
         self.remote_committed: Dict[int, Manifest] = {}
         if self.remote is not None:
             try:
@@ -77,6 +80,7 @@ class CheckpointCoordinator:
         self.commits = 0
         # a version due for upload (a multiple of remote_every) failed: the next one to commit goes instead
         self.remote_owed = False
+        self.unsupported: Set[int] = set()  # failed versions whose cause was an unsupported object
         self.failures = 0
         self.last_error: Optional[str] = None
         self.started_at = time.time()
@@ -304,6 +308,11 @@ class CheckpointCoordinator:
                     self.file_nodes[f["path"]] = result.get("node", self.node_id)
             self.catalogue.part_written(version, name, rank, result)
         except Exception as exc:  # reaches the handle through the commit future
+            root = exc
+            while getattr(root, "cause", None) is not None and root.cause is not root:
+                root = root.cause  # a provider's error comes wrapped once per Ray task it crossed
+            if isinstance(root, UnsupportedTypeError):
+                self.unsupported.add(version)  # the handle raises the same class as an in-process save
             msg = one_line(getattr(exc, "cause", None) or exc)
             log.error("version %d: state %r rank %d failed: %s", version, name, rank, msg)
             self.last_error = f"version {version} state {name!r} rank {rank}: {msg}"
@@ -325,7 +334,9 @@ class CheckpointCoordinator:
                 self._missed_remote(version)
                 self.failures += 1
                 self.metrics.failed("save")
-                fut.set_exception(SaveError(f"version {version} (step {pv.step}) of run {self.cfg.run!r} "
+                error = UnsupportedTypeError if version in self.unsupported else SaveError
+                self.unsupported.discard(version)
+                fut.set_exception(error(f"version {version} (step {pv.step}) of run {self.cfg.run!r} "
                                             f"failed and is not listed: {pv.error}"))
             elif not pv.committed and self.catalogue.ready_to_commit(version):
                 manifest = self.catalogue.manifest_for(version)
@@ -366,6 +377,7 @@ class CheckpointCoordinator:
             if not self.catalogue.settled(version):
                 return
             self.catalogue.finish(version)
+            self.unsupported.discard(version)
             settled = self.settled_futures.get(version)
             if settled is not None and not settled.done():
                 settled.set_result(True)

@@ -115,7 +115,7 @@ class SaveHandle:
                             f"was in flight; that version was not committed ({one_line(exc)[:200]})") from None
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            raise SaveError(one_line(cause)) from None
+            raise (type(cause) if isinstance(cause, SaveError) else SaveError)(one_line(cause)) from None
         return SaveResult(d["version"], d["step"], d["bytes_written"], d["durability"],
                           tuple(d.get("states", ())), d.get("seconds", 0.0), dict(d.get("stages") or {}))
 
@@ -131,7 +131,7 @@ class CheckpointEngine:
         self._in_flight: List[SaveHandle] = []
         self._declared: Dict[str, dict] = {}
         self._last_pushed: Dict[tuple, int] = {}
-        last = ray.get(coordinator.last_version.remote(), timeout=60)
+        last = _ask(config.run, coordinator.last_version.remote(), "the last version")
         self._last_saved = last
         self._step = max(last, 0)
 
@@ -190,7 +190,7 @@ class CheckpointEngine:
         except ValueError:
             raise CheckpointError(f"no checkpoint coordinator for run {run!r}; create it with "
                                   f"rc.CheckpointEngine.create({run!r}, local_dir=...)") from None
-        return cls(coord, ray.get(coord.config.remote(), timeout=timeout))
+        return cls(coord, _ask(run, coord.config.remote(), "its configuration", timeout))
 
     def shutdown(self, timeout: float = 60.0) -> None:
         """Stop the coordinator; its writers, which it owns, stop with it. First waits, at most
@@ -279,8 +279,8 @@ class CheckpointEngine:
                     handles.append(ActorProvider(h))
                 else:
                     raise InvalidArgumentError(f"state {name!r}: rank providers must be actor handles")
-        ray.get(self._coordinator.declare.remote(name, strat.value, world_size, bool(replicated),
-                                                 bool(allow_pickle)), timeout=60)
+        _ask(self.run, self._coordinator.declare.remote(name, strat.value, world_size, bool(replicated),
+                                                        bool(allow_pickle)), f"declaring {name!r}")
         self._registry[name] = Registration(name, None, strat, bool(allow_pickle), world_size, handles,
                                             bool(replicated))
         # ranks push from their own processes: submit() starts their prefault
@@ -297,7 +297,7 @@ class CheckpointEngine:
             raise InvalidSaveError(f"rank must be a non-negative integer, got {rank!r}")
         decl = self._declared.get(name)
         if decl is None:
-            self._declared = ray.get(self._coordinator.declared.remote(), timeout=60)
+            self._declared = _ask(self.run, self._coordinator.declared.remote(), "the declared states")
             decl = self._declared.get(name)
         if decl is None:
             raise InvalidSaveError(f"state {name!r} is not declared for pushing in run {self.run!r}; the "
@@ -401,10 +401,10 @@ class CheckpointEngine:
 
     # ------------------------------------------------------------------ reading
     def list_checkpoints(self) -> List[CheckpointMeta]:
-        return ray.get(self._coordinator.list.remote(), timeout=60)
+        return _ask(self.run, self._coordinator.list.remote(), "the list of checkpoints")
 
     def _manifest(self, version: int = -1, step: Optional[int] = None) -> Manifest:
-        m = ray.get(self._coordinator.manifest.remote(version, step), timeout=60)
+        m = _ask(self.run, self._coordinator.manifest.remote(version, step), "a manifest", error=RestoreError)
         if m is None:
             what = "" if version == -1 and step is None else (
                 f" at step {step}" if step is not None else f" with version {version}")
@@ -513,16 +513,35 @@ class CheckpointEngine:
         for key in staged_actor:
             if reports[key[0]].status == "restored":
                 prov = self._stage_target(key)
-                applies.append(prov.handle.__ray_call__.remote(apply_in_actor, prov.set, key[0]))
-        ray.get(applies)
+                applies.append((key, prov.handle.__ray_call__.remote(apply_in_actor, prov.set, key[0])))
+        refused, loaded = [], []  # a provider's own set_state / loader failing is its error, named here
+        for (name, rank), ref in applies:
+            try:
+                ray.get(ref)
+                loaded.append(name)
+            except ray.exceptions.RayError as exc:
+                cause = getattr(exc, "cause", None) or exc
+                refused.append(f"{name}{'' if rank is None else f' rank {rank}'}: {one_line(cause)[:300]}")
         for name, state in staged_local.items():
-            self._registry[name].provider.loader(state)
+            try:
+                self._registry[name].provider.loader(state)
+                loaded.append(name)
+            except Exception as exc:
+                refused.append(f"{name}: its loader raised {type(exc).__name__}: {one_line(exc)[:300]}")
         for name, r in list(reports.items()):
             if r.status == "reloaded":
-                self._registry[name].provider.loader()
+                try:
+                    self._registry[name].provider.loader()
+                    loaded.append(name)
+                except Exception as exc:
+                    refused.append(f"{name}: its loader raised {type(exc).__name__}: {one_line(exc)[:300]}")
+        if refused:
+            raise RestoreError(f"version {m.version} (step {m.step}) of run {self.run!r} verified, but loading it into "
+                               f"its providers failed: {' | '.join(refused)}; loaded: "
+                               f"{', '.join(sorted(set(loaded))) or 'nothing'}")
         rewound: List[int] = []
         if rewind:
-            rewound = ray.get(self._coordinator.rewind.remote(m.version), timeout=300)
+            rewound = _ask(self.run, self._coordinator.rewind.remote(m.version), "rewind", 300, RestoreError)
             self._last_saved = m.step
         else:
             self._last_saved = max(self._last_saved, m.step)
@@ -537,7 +556,23 @@ class CheckpointEngine:
 
     def status(self) -> Dict[str, Any]:
         """Saves in flight with each part's stage, queued bytes per pool, the last error."""
-        return ray.get(self._coordinator.status.remote(), timeout=60)
+        return _ask(self.run, self._coordinator.status.remote(), "its status")
+
+
+def _ask(run: str, ref: Any, what: str, timeout: float = 60.0, error: type = CheckpointError) -> Any:
+    """``ray.get`` of a coordinator call; Ray's errors become ours, naming the run and the call."""
+    try:
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise error(f"the coordinator of run {run!r} did not answer {what} within {timeout:.0f}s") from None
+    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+        raise error(f"the coordinator of run {run!r} is not reachable ({what}): {one_line(exc)[:200]}; "
+                    f"a restarted coordinator answers again once Ray has recreated it") from None
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, CheckpointError):
+            raise cause from None
+        raise error(f"{what} failed in the coordinator of run {run!r}: {one_line(cause or exc)[:300]}") from None
 
 
 def _check_metrics(metrics: Optional[Dict[str, float]]) -> Dict[str, float]:

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 import ray
 
 from .checkpoint_io import content_hash, delete_version, write_flat
-from .errors import IntegrityError, SaveError, one_line
+from .errors import IntegrityError, SaveError, UnsupportedTypeError, one_line
 from .formats.manifest import FileEntry
 from .formats.tree import Flat
 from .storage.tier import RateLimit, Tier
@@ -111,7 +111,8 @@ class WriterActor:
             flat = ray.get(refs[0])
         except ray.exceptions.RayTaskError as exc:  # the snapshot itself failed in the provider
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            raise SaveError(f"snapshot of state {name!r} (rank {rank}) failed: {one_line(cause)}") from None
+            error = UnsupportedTypeError if isinstance(cause, UnsupportedTypeError) else SaveError
+            raise error(f"snapshot of state {name!r} (rank {rank}) failed: {one_line(cause)}") from None
         except ray.exceptions.RayError as exc:
             raise SaveError(f"snapshot of state {name!r} (rank {rank}) was lost: {one_line(exc)}") from None
         waited = time.perf_counter() - t0

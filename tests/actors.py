@@ -92,6 +92,32 @@ class Frozen:
         self.sd = state
 
 
+class Replay:
+    """A replay buffer: equally long numpy arrays, one row per transition, filled as it trains."""
+
+    def __init__(self, capacity: int = 5000, seed: int = 0):
+        self.rng = np.random.default_rng(seed)
+        self.data = {"obs": np.zeros((capacity, 8, 2), np.float32), "action": np.zeros(capacity, np.int64),
+                     "reward": np.zeros(capacity, np.float32), "done": np.zeros(capacity, bool)}
+        self.size = 0
+
+    def add(self, n: int):
+        for k, v in self.data.items():
+            new = self.rng.standard_normal((n,) + v.shape[1:]) > 0 if v.dtype == bool else \
+                self.rng.standard_normal((n,) + v.shape[1:]) * 100
+            v[self.size: self.size + n] = new.astype(v.dtype)
+        self.size += n
+
+    def ckpt_get_state(self, name):
+        return self.data
+
+    def ckpt_set_state(self, name, state):
+        self.data = state
+
+    def contents(self):
+        return {k: v.copy() for k, v in self.data.items()}
+
+
 class Flaky:
     """A state whose capture can be made to fail (a save that fails in the provider)."""
 
@@ -109,7 +135,12 @@ class Flaky:
         return {"w": self.w}
 
     def ckpt_set_state(self, name, state):
+        if self.failing:
+            raise RuntimeError("set_state refused on purpose")
         self.w = state["w"]
+
+    def value(self):
+        return self.w.clone()
 
 
 class Weird:

@@ -7,7 +7,7 @@ import ray
 import torch
 
 import ray_ckpt as rc
-from actors import BigState, Flaky, Frozen, Learner, Weird, remote
+from actors import BigState, Flaky, Frozen, Learner, Replay, Weird, remote
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -157,12 +157,39 @@ def test_bad_inputs_fail_at_the_call_before_any_byte(engine_factory, tmp_path, r
     # an actor's unsupported object is found in the actor: the handle fails, naming state and key path
     eng.register("weird", remote(Weird).remote())
     h = eng.save(12)
-    with pytest.raises(rc.SaveError, match=r"weird.*\['bad'\]\['inner'\]"):
-        h.wait(timeout=60)
+    with pytest.raises(rc.UnsupportedTypeError, match=r"weird.*\['bad'\]\['inner'\]"):
+        h.wait(timeout=60)  # the same class as the in-process callable's error above
     assert [m.version for m in eng.list_checkpoints()] == [10]
     eng.unregister("weird")
     assert eng.save(13).wait(timeout=60).version == 13
     assert sorted(os.listdir(tmp_path / "local" / run_name)) == ["v000000000010", "v000000000013"]
+    # every name that becomes a path is checked at the call, with the same error class
+    with pytest.raises(rc.InvalidArgumentError, match="manifest"):
+        eng.register("manifest.json", learner)
+    with pytest.raises(rc.InvalidArgumentError, match="invalid state name"):
+        eng.load(13, "../policy")
+    with pytest.raises(rc.InvalidArgumentError, match="invalid state name"):
+        eng.submit(14, "a/b", {"w": torch.ones(1)})
+    with pytest.raises(rc.InvalidArgumentError, match="invalid run name"):
+        rc.CheckpointEngine.connect("../run")
+
+
+def test_a_provider_that_refuses_its_state_fails_the_restore_by_name(engine_factory):
+    """A provider whose ckpt_set_state raises: restore raises RestoreError naming that state and
+    what was loaded, not a bare Ray error."""
+    flaky, learner = remote(Flaky).remote(), remote(Learner).remote(seed=12)
+    eng = engine_factory()
+    eng.register("w", flaky)
+    eng.register("policy", learner)
+    eng.save(1).wait(timeout=60)
+    ray.get(flaky.set_failing.remote(True))
+    with pytest.raises(rc.RestoreError, match=r"w: .*set_state refused on purpose.*loaded: policy"):
+        eng.restore()
+    ray.get(flaky.set_failing.remote(False))
+    assert eng.restore().states["w"].status == "restored"
+    eng.shutdown()
+    with pytest.raises(rc.CheckpointError, match="not reachable"):
+        eng.list_checkpoints()
 
 
 def test_retention_keeps_newest_and_never_deletes_early(engine_factory, tmp_path, run_name):
@@ -387,6 +414,43 @@ def test_best_effort_writes_are_rate_limited_and_do_not_hold_the_commit(engine_f
     report = eng.restore(strict=True)
     assert report.states["replay"].status == "restored"
     assert torch.equal(got["replay"]["obs"], replay["obs"]) and torch.equal(got["policy"]["w"], policy["w"])
+
+
+def test_a_replay_buffer_is_an_arrow_file_and_restores_exactly(engine_factory, tmp_path, run_name):
+    """A best-effort replay buffer (a dict of equally long arrays) lands as replay/rank0.arrow on
+    both tiers, readable by pyarrow alone, and a fresh buffer actor gets it back bit-exact and
+    can go on filling it."""
+    import numpy as np
+    import pyarrow as pa
+
+    buf = remote(Replay).remote(seed=4)
+    eng = engine_factory()
+    eng.register("replay", buf, strategy=rc.Strategy.BEST_EFFORT)
+    ray.get(buf.add.remote(1200))
+    eng.save(1).wait(timeout=60, best_effort=True)
+    ray.get(buf.add.remote(300))
+    h = eng.save(2)
+    h.wait(timeout=60, best_effort=True)
+    want = ray.get(buf.contents.remote())
+    for tier in ("local", "remote"):
+        path = tmp_path / tier / run_name / "v000000000002" / "replay" / "rank0.arrow"
+        if tier == "remote":
+            h.wait(timeout=60, durability="remote")
+            deadline = time.time() + 30
+            while not path.exists():  # the best-effort part joins the remote copy after it lands
+                assert time.time() < deadline, "replay buffer never reached the remote tier"
+                time.sleep(0.1)
+        table = pa.ipc.open_file(str(path)).read_all()
+        assert table.num_rows == 5000 and table.column_names == ["obs", "action", "reward", "done"]
+        assert np.array_equal(table.column("action").to_numpy(), want["action"])
+    fresh = remote(Replay).remote(seed=99)
+    eng.register("replay", fresh, strategy=rc.Strategy.BEST_EFFORT, replace=True)
+    report = eng.restore()
+    assert report.states["replay"].status == "restored" and report.states["replay"].verified
+    got = ray.get(fresh.contents.remote())
+    assert all(got[k].dtype == want[k].dtype and got[k].shape == want[k].shape and
+               got[k].tobytes() == want[k].tobytes() for k in want)
+    ray.get(fresh.add.remote(10))  # restored arrays are writable
 
 
 def test_shutdown_lets_saves_and_retention_in_flight_finish(engine_factory, tmp_path, run_name):

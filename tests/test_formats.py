@@ -72,7 +72,8 @@ def test_every_supported_type_roundtrips_exactly(tmp_path):
         "odd": {"empty": torch.empty(0, 3), "scalar": torch.tensor(2.5), "noncontig": torch.arange(12.).view(3, 4).t(),
                 "nan": float("nan"), "inf": -math.inf, "big": 2 ** 80, "none": None, "b": b"\x00\xff",
                 "np_scalar": np.float32(1.25), "np_int": np.int64(-3), "dtype": torch.float32,
-                "arr": np.arange(6, dtype=np.uint16).reshape(2, 3), "f16": np.ones(3, np.float16)},
+                "arr": np.arange(6, dtype=np.uint16).reshape(2, 3), "f16": np.ones(3, np.float16),
+                "np_0d": np.array(3.5), "np_0d_int": np.array(7, dtype=np.int32)},  # shape () stays ()
         "table": pa.table({"obs": [[1.0, 2.0], [3.0, 4.0]], "reward": [0.5, -1.0], "done": [False, True]}),
         3: ("tuple", 1, 2.0, [None, True]),
         "rllib_style": {None: {"obs_filter": np.zeros(3)}, True: 1, False: "f"},  # None / bool keys
@@ -88,6 +89,84 @@ def test_every_supported_type_roundtrips_exactly(tmp_path):
     # the optimizer state loads back into a fresh optimizer
     opt2 = torch.optim.Adam(model.parameters(), lr=1e-3)
     opt2.load_state_dict(back["optimizer"])
+
+
+def _replay(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"obs": rng.standard_normal((n, 4, 3), dtype=np.float32), "action": rng.integers(0, 6, n),
+            "reward": rng.standard_normal(n).astype(np.float16), "done": rng.random(n) < 0.1,
+            "logp": rng.standard_normal((n, 1)), "env_id": rng.integers(0, 255, n, dtype=np.uint8)}
+
+
+def test_a_buffer_is_one_arrow_file_that_any_arrow_tool_reads(tmp_path):
+    """A replay buffer (a dict of equally long arrays) is stored as ``<state>/rank0.arrow``: one
+    row per transition, a column per field, per-row shapes as Arrow's fixed_shape_tensor; it comes
+    back exact (types, dtypes, shapes) and writable, as views of the verified file."""
+    state = _replay(1000)
+    tier = Tier(str(tmp_path), "local")
+    files = write_flat(tier, 1, "replay", 0, flatten(state, state_name="replay"))
+    assert [(f.path, f.role) for f in files] == [("v000000000001/replay/rank0.arrow", "buffer")]
+    table = pa.ipc.open_file(str(tmp_path / files[0].path)).read_all()  # plain pyarrow, no ray_ckpt
+    assert table.column_names == list(state) and table.num_rows == 1000
+    assert table.schema.field("obs").type == pa.fixed_shape_tensor(pa.float32(), [4, 3])
+    assert np.array_equal(table.column("obs").combine_chunks().to_numpy_ndarray(), state["obs"])
+    assert np.array_equal(table.column("done").to_numpy(), state["done"])
+    assert table.schema.field("reward").type == pa.float16()
+    bufs, _, _ = read_files([tier], files)
+    back = decode_files(files, bufs, name="replay")
+    assert_same(state, back)
+    assert np.shares_memory(back["obs"], np.frombuffer(bufs[0], np.uint8))  # no copy on restore
+    back["obs"][0, 0, 0] = 42.0  # a restored buffer is the user's to fill again
+    assert back["obs"][0, 0, 0] == 42.0 and all(a.flags.writeable for a in back.values())
+    assert content_hash(flatten(state)) == files[0].checksum
+    zstd = write_flat(tier, 2, "replay", 0, flatten(state), compression="zstd")
+    assert zstd[0].size < files[0].size
+    assert_same(state, decode_files(zstd, read_files([tier], zstd)[0], name="replay"))
+    empty = {k: v[:0] for k, v in state.items()}
+    got = decode_files(*(lambda fs: (fs, read_files([tier], fs)[0]))(write_flat(tier, 3, "e", 0, flatten(empty))),
+                       name="e")
+    assert_same(empty, got)
+
+
+@pytest.mark.parametrize("state", [
+    {"a": np.zeros(3), "b": np.zeros(4)},                       # lengths differ
+    {"a": torch.zeros(3), "b": torch.zeros(3)},                  # tensors: weights, not a buffer
+    {"a": np.zeros(3), "n": 3},                                  # a scalar beside the arrays
+    {"a": np.array(1.0)},                                        # 0-d
+    {1: np.zeros(3)},                                            # int keys
+    {"a": np.zeros(3, np.complex64)},                            # no Arrow type
+    {"a": np.zeros(3, ">f4")},                                   # not native byte order
+    {"a": {"b": np.zeros(3)}},                                   # nested
+    {},
+])
+def test_other_states_stay_in_safetensors(tmp_path, state):
+    tier = Tier(str(tmp_path), "local")
+    files = write_flat(tier, 1, "s", 0, flatten(state))
+    assert [f.role for f in files] == ["tensors"]
+    assert_same(state, decode_files(files, read_files([tier], files)[0], name="s"))
+
+
+def test_a_large_buffer_in_pieces_is_written_by_blocks_with_the_streamed_bytes(tmp_path):
+    """Columns of a few MiB travel through Ray in 1 MiB pieces; a buffer over PARALLEL_FROM goes
+    through the block writer (threads, O_DIRECT): the same file either way."""
+    import pickle
+
+    from ray_ckpt.checkpoint_io import PARALLEL_FROM
+
+    state = _replay(PARALLEL_FROM // 56 + 999, seed=3)  # 57 bytes a row
+    small = {k: v[:40_000] for k, v in state.items()}  # obs 1.9 MB: travels in pieces
+    for st in (small, state):
+        flat = flatten(st)
+        bufs = []
+        data = pickle.dumps(flat, protocol=5, buffer_callback=bufs.append)
+        moved = pickle.loads(data, buffers=[b.raw() for b in bufs])
+        tier = Tier(str(tmp_path), "local")
+        streamed = write_flat(tier, 1, "r", 0, flat)
+        blocks = write_flat(tier, 2, "r", 0, moved, threads=2, direct=True)
+        assert (streamed[0].size, streamed[0].checksum) == (blocks[0].size, blocks[0].checksum)
+        assert content_hash(moved) == streamed[0].checksum
+        assert_same(st, decode_files(blocks, read_files([tier], blocks)[0], name="r"))
+        shutil.rmtree(tmp_path / "v000000000001"), shutil.rmtree(tmp_path / "v000000000002")
 
 
 def test_file_is_plain_safetensors(tmp_path):

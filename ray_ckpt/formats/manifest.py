@@ -22,7 +22,7 @@ class FileEntry:
     path: str  # relative to the run root, e.g. "v000000000100/policy/rank0.safetensors"
     size: int
     checksum: str
-    role: str = "tensors"  # "tensors" | "table"
+    role: str = "tensors"  # "tensors" | "table" | "buffer" (see formats.buffer_io)
 
 
 @dataclass
@@ -31,7 +31,7 @@ class StateEntry:
     status: str  # "stored" | "loader" (rebuilt by a loader, no bytes) | "pending" | "missing"
     files: Dict[str, List[FileEntry]] = field(default_factory=dict)  # rank (as str) -> files
     bytes: int = 0
-    content_hash: Optional[str] = None  # RELOADABLE: digest of rank 0's tensors file
+    content_hash: Optional[str] = None  # RELOADABLE: digest of rank 0's files
     detail: str = ""
     replicated: bool = False
 

@@ -218,11 +218,12 @@ def flatten(state: Any, *, state_name: str = "state", allow_pickle: bool = False
         if isinstance(obj, np.ndarray):
             if obj.dtype.hasobject or obj.dtype.fields is not None:
                 raise unsupported(obj, path, f"numpy dtype {obj.dtype}")
-            a = np.ascontiguousarray(obj)
+            # np.ascontiguousarray would turn a 0-d array into shape (1,): the shape is the original's
+            a = obj if obj.flags.c_contiguous else np.ascontiguousarray(obj)
             u8 = a.reshape(-1).view(np.uint8) if a.size else np.empty(0, np.uint8)
             st = st_dtype_of_numpy(a.dtype)
-            idx = add_array(u8, path, st, list(a.shape), a.dtype.itemsize)
-            return {"N": idx, "dt": a.dtype.str, "sh": list(a.shape)}
+            idx = add_array(u8, path, st, list(obj.shape), a.dtype.itemsize)
+            return {"N": idx, "dt": a.dtype.str, "sh": list(obj.shape)}
         if isinstance(obj, np.generic) and not isinstance(obj, np.object_):
             return {"ns": obj.dtype.str, "h": obj.tobytes().hex()}
         if t is bytes:

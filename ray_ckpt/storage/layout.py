@@ -1,7 +1,8 @@
 """Path layout of a run and validation of user-given names (no path traversal, ever).
 
-  <root>/<run>/v000000000100/<state>/rank0.safetensors
-                             <state>/rank0.table0.arrow
+  <root>/<run>/v000000000100/<state>/rank0.safetensors   tensors and the nested structure
+                             <state>/rank0.table0.arrow     Arrow tables inside such a state
+                             <state>/rank0.arrow            a buffer (a dict of equally long arrays)
                              manifest.json            <- written last: the commit marker
 """
 from __future__ import annotations
@@ -9,18 +10,24 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+from ..errors import InvalidArgumentError
+
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 _VERSION_DIR = re.compile(r"^v(\d{12})$")
 
 
 def validate_name(name: object, what: str = "name") -> str:
-    """A run or state name becomes a path component: allow letters, digits, '_', '-', '.' only."""
+    """A run or state name becomes a path component: allow letters, digits, '_', '-', '.' only.
+
+    Raises :class:`~ray_ckpt.errors.InvalidArgumentError` (a ``ValueError``)."""
     if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"invalid {what} {name!r}: use 1-128 letters, digits, '_', '-' or '.', starting with a "
             f"letter or digit (no '/', '\\', '..' or spaces: it becomes a path component)"
         )
+    if what == "state name" and name == MANIFEST:  # its directory would take the commit marker's path
+        raise InvalidArgumentError(f"invalid {what} {name!r}: {MANIFEST} is the name of a version's manifest")
     return name
 
 
@@ -51,3 +58,7 @@ def tensors_file(version: int, state: str, rank: int) -> str:
 
 def table_file(version: int, state: str, rank: int, index: int) -> str:
     return f"{version_dir(version)}/{state}/rank{rank}.table{index}.arrow"
+
+
+def buffer_file(version: int, state: str, rank: int) -> str:
+    return f"{version_dir(version)}/{state}/rank{rank}.arrow"
