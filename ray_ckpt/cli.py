@@ -1055,7 +1055,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "checksum) and the dtypes / shapes of its tensors (read from the "
                                    "safetensors headers only).")
     s.add_argument("uri", metavar="URI")
-    s.add_argument("version", metavar="VERSION", type=parse_version)
+    s.add_argument("version", metavar="VERSION", type=parse_version, nargs="?", default=None,
+                   help="the version to show (default: latest)")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--max-leaves", type=_non_negative_int, default=50, metavar="N",
                    help="list at most N tensors per file (default 50; 0 = all)")
@@ -1101,7 +1102,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "safetensors.torch.load_file) and DIR/NAME.json (the structure and the "
                                    "non-tensor leaves). Arrow tables go to DIR/NAME.tableI.arrow.")
     s.add_argument("uri", metavar="URI")
-    s.add_argument("version", metavar="VERSION", type=parse_version)
+    s.add_argument("version", metavar="VERSION", type=parse_version, nargs="?", default=None,
+                   help="the version to export (default: latest)")
     s.add_argument("--state", required=True, metavar="NAME", help="the state to export")
     s.add_argument("--to", required=True, metavar="DIR", help="output directory (created if needed)")
     s.add_argument("--rank", type=_non_negative_int, default=0, metavar="R", help="which rank's part (default 0)")

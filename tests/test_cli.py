@@ -43,6 +43,7 @@ def ckpt(ray_session, tmp_path_factory):
     stats = {"mean": np.zeros(4, np.float32), "count": 0,
              "table": pa.table({"a": [1, 2, 3], "b": [0.5, 1.5, 2.5]})}
     critic = {"ref": {"w": torch.ones(2, 2)}}
+    replay = {"obs": np.arange(40, dtype=np.float32).reshape(10, 4), "done": np.arange(10) % 3 == 0}
     eng = rc.CheckpointEngine.create(run, local_dir=str(base / "local"), remote_uri=f"file://{base / 'remote'}")
     try:
         eng.register("policy", lambda: model.state_dict(), loader=model.load_state_dict)
@@ -50,6 +51,7 @@ def ckpt(ray_session, tmp_path_factory):
         eng.register("reference", lambda: reference, strategy=rc.Strategy.RELOADABLE, loader=lambda s: None)
         eng.register("critic_ref", lambda: critic["ref"], strategy=rc.Strategy.RELOADABLE, loader=lambda s: None)
         eng.register("stats", lambda: stats, loader=lambda s: None)
+        eng.register("replay", lambda: replay, loader=lambda s: None)  # a buffer: one Arrow file
         for step in range(1, 5):
             loss = model(torch.randn(16, 8)).pow(2).mean()
             opt.zero_grad()
@@ -72,6 +74,7 @@ def ckpt(ray_session, tmp_path_factory):
         optimizer=copy.deepcopy(opt.state_dict()),
         reference=reference,
         stats=copy.deepcopy(stats),
+        replay=replay,
     )
 
 
@@ -127,7 +130,7 @@ def test_ls_lists_versions(ckpt, capsys):
     rows = [ln.split() for ln in lines[1:]]
     assert [r[0] for r in rows] == ["1", "2", "3", "4"]
     assert all(r[-1] == "complete" for r in rows)
-    assert all(r[-2] == "critic_ref,optimizer,policy,reference,stats" for r in rows)
+    assert all(r[-2] == "critic_ref,optimizer,policy,reference,replay,stats" for r in rows)
 
     code, out, _ = cli(capsys, "ls", ckpt.local, "--json")
     assert code == 0
@@ -136,7 +139,7 @@ def test_ls_lists_versions(ckpt, capsys):
     assert [v["version"] for v in vs] == [1, 2, 3, 4] and [v["step"] for v in vs] == [1, 2, 3, 4]
     for v in vs:
         assert v["status"] == "complete" and v["committed"]
-        assert v["states"] == {n: "stored" for n in ("critic_ref", "optimizer", "policy", "reference", "stats")}
+        assert v["states"] == {n: "stored" for n in ("critic_ref", "optimizer", "policy", "reference", "replay", "stats")}
         assert v["bytes"] > 0
         datetime.fromisoformat(v["created"])
 
@@ -168,7 +171,7 @@ def test_show_lists_states_files_and_dtypes(ckpt, capsys):
     code, out, err = cli(capsys, "show", ckpt.local, "latest")
     assert code == 0 and err == ""
     assert "version 4" in out and "step 4" in out
-    for name in ("policy", "optimizer", "reference", "critic_ref", "stats"):
+    for name in ("policy", "optimizer", "reference", "critic_ref", "stats", "replay"):
         assert f"state {name}" in out
     assert "strategy=critical" in out and "strategy=reloadable" in out and "status=stored" in out
     assert "fc.weight" in out and "float32" in out and "[4, 8]" in out
@@ -195,9 +198,15 @@ def test_show_lists_states_files_and_dtypes(ckpt, capsys):
     assert [x["role"] for x in stats_files] == ["tensors", "table"]
     assert [c["name"] for c in stats_files[1]["table"]["columns"]] == ["a", "b"]
 
-    # the same version by number
+    (buf,) = doc["states"]["replay"]["ranks"]["0"]
+    assert buf["role"] == "buffer" and buf["path"] == f"{V(4)}/replay/rank0.arrow"
+    assert [c["name"] for c in buf["table"]["columns"]] == ["obs", "done"]
+
+    # the same version by number, and by default (the latest)
     code, out2, _ = cli(capsys, "show", ckpt.local, "4", "--json")
     assert code == 0 and json.loads(out2) == doc
+    code, out3, _ = cli(capsys, "show", ckpt.local, "--json")
+    assert code == 0 and json.loads(out3) == doc
 
 
 # ---------------------------------------------------------------------------- verify
@@ -233,7 +242,7 @@ def test_verify_detects_corruption(ckpt, run_copy, capsys):
     assert f"{V(1)}/reference/rank0.safetensors" in out
     # older versions share the corrupt reference file, and only that file is bad in them
     code, out, _ = cli(capsys, "verify", run_copy, "--all")
-    assert code == 1 and "version 2 (step 2): FAILED, 1 of 6 files bad" in out
+    assert code == 1 and "version 2 (step 2): FAILED, 1 of 7 files bad" in out
 
 
 def test_verify_reads_a_large_file_by_blocks_and_finds_a_flip_in_any(tmp_path, capsys):
@@ -314,7 +323,7 @@ def test_gc_deletes_shared_files_once_no_kept_version_refers_to_them(run_copy, c
     assert code == 0 and critic_v3.exists() and reference.exists()
     assert not (run_copy / V(3) / "policy").exists()
     code, out, _ = cli(capsys, "verify", run_copy, "--all")
-    assert code == 0 and "version 4 (step 4): OK, 6 files" in out
+    assert code == 0 and "version 4 (step 4): OK, 7 files" in out
 
 
 def test_gc_keep_every(run_copy, capsys):
@@ -360,6 +369,16 @@ def test_export_policy_loads_with_safetensors(ckpt, tmp_path, capsys):
     assert "--force" in err
     code, _, _ = cli(capsys, "export", ckpt.local, "latest", "--state", "policy", "--to", out_dir, "--force")
     assert code == 0
+
+
+def test_export_defaults_to_the_latest_version_and_takes_buffers(ckpt, tmp_path, capsys):
+    from safetensors.numpy import load_file
+
+    code, out, err = cli(capsys, "export", ckpt.local, "--state", "replay", "--to", tmp_path)
+    assert code == 0, err
+    assert "version 4" in out
+    arrays = load_file(str(tmp_path / "replay.safetensors"))
+    assert np.array_equal(arrays["obs"], ckpt.replay["obs"]) and np.array_equal(arrays["done"], ckpt.replay["done"])
 
 
 def test_export_optimizer_is_exact(ckpt, tmp_path, capsys):
