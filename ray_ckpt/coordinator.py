@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from .catalogue import Catalogue, meta_of
 from .checkpoint_io import delete_version, scan, write_manifest
 from .config import EngineConfig
-from .errors import CheckpointError, SaveError, UnsupportedTypeError, one_line
+from .errors import CheckpointError, IntegrityError, SaveError, UnsupportedTypeError, one_line
 from .formats.manifest import Manifest
 from .metrics import Metrics
 from .storage.retention import VersionInfo, plan_deletions
@@ -31,6 +31,13 @@ from .writers import WriterActor
 log = logging.getLogger("ray_ckpt.coordinator")
 NAMESPACE = "ray_ckpt"
 DECLARED = "declared_states.json"  # pushed-state declarations, so a restarted coordinator knows them
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """A provider's or writer's error comes wrapped once per Ray task it crossed."""
+    while getattr(exc, "cause", None) is not None and exc.cause is not exc:
+        exc = exc.cause
+    return exc
 
 
 def actor_name(run: str) -> str:
@@ -61,6 +68,11 @@ class CheckpointCoordinator:
             except Exception as exc:  # remote down at (re)start: local checkpointing goes on
                 log.warning("cannot list the remote tier %s: %s", self.remote.uri, one_line(exc))
         self.remote_paths: Set[str] = {p for m in self.remote_committed.values() for p in m.referenced_paths()}
+        # uploads a killed coordinator left undone: committed locally, due, newer than the remote's newest
+        newest_remote = max(self.remote_committed, default=0)
+        self.resume_uploads: List[int] = [] if self.remote is None else sorted(
+            v for v in self.catalogue.committed
+            if v > newest_remote and v % config.remote_every == 0 and v not in self.remote_committed)
         self.node_id = ray.get_runtime_context().get_node_id()
         # critical writers per node (they write where the snapshot lies); best-effort ones run here
         self.pools: Dict[str, list] = {self.node_id: self._make_pool(self.node_id)}
@@ -73,7 +85,7 @@ class CheckpointCoordinator:
         self.outstanding: Dict[int, int] = {}  # id(writer) -> bytes queued
         self.commit_futures: Dict[int, asyncio.Future] = {}
         self.remote_futures: Dict[int, asyncio.Future] = {}
-        self.remote_pending: Set[int] = set()
+        self.remote_pending: Set[int] = set(self.resume_uploads)  # protected from local retention already
         self.remote_errors: Dict[int, str] = {}
         self.version_locks: Dict[int, asyncio.Lock] = {}
         self.remote_locks: Dict[int, asyncio.Lock] = {}  # one upload sequence per version at a time
@@ -203,6 +215,8 @@ class CheckpointCoordinator:
 
         ``parts[i]`` describes ``refs[i]`` (name, rank, strategy, size); parts with ``loader=True``
         have no ref. Raises SaveError if the version cannot commit."""
+        if self.resume_uploads:
+            self._resume()
         t0 = time.perf_counter()
         version = step
         merged = version in self.catalogue.pending
@@ -256,6 +270,8 @@ class CheckpointCoordinator:
 
     async def submit(self, step: int, name: str, rank: int, refs: List[Any], nbytes: int = 0) -> Dict[str, Any]:
         """A rank's part of ``name`` at ``step``; returns the SaveResult once the version commits."""
+        if self.resume_uploads:
+            self._resume()
         version = step
         d = self.catalogue.declared.get(name)
         if d is not None and d["replicated"] and rank != 0:
@@ -308,10 +324,7 @@ class CheckpointCoordinator:
                     self.file_nodes[f["path"]] = result.get("node", self.node_id)
             self.catalogue.part_written(version, name, rank, result)
         except Exception as exc:  # reaches the handle through the commit future
-            root = exc
-            while getattr(root, "cause", None) is not None and root.cause is not root:
-                root = root.cause  # a provider's error comes wrapped once per Ray task it crossed
-            if isinstance(root, UnsupportedTypeError):
+            if isinstance(_root_cause(exc), UnsupportedTypeError):
                 self.unsupported.add(version)  # the handle raises the same class as an in-process save
             msg = one_line(getattr(exc, "cause", None) or exc)
             log.error("version %d: state %r rank %d failed: %s", version, name, rank, msg)
@@ -437,9 +450,10 @@ class CheckpointCoordinator:
         self.remote_pending.add(version)
         self._in_background(self._sync_remote(version))
 
-    def _missed_remote(self, version: int) -> None:
-        """A version failed: if it was due for upload, the remote tier must not wait M more versions."""
-        if self.remote is not None and version % self.cfg.remote_every == 0:
+    def _missed_remote(self, version: int, due: bool = False) -> None:
+        """A version failed (or its upload did): if it was ``due`` for upload, the remote tier must
+        not wait M more versions for a copy."""
+        if self.remote is not None and (due or version % self.cfg.remote_every == 0):
             self.remote_owed = True
 
     async def _sync_remote(self, version: int) -> None:
@@ -471,6 +485,21 @@ class CheckpointCoordinator:
                     self.remote_errors[version] = msg
                     self.last_error = f"version {version} upload: {msg}"
                     self.metrics.failed("upload")
+                    if isinstance(_root_cause(exc), IntegrityError):  # the local copy is bad: no retry helps
+                        log.error("version %d: not uploaded, its local copy cannot be: %s", version, msg)
+                        self.remote_pending.discard(version)
+                        self._missed_remote(version, due=True)
+                        fut = self.remote_futures.setdefault(version, asyncio.get_running_loop().create_future())
+                        if not fut.done():
+                            fut.set_exception(SaveError(f"version {version} of run {self.cfg.run!r} cannot be "
+                                                        f"uploaded: {msg}"))
+                        try:  # what this version's attempts left on the remote tier (never listed: no manifest)
+                            kept = {p for m in self.remote_committed.values() for p in m.referenced_paths()}
+                            await asyncio.to_thread(delete_version, self.remote, version, kept, [])
+                        except Exception as cleanup:
+                            log.warning("version %d: removing its partial upload failed: %s", version,
+                                        one_line(cleanup))
+                        break
                     log.warning("version %d: remote upload failed, retrying in %.1fs: %s", version, backoff, msg)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 30.0)
@@ -494,6 +523,8 @@ class CheckpointCoordinator:
     async def wait(self, version: int, durability: str = "local", best_effort: bool = False) -> Dict[str, Any]:
         """The SaveResult once ``version`` is committed on the ``durability`` tier; with
         ``best_effort=True`` also once its best-effort parts are written (or reported missing)."""
+        if self.resume_uploads:
+            self._resume()
         if durability not in ("local", "remote"):
             raise SaveError(f"durability must be 'local' or 'remote', got {durability!r}")
         if best_effort:
@@ -529,6 +560,8 @@ class CheckpointCoordinator:
                 m = self.remote_committed[version]
                 return {"version": version, "step": m.step, "durability": durability,
                         "bytes_written": m.bytes, "states": sorted(m.states)}
+            if version in self.remote_futures and version in self.catalogue.committed:  # resumed upload
+                return await self.remote_futures[version]
             raise SaveError(f"version {version} is unknown to the coordinator of run {self.cfg.run!r} "
                             f"(it may have restarted while the save was in flight)")
         result = await self.commit_futures[version]
@@ -597,6 +630,14 @@ class CheckpointCoordinator:
             await asyncio.to_thread(delete_version, self.remote, v, keep, m.referenced_paths())
             self.remote_paths -= set(m.referenced_paths()) - keep
 
+    def _resume(self) -> None:
+        """Start the uploads found undone at start-up (needs the event loop: first async call)."""
+        versions, self.resume_uploads = self.resume_uploads, []
+        for v in versions:
+            log.warning("version %d: committed locally but not uploaded before a restart; uploading it now", v)
+            self.remote_futures.setdefault(v, asyncio.get_running_loop().create_future())
+            self._in_background(self._sync_remote(v))
+
     def _in_background(self, coro: Any) -> asyncio.Future:
         """Run ``coro`` in the background and remember it until it ends (see ``quiesce``)."""
         fut = asyncio.ensure_future(coro)
@@ -609,6 +650,8 @@ class CheckpointCoordinator:
         in progress (and any they start); returns what is still running (empty when all ended).
         Called before the coordinator is stopped, so that no writer is still deleting or writing
         files when ``shutdown()`` returns and no upload is cut off."""
+        if self.resume_uploads:
+            self._resume()
         deadline = time.monotonic() + timeout
         while self.background:
             left = deadline - time.monotonic()
@@ -621,6 +664,8 @@ class CheckpointCoordinator:
 
     async def ready(self) -> bool:
         """Wait until every writer has started, so the first save does not pay for worker start-up."""
+        if self.resume_uploads:
+            self._resume()
         await asyncio.gather(*[w.__ray_ready__.remote() for w in self.critical + self.best_effort])
         return True
 

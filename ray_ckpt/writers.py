@@ -72,7 +72,7 @@ class PartWriter:
                     size, digest = self.local.copy_to(self.remote, f.path)
                     break
                 except FileNotFoundError:
-                    raise SaveError(f"cannot upload {f.path}: the local copy is missing") from None
+                    raise IntegrityError(f"cannot upload {f.path}: the local copy is missing") from None
                 except OSError as exc:
                     if attempt == self.upload_retries:
                         raise SaveError(f"uploading {f.path} to {self.remote.describe(f.path)} failed after "

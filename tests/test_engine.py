@@ -1,5 +1,6 @@
 """The engine end to end on a real local Ray instance (no mocks)."""
 import os
+import shutil
 import time
 
 import pytest
@@ -343,6 +344,80 @@ def test_remote_cadence_names_versions_and_a_failed_turn_passes_on(engine_factor
         eng.save(9).wait(timeout=60, durability="remote")
     remote_versions = sorted(m.version for m in eng.list_checkpoints() if "remote" in m.tiers)
     assert remote_versions == [2, 4, 7, 8], remote_versions
+
+
+def _block_remote(remote_run):
+    """Make the remote run root unusable (a file where its directory was): uploads fail and retry."""
+    aside = remote_run.with_name(remote_run.name + ".aside")
+    remote_run.rename(aside)
+    remote_run.write_bytes(b"not a directory")
+    return lambda: (remote_run.unlink(), aside.rename(remote_run))
+
+
+def _wait_upload_error(eng, version, timeout=60):
+    deadline = time.time() + timeout
+    while not ray.get(eng._coordinator.remote_error.remote(version), timeout=10):
+        assert time.time() < deadline, f"version {version}'s upload never failed"
+        time.sleep(0.1)
+
+
+def test_an_upload_a_killed_coordinator_left_undone_is_resumed(engine_factory, tmp_path, run_name):
+    """Committed locally, not yet uploaded, coordinator killed: the coordinator created again
+    uploads that version (it rebuilt its catalogue from both tiers), and a fresh node restores it
+    from the remote tier alone."""
+    state = {"w": torch.arange(1000.0)}
+    got = {}
+    eng = engine_factory()
+    eng.register("policy", lambda: state, loader=lambda s: got.update(s))
+    eng.save(1).wait(timeout=60, durability="remote")
+    unblock = _block_remote(tmp_path / "remote" / run_name)
+    state["w"] = state["w"] * 2
+    assert eng.save(2).wait(timeout=60).version == 2
+    _wait_upload_error(eng, 2)
+    coord = eng._coordinator
+    ray.kill(coord, no_restart=True)
+    deadline = time.time() + 60
+    while True:  # ray.kill is asynchronous
+        try:
+            ray.get(coord.last_version.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            break
+        assert time.time() < deadline, "the coordinator did not die"
+        time.sleep(0.1)
+    unblock()
+    eng2 = engine_factory()
+    eng2.register("policy", lambda: state, loader=lambda s: got.update(s))
+    deadline = time.time() + 60
+    while (tiers := {m.version: m.tiers for m in eng2.list_checkpoints()}).get(2) != ("local", "remote"):
+        assert time.time() < deadline, tiers
+        time.sleep(0.1)
+    assert eng2.wait_all(timeout=60) == []
+    shutil.rmtree(tmp_path / "local" / run_name / "v000000000002")  # as on a fresh node
+    report = eng2.restore()
+    assert report.version == 2 and report.states["policy"].tier == "remote"
+    assert torch.equal(got["w"], state["w"])
+
+
+def test_an_upload_whose_local_copy_is_corrupt_fails_loudly_and_passes_its_turn(engine_factory, tmp_path,
+                                                                               run_name):
+    """Retrying cannot repair a local file that no longer matches its manifest: the upload stops
+    with a clear error on the handle, and the next version to commit is uploaded instead."""
+    state = {"w": torch.arange(1000.0)}
+    eng = engine_factory(remote_every=2)
+    eng.register("policy", lambda: state, loader=lambda s: None)
+    eng.save(1).wait(timeout=60)
+    unblock = _block_remote(tmp_path / "remote" / run_name)
+    h2 = eng.save(2)
+    h2.wait(timeout=60)
+    _wait_upload_error(eng, 2)
+    p = tmp_path / "local" / run_name / "v000000000002" / "policy" / "rank0.safetensors"
+    p.write_bytes(p.read_bytes()[:-1] + b"\x01")
+    unblock()
+    with pytest.raises(rc.SaveError, match=r"version 2 .*cannot be uploaded.*does not match its manifest"):
+        h2.wait(timeout=120, durability="remote")
+    assert eng.save(3).wait(timeout=60, durability="remote").version == 3  # took version 2's turn
+    assert sorted(m.version for m in eng.list_checkpoints() if "remote" in m.tiers) == [3]
+    assert not (tmp_path / "remote" / run_name / "v000000000002").exists()
 
 
 def test_restore_with_rewind_continues_from_an_older_version(engine_factory, tmp_path, run_name):
