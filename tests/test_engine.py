@@ -420,6 +420,26 @@ def test_an_upload_whose_local_copy_is_corrupt_fails_loudly_and_passes_its_turn(
     assert not (tmp_path / "remote" / run_name / "v000000000002").exists()
 
 
+def test_an_fsspec_filesystem_is_a_remote_tier(engine_factory, tmp_path, run_name):
+    """remote_options={"filesystem": fs}: an fsspec filesystem (here fsspec's own local one, through
+    pyarrow's PyFileSystem(FSSpecHandler)) is the remote tier of every writer actor; a fresh node
+    restores from it."""
+    import fsspec
+
+    state = {"w": torch.randn(300, 7)}
+    got = {}
+    root = tmp_path / "fsspec-remote"
+    eng = engine_factory(remote_uri=f"file://{root}", remote_options={"filesystem": fsspec.filesystem("file")})
+    eng.register("policy", lambda: state, loader=lambda s: got.update(s))
+    assert eng.save(1).wait(timeout=60, durability="remote").durability == "remote"
+    assert sorted(p.name for p in (root / run_name / "v000000000001").iterdir()) == ["manifest.json", "policy"]
+    shutil.rmtree(tmp_path / "local" / run_name / "v000000000001")
+    report = eng.restore()
+    assert report.states["policy"].tier == "remote" and torch.equal(got["w"], state["w"])
+    with pytest.raises(rc.InvalidArgumentError, match="pyarrow.fs.FileSystem or an fsspec filesystem"):
+        engine_factory(run=run_name + "x", remote_options={"filesystem": "s3"})
+
+
 def test_restore_with_rewind_continues_from_an_older_version(engine_factory, tmp_path, run_name):
     learner = remote(Learner).remote(seed=10)
     eng = engine_factory()

@@ -67,7 +67,7 @@ def _s3_filesystem(uri: str, options: Dict[str, Any]) -> Tuple[pafs.FileSystem, 
 
 def resolve_filesystem(uri: str, options: Optional[Dict[str, Any]] = None) -> Tuple[pafs.FileSystem, str]:
     """``uri`` -> (filesystem, path). ``options`` go to the filesystem's constructor (S3: endpoint_override,
-    scheme, region, access_key, secret_key, ...); without them the usual environment is read (AWS_* for
+    scheme, region, access_key, secret_key, ...), or are ``{"filesystem": fs}`` (see ``_given_filesystem``); without them the usual environment is read (AWS_* for
     S3, including AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL for S3-compatible servers). S3 filesystems get
     short connect timeouts and a bounded retry strategy unless ``options`` set their own.
 
@@ -75,6 +75,8 @@ def resolve_filesystem(uri: str, options: Optional[Dict[str, Any]] = None) -> Tu
     if not isinstance(uri, str) or not uri:
         raise InvalidArgumentError(f"storage URI must be a non-empty string, got {uri!r}")
     scheme = urlparse(uri).scheme if "://" in uri else ""
+    if options and "filesystem" in options:
+        return _given_filesystem(uri, options)
     try:
         if scheme == "s3":
             return _s3_filesystem(uri, dict(options or {}))
@@ -88,6 +90,36 @@ def resolve_filesystem(uri: str, options: Optional[Dict[str, Any]] = None) -> Tu
         return fs, path.rstrip("/") or "/"
     except (ValueError, OSError, TypeError) as exc:  # pyarrow's ArrowInvalid is a ValueError
         raise InvalidArgumentError(f"cannot open storage URI {uri!r}: {one_line(exc)}") from None
+
+
+def _given_filesystem(uri: str, options: Dict[str, Any]) -> Tuple[pafs.FileSystem, str]:
+    """``options={"filesystem": fs}``: a filesystem the caller built, for what no URI names (an
+    fsspec filesystem: Azure through adlfs, OCI, SFTP, a custom one). A ``pyarrow.fs.FileSystem``
+    is used as given; an fsspec ``AbstractFileSystem`` is wrapped in ``PyFileSystem(FSSpecHandler)``.
+    ``uri`` is then the root's path inside that filesystem (a ``scheme://`` prefix is dropped). The
+    filesystem travels to every writer actor, so it must pickle (pyarrow's and fsspec's do)."""
+    fs = options["filesystem"]
+    others = sorted(k for k in options if k != "filesystem")
+    if others:
+        raise InvalidArgumentError(f"storage options {others} cannot be combined with 'filesystem' (configure the "
+                                   f"filesystem object itself)")
+    if not isinstance(fs, pafs.FileSystem):
+        try:
+            import fsspec
+        except ImportError:  # pragma: no cover - fsspec comes with torch
+            fsspec = None
+        if fsspec is None or not isinstance(fs, fsspec.AbstractFileSystem):
+            raise InvalidArgumentError(f"options['filesystem'] must be a pyarrow.fs.FileSystem or an fsspec "
+                                       f"filesystem, got {type(fs).__module__}.{type(fs).__qualname__}")
+        fs = pafs.PyFileSystem(pafs.FSSpecHandler(fs))
+    path = uri.split("://", 1)[1] if "://" in uri else uri
+    if isinstance(fs, pafs.LocalFileSystem) or (isinstance(fs, pafs.PyFileSystem) and path.startswith("/")):
+        path = path.rstrip("/") or "/"
+    else:
+        path = path.strip("/")
+    if not path:
+        raise InvalidArgumentError(f"storage URI {uri!r} names no path inside the given filesystem")
+    return fs, path
 
 
 def s3_hint(exc: BaseException) -> str:
