@@ -31,6 +31,8 @@ class Part:
     content_hash: Optional[str] = None
     error: str = ""
     timings: Dict[str, float] = field(default_factory=dict)  # from the writer: snapshot_wait_s, write_s
+    # files the writer may refer to instead of writing (RELOADABLE): kept while the part is pending
+    reuse_paths: Set[str] = field(default_factory=set)
 
     @property
     def blocks_commit(self) -> bool:
@@ -183,12 +185,14 @@ class Catalogue:
         part.written = result.get("written", 0)
         part.content_hash = result.get("content_hash")
         part.timings = dict(result.get("timings") or {})
+        part.reuse_paths = set()  # what it refers to is in part.files now
 
     def part_failed(self, version: int, name: str, rank: int, error: str) -> bool:
         """Record a failed part; returns True when the version can no longer commit."""
         pv = self.pending[version]
         part = pv.parts[(name, rank)]
         part.status, part.error = "failed", error
+        part.reuse_paths = set()
         if part.blocks_commit and not pv.committed:
             pv.error = f"critical state {name!r} rank {rank} failed: {error}"
             return True
@@ -242,13 +246,16 @@ class Catalogue:
         return sum(p.written for p in self.pending[version].parts.values())
 
     # ------------------------------------------------------------------ reuse
-    def reuse_for(self, name: str) -> Dict[str, List[dict]]:
-        """content hash -> files of a stored RELOADABLE state, from every committed version."""
+    def reuse_for(self, part: Part) -> Dict[str, List[dict]]:
+        """content hash -> files of a stored RELOADABLE state, from every committed version. Those
+        files are kept (``kept_paths``) until the part is done: retention running while the writer
+        hashes must not delete the file it is about to refer to."""
         out: Dict[str, List[dict]] = {}
         for v in sorted(self.committed):
-            e = self.committed[v].states.get(name)
+            e = self.committed[v].states.get(part.name)
             if e and e.status == "stored" and e.content_hash and "0" in e.files:
                 out[e.content_hash] = [f.__dict__ for f in e.files["0"]]
+        part.reuse_paths = {f["path"] for fs in out.values() for f in fs}
         return out
 
     # ------------------------------------------------------------------ retention
@@ -264,6 +271,7 @@ class Catalogue:
                 paths.update(m.referenced_paths())
         for pv in self.pending.values():
             paths.update(f.path for p in pv.parts.values() for f in p.files)
+            paths.update(path for p in pv.parts.values() for path in p.reuse_paths)
         return paths
 
     def forget(self, version: int) -> None:

@@ -254,7 +254,7 @@ class CheckpointCoordinator:
             pool = self._critical_on(await self._locate(ref))  # node affinity: a shared-memory read
         writer = min(pool, key=lambda w: self.outstanding.get(id(w), 0))
         self.outstanding[id(writer)] = self.outstanding.get(id(writer), 0) + size
-        reuse = self.catalogue.reuse_for(part.name) if part.strategy is Strategy.RELOADABLE else None
+        reuse = self.catalogue.reuse_for(part) if part.strategy is Strategy.RELOADABLE else None
         obj = writer.write_part.remote(version, part.name, part.rank, [ref], reuse=reuse,
                                        compression=self.cfg.compression)
         await self._track(version, part.name, part.rank, obj, writer, size)

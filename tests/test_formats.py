@@ -464,6 +464,32 @@ def test_catalogue_commits_only_when_critical_parts_are_written():
     assert not cat.ready_to_commit(6)
 
 
+def test_retention_keeps_the_file_a_writer_may_refer_to_instead_of_writing():
+    """A RELOADABLE part is offered the files of earlier versions with the same content; until
+    it is written, retention (which may run when another version commits) must keep them."""
+    from ray_ckpt.storage.retention import RetentionPolicy as Policy
+
+    ref = {"path": "v000000000001/reference/rank0.safetensors", "size": 10, "checksum": "c1", "role": "tensors"}
+    cat = Catalogue("run")
+    cat.begin(1, 1, [{"name": "reference", "strategy": "reloadable"}])
+    cat.part_written(1, "reference", 0, {"files": [ref], "written": 10, "content_hash": "h"})
+    cat.mark_committed(1, cat.manifest_for(1))
+    cat.finish(1)
+    cat.begin(2, 2, [{"name": "reference", "strategy": "reloadable"}])
+    cat.begin(3, 3, [{"name": "other", "strategy": "critical"}])
+    part = cat.pending[2].parts[("reference", 0)]
+    assert cat.reuse_for(part) == {"h": [ref]}
+    cat.part_written(3, "other", 0, {"files": [{"path": "v000000000003/other/rank0.safetensors", "size": 1,
+                                               "checksum": "x"}], "written": 1})
+    cat.mark_committed(3, cat.manifest_for(3))  # version 3 commits first: retention may drop version 1
+    cat.finish(3)
+    doomed = set(cat.plan_retention(Policy(keep_last=1)))
+    assert doomed == {1}
+    assert ref["path"] in cat.kept_paths(doomed)  # version 2's writer may still refer to it
+    cat.part_written(2, "reference", 0, {"files": [ref], "written": 0, "content_hash": "h"})
+    assert ref["path"] in cat.kept_paths(doomed)  # now as a file of version 2 itself
+
+
 def test_manifest_with_path_traversal_is_refused():
     m = Manifest("run", 1, 1, 0.0)
     from ray_ckpt.formats.manifest import FileEntry, StateEntry
