@@ -68,11 +68,20 @@ class CheckpointCoordinator:
             except Exception as exc:  # remote down at (re)start: local checkpointing goes on
                 log.warning("cannot list the remote tier %s: %s", self.remote.uri, one_line(exc))
         self.remote_paths: Set[str] = {p for m in self.remote_committed.values() for p in m.referenced_paths()}
-        # uploads a killed coordinator left undone: committed locally, due, newer than the remote's newest
+        # remote_every counts versions in the order they were accepted (their number order), from the
+        # last one due for upload; a restarted coordinator counts the local versions newer than the
+        # remote's newest, and uploads the newest of them if the count has reached remote_every (an
+        # upload its predecessor was killed before finishing)
         newest_remote = max(self.remote_committed, default=0)
-        self.resume_uploads: List[int] = [] if self.remote is None else sorted(
-            v for v in self.catalogue.committed
-            if v > newest_remote and v % config.remote_every == 0 and v not in self.remote_committed)
+        newer = sorted(v for v in self.catalogue.committed if v > newest_remote)
+        self.resume_uploads: List[int] = []
+        self.since_upload = 0  # versions accepted since the last one due for upload
+        if self.remote is not None:
+            if len(newer) >= config.remote_every:
+                self.resume_uploads = [newer[-1]]
+            else:
+                self.since_upload = len(newer)
+        self.upload_due: Set[int] = set()
         self.node_id = ray.get_runtime_context().get_node_id()
         # critical writers per node (they write where the snapshot lies); best-effort ones run here
         self.pools: Dict[str, list] = {self.node_id: self._make_pool(self.node_id)}
@@ -235,6 +244,11 @@ class CheckpointCoordinator:
         return result
 
     def _opened(self, version: int) -> None:
+        if self.remote is not None:
+            self.since_upload += 1
+            if self.since_upload >= self.cfg.remote_every:
+                self.upload_due.add(version)
+                self.since_upload = 0
         self.commit_futures[version] = asyncio.get_running_loop().create_future()
         self.settled_futures[version] = asyncio.get_running_loop().create_future()
         self.version_locks[version] = asyncio.Lock()
@@ -434,18 +448,21 @@ class CheckpointCoordinator:
     def _plan_remote(self, version: int) -> None:
         """Upload ``version`` (just committed) if its turn has come.
 
-        The turn goes by version number, not by commit order: versions written in parallel commit in
-        any order, and "every M-th" must name the same versions on every run."""
+        Turns go by the order versions were accepted (every ``remote_every``-th save), not by the
+        order they commit in: versions written in parallel commit in any order, and "every M-th"
+        must name the same versions on every run. A version whose turn it was and that failed (or
+        whose upload cannot be made) passes its turn to the next version to commit."""
         if self.remote is None:
             return
         loop = asyncio.get_running_loop()
         self.remote_futures.setdefault(version, loop.create_future())
         every = self.cfg.remote_every
-        if version % every != 0 and not self.remote_owed:
+        if version not in self.upload_due and not self.remote_owed:
             self.remote_futures[version].set_exception(SaveError(
-                f"version {version} is not uploaded: remote_every={every} uploads the versions whose number "
-                f"is a multiple of {every} (or the next to commit after such a version failed)"))
+                f"version {version} is not uploaded: remote_every={every} uploads one in every {every} versions "
+                f"saved, counted in version order (or the next to commit after such a one failed)"))
             return
+        self.upload_due.discard(version)
         self.remote_owed = False
         self.remote_pending.add(version)
         self._in_background(self._sync_remote(version))
@@ -453,8 +470,9 @@ class CheckpointCoordinator:
     def _missed_remote(self, version: int, due: bool = False) -> None:
         """A version failed (or its upload did): if it was ``due`` for upload, the remote tier must
         not wait M more versions for a copy."""
-        if self.remote is not None and (due or version % self.cfg.remote_every == 0):
+        if self.remote is not None and (due or version in self.upload_due):
             self.remote_owed = True
+        self.upload_due.discard(version)
 
     async def _sync_remote(self, version: int) -> None:
         lock = self.remote_locks.setdefault(version, asyncio.Lock())
