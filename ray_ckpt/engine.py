@@ -61,12 +61,23 @@ class SaveHandle:
     def __init__(self, engine: "CheckpointEngine", step: int, ref: Optional[ray.ObjectRef],
                  submit_s: float, skipped: bool = False):
         self._engine = engine
+        self._coordinator = engine._coordinator  # the one this save went to
         self.step = step
         self.version: Optional[int] = None if skipped else step
         self._ref = ref
         self._remote_ref = None
         self.submit_seconds = submit_s  # how long save() took to return
         self.skipped = skipped
+
+    def _coordinator_died(self) -> bool:
+        """Whether this (finished) save failed because its coordinator died for good."""
+        try:
+            ray.get(self._ref, timeout=0)
+        except ray.exceptions.ActorDiedError:
+            return self._engine._coordinator is self._coordinator
+        except Exception:
+            pass
+        return False
 
     def __repr__(self) -> str:
         state = "skipped" if self.skipped else ("done" if self.done() else "in flight")
@@ -111,8 +122,11 @@ class SaveHandle:
             raise SaveError(f"version {self.version} (step {self.step}) of run {self._engine.run!r} is not "
                             f"durable on the {durability} tier after {timeout}s{detail}") from None
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-            raise SaveError(f"the coordinator of run {self._engine.run!r} died while version {self.version} "
-                            f"was in flight; that version was not committed ({one_line(exc)[:200]})") from None
+            revived = isinstance(exc, ray.exceptions.ActorDiedError) and self._engine._revive()
+            raise SaveError(f"the coordinator of run {self._engine.run!r} died while version {self.version} was in "
+                            f"flight; its outcome is lost (listed only if its manifest was written before) "
+                            f"({one_line(exc)[:200]})"
+                            + ("; a new coordinator was created: later saves go to it" if revived else "")) from None
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             raise (type(cause) if isinstance(cause, SaveError) else SaveError)(one_line(cause)) from None
@@ -131,6 +145,8 @@ class CheckpointEngine:
         self._in_flight: List[SaveHandle] = []
         self._declared: Dict[str, dict] = {}
         self._last_pushed: Dict[tuple, int] = {}
+        self._owner = False  # set by create()
+        self._closed = False  # set by shutdown()
         last = _ask(config.run, coordinator.last_version.remote(), "the last version")
         self._last_saved = last
         self._step = max(last, 0)
@@ -159,10 +175,7 @@ class CheckpointEngine:
             config.remote_tier().check_writable()
         if not ray.is_initialized():
             ray.init()
-        coord = CoordinatorActor.options(
-            name=actor_name(run), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-            max_restarts=-1, num_cpus=0, max_concurrency=1000, **_coordinator_placement(),
-        ).remote(config)
+        coord = _start_coordinator(config)
         try:
             existing = ray.get(coord.config.remote(), timeout=startup_timeout)
             ray.get(coord.ready.remote(), timeout=startup_timeout)
@@ -177,7 +190,37 @@ class CheckpointEngine:
             raise InvalidArgumentError(
                 f"run {run!r} already has a coordinator with local_dir={existing.local_dir!r}, "
                 f"remote_uri={existing.remote_uri!r}; connect() to it or shut it down first")
-        return cls(coord, existing)
+        engine = cls(coord, existing)
+        engine._owner = True  # the driver's engine brings the coordinator back if it is killed for good
+        return engine
+
+    def _call(self, method: Callable[[Any], Any], what: str, timeout: float = 60.0,
+              error: type = CheckpointError) -> Any:
+        """Call the coordinator (``method(handle)`` returns the ref); if it died for good, the
+        owning engine creates it again and asks once more."""
+        try:
+            return _ask(self.run, method(self._coordinator), what, timeout, error)
+        except CheckpointError as exc:
+            if not getattr(exc, "actor_died", False) or not self._revive():
+                raise
+        return _ask(self.run, method(self._coordinator), what, timeout, error)
+
+    def _revive(self) -> bool:
+        """The coordinator died for good (``ray.kill`` without restart, or its restarts exhausted):
+        the engine that created it creates it again by name; the new one rebuilds its catalogue
+        from storage. Engines from ``connect()`` (ranks) leave that to the driver, and nothing
+        revives a coordinator after ``shutdown()``. Returns whether a new coordinator answers."""
+        if not self._owner or self._closed:
+            return False
+        log.warning("the coordinator of run %r is gone; creating it again from storage", self.run)
+        coord = _start_coordinator(self.config)
+        try:
+            ray.get(coord.ready.remote(), timeout=120)
+        except ray.exceptions.RayError as exc:
+            log.error("the coordinator of run %r could not be created again: %s", self.run, one_line(exc)[:300])
+            return False
+        self._coordinator = coord
+        return True
 
     @classmethod
     def connect(cls, run: str, timeout: float = 60.0) -> "CheckpointEngine":
@@ -198,6 +241,7 @@ class CheckpointEngine:
         that nothing still writes or deletes files once this returns; what did not end by then is
         logged as a warning and abandoned (a version whose commit did not happen is never listed).
         Committed checkpoints stay in storage."""
+        self._closed = True
         try:
             unfinished = ray.get(self._coordinator.quiesce.remote(timeout), timeout=timeout + 30)
         except ray.exceptions.RayError as exc:  # already gone, or stuck (GetTimeoutError)
@@ -279,8 +323,8 @@ class CheckpointEngine:
                     handles.append(ActorProvider(h))
                 else:
                     raise InvalidArgumentError(f"state {name!r}: rank providers must be actor handles")
-        _ask(self.run, self._coordinator.declare.remote(name, strat.value, world_size, bool(replicated),
-                                                        bool(allow_pickle)), f"declaring {name!r}")
+        self._call(lambda c: c.declare.remote(name, strat.value, world_size, bool(replicated), bool(allow_pickle)),
+                   f"declaring {name!r}")
         self._registry[name] = Registration(name, None, strat, bool(allow_pickle), world_size, handles,
                                             bool(replicated))
         # ranks push from their own processes: submit() starts their prefault
@@ -297,7 +341,7 @@ class CheckpointEngine:
             raise InvalidSaveError(f"rank must be a non-negative integer, got {rank!r}")
         decl = self._declared.get(name)
         if decl is None:
-            self._declared = _ask(self.run, self._coordinator.declared.remote(), "the declared states")
+            self._declared = self._call(lambda c: c.declared.remote(), "the declared states")
             decl = self._declared.get(name)
         if decl is None:
             raise InvalidSaveError(f"state {name!r} is not declared for pushing in run {self.run!r}; the "
@@ -358,6 +402,8 @@ class CheckpointEngine:
             raise InvalidSaveError("nothing to save from the driver: register at least one state with a "
                                    "provider (pushed states are saved by their ranks with submit())")
         clean_metrics = _check_metrics(metrics)
+        if self._owner and any(h.done() and h._coordinator_died() for h in self._in_flight):
+            self._revive()  # an earlier save found the coordinator dead: this one goes to a new one
         self._in_flight = [h for h in self._in_flight if not h.done()]
         if len(self._in_flight) >= self.config.max_in_flight:
             if policy is OnBusy.SKIP:
@@ -401,10 +447,10 @@ class CheckpointEngine:
 
     # ------------------------------------------------------------------ reading
     def list_checkpoints(self) -> List[CheckpointMeta]:
-        return _ask(self.run, self._coordinator.list.remote(), "the list of checkpoints")
+        return self._call(lambda c: c.list.remote(), "the list of checkpoints")
 
     def _manifest(self, version: int = -1, step: Optional[int] = None) -> Manifest:
-        m = _ask(self.run, self._coordinator.manifest.remote(version, step), "a manifest", error=RestoreError)
+        m = self._call(lambda c: c.manifest.remote(version, step), "a manifest", error=RestoreError)
         if m is None:
             what = "" if version == -1 and step is None else (
                 f" at step {step}" if step is not None else f" with version {version}")
@@ -541,7 +587,7 @@ class CheckpointEngine:
                                f"{', '.join(sorted(set(loaded))) or 'nothing'}")
         rewound: List[int] = []
         if rewind:
-            rewound = _ask(self.run, self._coordinator.rewind.remote(m.version), "rewind", 300, RestoreError)
+            rewound = self._call(lambda c: c.rewind.remote(m.version), "rewind", 300, RestoreError)
             self._last_saved = m.step
         else:
             self._last_saved = max(self._last_saved, m.step)
@@ -556,7 +602,14 @@ class CheckpointEngine:
 
     def status(self) -> Dict[str, Any]:
         """Saves in flight with each part's stage, queued bytes per pool, the last error."""
-        return _ask(self.run, self._coordinator.status.remote(), "its status")
+        return self._call(lambda c: c.status.remote(), "its status")
+
+
+def _start_coordinator(config: EngineConfig) -> Any:
+    return CoordinatorActor.options(
+        name=actor_name(config.run), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+        max_restarts=-1, num_cpus=0, max_concurrency=1000, **_coordinator_placement(),
+    ).remote(config)
 
 
 def _ask(run: str, ref: Any, what: str, timeout: float = 60.0, error: type = CheckpointError) -> Any:
@@ -566,8 +619,10 @@ def _ask(run: str, ref: Any, what: str, timeout: float = 60.0, error: type = Che
     except ray.exceptions.GetTimeoutError:
         raise error(f"the coordinator of run {run!r} did not answer {what} within {timeout:.0f}s") from None
     except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-        raise error(f"the coordinator of run {run!r} is not reachable ({what}): {one_line(exc)[:200]}; "
-                    f"a restarted coordinator answers again once Ray has recreated it") from None
+        err = error(f"the coordinator of run {run!r} is not reachable ({what}): {one_line(exc)[:200]}; "
+                    f"a restarted coordinator answers again once Ray has recreated it")
+        err.actor_died = isinstance(exc, ray.exceptions.ActorDiedError)  # for CheckpointEngine._call
+        raise err from None
     except ray.exceptions.RayTaskError as exc:
         cause = getattr(exc, "cause", None)
         if isinstance(cause, CheckpointError):

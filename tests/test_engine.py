@@ -126,6 +126,38 @@ def test_coordinator_killed_and_recreated_with_catalogue(engine_factory, run_nam
     assert eng.save(3).wait(timeout=60).version == 3
 
 
+def _wait_dead(actor, timeout=60):
+    deadline = time.time() + timeout
+    while True:  # ray.kill is asynchronous
+        try:
+            ray.get(actor.last_version.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        assert time.time() < deadline, "the actor did not die"
+        time.sleep(0.1)
+
+
+def test_a_coordinator_killed_for_good_is_created_again_by_the_driver(engine_factory, run_name):
+    """ray.kill without restart: the driver's engine creates the coordinator again by name (it
+    rebuilds its catalogue from storage); the save that found it dead fails loudly, the next works."""
+    learner = remote(Learner).remote(seed=13)
+    eng = engine_factory()
+    register_learner(eng, learner)
+    eng.save(1).wait(timeout=60)
+    ray.kill(eng._coordinator)  # no_restart=True: Ray will not bring it back
+    _wait_dead(eng._coordinator)
+    assert [m.version for m in eng.list_checkpoints()] == [1]  # a new coordinator, rebuilt from storage
+    assert eng.save(2).wait(timeout=60).version == 2
+    ray.kill(eng._coordinator)
+    _wait_dead(eng._coordinator)
+    h = eng.save(3)
+    with pytest.raises(rc.SaveError, match="died while version 3 was in flight.*a new coordinator was created"):
+        h.wait(timeout=60)
+    assert eng.save(4).wait(timeout=60, durability="remote").version == 4
+    assert [m.version for m in eng.list_checkpoints()] == [1, 2, 4]
+    assert eng.restore().version == 4
+
+
 def test_bad_inputs_fail_at_the_call_before_any_byte(engine_factory, tmp_path, run_name):
     learner = remote(Learner).remote(seed=5)
     eng = engine_factory()
@@ -384,15 +416,9 @@ def test_an_upload_a_killed_coordinator_left_undone_is_resumed(engine_factory, t
     assert eng.save(2).wait(timeout=60).version == 2
     _wait_upload_error(eng, 2)
     coord = eng._coordinator
+    eng._owner = False  # stands for a driver that is gone too: nothing creates the coordinator again
     ray.kill(coord, no_restart=True)
-    deadline = time.time() + 60
-    while True:  # ray.kill is asynchronous
-        try:
-            ray.get(coord.last_version.remote(), timeout=5)
-        except ray.exceptions.RayActorError:
-            break
-        assert time.time() < deadline, "the coordinator did not die"
-        time.sleep(0.1)
+    _wait_dead(coord)
     unblock()
     eng2 = engine_factory()
     eng2.register("policy", lambda: state, loader=lambda s: got.update(s))
