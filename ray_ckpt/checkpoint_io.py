@@ -103,8 +103,8 @@ def read_files(tiers: Sequence[Tier], files: List[FileEntry]) -> Tuple[List[byte
 def decode_files(files: List[FileEntry], bufs: List[bytearray], *, name: str,
                  allow_pickle: bool = False, as_numpy: bool = False):
     if len(files) == 1 and files[0].role == "buffer":
-        structure, views = buffer_io.read(bufs[0], path=files[0].path)
-        return unflatten(structure, views, [], as_numpy=as_numpy, allow_pickle=allow_pickle, state_name=name)
+        structure, views, tables = buffer_io.read(bufs[0], path=files[0].path)
+        return unflatten(structure, views, tables, as_numpy=as_numpy, allow_pickle=allow_pickle, state_name=name)
     tensors_buf = [b for f, b in zip(files, bufs) if f.role == "tensors"]
     if len(tensors_buf) != 1:
         raise IntegrityError(f"state {name!r}: expected one tensors file, manifest lists {len(tensors_buf)}")

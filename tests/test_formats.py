@@ -131,7 +131,8 @@ def test_a_buffer_is_one_arrow_file_that_any_arrow_tool_reads(tmp_path):
 @pytest.mark.parametrize("state", [
     {"a": np.zeros(3), "b": np.zeros(4)},                       # lengths differ
     {"a": torch.zeros(3), "b": torch.zeros(3)},                  # tensors: weights, not a buffer
-    {"a": np.zeros(3), "n": 3},                                  # a scalar beside the arrays
+    {"a": np.zeros(3), "t": {"b": 1}},                           # a container beside the arrays
+    {"n": 3, "s": "x"},                                          # scalars only
     {"a": np.array(1.0)},                                        # 0-d
     {1: np.zeros(3)},                                            # int keys
     {"a": np.zeros(3, np.complex64)},                            # no Arrow type
@@ -144,6 +145,26 @@ def test_other_states_stay_in_safetensors(tmp_path, state):
     files = write_flat(tier, 1, "s", 0, flatten(state))
     assert [f.role for f in files] == ["tensors"]
     assert_same(state, decode_files(files, read_files([tier], files)[0], name="s"))
+
+
+def test_a_buffer_with_scalars_and_a_table_state_are_arrow_files_too(tmp_path):
+    """A replay buffer keeps its write position and size beside its arrays (scalars: in the
+    metadata); a state that is one Arrow table is that table's file, its own metadata kept."""
+    tier = Tier(str(tmp_path), "local")
+    buf = dict(_replay(50), ptr=17, size=50, full=False, gamma=0.99, note="per", seed=np.int64(3), none=None)
+    table = pa.table({"obs": [[1.0, 2.0], [3.0, 4.0]], "reward": [0.5, -1.0]}).replace_schema_metadata({"k": "v"})
+    batch = table.to_batches()[0]
+    for i, state in enumerate([buf, table, batch, collections.OrderedDict(a=np.arange(3), b=np.ones(3))]):
+        files = write_flat(tier, i + 1, "replay", 0, flatten(state))
+        assert [(f.path, f.role) for f in files] == [(f"v{i + 1:012d}/replay/rank0.arrow", "buffer")]
+        back = decode_files(files, read_files([tier], files)[0], name="replay")
+        if isinstance(state, pa.Table):
+            assert back.equals(state) and back.schema.metadata == {b"k": b"v"}
+            assert pa.ipc.open_file(str(tmp_path / files[0].path)).read_all().column_names == ["obs", "reward"]
+        elif isinstance(state, pa.RecordBatch):
+            assert isinstance(back, pa.RecordBatch) and back.equals(state)
+        else:
+            assert_same(state, back)
 
 
 def test_a_large_buffer_in_pieces_is_written_by_blocks_with_the_streamed_bytes(tmp_path):

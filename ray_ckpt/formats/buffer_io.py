@@ -1,4 +1,5 @@
-"""Buffers (a dict of equally long numpy arrays: a replay or rollout buffer) as one Arrow IPC file.
+"""Buffers as one Arrow IPC file: a state that is a dict of equally long numpy arrays (a replay or
+rollout buffer, beside which plain scalars such as a write position may sit), or one Arrow table.
 
 Such a state is a table: one row per transition, one column per field. Stored as an Arrow IPC file
 (``rank0.arrow``) it opens in any Arrow tool (pandas, polars, DuckDB) with its field names, dtypes
@@ -6,8 +7,8 @@ and per-row shapes, and restores without copies: each array is a view into the v
 
 One-dimensional arrays are plain columns; an array of shape (n, d1, ...) is a column of Arrow's
 ``fixed_shape_tensor`` type with shape (d1, ...). ray_ckpt's structure (the same JSON that a
-safetensors file carries, see :mod:`.tree`) lives in the schema metadata, so the state comes back
-with its exact types, dtypes and shapes. States of any other shape (tensors, nested dicts, scalars)
+safetensors file carries, see :mod:`.tree`, scalars included) lives in the schema metadata, so the
+state comes back with its exact types, dtypes and shapes; a table state keeps its own metadata. States of any other shape (tensors, nested dicts, scalars)
 stay in safetensors: :func:`as_table` says which.
 """
 from __future__ import annotations
@@ -28,25 +29,47 @@ FORMAT_VERSION = b"buffer/1"
 _KINDS = "fiub"  # float, signed, unsigned, bool: the dtypes Arrow has (complex and the rest are not)
 
 
+def _is_scalar(node: Any) -> bool:
+    """A JSON-scalar leaf of the structure (kept in the metadata, not a column)."""
+    return node is None or isinstance(node, (bool, int, str)) or (
+        isinstance(node, dict) and len(node) <= 2 and ("f" in node or "ns" in node))
+
+
 def _columns(structure: Any) -> Optional[List[Tuple[str, dict]]]:
-    """(column name, numpy leaf node) per top-level key, if the state is a buffer; else None."""
-    if not isinstance(structure, dict) or set(structure) != {"d"} or not structure["d"]:
+    """(column name, numpy leaf node) per array of a buffer's top-level dict; None if not a buffer."""
+    if not isinstance(structure, dict) or set(structure) - {"d", "o"} or not structure.get("d"):
         return None
     cols = []
     for key, node in structure["d"]:
-        if not isinstance(key, str) or not isinstance(node, dict) or "N" not in node:
+        if not isinstance(key, str):
             return None
-        cols.append((key, node))
-    return cols
+        if isinstance(node, dict) and "N" in node:
+            cols.append((key, node))
+        elif not _is_scalar(node):
+            return None
+    return cols or None
+
+
+def _whole_table(structure: Any, flat: Flat) -> bool:
+    """The state is one Arrow table (or record batch) and nothing else."""
+    return (isinstance(structure, dict) and structure.get("A") == 0 and set(structure) <= {"A", "rb"}
+            and len(flat.tables) == 1 and not flat.arrays)
 
 
 def as_table(flat: Flat) -> Optional[pa.Table]:
     """``flat`` as an Arrow table if it is a buffer, else None.
 
-    A buffer: a dict with str keys whose values are all numpy arrays of at least one dimension, of
-    one length, with a bool, integer or floating dtype in native byte order. The table's columns
-    hold the flat's own memory (arrays that travelled in pieces are joined: at most 4 MiB each).
+    A buffer: one Arrow table; or a dict with str keys whose arrays (numpy, at least one dimension,
+    one length, a bool, integer or floating dtype in native byte order) are its columns and whose
+    other values are scalars (int, float, str, bool, None, numpy scalars). Torch tensors are
+    weights, not buffers: they stay in safetensors. The table's columns hold the flat's own memory
+    (arrays that travelled in pieces are joined: at most 4 MiB each).
     """
+    meta = {FORMAT_KEY: FORMAT_VERSION, STRUCTURE_KEY: structure_to_json(flat.structure).encode(),
+            LEAVES_KEY: json.dumps([info["name"] for info in flat.leaf_info]).encode()}
+    if _whole_table(flat.structure, flat):
+        table = flat.tables[0]
+        return table.replace_schema_metadata({**(table.schema.metadata or {}), **meta})
     cols = _columns(flat.structure)
     if cols is None or flat.tables:
         return None
@@ -76,21 +99,22 @@ def as_table(flat: Flat) -> Optional[pa.Table]:
                                                  pa.FixedSizeListArray.from_arrays(arr, width))
         fields.append(pa.field(name, arr.type, nullable=False))
         arrays.append(arr)
-    meta = {FORMAT_KEY: FORMAT_VERSION, STRUCTURE_KEY: structure_to_json(flat.structure).encode(),
-            LEAVES_KEY: json.dumps([info["name"] for info in flat.leaf_info]).encode()}
     return pa.Table.from_arrays(arrays, schema=pa.schema(fields, metadata=meta))
 
 
-def read(buf: Any, *, path: str = "<buffer>") -> Tuple[Any, List[memoryview]]:
+def read(buf: Any, *, path: str = "<buffer>") -> Tuple[Any, List[Any], List[pa.Table]]:
     """Parse a buffer file held in ``buf`` (bytes-like, verified). Returns (structure, per-leaf
-    bytes) like :func:`.safetensors_io.read`: views into ``buf`` where the column lies in it (an
-    uncompressed file), else copies (booleans, compressed files)."""
+    bytes, tables) for :func:`.tree.unflatten`: leaf bytes are views into ``buf`` where the column
+    lies in it (an uncompressed file), else copies (booleans, compressed files)."""
     try:
         table = pa.ipc.open_file(pa.py_buffer(buf)).read_all()
         meta = table.schema.metadata or {}
         if meta.get(FORMAT_KEY) != FORMAT_VERSION:
             raise ValueError(f"no {FORMAT_KEY.decode()}={FORMAT_VERSION.decode()} in its schema metadata")
         structure = json.loads(meta[STRUCTURE_KEY])
+        if isinstance(structure, dict) and structure.get("A") == 0:  # the state is this table
+            own = {k: v for k, v in meta.items() if k not in (FORMAT_KEY, STRUCTURE_KEY, LEAVES_KEY)}
+            return structure, [], [table.replace_schema_metadata(own or None)]
         cols = _columns(structure)
         if cols is None:
             raise ValueError("its structure is not a buffer's")
@@ -104,7 +128,7 @@ def read(buf: Any, *, path: str = "<buffer>") -> Tuple[Any, List[memoryview]]:
             raise ValueError("a leaf has no column")
     except (KeyError, ValueError, TypeError, pa.ArrowException) as exc:
         raise IntegrityError(f"{path}: not a ray_ckpt buffer file ({exc})") from None
-    return structure, views
+    return structure, views, []
 
 
 def _leaf_bytes(col: pa.ChunkedArray, dt: np.dtype, whole: memoryview, base: int) -> Any:
