@@ -122,7 +122,8 @@ class SaveHandle:
             raise SaveError(f"version {self.version} (step {self.step}) of run {self._engine.run!r} is not "
                             f"durable on the {durability} tier after {timeout}s{detail}") from None
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-            revived = isinstance(exc, ray.exceptions.ActorDiedError) and self._engine._revive()
+            revived = isinstance(exc, ray.exceptions.ActorDiedError) and (
+                self._engine._coordinator is not self._coordinator or self._engine._revive())
             raise SaveError(f"the coordinator of run {self._engine.run!r} died while version {self.version} was in "
                             f"flight; its outcome is lost (listed only if its manifest was written before) "
                             f"({one_line(exc)[:200]})"
