@@ -99,7 +99,7 @@ class CheckpointCoordinator:
         self.version_locks: Dict[int, asyncio.Lock] = {}
         self.remote_locks: Dict[int, asyncio.Lock] = {}  # one upload sequence per version at a time
         self.commits = 0
-        # a version due for upload (a multiple of remote_every) failed: the next one to commit goes instead
+        # a version due for upload failed (or its upload could not be made): the next one to commit goes instead
         self.remote_owed = False
         self.unsupported: Set[int] = set()  # failed versions whose cause was an unsupported object
         self.failures = 0
