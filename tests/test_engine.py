@@ -379,12 +379,14 @@ def test_remote_cadence_names_versions_and_a_failed_turn_passes_on(engine_factor
     # turns count saves, not step numbers: saving every 100 steps with remote_every=4 uploads the 4th
     eng4 = engine_factory(run=run_name + "b", remote_every=4, keep_last=10, remote_keep_last=10)
     eng4.register("w", flaky)
+    assert eng4.status()["saves_until_upload"] == 4
     handles = [eng4.save(s, on_busy="queue") for s in range(100, 700, 100)]
     assert [h.wait(timeout=60).version for h in handles] == [100, 200, 300, 400, 500, 600]
     assert handles[3].wait(timeout=60, durability="remote").version == 400
     for h in handles[:3] + handles[4:]:
         with pytest.raises(rc.SaveError, match="remote_every=4 uploads one in every 4"):
             h.wait(timeout=60, durability="remote")
+    assert eng4.status()["saves_until_upload"] == 2  # 500 and 600 counted since 400
 
 
 def _block_remote(remote_run):
