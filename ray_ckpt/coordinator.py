@@ -54,6 +54,7 @@ class CheckpointCoordinator:
         for problem in bad:
             log.warning("ignoring %s", problem)
         self.catalogue = Catalogue(config.run, committed)
+        self._remove_partial(partial)
         if self.local.exists(DECLARED):
             for name, d in json.loads(bytes(self.local.read_bytes(DECLARED))).items():
                 try:
@@ -110,6 +111,21 @@ class CheckpointCoordinator:
         self.remote_bytes: Dict[int, int] = {}  # bytes uploaded per version (files + manifest)
         self.settled_futures: Dict[int, asyncio.Future] = {}  # every part, best-effort too, is done
         self.background: Set[asyncio.Future] = set()  # writes (with commit and retention), uploads
+
+    def _remove_partial(self, partial: List[int]) -> None:
+        """Version directories without a manifest at start-up are saves that were in flight when
+        the previous coordinator stopped (its writers stop with it): never listed, only taking disk.
+        Files that committed versions refer to (a RELOADABLE state stored once) stay."""
+        keep = self.catalogue.kept_paths(set())
+        for v in partial:
+            try:
+                removed = delete_version(self.local, v, keep, [])
+            except OSError as exc:
+                log.warning("version %d: cannot remove its partial files: %s", v, one_line(exc))
+                continue
+            if removed:
+                log.warning("version %d was not committed before the coordinator stopped; removed its %d "
+                            "partial file(s)", v, len(removed))
 
     def _writer(self, pool: str, cpus: float, nice: int, node: Optional[str] = None):
         opts: Dict[str, Any] = {"num_cpus": cpus}

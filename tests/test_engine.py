@@ -84,19 +84,34 @@ def test_corrupt_local_file_restored_from_remote(engine_factory, tmp_path, run_n
 
 
 def test_interrupted_write_is_never_listed_nor_restored(engine_factory, tmp_path, run_name):
-    learner = remote(Learner).remote(seed=3)
-    eng = engine_factory()
+    """A version directory without manifest (a crash mid-write) is never listed nor restored; the
+    next coordinator removes it, but not the files committed versions refer to that lie in the
+    directory of a version retention deleted (a RELOADABLE state stored once)."""
+    learner, frozen = remote(Learner).remote(seed=3), remote(Frozen).remote()
+    eng = engine_factory(keep_last=1)
     register_learner(eng, learner)
+    eng.register("reference", frozen, strategy=rc.Strategy.RELOADABLE)
     eng.save(1).wait(timeout=60)
+    eng.save(2).wait(timeout=60)  # version 1 deleted; its reference file stays (version 2 refers to it)
+    run_dir = tmp_path / "local" / run_name
+    deadline = time.time() + 30
+    while (run_dir / "v000000000001" / "policy").exists():
+        assert time.time() < deadline, "retention did not delete version 1"
+        time.sleep(0.05)
+    shared = run_dir / "v000000000001" / "reference" / "rank0.safetensors"
+    assert shared.exists()
     # a version directory without manifest, as a crash mid-write leaves it
-    partial = tmp_path / "local" / run_name / "v000000000005" / "policy"
+    partial = run_dir / "v000000000005" / "policy"
     partial.mkdir(parents=True)
     (partial / "rank0.safetensors").write_bytes(b"\x00" * 64)
     eng.shutdown()
-    eng2 = engine_factory()
-    assert [m.version for m in eng2.list_checkpoints()] == [1]
+    eng2 = engine_factory(keep_last=1)
+    assert [m.version for m in eng2.list_checkpoints()] == [2]
+    assert not (run_dir / "v000000000005").exists() and shared.exists()
     register_learner(eng2, learner)
-    assert eng2.restore().version == 1
+    eng2.register("reference", frozen, strategy=rc.Strategy.RELOADABLE)
+    report = eng2.restore()
+    assert report.version == 2 and report.states["reference"].status == "restored"
     with pytest.raises(rc.RestoreError, match="no committed checkpoint at step 5"):
         eng2.restore(step=5)
 
