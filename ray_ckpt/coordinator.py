@@ -69,10 +69,10 @@ class CheckpointCoordinator:
             except Exception as exc:  # remote down at (re)start: local checkpointing goes on
                 log.warning("cannot list the remote tier %s: %s", self.remote.uri, one_line(exc))
         self.remote_paths: Set[str] = {p for m in self.remote_committed.values() for p in m.referenced_paths()}
-        # remote_every counts versions in the order they were accepted (their number order), from the
-        # last one due for upload; a restarted coordinator counts the local versions newer than the
-        # remote's newest, and uploads the newest of them if the count has reached remote_every (an
-        # upload its predecessor was killed before finishing)
+        # remote_every: the engine counts its saves and marks every M-th (see _plan_remote); this
+        # count is for status() and for callers that do not mark. A restarted coordinator counts the
+        # local versions newer than the remote's newest, and uploads the newest of them if the count
+        # has reached remote_every (an upload its predecessor was killed before finishing)
         newest_remote = max(self.remote_committed, default=0)
         newer = sorted(v for v in self.catalogue.committed if v > newest_remote)
         self.resume_uploads: List[int] = []
@@ -238,11 +238,12 @@ class CheckpointCoordinator:
 
     # ------------------------------------------------------------------ saving
     async def save(self, step: int, parts: List[dict], refs: List[Any],
-                   metrics: Optional[Dict[str, float]] = None) -> Dict[str, Any]:
+                   metrics: Optional[Dict[str, float]] = None, upload: Optional[bool] = None) -> Dict[str, Any]:
         """Accept a version and return its SaveResult (as a dict) once it is committed locally.
 
         ``parts[i]`` describes ``refs[i]`` (name, rank, strategy, size); parts with ``loader=True``
-        have no ref. Raises SaveError if the version cannot commit."""
+        have no ref. ``upload``: whether it is this version's turn to be uploaded (``remote_every``),
+        as the caller counted its saves. Raises SaveError if the version cannot commit."""
         if self.resume_uploads:
             self._resume()
         t0 = time.perf_counter()
@@ -250,7 +251,7 @@ class CheckpointCoordinator:
         merged = version in self.catalogue.pending
         self.catalogue.begin(version, step, parts, metrics)
         if not merged:
-            self._opened(version)
+            self._opened(version, upload)
         stored = [p for p in parts if not p.get("loader")]
         if len(stored) != len(refs):
             self.catalogue.fail(version, "internal: parts and refs differ in number")
@@ -262,10 +263,11 @@ class CheckpointCoordinator:
         result["seconds"] = time.perf_counter() - t0
         return result
 
-    def _opened(self, version: int) -> None:
+    def _opened(self, version: int, upload: Optional[bool] = None) -> None:
         if self.remote is not None:
             self.since_upload += 1
-            if self.since_upload >= self.cfg.remote_every:
+            due = upload if upload is not None else self.since_upload >= self.cfg.remote_every
+            if due:
                 self.upload_due.add(version)
                 self.since_upload = 0
         self.commit_futures[version] = asyncio.get_running_loop().create_future()
@@ -301,8 +303,10 @@ class CheckpointCoordinator:
     def declared(self) -> Dict[str, dict]:
         return dict(self.catalogue.declared)
 
-    async def submit(self, step: int, name: str, rank: int, refs: List[Any], nbytes: int = 0) -> Dict[str, Any]:
-        """A rank's part of ``name`` at ``step``; returns the SaveResult once the version commits."""
+    async def submit(self, step: int, name: str, rank: int, refs: List[Any], nbytes: int = 0,
+                     upload: Optional[bool] = None) -> Dict[str, Any]:
+        """A rank's part of ``name`` at ``step``; returns the SaveResult once the version commits.
+        ``upload``: as in :meth:`save`, counted by the rank (the part that opens a version decides)."""
         if self.resume_uploads:
             self._resume()
         version = step
@@ -314,7 +318,7 @@ class CheckpointCoordinator:
             is_new = version not in self.catalogue.pending
             self.catalogue.accept_push(version, step, name, rank)
             if is_new:
-                self._opened(version)
+                self._opened(version, upload)
                 self._watch_pushed(version)
             for v in self.catalogue.barrier_violations(version, name, rank):
                 pv = self.catalogue.pending[v]
@@ -467,9 +471,10 @@ class CheckpointCoordinator:
     def _plan_remote(self, version: int) -> None:
         """Upload ``version`` (just committed) if its turn has come.
 
-        Turns go by the order versions were accepted (every ``remote_every``-th save), not by the
-        order they commit in: versions written in parallel commit in any order, and "every M-th"
-        must name the same versions on every run. A version whose turn it was and that failed (or
+        Turns go by the order of the engine's save() calls (every ``remote_every``-th; the engine
+        counts and says so with each call, since this actor may run concurrent calls in any order),
+        not by the order versions commit in: versions written in parallel commit in any order, and
+        "every M-th" must name the same versions on every run. A version whose turn it was and that failed (or
         whose upload cannot be made) passes its turn to the next version to commit."""
         if self.remote is None:
             return
@@ -479,7 +484,8 @@ class CheckpointCoordinator:
         if version not in self.upload_due and not self.remote_owed:
             self.remote_futures[version].set_exception(SaveError(
                 f"version {version} is not uploaded: remote_every={every} uploads one in every {every} versions "
-                f"saved, counted in version order (or the next to commit after such a one failed)"))
+                f"saved: save() calls number {every}, {2 * every}, {3 * every}, ... (or the next to commit after "
+                f"such a one failed)"))
             return
         self.upload_due.discard(version)
         self.remote_owed = False

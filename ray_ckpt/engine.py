@@ -146,6 +146,8 @@ class CheckpointEngine:
         self._in_flight: List[SaveHandle] = []
         self._declared: Dict[str, dict] = {}
         self._last_pushed: Dict[tuple, int] = {}
+        self._saves = 0  # save() calls sent; every remote_every-th is uploaded
+        self._pushes: Dict[tuple, int] = {}  # submit() calls sent per (state, rank), likewise
         self._owner = False  # set by create()
         self._closed = False  # set by shutdown()
         last = _ask(config.run, coordinator.last_version.remote(), "the last version")
@@ -361,7 +363,9 @@ class CheckpointEngine:
             flat = capture(state, name, decl["allow_pickle"])
             ref = ray.put(flat)
         self._in_flight = [h for h in self._in_flight if not h.done()]
-        obj = self._coordinator.submit.remote(step, name, rank, [ref] if ref is not None else [], 0)
+        pushes = self._pushes[(name, rank)] = self._pushes.get((name, rank), 0) + 1
+        obj = self._coordinator.submit.remote(step, name, rank, [ref] if ref is not None else [], 0,
+                                              pushes % self.config.remote_every == 0)
         self._last_pushed[(name, rank)] = step
         handle = SaveHandle(self, step, obj, time.perf_counter() - t0)
         self._in_flight.append(handle)
@@ -433,7 +437,11 @@ class CheckpointEngine:
                 parts.append({"name": reg.name, "strategy": reg.strategy.value})
                 refs.append(prov.handle.__ray_call__.remote(snapshot_in_actor, prov.get, reg.name, reg.allow_pickle,
                                                            self.config.prefault_object_store))
-        ref = self._coordinator.save.remote(step, parts, refs, clean_metrics)
+        self._saves += 1
+        # remote_every counts this engine's saves, in call order: the coordinator runs concurrent calls
+        # in any order, so the turn is decided here
+        ref = self._coordinator.save.remote(step, parts, refs, clean_metrics,
+                                            self._saves % self.config.remote_every == 0)
         self._last_saved = step
         self._step = max(self._step, step)
         handle = SaveHandle(self, step, ref, time.perf_counter() - t0)

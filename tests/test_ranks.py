@@ -77,6 +77,21 @@ def test_version_commits_when_every_rank_pushed_and_restores_per_rank(engine_fac
     assert torch.equal(eng.load(1, "shard", rank=1)["w"], want[1]["w"])
 
 
+def test_pushed_versions_take_their_upload_turns_by_the_ranks_count(engine_factory, run_name, tmp_path):
+    """remote_every=2 with pushed states: the ranks' 2nd and 4th pushes (steps 20 and 40) are
+    uploaded, whatever order the versions commit in."""
+    eng = engine_factory(remote_every=2, keep_last=10, remote_keep_last=10)
+    ranks = [Rank.remote(run_name, r) for r in range(2)]
+    eng.register("shard", ranks, world_size=2)
+    for step in (10, 20, 30, 40):
+        ray.get([r.train_and_submit.remote(step) for r in ranks])
+    for step in (10, 20, 30, 40):
+        assert ray.get([r.wait_saved.remote(step) for r in ranks]) == [("ok", step)] * 2
+    remote_dir = tmp_path / "remote" / run_name
+    wait_until(lambda: sorted(m.version for m in eng.list_checkpoints() if "remote" in m.tiers) == [20, 40])
+    assert sorted(p.name for p in remote_dir.iterdir()) == ["v000000000020", "v000000000040"]
+
+
 def test_ranks_at_different_steps_fail_the_version(engine_factory, run_name):
     eng = engine_factory()
     ranks = [Rank.remote(run_name, r) for r in range(2)]
