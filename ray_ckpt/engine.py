@@ -216,12 +216,21 @@ class CheckpointEngine:
         if not self._owner or self._closed:
             return False
         log.warning("the coordinator of run %r is gone; creating it again from storage", self.run)
-        coord = _start_coordinator(self.config)
-        try:
-            ray.get(coord.ready.remote(), timeout=120)
-        except ray.exceptions.RayError as exc:
-            log.error("the coordinator of run %r could not be created again: %s", self.run, one_line(exc)[:300])
-            return False
+        deadline = time.monotonic() + 30
+        while True:
+            coord = _start_coordinator(self.config)
+            try:
+                ray.get(coord.ready.remote(), timeout=120)
+                break
+            except ray.exceptions.ActorDiedError as exc:  # the name may name the dead one for a moment
+                if time.monotonic() > deadline:
+                    log.error("the coordinator of run %r could not be created again: %s", self.run,
+                              one_line(exc)[:300])
+                    return False
+                time.sleep(0.2)
+            except ray.exceptions.RayError as exc:
+                log.error("the coordinator of run %r could not be created again: %s", self.run, one_line(exc)[:300])
+                return False
         self._coordinator = coord
         return True
 
