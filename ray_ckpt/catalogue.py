@@ -124,11 +124,14 @@ class Catalogue:
         part.submitted = True
         return pv
 
-    def barrier_violations(self, version: int, name: str, rank: int) -> List[int]:
-        """Older open versions still waiting for (name, rank): that rank has moved past them, so
-        the ranks disagree on the step. Those versions can never be consistent."""
+    def barrier_violations(self, version: int, name: str, rank: int, after: int = -1) -> List[int]:
+        """Open versions between ``after`` (the step this rank pushed before ``version``, as its
+        engine says) and ``version`` that still wait for (name, rank): the rank skipped them, so
+        the ranks disagree on the step and those versions can never be consistent. Versions up to
+        ``after`` are not judged here: that push may still be on its way (Ray may run an async
+        actor's calls out of order), and its own call judges the gap before it."""
         return [v for v, pv in self.pending.items()
-                if v < version and not pv.committed and not pv.error
+                if after < v < version and not pv.committed and not pv.error
                 and (name, rank) in pv.parts and not pv.parts[(name, rank)].submitted]
 
     # ------------------------------------------------------------------ versions

@@ -304,9 +304,10 @@ class CheckpointCoordinator:
         return dict(self.catalogue.declared)
 
     async def submit(self, step: int, name: str, rank: int, refs: List[Any], nbytes: int = 0,
-                     upload: Optional[bool] = None) -> Dict[str, Any]:
+                     upload: Optional[bool] = None, after: int = -1) -> Dict[str, Any]:
         """A rank's part of ``name`` at ``step``; returns the SaveResult once the version commits.
-        ``upload``: as in :meth:`save`, counted by the rank (the part that opens a version decides)."""
+        ``upload``: as in :meth:`save`, counted by the rank (the part that opens a version decides).
+        ``after``: the step this rank pushed before (see ``Catalogue.barrier_violations``)."""
         if self.resume_uploads:
             self._resume()
         version = step
@@ -320,7 +321,7 @@ class CheckpointCoordinator:
             if is_new:
                 self._opened(version, upload)
                 self._watch_pushed(version)
-            for v in self.catalogue.barrier_violations(version, name, rank):
+            for v in self.catalogue.barrier_violations(version, name, rank, after):
                 pv = self.catalogue.pending[v]
                 self.catalogue.fail(v, f"ranks disagree on the step: state {name!r} rank {rank} submitted step "
                                        f"{step} while version {v} (step {pv.step}) still awaits its part")

@@ -374,7 +374,7 @@ class CheckpointEngine:
         self._in_flight = [h for h in self._in_flight if not h.done()]
         pushes = self._pushes[(name, rank)] = self._pushes.get((name, rank), 0) + 1
         obj = self._coordinator.submit.remote(step, name, rank, [ref] if ref is not None else [], 0,
-                                              pushes % self.config.remote_every == 0)
+                                              pushes % self.config.remote_every == 0, last)
         self._last_pushed[(name, rank)] = step
         handle = SaveHandle(self, step, obj, time.perf_counter() - t0)
         self._in_flight.append(handle)

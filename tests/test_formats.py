@@ -511,6 +511,21 @@ def test_retention_keeps_the_file_a_writer_may_refer_to_instead_of_writing():
     assert ref["path"] in cat.kept_paths(doomed)  # now as a file of version 2 itself
 
 
+def test_a_push_that_overtakes_the_same_ranks_earlier_push_breaks_no_barrier():
+    """Ray may run an async actor's calls out of order: rank 0's push for step 20 can reach the
+    coordinator before its push for step 10. Its engine says which step it pushed before, so
+    version 10 is not failed for a rank that did not skip it; a rank that skipped it still fails it."""
+    cat = Catalogue("run")
+    cat.declare("shard", "critical", 2)
+    cat.accept_push(10, 10, "shard", 1)  # rank 1 at step 10
+    cat.accept_push(20, 20, "shard", 0)  # rank 0's step 20 arrives first
+    assert cat.barrier_violations(20, "shard", 0, after=10) == []  # its step 10 is on the way
+    cat.accept_push(10, 10, "shard", 0)
+    assert cat.barrier_violations(10, "shard", 0, after=-1) == []
+    cat.accept_push(30, 30, "shard", 1)
+    assert cat.barrier_violations(30, "shard", 1, after=10) == [20]  # rank 1 skipped step 20
+
+
 def test_manifest_with_path_traversal_is_refused():
     m = Manifest("run", 1, 1, 0.0)
     from ray_ckpt.formats.manifest import FileEntry, StateEntry
