@@ -227,9 +227,10 @@ class CheckpointCoordinator:
             "commits": self.commits, "failures": self.failures, "last_error": self.last_error,
             "started_at": self.started_at, "node": self.node_id,
             "writer_nodes": {n[:12]: len(p) for n, p in self.pools.items()},
-            # which save uploads next (remote_every): 1 = the next one
+            # which save uploads next (remote_every): 1 = the next one (the driver's engine puts its own count)
             "saves_until_upload": None if self.remote is None else (
                 1 if self.remote_owed else self.cfg.remote_every - self.since_upload),
+            "upload_owed": self.remote_owed,
         }
 
     def writers(self) -> Dict[str, list]:

@@ -620,7 +620,11 @@ class CheckpointEngine:
 
     def status(self) -> Dict[str, Any]:
         """Saves in flight with each part's stage, queued bytes per pool, the last error."""
-        return self._call(lambda c: c.status.remote(), "its status")
+        out = self._call(lambda c: c.status.remote(), "its status")
+        if self._owner and out.get("saves_until_upload") is not None and not out.get("upload_owed"):
+            # this engine counts the saves that take the turns (the coordinator may see them out of order)
+            out["saves_until_upload"] = self.config.remote_every - self._saves % self.config.remote_every
+        return out
 
 
 def _start_coordinator(config: EngineConfig) -> Any:
