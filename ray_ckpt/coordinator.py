@@ -69,20 +69,14 @@ class CheckpointCoordinator:
             except Exception as exc:  # remote down at (re)start: local checkpointing goes on
                 log.warning("cannot list the remote tier %s: %s", self.remote.uri, one_line(exc))
         self.remote_paths: Set[str] = {p for m in self.remote_committed.values() for p in m.referenced_paths()}
-        # remote_every: the engine counts its saves and marks every M-th (see _plan_remote); this
-        # count is for status() and for callers that do not mark. A restarted coordinator counts the
-        # local versions newer than the remote's newest, and uploads the newest of them if the count
-        # has reached remote_every (an upload its predecessor was killed before finishing)
+        # remote_every: the engine counts its saves and marks every M-th (see _plan_remote). A
+        # restarted coordinator uploads the newest local version if at least remote_every versions
+        # are newer than the remote's newest (an upload its predecessor was killed before finishing)
         newest_remote = max(self.remote_committed, default=0)
         newer = sorted(v for v in self.catalogue.committed if v > newest_remote)
-        self.resume_uploads: List[int] = []
-        self.since_upload = 0  # versions accepted since the last one due for upload
-        if self.remote is not None:
-            if len(newer) >= config.remote_every:
-                self.resume_uploads = [newer[-1]]
-            else:
-                self.since_upload = len(newer)
-        self.upload_due: Set[int] = set()
+        self.resume_uploads: List[int] = (
+            [newer[-1]] if self.remote is not None and len(newer) >= config.remote_every else [])
+        self.upload_due: Set[int] = set()  # versions whose save was marked for upload, until planned
         self.node_id = ray.get_runtime_context().get_node_id()
         # critical writers per node (they write where the snapshot lies); best-effort ones run here
         self.pools: Dict[str, list] = {self.node_id: self._make_pool(self.node_id)}
@@ -227,10 +221,7 @@ class CheckpointCoordinator:
             "commits": self.commits, "failures": self.failures, "last_error": self.last_error,
             "started_at": self.started_at, "node": self.node_id,
             "writer_nodes": {n[:12]: len(p) for n, p in self.pools.items()},
-            # which save uploads next (remote_every): 1 = the next one (the driver's engine puts its own count)
-            "saves_until_upload": None if self.remote is None else (
-                1 if self.remote_owed else self.cfg.remote_every - self.since_upload),
-            "upload_owed": self.remote_owed,
+            "upload_owed": self.remote_owed,  # a due version failed: the next to commit is uploaded
         }
 
     def writers(self) -> Dict[str, list]:
@@ -239,7 +230,7 @@ class CheckpointCoordinator:
 
     # ------------------------------------------------------------------ saving
     async def save(self, step: int, parts: List[dict], refs: List[Any],
-                   metrics: Optional[Dict[str, float]] = None, upload: Optional[bool] = None) -> Dict[str, Any]:
+                   metrics: Optional[Dict[str, float]] = None, upload: bool = False) -> Dict[str, Any]:
         """Accept a version and return its SaveResult (as a dict) once it is committed locally.
 
         ``parts[i]`` describes ``refs[i]`` (name, rank, strategy, size); parts with ``loader=True``
@@ -264,13 +255,9 @@ class CheckpointCoordinator:
         result["seconds"] = time.perf_counter() - t0
         return result
 
-    def _opened(self, version: int, upload: Optional[bool] = None) -> None:
-        if self.remote is not None:
-            self.since_upload += 1
-            due = upload if upload is not None else self.since_upload >= self.cfg.remote_every
-            if due:
-                self.upload_due.add(version)
-                self.since_upload = 0
+    def _opened(self, version: int, upload: bool = False) -> None:
+        if self.remote is not None and upload:
+            self.upload_due.add(version)
         self.commit_futures[version] = asyncio.get_running_loop().create_future()
         self.settled_futures[version] = asyncio.get_running_loop().create_future()
         self.version_locks[version] = asyncio.Lock()
@@ -305,7 +292,7 @@ class CheckpointCoordinator:
         return dict(self.catalogue.declared)
 
     async def submit(self, step: int, name: str, rank: int, refs: List[Any], nbytes: int = 0,
-                     upload: Optional[bool] = None, after: int = -1) -> Dict[str, Any]:
+                     upload: bool = False, after: int = -1) -> Dict[str, Any]:
         """A rank's part of ``name`` at ``step``; returns the SaveResult once the version commits.
         ``upload``: as in :meth:`save`, counted by the rank (the part that opens a version decides).
         ``after``: the step this rank pushed before (see ``Catalogue.barrier_violations``)."""

@@ -621,9 +621,10 @@ class CheckpointEngine:
     def status(self) -> Dict[str, Any]:
         """Saves in flight with each part's stage, queued bytes per pool, the last error."""
         out = self._call(lambda c: c.status.remote(), "its status")
-        if self._owner and out.get("saves_until_upload") is not None and not out.get("upload_owed"):
-            # this engine counts the saves that take the turns (the coordinator may see them out of order)
-            out["saves_until_upload"] = self.config.remote_every - self._saves % self.config.remote_every
+        if self.config.remote_uri and (self._owner or self._saves):
+            # this engine counts the saves that take the upload turns: 1 = its next save is uploaded
+            every = self.config.remote_every
+            out["saves_until_upload"] = 1 if out.get("upload_owed") else every - self._saves % every
         return out
 
 

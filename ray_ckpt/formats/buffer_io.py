@@ -8,8 +8,9 @@ and per-row shapes, and restores without copies: each array is a view into the v
 One-dimensional arrays are plain columns; an array of shape (n, d1, ...) is a column of Arrow's
 ``fixed_shape_tensor`` type with shape (d1, ...). ray_ckpt's structure (the same JSON that a
 safetensors file carries, see :mod:`.tree`, scalars included) lives in the schema metadata, so the
-state comes back with its exact types, dtypes and shapes; a table state keeps its own metadata. States of any other shape (tensors, nested dicts, scalars)
-stay in safetensors: :func:`as_table` says which.
+state comes back with its exact types, dtypes and shapes; a table state keeps its own metadata.
+States of any other shape (tensors, nested dicts, scalars) stay in safetensors: :func:`as_table`
+says which.
 """
 from __future__ import annotations
 
@@ -65,11 +66,9 @@ def as_table(flat: Flat) -> Optional[pa.Table]:
     weights, not buffers: they stay in safetensors. The table's columns hold the flat's own memory
     (arrays that travelled in pieces are joined: at most 4 MiB each).
     """
-    meta = {FORMAT_KEY: FORMAT_VERSION, STRUCTURE_KEY: structure_to_json(flat.structure).encode(),
-            LEAVES_KEY: json.dumps([info["name"] for info in flat.leaf_info]).encode()}
     if _whole_table(flat.structure, flat):
         table = flat.tables[0]
-        return table.replace_schema_metadata({**(table.schema.metadata or {}), **meta})
+        return table.replace_schema_metadata({**(table.schema.metadata or {}), **_metadata(flat)})
     cols = _columns(flat.structure)
     if cols is None or flat.tables:
         return None
@@ -99,7 +98,12 @@ def as_table(flat: Flat) -> Optional[pa.Table]:
                                                  pa.FixedSizeListArray.from_arrays(arr, width))
         fields.append(pa.field(name, arr.type, nullable=False))
         arrays.append(arr)
-    return pa.Table.from_arrays(arrays, schema=pa.schema(fields, metadata=meta))
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields, metadata=_metadata(flat)))
+
+
+def _metadata(flat: Flat) -> dict:
+    return {FORMAT_KEY: FORMAT_VERSION, STRUCTURE_KEY: structure_to_json(flat.structure).encode(),
+            LEAVES_KEY: json.dumps([info["name"] for info in flat.leaf_info]).encode()}
 
 
 def read(buf: Any, *, path: str = "<buffer>") -> Tuple[Any, List[Any], List[pa.Table]]:
@@ -136,7 +140,7 @@ def _leaf_bytes(col: pa.ChunkedArray, dt: np.dtype, whole: memoryview, base: int
     if isinstance(arr, pa.ExtensionArray):
         arr = arr.storage.flatten()
     if dt.kind == "b":
-        return memoryview(arr.to_numpy(zero_copy_only=False).astype(np.bool_).view(np.uint8)).cast("B")
+        return memoryview(arr.to_numpy(zero_copy_only=False).view(np.uint8)).cast("B")  # unpacked: a new array
     n = len(arr) * dt.itemsize
     data = arr.buffers()[1]
     if data is None or n == 0:

@@ -67,8 +67,8 @@ def _s3_filesystem(uri: str, options: Dict[str, Any]) -> Tuple[pafs.FileSystem, 
 
 def resolve_filesystem(uri: str, options: Optional[Dict[str, Any]] = None) -> Tuple[pafs.FileSystem, str]:
     """``uri`` -> (filesystem, path). ``options`` go to the filesystem's constructor (S3: endpoint_override,
-    scheme, region, access_key, secret_key, ...), or are ``{"filesystem": fs}`` (see ``_given_filesystem``); without them the usual environment is read (AWS_* for
-    S3, including AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL for S3-compatible servers). S3 filesystems get
+    scheme, region, access_key, secret_key, ...), or are ``{"filesystem": fs}`` (see ``_given_filesystem``);
+    without them the usual environment is read (AWS_* for S3, including AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL for S3-compatible servers). S3 filesystems get
     short connect timeouts and a bounded retry strategy unless ``options`` set their own.
 
     Raises InvalidArgumentError (a ValueError) for a URI or options that cannot be used."""
