@@ -369,25 +369,15 @@ class CheckpointCoordinator:
         async with self.version_locks[version]:
             if version not in self.catalogue.pending:  # finished by a call that held the lock before us
                 return
-            if pv.error and not fut.done():
-                self._missed_remote(version)
-                self.failures += 1
-                self.metrics.failed("save")
-                error = UnsupportedTypeError if version in self.unsupported else SaveError
-                self.unsupported.discard(version)
-                fut.set_exception(error(f"version {version} (step {pv.step}) of run {self.cfg.run!r} "
-                                            f"failed and is not listed: {pv.error}"))
+            if pv.error and not fut.done() and not self.catalogue.settled(version):
+                self._fail_handle(version, pv, fut)  # parts still running: report now; their files go when they end
             elif not pv.committed and self.catalogue.ready_to_commit(version):
                 manifest = self.catalogue.manifest_for(version)
                 t_commit = time.perf_counter()
                 try:
                     await asyncio.to_thread(write_manifest, self.local, manifest)
-                except Exception as exc:
+                except Exception as exc:  # reported below, once its files are removed
                     self.catalogue.fail(version, f"writing the manifest failed: {one_line(exc)}")
-                    self._missed_remote(version)
-                    self.failures += 1
-                    fut.set_exception(SaveError(f"version {version}: writing the manifest failed: "
-                                                f"{one_line(exc)}"))
                 else:
                     self.catalogue.mark_committed(version, manifest)
                     self.commits += 1
@@ -416,14 +406,19 @@ class CheckpointCoordinator:
             if not self.catalogue.settled(version):
                 return
             self.catalogue.finish(version)
-            self.unsupported.discard(version)
+            if not pv.error:
+                self.unsupported.discard(version)
             settled = self.settled_futures.get(version)
             if settled is not None and not settled.done():
                 settled.set_result(True)
             self.metrics.set_in_flight(len(self.catalogue.pending))
             self._prune_bookkeeping()
-        if pv.error:  # never listed: remove what its parts wrote
-            await self._delete_everywhere(version, self.catalogue.kept_paths(set()), [])
+        if pv.error:  # never listed: remove what its parts wrote, then fail the handle (if not yet)
+            try:
+                await self._delete_everywhere(version, self.catalogue.kept_paths(set()), [])
+            finally:
+                if not fut.done():
+                    self._fail_handle(version, pv, fut)
         else:
             uploaded = self.remote_committed.get(version)
             current = self.catalogue.committed.get(version)
@@ -431,6 +426,18 @@ class CheckpointCoordinator:
                                                   and uploaded.to_json() != current.to_json()):
                 self._in_background(self._sync_remote(version))  # best-effort parts landed since
             await self._apply_retention()
+
+    def _fail_handle(self, version: int, pv: Any, fut: asyncio.Future) -> None:
+        """Fail the save's handle with the version's error. A handle raising once every part has
+        ended is raised after the failed version's files are removed: a user who looks at the disk
+        then finds none of them."""
+        self._missed_remote(version)
+        self.failures += 1
+        self.metrics.failed("save")
+        error = UnsupportedTypeError if version in self.unsupported else SaveError
+        self.unsupported.discard(version)
+        fut.set_exception(
+            error(f"version {version} (step {pv.step}) of run {self.cfg.run!r} failed and is not listed: {pv.error}"))
 
     def _prune_bookkeeping(self, keep: int = 32) -> None:
         """Forget futures and locks of old, finished versions (wait() answers those from the catalogue)."""

@@ -201,6 +201,7 @@ class CheckpointEngine:
               error: type = CheckpointError) -> Any:
         """Call the coordinator (``method(handle)`` returns the ref); if it died for good, the
         owning engine creates it again and asks once more."""
+        self._check_open()
         try:
             return _ask(self.run, method(self._coordinator), what, timeout, error)
         except CheckpointError as exc:
@@ -252,7 +253,10 @@ class CheckpointEngine:
         ``timeout`` seconds, for the saves, retention deletions and uploads in progress to end, so
         that nothing still writes or deletes files once this returns; what did not end by then is
         logged as a warning and abandoned (a version whose commit did not happen is never listed).
-        Committed checkpoints stay in storage."""
+        Committed checkpoints stay in storage. Calling it again does nothing; this engine's other
+        methods raise ``CheckpointError`` afterwards."""
+        if self._closed:
+            return
         self._closed = True
         try:
             unfinished = ray.get(self._coordinator.quiesce.remote(timeout), timeout=timeout + 30)
@@ -262,6 +266,23 @@ class CheckpointEngine:
             log.warning("shutting down run %r with work unfinished after %.0fs: %s", self.run, timeout,
                         "; ".join(unfinished))
         ray.kill(self._coordinator, no_restart=True)
+        # ray.kill only asks: wait (bounded) until the coordinator is gone, so that nothing of this
+        # run still runs when shutdown() returns and a new engine of the same run starts afresh
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                ray.get(self._coordinator.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                return
+            except ray.exceptions.GetTimeoutError:
+                break
+            time.sleep(0.05)
+        log.warning("the coordinator of run %r had not stopped 30s after shutdown()", self.run)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"this engine of run {self.run!r} was shut down; CheckpointEngine.create() "
+                                  f"or connect() gives a new one (committed checkpoints are still in storage)")
 
     # ------------------------------------------------------------------ registration
     def register(self, name: str, provider: Any = None, *, strategy: Union[Strategy, str] = Strategy.CRITICAL,
@@ -346,6 +367,7 @@ class CheckpointEngine:
 
         Returns at once with a handle; the version commits when every declared rank has pushed."""
         t0 = time.perf_counter()
+        self._check_open()
         validate_name(name, "state name")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise InvalidSaveError(f"step must be a non-negative integer, got {step!r}")
@@ -402,6 +424,7 @@ class CheckpointEngine:
              metrics: Optional[Dict[str, float]] = None) -> SaveHandle:
         """Capture every registered state at ``step`` (default: current_step) and return at once."""
         t0 = time.perf_counter()
+        self._check_open()
         step = self._step if step is None else step
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise InvalidSaveError(f"step must be a non-negative integer, got {step!r}")

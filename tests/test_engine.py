@@ -236,8 +236,13 @@ def test_a_provider_that_refuses_its_state_fails_the_restore_by_name(engine_fact
     ray.get(flaky.set_failing.remote(False))
     assert eng.restore().states["w"].status == "restored"
     eng.shutdown()
-    with pytest.raises(rc.CheckpointError, match="not reachable"):
-        eng.list_checkpoints()
+    eng.shutdown()  # a second call does nothing
+    for call in (eng.list_checkpoints, eng.save, lambda: eng.load(1, "policy")):
+        with pytest.raises(rc.CheckpointError, match="was shut down"):
+            call()
+    # the coordinator is gone when shutdown() returns (ray.kill alone only asks)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(eng._coordinator.__ray_ready__.remote(), timeout=10)
 
 
 def test_retention_keeps_newest_and_never_deletes_early(engine_factory, tmp_path, run_name):
