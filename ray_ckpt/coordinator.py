@@ -63,12 +63,14 @@ class CheckpointCoordinator:
                 except (CheckpointError, ValueError, KeyError, TypeError) as exc:
                     log.warning("ignoring the declaration of %r in %s: %s", name, DECLARED, one_line(exc))
         self.remote_committed: Dict[int, Manifest] = {}
+        remote_partial: List[int] = []
         if self.remote is not None:
             try:
-                self.remote_committed = scan(self.remote)[0]
+                self.remote_committed, remote_partial, _ = scan(self.remote)
             except Exception as exc:  # remote down at (re)start: local checkpointing goes on
                 log.warning("cannot list the remote tier %s: %s", self.remote.uri, one_line(exc))
         self.remote_paths: Set[str] = {p for m in self.remote_committed.values() for p in m.referenced_paths()}
+        self._remove_partial_uploads(remote_partial)
         # remote_every: the engine counts its saves and marks every M-th (see _plan_remote). A
         # restarted coordinator uploads the newest local version if at least remote_every versions
         # are newer than the remote's newest (an upload its predecessor was killed before finishing)
@@ -120,6 +122,20 @@ class CheckpointCoordinator:
             if removed:
                 log.warning("version %d was not committed before the coordinator stopped; removed its %d "
                             "partial file(s)", v, len(removed))
+
+    def _remove_partial_uploads(self, partial: List[int]) -> None:
+        """Remote version directories without a manifest are uploads cut off with the previous
+        coordinator (its writers stop with it): never listed, only paid for. Removed here, before
+        this coordinator accepts a save that could upload to the same version again."""
+        for v in partial:
+            try:
+                removed = delete_version(self.remote, v, self.remote_paths, [])
+            except Exception as exc:  # the remote tier may be down at a restart: they are only garbage
+                log.warning("version %d: cannot remove its partial upload: %s", v, one_line(exc))
+                continue
+            if removed:
+                log.warning("version %d was not uploaded completely before the coordinator stopped; removed "
+                            "its %d partial remote file(s)", v, len(removed))
 
     def _writer(self, pool: str, cpus: float, nice: int, node: Optional[str] = None):
         opts: Dict[str, Any] = {"num_cpus": cpus}
@@ -528,16 +544,16 @@ class CheckpointCoordinator:
                         log.error("version %d: not uploaded, its local copy cannot be: %s", version, msg)
                         self.remote_pending.discard(version)
                         self._missed_remote(version, due=True)
-                        fut = self.remote_futures.setdefault(version, asyncio.get_running_loop().create_future())
-                        if not fut.done():
-                            fut.set_exception(SaveError(f"version {version} of run {self.cfg.run!r} cannot be "
-                                                        f"uploaded: {msg}"))
                         try:  # what this version's attempts left on the remote tier (never listed: no manifest)
                             kept = {p for m in self.remote_committed.values() for p in m.referenced_paths()}
                             await asyncio.to_thread(delete_version, self.remote, version, kept, [])
                         except Exception as cleanup:
                             log.warning("version %d: removing its partial upload failed: %s", version,
                                         one_line(cleanup))
+                        fut = self.remote_futures.setdefault(version, asyncio.get_running_loop().create_future())
+                        if not fut.done():  # raised once the leftovers are gone
+                            fut.set_exception(SaveError(f"version {version} of run {self.cfg.run!r} cannot be "
+                                                        f"uploaded: {msg}"))
                         break
                     log.warning("version %d: remote upload failed, retrying in %.1fs: %s", version, backoff, msg)
                     await asyncio.sleep(backoff)

@@ -152,16 +152,25 @@ def _wait_dead(actor, timeout=60):
         time.sleep(0.1)
 
 
-def test_a_coordinator_killed_for_good_is_created_again_by_the_driver(engine_factory, run_name):
+def test_a_coordinator_killed_for_good_is_created_again_by_the_driver(engine_factory, tmp_path, run_name):
     """ray.kill without restart: the driver's engine creates the coordinator again by name (it
     rebuilds its catalogue from storage); the save that found it dead fails loudly, the next works."""
     learner = remote(Learner).remote(seed=13)
     eng = engine_factory()
     register_learner(eng, learner)
-    eng.save(1).wait(timeout=60)
+    eng.save(1).wait(timeout=60, durability="remote")
+    # what a coordinator killed mid-save leaves: a version directory without manifest on each tier
+    cut_off = [tmp_path / tier / run_name / "v000000000007" / "policy" / "rank0.safetensors"
+               for tier in ("local", "remote")]
+    for p in cut_off:
+        p.parent.mkdir(parents=True)
+        p.write_bytes(b"half a file")
     ray.kill(eng._coordinator)  # no_restart=True: Ray will not bring it back
     _wait_dead(eng._coordinator)
     assert [m.version for m in eng.list_checkpoints()] == [1]  # a new coordinator, rebuilt from storage
+    for p in cut_off:  # it removed them before taking a save, committed files untouched
+        assert not p.parent.parent.exists(), p
+    assert eng.restore().version == 1
     assert eng.save(2).wait(timeout=60).version == 2
     ray.kill(eng._coordinator)
     _wait_dead(eng._coordinator)
