@@ -1,7 +1,11 @@
 """Provider actors used by the integration tests (real torch training, real Ray actors)."""
+import random
+
 import numpy as np
 import ray
 import torch
+
+import ray_ckpt as rc
 
 
 class Learner:
@@ -160,3 +164,19 @@ def remote(cls, **opts):
 import sys as _sys  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(_sys.modules[__name__])
+
+
+class Sampler:
+    """An actor whose only state is its random streams (its process's and its own generator)."""
+
+    def __init__(self):
+        self.gen = np.random.default_rng(5)
+
+    def draw(self):
+        return [random.random(), float(np.random.rand()), torch.rand(1).item(), float(self.gen.random())]
+
+    def ckpt_get_state(self, name):
+        return rc.rng_state(generators={"sampler": self.gen})
+
+    def ckpt_set_state(self, name, state):
+        rc.set_rng_state(state, generators={"sampler": self.gen})

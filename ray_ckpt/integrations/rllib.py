@@ -82,7 +82,6 @@ import hashlib
 import io
 import logging
 import math
-import random
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -94,6 +93,7 @@ import ray
 from ..engine import CheckpointEngine, SaveHandle
 from ..errors import (CheckpointError, InvalidArgumentError, RestoreError, SaveError,
                       UnsupportedTypeError)
+from ..rng import rng_state, set_rng_state
 from ..storage.layout import validate_name
 from ..types import OnBusy, SaveResult, Strategy
 
@@ -300,20 +300,6 @@ def _weights_digest(module_state: Dict[str, Any]) -> str:
 
 
 # ====================================================================== process / env RNG states
-def _process_rng_state() -> Dict[str, Any]:
-    st: Dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state()}
-    if torch is not None:
-        st["torch"] = torch.get_rng_state()
-    return st
-
-
-def _set_process_rng_state(st: Dict[str, Any]) -> None:
-    random.setstate(st["python"])
-    np.random.set_state(st["numpy"])
-    if torch is not None and "torch" in st:
-        torch.set_rng_state(st["torch"])
-
-
 def _sub_envs(runner: Any) -> List[Any]:
     env = getattr(runner, "env", None)
     if env is None:
@@ -345,7 +331,7 @@ def _set_env_rng_states(runner: Any, states: List[Any]) -> int:
 
 def _runner_state(runner: Any) -> Dict[str, Any]:
     """What ``env_runner_<i>`` holds: read inside the env runner actor."""
-    return {"worker_index": getattr(runner, "worker_index", None), "process_rng": _process_rng_state(),
+    return {"worker_index": getattr(runner, "worker_index", None), "process_rng": rng_state(),
             "env_rng": _env_rng_states(runner)}
 
 
@@ -423,7 +409,7 @@ def capture_algorithm_state(algorithm: Any, *, rng: bool = True, metrics: bool =
         NUM_ENV_STEPS_SAMPLED_LIFETIME: int(sampled or 0),
     }
     if rng:
-        out[RNG] = to_storable(_process_rng_state(), RNG)
+        out[RNG] = to_storable(rng_state(), RNG)
     if metrics:
         try:
             out[METRICS] = to_storable({"algorithm": algorithm.metrics.get_state(),
@@ -751,7 +737,7 @@ def _apply_on_runner(runner: Any, payload: Dict[str, Any]) -> Dict[str, Any]:
     own = (payload.get("runner_states") or {}).get(idx)
     if own is not None:
         own = from_storable(own)
-        _set_process_rng_state(own["process_rng"])
+        set_rng_state(own["process_rng"])
         rng_note = f"rng+{_set_env_rng_states(runner, own.get('env_rng') or [])} env rng"
     module_state = _runner_module_state(runner)
     digest = _weights_digest(module_state) if module_state is not None else ""
@@ -842,7 +828,7 @@ def restore_algorithm(algorithm: Any, run: Union[str, CheckpointEngine], version
     if algo_state:
         algorithm.set_state(algo_state)  # only these keys: no connector merge, no weight sync here
     if restore_rng and RNG in loaded:
-        _set_process_rng_state(from_storable(loaded[RNG]))
+        set_rng_state(from_storable(loaded[RNG]))
     elif RNG in loaded:
         states[RNG] = "not restored: restore_rng=False"
 
