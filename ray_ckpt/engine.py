@@ -248,8 +248,13 @@ class CheckpointEngine:
                                   f"rc.CheckpointEngine.create({run!r}, local_dir=...)") from None
         return cls(coord, _ask(run, coord.config.remote(), "its configuration", timeout))
 
-    def shutdown(self, timeout: float = 60.0) -> None:
-        """Stop the coordinator; its writers, which it owns, stop with it. First waits, at most
+    def shutdown(self, timeout: float = 60.0, *, stop_coordinator: Optional[bool] = None) -> None:
+        """Stop the coordinator; its writers, which it owns, stop with it. The engine that created the
+        run (``create()``) stops it; an engine from ``connect()`` (a rank, a tool) only detaches, so
+        that a rank closing its engine does not stop checkpointing for the whole run, unless
+        ``stop_coordinator=True`` (e.g. to stop a detached coordinator whose driver is gone).
+
+        Stopping first waits, at most
         ``timeout`` seconds, for the saves, retention deletions and uploads in progress to end, so
         that nothing still writes or deletes files once this returns; what did not end by then is
         logged as a warning and abandoned (a version whose commit did not happen is never listed).
@@ -258,6 +263,8 @@ class CheckpointEngine:
         if self._closed:
             return
         self._closed = True
+        if not (self._owner if stop_coordinator is None else bool(stop_coordinator)):
+            return
         try:
             unfinished = ray.get(self._coordinator.quiesce.remote(timeout), timeout=timeout + 30)
         except ray.exceptions.RayError as exc:  # already gone, or stuck (GetTimeoutError)

@@ -244,6 +244,11 @@ def test_a_provider_that_refuses_its_state_fails_the_restore_by_name(engine_fact
         eng.restore()
     ray.get(flaky.set_failing.remote(False))
     assert eng.restore().states["w"].status == "restored"
+    rank = rc.CheckpointEngine.connect(eng.run)
+    rank.shutdown()  # an engine from connect() only detaches: the run goes on
+    with pytest.raises(rc.CheckpointError, match="was shut down"):
+        rank.list_checkpoints()
+    assert [m.version for m in eng.list_checkpoints()] == [1]
     eng.shutdown()
     eng.shutdown()  # a second call does nothing
     for call in (eng.list_checkpoints, eng.save, lambda: eng.load(1, "policy")):
