@@ -367,12 +367,15 @@ def test_remote_cadence_and_per_tier_retention(engine_factory, tmp_path, run_nam
             with pytest.raises(rc.SaveError, match="remote_every=2"):
                 h.wait(timeout=60, durability="remote")
     remote_dir = tmp_path / "remote" / run_name
-    deadline = time.time() + 30
-    while sorted(p.name for p in remote_dir.iterdir()) != ["v000000000004", "v000000000006"]:
-        assert time.time() < deadline, sorted(p.name for p in remote_dir.iterdir())
+    deadline = time.time() + 30  # retention of each tier runs after the uploads, in the coordinator
+    while True:
+        remote_listing = sorted(p.name for p in remote_dir.iterdir())
+        tiers = {m.version: m.tiers for m in eng.list_checkpoints()}
+        if remote_listing == ["v000000000004", "v000000000006"] and tiers == {4: ("remote",),
+                                                                               6: ("local", "remote")}:
+            break
+        assert time.time() < deadline, (remote_listing, tiers)
         time.sleep(0.1)
-    tiers = {m.version: m.tiers for m in eng.list_checkpoints()}
-    assert tiers == {4: ("remote",), 6: ("local", "remote")}
     # a corrupt remote copy does not matter while the local one is good
     p = remote_dir / "v000000000006" / "policy" / "rank0.safetensors"
     p.write_bytes(p.read_bytes()[:-1] + b"\x00")
