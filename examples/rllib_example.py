@@ -21,7 +21,6 @@ import time
 import uuid
 
 import numpy as np
-import ray
 
 
 

@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         result = handles[last_uploaded - 1].wait(timeout=300, durability="remote")
         print(f"version {result.version} is durable on {args.remote_uri} "
               f"({result.bytes_written:,} bytes uploaded; waited {time.perf_counter() - t0:.2f}s)")
-        for h in handles[last_uploaded:]:
+        for h in handles:  # every local commit, before listing
             h.wait(timeout=300)
         print("versions:", ", ".join(f"v{m.version}[{'+'.join(m.tiers)}]" for m in engine.list_checkpoints()))
         want = ray.get(learner.weights.remote())

@@ -93,6 +93,7 @@ class CheckpointCoordinator:
         self.remote_futures: Dict[int, asyncio.Future] = {}
         self.remote_pending: Set[int] = set(self.resume_uploads)  # protected from local retention already
         self.remote_errors: Dict[int, str] = {}
+        self.remote_given_up: Set[int] = set()  # uploads that cannot be made (the local copy is bad)
         self.version_locks: Dict[int, asyncio.Lock] = {}
         self.remote_locks: Dict[int, asyncio.Lock] = {}  # one upload sequence per version at a time
         self.commits = 0
@@ -170,8 +171,10 @@ class CheckpointCoordinator:
     def _locate_blocking(ref: Any) -> Optional[str]:
         ray.wait([ref], num_returns=1, fetch_local=False)
         # this actor only borrows the ref: the owner's location report can lag the object's
-        # readiness a little, so ask again for a bounded moment before giving up on affinity
-        for _ in range(40):
+        # readiness a little (more on a busy head node), so ask again for a bounded moment (3 s)
+        # before giving up on affinity
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
             locs = ray.experimental.get_object_locations([ref]).get(ref) or {}
             if locs.get("node_ids"):
                 return locs["node_ids"][0]
@@ -517,7 +520,7 @@ class CheckpointCoordinator:
         async with lock:
             while True:
                 manifest = self.catalogue.committed.get(version)
-                if manifest is None:
+                if manifest is None or version in self.remote_given_up:  # a re-sync queued behind the failure
                     self.remote_pending.discard(version)
                     return
                 uploaded = self.remote_committed.get(version)
@@ -542,6 +545,7 @@ class CheckpointCoordinator:
                     self.metrics.failed("upload")
                     if isinstance(_root_cause(exc), IntegrityError):  # the local copy is bad: no retry helps
                         log.error("version %d: not uploaded, its local copy cannot be: %s", version, msg)
+                        self.remote_given_up.add(version)
                         self.remote_pending.discard(version)
                         self._missed_remote(version, due=True)
                         try:  # what this version's attempts left on the remote tier (never listed: no manifest)

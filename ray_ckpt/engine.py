@@ -10,7 +10,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -178,10 +178,8 @@ class CheckpointEngine:
             config.remote_tier().check_writable()
         if not ray.is_initialized():
             ray.init()
-        coord = _start_coordinator(config)
         try:
-            existing = ray.get(coord.config.remote(), timeout=startup_timeout)
-            ray.get(coord.ready.remote(), timeout=startup_timeout)
+            coord, existing = _open_coordinator(config, startup_timeout)
         except ray.exceptions.GetTimeoutError:
             raise CheckpointError(f"the coordinator of run {run!r} or its writers did not start within "
                                   f"{startup_timeout}s (are there enough CPUs for critical_cpus / "
@@ -217,22 +215,11 @@ class CheckpointEngine:
         if not self._owner or self._closed:
             return False
         log.warning("the coordinator of run %r is gone; creating it again from storage", self.run)
-        deadline = time.monotonic() + 30
-        while True:
-            coord = _start_coordinator(self.config)
-            try:
-                ray.get(coord.ready.remote(), timeout=120)
-                break
-            except ray.exceptions.ActorDiedError as exc:  # the name may name the dead one for a moment
-                if time.monotonic() > deadline:
-                    log.error("the coordinator of run %r could not be created again: %s", self.run,
-                              one_line(exc)[:300])
-                    return False
-                time.sleep(0.2)
-            except ray.exceptions.RayError as exc:
-                log.error("the coordinator of run %r could not be created again: %s", self.run, one_line(exc)[:300])
-                return False
-        self._coordinator = coord
+        try:
+            self._coordinator, _ = _open_coordinator(self.config, 120.0)
+        except ray.exceptions.RayError as exc:
+            log.error("the coordinator of run %r could not be created again: %s", self.run, one_line(exc)[:300])
+            return False
         return True
 
     @classmethod
@@ -265,8 +252,15 @@ class CheckpointEngine:
         self._closed = True
         if not (self._owner if stop_coordinator is None else bool(stop_coordinator)):
             return
+        deadline = time.monotonic() + timeout
+        # this engine's saves first: the coordinator may not have started one that was just called
+        # (it runs concurrent calls in any order), so quiesce() alone could miss it
+        refs = [h._ref for h in self._in_flight if h._ref is not None and not h.done()]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout)
         try:
-            unfinished = ray.get(self._coordinator.quiesce.remote(timeout), timeout=timeout + 30)
+            left = max(0.0, deadline - time.monotonic())
+            unfinished = ray.get(self._coordinator.quiesce.remote(left), timeout=left + 30)
         except ray.exceptions.RayError as exc:  # already gone, or stuck (GetTimeoutError)
             unfinished = [f"the coordinator did not answer ({one_line(exc)[:200]})"]
         if unfinished:
@@ -663,6 +657,24 @@ def _start_coordinator(config: EngineConfig) -> Any:
         name=actor_name(config.run), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
         max_restarts=-1, num_cpus=0, max_concurrency=1000, **_coordinator_placement(),
     ).remote(config)
+
+
+def _open_coordinator(config: EngineConfig, timeout: float) -> Tuple[Any, EngineConfig]:
+    """Get-or-create the coordinator of ``config.run``, wait until it and its writers answer, and
+    return it with the configuration it runs with. Right after a coordinator died, Ray may resolve
+    the name to the dead actor for a moment: that is retried (bounded); a coordinator that fails to
+    start (its constructor raised) is not."""
+    deadline = time.monotonic() + 30
+    while True:
+        coord = _start_coordinator(config)
+        try:
+            existing = ray.get(coord.config.remote(), timeout=timeout)
+            ray.get(coord.ready.remote(), timeout=timeout)
+            return coord, existing
+        except ray.exceptions.ActorDiedError as exc:
+            if exc.actor_init_failed or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def _ask(run: str, ref: Any, what: str, timeout: float = 60.0, error: type = CheckpointError) -> Any:

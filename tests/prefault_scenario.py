@@ -4,6 +4,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 
 import numpy as np
 import ray
@@ -67,6 +68,15 @@ def run(prefault: bool, root: str) -> dict:
     if prefault:  # preempted: Ray restarts the learner in a new process, which restores first
         pid = ray.get(learner.pid.remote())
         ray.kill(learner, no_restart=False)
+        deadline = time.time() + 60  # ray.kill is asynchronous: restore into the new process, not the old
+        while True:
+            try:
+                if ray.get(learner.pid.remote(), timeout=10) != pid:
+                    break
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+            assert time.time() < deadline, "the learner was not restarted in time"
+            time.sleep(0.1)
         eng.restore()
         after_restart = ray.get(learner.__ray_call__.remote(resident, 60), timeout=90)
         restart = {"new_process": ray.get(learner.pid.remote()) != pid,
