@@ -141,7 +141,7 @@ class Learner:
     def ckpt_get_state(self, name):
         return {"policy": lambda: self.policy.state_dict(),
                 "optimizer": lambda: self.opt.state_dict(),
-                "rng": lambda: {"torch": self.gen.get_state(), "global": torch.get_rng_state()},
+                "rng": lambda: rc.rng_state(generators={"shuffle": self.gen}),
                 "obs_norm": lambda: dict(self.norm),
                 "replay": lambda: {"transitions": self.replay}}[name]()
 
@@ -151,8 +151,7 @@ class Learner:
         elif name == "optimizer":
             self.opt.load_state_dict(state)
         elif name == "rng":
-            self.gen.set_state(state["torch"])
-            torch.set_rng_state(state["global"])
+            rc.set_rng_state(state, generators={"shuffle": self.gen})
         elif name == "obs_norm":
             self.norm = dict(state)
         elif name == "replay":
