@@ -29,6 +29,7 @@ import torch
 from ray_ckpt.checkpoint_io import decode_files, read_files, write_flat
 from ray_ckpt.formats.tree import flatten
 from ray_ckpt.storage.tier import Tier
+from restore_read import drop_caches  # sync, then drop the page cache where allowed
 
 
 def make_buffer(mb: int, seed: int = 0) -> Dict[str, np.ndarray]:
@@ -37,15 +38,6 @@ def make_buffer(mb: int, seed: int = 0) -> Dict[str, np.ndarray]:
     n = mb * (1 << 20) // row
     return {"obs": rng.standard_normal((n, 64), dtype=np.float32), "action": rng.integers(0, 18, n),
             "reward": rng.standard_normal(n, dtype=np.float32), "done": rng.random(n) < 0.01}
-
-
-def drop_caches() -> None:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError:
-        pass
 
 
 def fsync_path(path: str) -> None:

@@ -18,13 +18,14 @@ from typing import Any, Dict, List, Optional, Set
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .catalogue import Catalogue, meta_of
+from .catalogue import Catalogue, PendingVersion, meta_of
 from .checkpoint_io import delete_version, scan, write_manifest
 from .config import EngineConfig
 from .errors import CheckpointError, IntegrityError, SaveError, UnsupportedTypeError, one_line
 from .formats.manifest import Manifest
 from .metrics import Metrics
 from .storage.retention import VersionInfo, plan_deletions
+from .storage.tier import Tier
 from .types import Strategy
 from .writers import WriterActor
 
@@ -54,7 +55,7 @@ class CheckpointCoordinator:
         for problem in bad:
             log.warning("ignoring %s", problem)
         self.catalogue = Catalogue(config.run, committed)
-        self._remove_partial(partial)
+        self._remove_partial(self.local, partial, self.catalogue.kept_paths(set()))
         if self.local.exists(DECLARED):
             for name, d in json.loads(bytes(self.local.read_bytes(DECLARED))).items():
                 try:
@@ -70,7 +71,7 @@ class CheckpointCoordinator:
             except Exception as exc:  # remote down at (re)start: local checkpointing goes on
                 log.warning("cannot list the remote tier %s: %s", self.remote.uri, one_line(exc))
         self.remote_paths: Set[str] = {p for m in self.remote_committed.values() for p in m.referenced_paths()}
-        self._remove_partial_uploads(remote_partial)
+        self._remove_partial(self.remote, remote_partial, self.remote_paths)
         # remote_every: the engine counts its saves and marks every M-th (see _plan_remote). A
         # restarted coordinator uploads the newest local version if at least remote_every versions
         # are newer than the remote's newest (an upload its predecessor was killed before finishing)
@@ -109,34 +110,23 @@ class CheckpointCoordinator:
         self.settled_futures: Dict[int, asyncio.Future] = {}  # every part, best-effort too, is done
         self.background: Set[asyncio.Future] = set()  # writes (with commit and retention), uploads
 
-    def _remove_partial(self, partial: List[int]) -> None:
-        """Version directories without a manifest at start-up are saves that were in flight when
-        the previous coordinator stopped (its writers stop with it): never listed, only taking disk.
-        Files that committed versions refer to (a RELOADABLE state stored once) stay."""
-        keep = self.catalogue.kept_paths(set())
+    @staticmethod
+    def _remove_partial(tier: Tier, partial: List[int], keep: Set[str]) -> None:
+        """Version directories without a manifest at start-up are saves (local tier) or uploads
+        (remote tier) that were in flight when the previous coordinator stopped (its writers stop
+        with it): never listed, only taking space. Removed before this coordinator accepts a save
+        that could write the same version again; files committed versions refer to (``keep``: a
+        RELOADABLE state stored once) stay."""
         for v in partial:
             try:
-                removed = delete_version(self.local, v, keep, [])
-            except OSError as exc:
-                log.warning("version %d: cannot remove its partial files: %s", v, one_line(exc))
+                removed = delete_version(tier, v, keep, [])
+            except Exception as exc:  # e.g. the remote tier down at a restart: they are only garbage
+                log.warning("version %d: cannot remove its partial files on the %s tier: %s", v, tier.name,
+                            one_line(exc))
                 continue
             if removed:
-                log.warning("version %d was not committed before the coordinator stopped; removed its %d "
-                            "partial file(s)", v, len(removed))
-
-    def _remove_partial_uploads(self, partial: List[int]) -> None:
-        """Remote version directories without a manifest are uploads cut off with the previous
-        coordinator (its writers stop with it): never listed, only paid for. Removed here, before
-        this coordinator accepts a save that could upload to the same version again."""
-        for v in partial:
-            try:
-                removed = delete_version(self.remote, v, self.remote_paths, [])
-            except Exception as exc:  # the remote tier may be down at a restart: they are only garbage
-                log.warning("version %d: cannot remove its partial upload: %s", v, one_line(exc))
-                continue
-            if removed:
-                log.warning("version %d was not uploaded completely before the coordinator stopped; removed "
-                            "its %d partial remote file(s)", v, len(removed))
+                log.warning("version %d was not finished on the %s tier before the coordinator stopped; "
+                            "removed its %d partial file(s)", v, tier.name, len(removed))
 
     def _writer(self, pool: str, cpus: float, nice: int, node: Optional[str] = None):
         opts: Dict[str, Any] = {"num_cpus": cpus}
@@ -446,7 +436,7 @@ class CheckpointCoordinator:
                 self._in_background(self._sync_remote(version))  # best-effort parts landed since
             await self._apply_retention()
 
-    def _fail_handle(self, version: int, pv: Any, fut: asyncio.Future) -> None:
+    def _fail_handle(self, version: int, pv: PendingVersion, fut: asyncio.Future) -> None:
         """Fail the save's handle with the version's error. A handle raising once every part has
         ended is raised after the failed version's files are removed: a user who looks at the disk
         then finds none of them."""
