@@ -8,12 +8,18 @@ memory, so capturing them costs no copy until Ray puts them into the object stor
 
 Node encoding (scalars are plain JSON; everything else is a one-tag object):
   null / true / false / int / str   the value itself
-  {"f": hex}                        float
+  {"f": hex}                        float; a NaN also has {"fb": 16 hex digits}: its IEEE bits
+                                    (sign and payload: float.hex writes every NaN as "nan")
   {"d": [[key, node], ...]}         dict  (``"o": 1`` for OrderedDict); keys str or int, or
                                     {"kn": 1} for None and {"kb": b} for a bool
   {"l": [...]} / {"u": [...]}       list / tuple
   {"T": i, "dt": "BF16", "sh": []}  torch tensor, bytes in arrays[i]
   {"N": i, "dt": "<f4", "sh": []}   numpy array,  bytes in arrays[i]
+  {"DT": i | null, "dt": "float32",  DTensor: this rank's LOCAL shard ("sh" its shape) in arrays[i],
+   "sh": [], "g": [], "o": [],       or null when a replica (same chunk, coordinate 0 on every
+   "m": [], "p": ["S(0)", "R"],      Replicate mesh dim) stores it; "g" global shape, "o" the chunk's
+   "c": [], "r": rank, "w": rank}    global offsets, "m" mesh shape, "p" placements, "c" this rank's
+                                    mesh coordinate, "r" its global rank, "w" the writer's rank
   {"A": i}                          pyarrow Table, tables[i]
   {"ns": "<f4", "h": hex}           numpy scalar
   {"b": base64}                     bytes
@@ -26,9 +32,11 @@ import base64
 import collections
 import functools
 import json
+import math
+import struct
 import sys
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -147,6 +155,120 @@ def _leaf_name(path: list) -> str:
     return "/".join(str(k) for k in path) or "value"
 
 
+def leaf_key(path: list) -> str:
+    """The key of the leaf at ``path`` (dict keys / list indices from the root) in a shard index:
+    ``"optim/state/0/exp_avg"``. ``formats.shards`` walks a target state with the same function."""
+    return _leaf_name(path)
+
+
+def _float_node(x: float) -> dict:
+    if math.isnan(x):  # float.hex() writes every NaN as "nan": keep its sign and payload bits
+        return {"f": "nan", "fb": struct.pack(">d", x).hex()}
+    return {"f": x.hex()}
+
+
+def _float_of(node: dict) -> float:
+    fb = node.get("fb")
+    if fb is not None:
+        return struct.unpack(">d", bytes.fromhex(fb))[0]
+    return float.fromhex(node["f"])
+
+
+@dataclass
+class ShardedLeaf:
+    """One DTensor leaf of a flattened state, as this rank saw it (see the "DT" node).
+
+    ``local`` is the rank's chunk as a plain tensor (``unflatten``), or None where the chunk is
+    stored by another rank (``stored`` False: a replica) or when only the metadata was asked for
+    (:func:`sharded_leaves`). ``offsets``/``sizes`` place the chunk in the global tensor."""
+
+    key: str
+    path: list
+    dtype: str                       # torch dtype name, "float32"
+    global_shape: List[int]
+    offsets: List[int]
+    sizes: List[int]
+    mesh_shape: List[int]
+    placements: List[str]            # "S(0)", "R"
+    coordinate: Optional[List[int]]  # this rank's coordinate on the mesh (None: not in it)
+    rank: Optional[int]              # this rank's global rank
+    writer_rank: Optional[int]       # the global rank whose part stores this chunk
+    array: Optional[int]             # index into Flat.arrays when stored here
+    local: Any = None
+
+    @property
+    def stored(self) -> bool:
+        """Whether this rank's part holds the chunk's bytes."""
+        return self.array is not None
+
+
+def _sharded_leaf(node: dict, path: list, local: Any = None) -> ShardedLeaf:
+    return ShardedLeaf(key=leaf_key(path), path=list(path), dtype=node["dt"], global_shape=list(node["g"]),
+                       offsets=list(node["o"]), sizes=list(node["sh"]), mesh_shape=list(node["m"]),
+                       placements=list(node["p"]), coordinate=node.get("c"), rank=node.get("r"),
+                       writer_rank=node.get("w"), array=node["DT"], local=local)
+
+
+def walk_sharded(structure: Any) -> Iterator[Tuple[list, dict]]:
+    """Every DTensor ("DT") node of a structure with its path (decoded keys), in flatten order."""
+    stack: list = [([], structure)]
+    while stack:
+        path, node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if "DT" in node:
+            yield path, node
+        elif "d" in node:
+            stack.extend((path + [_dec_key(k)], v) for k, v in reversed(node["d"]))
+        elif "l" in node or "u" in node:
+            items = node.get("l", node.get("u"))
+            stack.extend((path + [i], v) for i, v in reversed(list(enumerate(items))))
+
+
+def sharded_leaves(structure: Any) -> List[ShardedLeaf]:
+    """The DTensor leaves of a flattened state's structure (metadata only, ``local`` None)."""
+    return [_sharded_leaf(node, path) for path, node in walk_sharded(structure)]
+
+
+def _dtensor_types() -> Any:
+    """``DTensor`` when ``torch.distributed.tensor`` is imported (a DTensor cannot exist otherwise)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return getattr(mod, "DTensor", None) if mod is not None else None
+
+
+def dtensor_chunk(t: Any) -> Tuple[List[int], List[int]]:
+    """(global offsets, sizes) of a DTensor's local chunk, as DCP computes them (uneven shards and
+    several mesh dims sharding one tensor dim included). Raises ``ValueError`` for placements other
+    than ``Shard`` and ``Replicate`` (``Partial`` is not a value; ``_StridedShard`` chunks are not boxes)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for p in t.placements:
+        if type(p) not in (Shard, Replicate):
+            raise ValueError(f"placement {p} (only Shard and Replicate are stored; redistribute first)")
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if t.device_mesh.get_coordinate() is None:  # this rank is not in the mesh: it holds nothing
+        return [0] * len(t.shape), [0] * len(t.shape)
+    return list(offsets), list(shape)
+
+
+def _dtensor_layout(t: Any) -> dict:
+    """The "DT" node fields of a DTensor leaf except the array index and dtype."""
+    offsets, sizes = dtensor_chunk(t)
+    mesh = t.device_mesh
+    coord = mesh.get_coordinate()
+    writer = None
+    if coord is not None:
+        wcoord = tuple(c if p.is_shard() else 0 for c, p in zip(coord, t.placements))
+        writer = int(mesh.mesh[wcoord].item())
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else None
+    return {"sh": sizes, "g": list(t.shape), "o": offsets, "m": list(mesh.shape),
+            "p": [str(p) for p in t.placements], "c": list(coord) if coord is not None else None,
+            "r": rank, "w": writer}
+
+
 def flatten(state: Any, *, state_name: str = "state", allow_pickle: bool = False,
             to_host: Optional[Any] = None) -> Flat:
     """Flatten ``state`` without copying tensor or array memory.
@@ -159,6 +281,7 @@ def flatten(state: Any, *, state_name: str = "state", allow_pickle: bool = False
     has no safe format.
     """
     torch = sys.modules.get("torch")  # no torch imported: no tensor in the state (see _torch)
+    dtensor = _dtensor_types() if torch is not None else None
     flat = Flat(structure=None)
     names: set = set()
 
@@ -171,6 +294,17 @@ def flatten(state: Any, *, state_name: str = "state", allow_pickle: bool = False
         flat.arrays.append(arr_u8)
         flat.leaf_info.append({"name": name, "dtype": st_dtype, "shape": shape, "itemsize": itemsize})
         return idx
+
+    def tensor_array(obj: Any, path: list) -> Tuple[int, Any]:
+        if obj.layout != torch.strided or obj.is_quantized:
+            raise unsupported(obj, path, f"tensor layout {obj.layout}")
+        x = obj.detach()
+        if x.device.type != "cpu" or (to_host is not None and getattr(to_host, "stage_cpu", False)):
+            x = to_host(x, _leaf_name(path)) if to_host is not None else x.to("cpu")
+        x = x.resolve_conj().resolve_neg().contiguous()
+        st = _torch_to_st().get(x.dtype, "U8")
+        u8 = x.reshape(-1).view(torch.uint8).numpy() if x.numel() else np.empty(0, np.uint8)
+        return add_array(u8, path, st, list(x.shape), x.element_size()), x
 
     def unsupported(obj: Any, path: list, why: str = "") -> UnsupportedTypeError:
         return UnsupportedTypeError(
@@ -185,7 +319,7 @@ def flatten(state: Any, *, state_name: str = "state", allow_pickle: bool = False
         if obj is None or t is bool or t is int or t is str:
             return obj
         if t is float:
-            return {"f": obj.hex()}
+            return _float_node(obj)
         if t is dict or t is collections.OrderedDict:
             items = []
             for k, v in obj.items():
@@ -204,16 +338,19 @@ def flatten(state: Any, *, state_name: str = "state", allow_pickle: bool = False
             return {"l": [enc(v, path + [i]) for i, v in enumerate(obj)]}
         if t is tuple:
             return {"u": [enc(v, path + [i]) for i, v in enumerate(obj)]}
+        if dtensor is not None and isinstance(obj, dtensor):
+            try:
+                node = _dtensor_layout(obj)
+            except ValueError as exc:
+                raise unsupported(obj, path, f"DTensor {exc}") from None
+            # one writer per distinct chunk: the rank at coordinate 0 on every Replicate mesh dim
+            writes = node["c"] is not None and all(
+                c == 0 for c, p in zip(node["c"], node["p"]) if not p.startswith("S("))
+            node = {"DT": tensor_array(obj.to_local(), path)[0] if writes else None,
+                    "dt": str(obj.dtype).replace("torch.", ""), **node}
+            return node
         if torch is not None and isinstance(obj, torch.Tensor):
-            if obj.layout != torch.strided or obj.is_quantized:
-                raise unsupported(obj, path, f"tensor layout {obj.layout}")
-            x = obj.detach()
-            if x.device.type != "cpu" or (to_host is not None and getattr(to_host, "stage_cpu", False)):
-                x = to_host(x, _leaf_name(path)) if to_host is not None else x.to("cpu")
-            x = x.resolve_conj().resolve_neg().contiguous()
-            st = _torch_to_st().get(x.dtype, "U8")
-            u8 = x.reshape(-1).view(torch.uint8).numpy() if x.numel() else np.empty(0, np.uint8)
-            idx = add_array(u8, path, st, list(x.shape), x.element_size())
+            idx, x = tensor_array(obj, path)
             return {"T": idx, "dt": str(x.dtype).replace("torch.", ""), "sh": list(x.shape)}
         if isinstance(obj, np.ndarray):
             if obj.dtype.hasobject or obj.dtype.fields is not None:
@@ -252,36 +389,58 @@ def flatten(state: Any, *, state_name: str = "state", allow_pickle: bool = False
 
 
 def unflatten(structure: Any, arrays: List[Any], tables: List[Any], *, as_numpy: bool = False,
-              allow_pickle: bool = False, state_name: str = "state") -> Any:
+              allow_pickle: bool = False, state_name: str = "state",
+              on_sharded: Optional[Callable[[ShardedLeaf], Any]] = None) -> Any:
     """Rebuild a state from its structure. ``arrays[i]`` is a writable buffer of leaf i's bytes.
 
     With ``as_numpy=True`` tensors come back as numpy arrays (bf16 as raw uint16), for tools
     that must not depend on torch.
+
+    A DTensor leaf comes back as its local chunk, a plain tensor (no target layout is known here;
+    ``formats.shards`` reshards into one). ``on_sharded(leaf)`` replaces that: it gets a
+    :class:`ShardedLeaf` (``local`` the chunk, or None for a replica stored in another rank's part)
+    and returns the value to put in the state (``lambda leaf: leaf`` keeps the records). Without it,
+    a replica stored elsewhere is a :class:`RestoreError` naming the rank that stores it.
     """
 
     torch = None if as_numpy else _torch()
 
-    def dec(node: Any) -> Any:
+    def tensor_of(buf: Any, dtype_name: str, shape: list) -> Any:
+        if as_numpy or torch is None:
+            return _numpy_view(buf, dtype_name, shape)
+        dt = getattr(torch, dtype_name)
+        if len(buf) == 0:
+            return torch.empty(shape, dtype=dt)
+        return torch.frombuffer(buf, dtype=dt).reshape(shape)
+
+    def dec(node: Any, path: list) -> Any:
         if node is None or isinstance(node, (bool, int, str)):
             return node
         if "f" in node:
-            return float.fromhex(node["f"])
+            return _float_of(node)
         if "d" in node:
-            pairs = [(_dec_key(k), dec(v)) for k, v in node["d"]]
+            pairs = []
+            for k, v in node["d"]:
+                k = _dec_key(k)
+                pairs.append((k, dec(v, path + [k])))
             return collections.OrderedDict(pairs) if node.get("o") else dict(pairs)
         if "l" in node:
-            return [dec(v) for v in node["l"]]
+            return [dec(v, path + [i]) for i, v in enumerate(node["l"])]
         if "u" in node:
-            return tuple(dec(v) for v in node["u"])
+            return tuple(dec(v, path + [i]) for i, v in enumerate(node["u"]))
         if "T" in node:
-            buf = arrays[node["T"]]
-            shape = node["sh"]
-            dt = getattr(torch, node["dt"]) if torch is not None else None
-            if as_numpy or torch is None:
-                return _numpy_view(buf, node["dt"], shape)
-            if len(buf) == 0:
-                return torch.empty(shape, dtype=dt)
-            return torch.frombuffer(buf, dtype=dt).reshape(shape)
+            return tensor_of(arrays[node["T"]], node["dt"], node["sh"])
+        if "DT" in node:
+            i = node["DT"]
+            local = tensor_of(arrays[i], node["dt"], node["sh"]) if i is not None else None
+            if on_sharded is not None:
+                return on_sharded(_sharded_leaf(node, path, local))
+            if local is None:
+                raise RestoreError(
+                    f"state {state_name!r}: {leaf_key(path)} is a replicated DTensor chunk stored in the "
+                    f"part of rank {node.get('w')}, not in this one; load it with load_into (resharding) "
+                    f"or assemble it from the shard index")
+            return local
         if "N" in node:
             dt = np.dtype(node["dt"])
             buf = arrays[node["N"]]
@@ -307,7 +466,7 @@ def unflatten(structure: Any, arrays: List[Any], tables: List[Any], *, as_numpy:
         raise RestoreError(f"state {state_name!r}: unknown structure node {sorted(node)}")
 
     try:
-        return dec(structure)
+        return dec(structure, [])
     finally:
         # dec refers to itself through its closure; without this the cycle keeps ``arrays`` (a
         # restored file's whole buffer or mapping) alive until the next garbage collection
