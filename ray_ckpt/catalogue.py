@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple, Union
 
 from .errors import InvalidArgumentError, SaveError
 from .formats.manifest import FileEntry, Manifest, StateEntry
+from .protocol import Declaration, PartPlan, PartStatus, VersionStatus, WrittenPart
 from .storage.layout import validate_name
 from .storage.retention import RetentionPolicy, VersionInfo, plan_deletions
 from .types import CheckpointMeta, Strategy
@@ -65,6 +66,10 @@ class PendingVersion:
     def missing_submits(self) -> List[str]:
         return [f"{p.name}/rank{p.rank}" for p in self.parts.values() if not p.submitted]
 
+    def status(self, upload: Optional[str] = None) -> VersionStatus:
+        return VersionStatus(self.version, self.step, self.stage(),
+                             tuple(PartStatus(p.name, p.rank, p.status) for p in self.parts.values()), upload)
+
     def stage(self) -> str:
         if self.error:
             return "failed"
@@ -80,26 +85,20 @@ class Catalogue:
         self.committed: Dict[int, Manifest] = dict(committed or {})
         self.pending: Dict[int, PendingVersion] = {}
         self.failed: Dict[int, str] = {}
-        # states pushed by rank actors (engine.submit): name -> strategy, world_size, replicated
-        self.declared: Dict[str, dict] = {}
+        # states pushed by rank actors (engine.submit)
+        self.declared: Dict[str, Declaration] = {}
 
     # ------------------------------------------------------------------ pushed states
     def declare(self, name: str, strategy: str, world_size: int, replicated: bool = False,
                 allow_pickle: bool = False) -> None:
         validate_name(name, "state name")  # also guards what a restarted coordinator reads back
-        Strategy.parse(strategy)
-        if not isinstance(world_size, int) or world_size < 1:
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise InvalidArgumentError(f"world_size must be an integer >= 1, got {world_size!r}")
-        self.declared[name] = {"strategy": Strategy.parse(strategy).value, "world_size": world_size,
-                               "replicated": bool(replicated), "allow_pickle": bool(allow_pickle)}
+        self.declared[name] = Declaration(name, Strategy.parse(strategy), world_size, bool(replicated),
+                                          bool(allow_pickle))
 
-    def pushed_parts(self) -> List[dict]:
-        out = []
-        for name, d in self.declared.items():
-            ranks = [0] if d["replicated"] else range(d["world_size"])
-            out += [{"name": name, "rank": r, "strategy": d["strategy"], "replicated": d["replicated"]}
-                    for r in ranks]
-        return out
+    def pushed_parts(self) -> List[PartPlan]:
+        return [p for d in self.declared.values() for p in d.parts()]
 
     def accept_push(self, version: int, step: int, name: str, rank: int) -> PendingVersion:
         """A rank pushed its part of ``name`` for ``step``: open the version if needed and check
@@ -108,8 +107,8 @@ class Catalogue:
         if d is None:
             raise SaveError(f"state {name!r} was not declared for pushing; register it with "
                             f"world_size=N first (declared: {sorted(self.declared) or 'none'})")
-        if not 0 <= rank < d["world_size"]:
-            raise SaveError(f"rank {rank} is out of range for state {name!r} (world_size {d['world_size']})")
+        if not 0 <= rank < d.world_size:
+            raise SaveError(f"rank {rank} is out of range for state {name!r} (world_size {d.world_size})")
         if version in self.committed and version not in self.pending:
             raise SaveError(f"version {version} of run {self.run!r} is already committed")
         pv = self.pending.get(version)
@@ -140,10 +139,10 @@ class Catalogue:
         known = list(self.committed) + list(self.pending)
         return max(known) if known else -1
 
-    def begin(self, version: int, step: int, parts: List[dict], metrics: Optional[Dict[str, float]] = None
-              ) -> PendingVersion:
-        """Open a version. ``parts``: dicts with name, rank, strategy, and optionally loader=True
-        (a RELOADABLE state rebuilt by a loader: no bytes) or replicated=True."""
+    def begin(self, version: int, step: int, parts: List[Union[PartPlan, dict]],
+              metrics: Optional[Dict[str, float]] = None) -> PendingVersion:
+        """Open a version with the parts the engine planned (a dict with PartPlan's fields works too)."""
+        parts = [_plan(p) for p in parts]
         # Steps increasing is checked by each engine at the call; here only duplicates are refused,
         # because Ray may start an async actor's calls out of submission order.
         pv = self.pending.get(version)
@@ -154,13 +153,14 @@ class Catalogue:
                             + (" and is committed" if version in self.committed else "")
                             + "; steps must increase")
         pv = PendingVersion(version, step, time.time(), dict(metrics or {}), {}, set(), set(), {})
-        names = {p["name"] for p in parts}
-        self._add_parts(pv, parts + [q for q in self.pushed_parts() if q["name"] not in names])
+        names = {p.name for p in parts}
+        self._add_parts(pv, parts + [q for q in self.pushed_parts() if q.name not in names])
         self.pending[version] = pv
         return pv
 
-    def _merge(self, pv: "PendingVersion", parts: List[dict], metrics: Optional[Dict[str, float]]) -> "PendingVersion":
-        both = sorted({p["name"] for p in parts} & set(pv.strategies))
+    def _merge(self, pv: "PendingVersion", parts: List[PartPlan], metrics: Optional[Dict[str, float]]
+               ) -> "PendingVersion":
+        both = sorted({p.name for p in parts} & set(pv.strategies))
         if both:
             raise SaveError(f"version {pv.version}: states {both} are both pushed and saved by the driver")
         pv.opened_by_push = False
@@ -169,25 +169,25 @@ class Catalogue:
         return pv
 
     @staticmethod
-    def _add_parts(pv: "PendingVersion", parts: List[dict]) -> None:
+    def _add_parts(pv: "PendingVersion", parts: List[PartPlan]) -> None:
         for p in parts:
-            strategy = Strategy.parse(p["strategy"])
-            pv.strategies[p["name"]] = strategy
-            if p.get("replicated"):
-                pv.replicated.add(p["name"])
-            if p.get("loader"):
-                pv.loader_states.add(p["name"])
+            pv.strategies[p.name] = p.strategy
+            if p.replicated:
+                pv.replicated.add(p.name)
+            if p.loader:
+                pv.loader_states.add(p.name)
                 continue
-            rank = int(p.get("rank", 0))
-            pv.parts[(p["name"], rank)] = Part(p["name"], rank, strategy)
+            pv.parts[(p.name, p.rank)] = Part(p.name, p.rank, p.strategy)
 
-    def part_written(self, version: int, name: str, rank: int, result: dict) -> None:
+    def part_written(self, version: int, name: str, rank: int, result: Union[WrittenPart, dict]) -> None:
+        if isinstance(result, dict):  # the plain form, for code and tests without writers
+            result = WrittenPart(tuple(result["files"]), result.get("written", 0), result.get("content_hash"))
         part = self.pending[version].parts[(name, rank)]
         part.status = "written"
-        part.files = [f if isinstance(f, FileEntry) else FileEntry(**f) for f in result["files"]]
-        part.written = result.get("written", 0)
-        part.content_hash = result.get("content_hash")
-        part.timings = dict(result.get("timings") or {})
+        part.files = [f if isinstance(f, FileEntry) else FileEntry(**f) for f in result.files]
+        part.written = result.written
+        part.content_hash = result.content_hash
+        part.timings = {"snapshot_wait_s": result.snapshot_wait_s, "write_s": result.write_s}
         part.reuse_paths = set()  # what it refers to is in part.files now
 
     def part_failed(self, version: int, name: str, rank: int, error: str) -> bool:
@@ -289,3 +289,10 @@ def meta_of(m: Manifest, tiers: Tuple[str, ...]) -> CheckpointMeta:
         missing=tuple(sorted(n for n, e in m.states.items() if e.status == "missing")),
         pending=tuple(sorted(n for n, e in m.states.items() if e.status == "pending")),
     )
+
+
+def _plan(p: Union[PartPlan, dict]) -> PartPlan:
+    if isinstance(p, PartPlan):
+        return p
+    return PartPlan(p["name"], Strategy.parse(p["strategy"]), int(p.get("rank", 0)), int(p.get("nbytes", 0)),
+                    bool(p.get("loader", False)), bool(p.get("replicated", False)))

@@ -9,12 +9,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from . import restore as stages
 from .checkpoint_io import rank_files
 from .config import EngineConfig
 from .coordinator import NAMESPACE, CoordinatorActor, actor_name
@@ -23,10 +24,11 @@ from .errors import (CheckpointError, IntegrityError, InvalidArgumentError, Inva
 from .formats.manifest import Manifest
 from .metrics import for_run as metrics_for_run
 from .object_store import prefault_in_actor, start_prefault
-from .snapshot import (ActorProvider, CallableProvider, apply_in_actor, capture, discard_in_actor,
-                       read_state, snapshot_in_actor, stage_in_actor, tiers_of)
+from .protocol import Declaration, PartPlan, SaveOutcome
+from .providers import Registration, rank_provider, resolve
+from .snapshot import ActorProvider, CallableProvider, capture, read_state, snapshot_in_actor, tiers_of
 from .storage.layout import validate_name
-from .types import CheckpointMeta, OnBusy, RestoreReport, SaveResult, StateReport, Strategy
+from .types import CheckpointMeta, OnBusy, RestoreReport, SaveResult, Strategy
 
 log = logging.getLogger("ray_ckpt")
 
@@ -44,19 +46,12 @@ def _coordinator_placement() -> Dict[str, Any]:
                                                                   soft=True)}
 
 
-@dataclass
-class Registration:
-    name: str
-    provider: Union[ActorProvider, CallableProvider, None]
-    strategy: Strategy
-    allow_pickle: bool = False
-    world_size: Optional[int] = None  # set: a state pushed by ranks with submit()
-    rank_providers: Optional[List[ActorProvider]] = None  # pushed state: rank r restores into [r]
-    replicated: bool = False
-
-
 class SaveHandle:
-    """The future of one save. ``wait()`` raises SaveError on failure: never silent."""
+    """The future of one save. ``wait()`` raises SaveError on failure: never silent.
+
+    It follows ``concurrent.futures.Future``: ``result(timeout)``, ``done()``, ``exception()``,
+    ``add_done_callback(fn)``, and ``await handle`` in asyncio code; ``wait()`` is the form that
+    also waits for the remote tier (``durability="remote"``) or for best-effort parts."""
 
     def __init__(self, engine: "CheckpointEngine", step: int, ref: Optional[ray.ObjectRef],
                  submit_s: float, skipped: bool = False):
@@ -131,8 +126,41 @@ class SaveHandle:
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             raise (type(cause) if isinstance(cause, SaveError) else SaveError)(one_line(cause)) from None
-        return SaveResult(d["version"], d["step"], d["bytes_written"], d["durability"],
-                          tuple(d.get("states", ())), d.get("seconds", 0.0), dict(d.get("stages") or {}))
+        return d.result()
+
+    # ------------------------------------------------------------------ concurrent.futures.Future style
+    def result(self, timeout: Optional[float] = None) -> SaveResult:
+        """The local commit's SaveResult (as ``wait(timeout)``); raises SaveError on failure."""
+        return self.wait(timeout)
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        """The error the save failed with, or None once it committed (waits up to ``timeout``)."""
+        try:
+            self.wait(timeout)
+        except SaveError as exc:
+            if "is not durable on the local tier after" in str(exc):
+                raise TimeoutError(str(exc)) from None
+            return exc
+        return None
+
+    def add_done_callback(self, fn: Callable[["SaveHandle"], Any]) -> None:
+        """Call ``fn(handle)`` once the local commit finished or failed (at once if it has); from a
+        background thread, as ``concurrent.futures`` does for a future that is not done yet."""
+        if self.done():
+            fn(self)
+            return
+        import threading
+
+        def watch():
+            ray.wait([self._ref], num_returns=1, timeout=None)
+            fn(self)
+
+        threading.Thread(target=watch, name=f"ray_ckpt-done-{self.step}", daemon=True).start()
+
+    def __await__(self):
+        import asyncio
+
+        return asyncio.get_event_loop().run_in_executor(None, self.wait).__await__()
 
 
 class CheckpointEngine:
@@ -144,7 +172,7 @@ class CheckpointEngine:
         self.run = config.run
         self._registry: Dict[str, Registration] = {}
         self._in_flight: List[SaveHandle] = []
-        self._declared: Dict[str, dict] = {}
+        self._declared: Dict[str, Declaration] = {}
         self._last_pushed: Dict[tuple, int] = {}
         self._saves = 0  # save() calls sent; every remote_every-th is uploaded
         self._pushes: Dict[tuple, int] = {}  # submit() calls sent per (state, rank), likewise
@@ -310,22 +338,7 @@ class CheckpointEngine:
         if world_size is not None:
             self._register_pushed(name, provider, strat, world_size, replicated, allow_pickle)
             return
-        if isinstance(provider, ActorProvider):
-            prov: Union[ActorProvider, CallableProvider] = provider
-        elif isinstance(provider, ray.actor.ActorHandle):
-            prov = ActorProvider(provider)
-        elif provider is None:
-            if not (strat is Strategy.RELOADABLE and callable(loader)):
-                raise InvalidArgumentError(f"state {name!r}: a provider (actor handle or callable) is "
-                                           f"required, except for a RELOADABLE state rebuilt by a loader")
-            prov = CallableProvider(None, loader)
-        elif callable(provider):
-            if loader is not None and not callable(loader):
-                raise InvalidArgumentError(f"state {name!r}: loader must be callable")
-            prov = CallableProvider(provider, loader)
-        else:
-            raise InvalidArgumentError(f"state {name!r}: provider must be a Ray actor handle, "
-                                       f"rc.actor_provider(...) or a callable, not {type(provider).__name__}")
+        prov = resolve(name, provider, strat, loader)
         self._registry[name] = Registration(name, prov, strat, bool(allow_pickle))
         self._prefault(prov)
 
@@ -349,14 +362,7 @@ class CheckpointEngine:
             if items is None or len(items) != world_size:
                 raise InvalidArgumentError(f"state {name!r}: with world_size={world_size}, provider must be "
                                            f"None or a list of {world_size} rank actor handles")
-            handles = []
-            for h in items:
-                if isinstance(h, ActorProvider):
-                    handles.append(h)
-                elif isinstance(h, ray.actor.ActorHandle):
-                    handles.append(ActorProvider(h))
-                else:
-                    raise InvalidArgumentError(f"state {name!r}: rank providers must be actor handles")
+            handles = [rank_provider(name, h) for h in items]
         self._call(lambda c: c.declare.remote(name, strat.value, world_size, bool(replicated), bool(allow_pickle)),
                    f"declaring {name!r}")
         self._registry[name] = Registration(name, None, strat, bool(allow_pickle), world_size, handles,
@@ -381,18 +387,18 @@ class CheckpointEngine:
         if decl is None:
             raise InvalidSaveError(f"state {name!r} is not declared for pushing in run {self.run!r}; the "
                                    f"driver registers it with engine.register({name!r}, world_size=N)")
-        if rank >= decl["world_size"]:
-            raise InvalidSaveError(f"rank {rank} is out of range for state {name!r} (world_size {decl['world_size']})")
+        if rank >= decl.world_size:
+            raise InvalidSaveError(f"rank {rank} is out of range for state {name!r} (world_size {decl.world_size})")
         last = self._last_pushed.get((name, rank), -1)
         if step <= last:
             raise InvalidSaveError(f"state {name!r} rank {rank}: step {step} is not after its last submitted "
                                    f"step {last}; steps must increase")
-        if decl["replicated"] and rank != 0:
+        if decl.replicated and rank != 0:
             ref = None  # replicas: rank 0's copy is stored; this rank's handle follows the version
         else:
             if self.config.prefault_object_store:
                 start_prefault()  # once per process; this rank's later copies land in mapped pages
-            flat = capture(state, name, decl["allow_pickle"])
+            flat = capture(state, name, decl.allow_pickle)
             ref = ray.put(flat)
         self._in_flight = [h for h in self._in_flight if not h.done()]
         pushes = self._pushes[(name, rank)] = self._pushes.get((name, rank), 0) + 1
@@ -450,7 +456,7 @@ class CheckpointEngine:
                 ray.wait([h._ref for h in self._in_flight], num_returns=len(self._in_flight)
                          - self.config.max_in_flight + 1)
                 self._in_flight = [h for h in self._in_flight if not h.done()]
-        parts: List[dict] = []
+        parts: List[PartPlan] = []
         refs: List[ray.ObjectRef] = []
         # in-process states first: an unsupported object raises here, before anything is submitted
         for reg in self._registry.values():
@@ -459,17 +465,18 @@ class CheckpointEngine:
                 continue  # pushed by its ranks; the coordinator expects those parts itself
             if isinstance(prov, CallableProvider):
                 if prov.fn is None:
-                    parts.append({"name": reg.name, "strategy": reg.strategy.value, "loader": True})
+                    parts.append(PartPlan(reg.name, reg.strategy, loader=True))
                     continue
                 flat = capture(prov.fn(), reg.name, reg.allow_pickle)
-                parts.append({"name": reg.name, "strategy": reg.strategy.value, "nbytes": flat.nbytes})
+                parts.append(PartPlan(reg.name, reg.strategy, nbytes=flat.nbytes))
                 refs.append(ray.put(flat))
         for reg in self._registry.values():
             prov = reg.provider
             if isinstance(prov, ActorProvider):
-                parts.append({"name": reg.name, "strategy": reg.strategy.value})
-                refs.append(prov.handle.__ray_call__.remote(snapshot_in_actor, prov.get, reg.name, reg.allow_pickle,
-                                                           self.config.prefault_object_store))
+                parts.append(PartPlan(reg.name, reg.strategy))
+                refs.append(prov.handle.__ray_call__.options(name=f"ray_ckpt.snapshot:{self.run}/{reg.name}").remote(
+                    snapshot_in_actor, prov.get, reg.name, reg.allow_pickle, self.config.prefault_object_store,
+                    prov.attribute))
         self._saves += 1
         # remote_every counts this engine's saves, in call order: the coordinator runs concurrent calls
         # in any order, so the turn is decided here
@@ -499,10 +506,28 @@ class CheckpointEngine:
             raise RestoreError(f"run {self.run!r} has no committed checkpoint{what}")
         return m
 
-    def load(self, version: int = -1, name: str = "", rank: int = 0, *, allow_pickle: Optional[bool] = None) -> Any:
-        """Read one state of a version into this process (verified), without touching providers."""
+    def load(self, name: Any = None, step: Any = -1, rank: Optional[int] = 0, *, version: Optional[int] = None,
+             allow_pickle: Optional[bool] = None) -> Any:
+        """Read one state of a committed version into this process (verified against the
+        manifest, local tier first, then remote), without touching any provider.
+
+        ``step=-1``: the latest version (versions are steps). ``rank``: which rank's part of a
+        pushed state. The older form ``load(version, name, rank)`` still works."""
+        if isinstance(name, int) and not isinstance(name, bool) and isinstance(step, str):
+            warnings.warn("engine.load(version, name) is deprecated; call engine.load(name, step=version)",
+                          DeprecationWarning, stacklevel=2)
+            name, step = step, name
+        if version is not None:
+            step = version
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError(f"load: the state's name is required, e.g. engine.load('policy', step=-1); "
+                                       f"got {name!r}")
         validate_name(name, "state name")
-        m = self._manifest(version)
+        if not isinstance(step, int) or isinstance(step, bool) or step < -1:
+            raise InvalidArgumentError(f"load: step must be a step number or -1 (the latest), got {step!r}")
+        if rank is None or not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise InvalidArgumentError(f"load: rank must be a non-negative integer, got {rank!r}")
+        m = self._manifest_at(step)
         entry = m.states.get(name)
         if entry is None:
             raise RestoreError(f"version {m.version} of run {self.run!r} has no state {name!r} "
@@ -518,115 +543,54 @@ class CheckpointEngine:
             raise RestoreError(f"state {name!r} of version {m.version}: {exc}") from None
         return state
 
+    def _manifest_at(self, step: int) -> Manifest:
+        return self._manifest(-1) if step == -1 else self._manifest(step=step)
+
     def restore(self, step: int = -1, strict: bool = True, names: Optional[Iterable[str]] = None,
-                rewind: bool = False) -> RestoreReport:
+                rewind: bool = False, fallback: bool = False) -> RestoreReport:
         """Bring registered providers back to a committed version (-1: the latest).
 
         Every file is verified against the manifest before use, read from the local tier first and
         from the remote tier when the local copy is missing or corrupt. With ``strict=True`` nothing
         is loaded into any provider unless every CRITICAL / RELOADABLE state verified.
 
+        ``fallback=True`` (with ``step=-1``): when the newest version fails verification on every
+        tier, restore the newest older one that passes; the report's ``skipped_versions`` says
+        which were passed over and why. Without it such a restore refuses, loading nothing.
+
         Versions are steps, so after restoring an older version, saves must go past the newest
         one. ``rewind=True`` instead deletes every version newer than the restored one (after the
         restore succeeded), and training goes on from it with the same step numbers."""
         t0 = time.perf_counter()
-        m = self._manifest(-1) if step == -1 else self._manifest(step=step)
         wanted = list(self._registry) if names is None else list(names)
         for n in wanted:
             if n not in self._registry:
                 raise InvalidArgumentError(f"state {n!r} is not registered")
-        reports: Dict[str, StateReport] = {}
-        staged_actor: Dict[str, Any] = {}
-        staged_local: Dict[str, Any] = {}
-        for name in wanted:
-            reg = self._registry[name]
-            entry = m.states.get(name)
-            if entry is None:
-                reports[name] = StateReport("missing", None, False, f"version {m.version} has no state {name!r}")
-                continue
-            if entry.status == "loader":
-                reports[name] = StateReport("reloaded", None, False, "rebuilt by its loader")
-                continue
-            if entry.status != "stored":
-                reports[name] = StateReport("missing", None, False, entry.detail or entry.status)
-                continue
-            if reg.world_size is not None:
-                if not reg.rank_providers:
-                    reports[name] = StateReport("skipped", None, False, "pushed state: each rank loads its "
-                                                f"part with engine.load({m.version}, {name!r}, rank=r)")
-                    continue
-                for r, p in enumerate(reg.rank_providers):
-                    staged_actor[(name, r)] = p.handle.__ray_call__.remote(
-                        stage_in_actor, name, self.config, rank_files(entry, name, r), reg.allow_pickle)
-                continue
-            files = rank_files(entry, name, 0)
-            prov = reg.provider
-            if isinstance(prov, ActorProvider):
-                staged_actor[(name, None)] = prov.handle.__ray_call__.remote(
-                    stage_in_actor, name, self.config, files, reg.allow_pickle)
-            elif prov.loader is None:
-                reports[name] = StateReport("skipped", None, False, "no loader was registered for it")
-            else:
-                try:
-                    state, tier, problems = read_state(tiers_of(self.config), files, name, reg.allow_pickle)
-                    staged_local[name] = state
-                    reports[name] = StateReport("restored", tier, True, "; ".join(problems),
-                                                sum(f.size for f in files))
-                except (IntegrityError, RestoreError, OSError) as exc:
-                    reports[name] = StateReport("missing", None, False, one_line(exc))
-        per_state: Dict[str, List[dict]] = {}
-        for (name, rank), ref in staged_actor.items():
+        if fallback and step != -1:
+            raise InvalidArgumentError("restore(fallback=True) goes back from the latest version; it takes "
+                                       f"step=-1, not step={step}")
+        candidates = self._call(lambda c: c.manifests.remote(), "the manifests", error=RestoreError) \
+            if fallback else [self._manifest_at(step)]
+        if not candidates:
+            raise RestoreError(f"run {self.run!r} has no committed checkpoint")
+        skipped: Dict[int, str] = {}
+        for i, m in enumerate(candidates):
             try:
-                r = ray.get(ref)
-            except ray.exceptions.RayError as exc:
-                r = {"ok": False, "tier": None, "detail": f"provider actor failed: {one_line(exc)[:300]}"}
-            if rank is not None and r["detail"]:
-                r["detail"] = f"rank {rank}: {r['detail']}"
-            per_state.setdefault(name, []).append(r)
-        for name, rs in per_state.items():
-            detail = "; ".join(r["detail"] for r in rs if r["detail"])
-            if all(r["ok"] for r in rs):
-                tier = "remote" if any(r["tier"] == "remote" for r in rs) else "local"
-                reports[name] = StateReport("restored", tier, True, detail, sum(r.get("bytes", 0) for r in rs))
-            else:
-                reports[name] = StateReport("missing", None, False, detail)
-        failed = [f"{n}: {r.detail}" for n, r in reports.items()
-                  if r.status == "missing" and self._registry[n].strategy is not Strategy.BEST_EFFORT]
-        if strict and failed:
-            for key in staged_actor:
-                self._stage_target(key).handle.__ray_call__.remote(discard_in_actor, key[0])
-            raise RestoreError(f"cannot restore version {m.version} (step {m.step}) of run {self.run!r}; nothing "
-                               f"was loaded: " + " | ".join(failed))
-        applies = []
-        for key in staged_actor:
-            if reports[key[0]].status == "restored":
-                prov = self._stage_target(key)
-                applies.append((key, prov.handle.__ray_call__.remote(apply_in_actor, prov.set, key[0])))
-        refused, loaded = [], []  # a provider's own set_state / loader failing is its error, named here
-        for (name, rank), ref in applies:
-            try:
-                ray.get(ref)
-                loaded.append(name)
-            except ray.exceptions.RayError as exc:
-                cause = getattr(exc, "cause", None) or exc
-                refused.append(f"{name}{'' if rank is None else f' rank {rank}'}: {one_line(cause)[:300]}")
-        for name, state in staged_local.items():
-            try:
-                self._registry[name].provider.loader(state)
-                loaded.append(name)
-            except Exception as exc:
-                refused.append(f"{name}: its loader raised {type(exc).__name__}: {one_line(exc)[:300]}")
-        for name, r in list(reports.items()):
-            if r.status == "reloaded":
-                try:
-                    self._registry[name].provider.loader()
-                    loaded.append(name)
-                except Exception as exc:
-                    refused.append(f"{name}: its loader raised {type(exc).__name__}: {one_line(exc)[:300]}")
-        if refused:
-            raise RestoreError(f"version {m.version} (step {m.step}) of run {self.run!r} verified, but loading it into "
-                               f"its providers failed: {' | '.join(refused)}; loaded: "
-                               f"{', '.join(sorted(set(loaded))) or 'nothing'}")
+                plan = stages.plan(m, self._registry, wanted)
+                staged = stages.stage(plan, self.config)
+                reports = stages.verify(staged, self._registry, strict, self.run)
+            except RestoreError as exc:
+                if not fallback or i == len(candidates) - 1:
+                    if skipped:
+                        raise RestoreError(f"{exc}; newer versions skipped: "
+                                           + "; ".join(f"{v}: {why}" for v, why in skipped.items())) from None
+                    raise
+                skipped[m.version] = one_line(exc)
+                log.warning("restore(fallback=True): version %d does not verify, trying an older one: %s",
+                            m.version, one_line(exc))
+                continue
+            break
+        stages.apply(staged, reports, self._registry, self.run)
         rewound: List[int] = []
         if rewind:
             rewound = self._call(lambda c: c.rewind.remote(m.version), "rewind", 300, RestoreError)
@@ -636,15 +600,11 @@ class CheckpointEngine:
         self._step = m.step
         seconds = time.perf_counter() - t0
         metrics_for_run(self.run).restored(seconds)
-        return RestoreReport(m.version, m.step, reports, seconds, tuple(rewound))
-
-    def _stage_target(self, key) -> ActorProvider:
-        reg = self._registry[key[0]]
-        return reg.provider if key[1] is None else reg.rank_providers[key[1]]
+        return RestoreReport(m.version, m.step, reports, seconds, tuple(rewound), skipped)
 
     def status(self) -> Dict[str, Any]:
         """Saves in flight with each part's stage, queued bytes per pool, the last error."""
-        out = self._call(lambda c: c.status.remote(), "its status")
+        out = self._call(lambda c: c.status.remote(), "its status").to_dict()
         if self.config.remote_uri and (self._owner or self._saves):
             # this engine counts the saves that take the upload turns: 1 = its next save is uploaded
             every = self.config.remote_every

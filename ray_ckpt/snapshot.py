@@ -16,6 +16,7 @@ from .errors import IntegrityError, RestoreError, one_line
 from .formats.manifest import FileEntry
 from .formats.tree import Flat, flatten
 from .object_store import start_prefault
+from .protocol import StagedState
 from .storage.tier import Tier
 
 _STAGED = "_ray_ckpt_staged"
@@ -23,11 +24,17 @@ _STAGED = "_ray_ckpt_staged"
 
 @dataclass(frozen=True)
 class ActorProvider:
-    """A Ray actor handle whose ``get(name)`` returns a state and ``set(name, state)`` loads one."""
+    """A Ray actor handle whose ``get(name)`` returns a state and ``set(name, state)`` loads one.
+
+    With ``attribute``, the state is that attribute of the actor instead, an object with torch's
+    ``Stateful`` protocol (``state_dict()`` / ``load_state_dict(state)``: a module, an optimizer,
+    an LR scheduler, a ``StatefulDataLoader``) or RLlib's ``Checkpointable`` one (``get_state()``
+    / ``set_state(state)``); ``get`` / ``set`` then name those two methods."""
 
     handle: Any
     get: str = "ckpt_get_state"
     set: str = "ckpt_set_state"
+    attribute: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,48 @@ class CallableProvider:
 def actor_provider(handle: Any, *, get: str = "ckpt_get_state", set: str = "ckpt_set_state") -> ActorProvider:
     """Use other method names than ``ckpt_get_state`` / ``ckpt_set_state`` on an actor."""
     return ActorProvider(handle, get, set)
+
+
+def actor_method(handle: Any, attribute: str, *, get: Optional[str] = None, set: Optional[str] = None
+                 ) -> ActorProvider:
+    """The state of one attribute of an actor: ``rc.actor_method(learner, "opt")`` saves
+    ``learner.opt.state_dict()`` inside the actor and restores with ``learner.opt.load_state_dict``.
+    An attribute with RLlib's ``get_state`` / ``set_state`` (and no ``state_dict``) uses those;
+    ``get`` / ``set`` name other methods."""
+    if not isinstance(attribute, str) or not attribute.isidentifier():
+        from .errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"actor_method: attribute must be an attribute name, got {attribute!r}")
+    return ActorProvider(handle, get or "", set or "", attribute)
+
+
+STATEFUL_METHODS = (("state_dict", "load_state_dict"), ("get_state", "set_state"))
+
+
+def stateful_methods(obj: Any) -> Optional[tuple]:
+    """The (get, set) method names of an object following torch's Stateful or RLlib's
+    Checkpointable protocol, or None."""
+    for get, set_ in STATEFUL_METHODS:
+        if callable(getattr(obj, get, None)) and callable(getattr(obj, set_, None)):
+            return get, set_
+    return None
+
+
+def _actor_get(actor: Any, prov_get: str, attribute: Optional[str], name: str) -> Any:
+    if attribute is None:
+        return getattr(actor, prov_get)(name)
+    obj = getattr(actor, attribute)
+    get = prov_get or (stateful_methods(obj) or ("state_dict",))[0]
+    return getattr(obj, get)()
+
+
+def _actor_set(actor: Any, prov_set: str, attribute: Optional[str], name: str, state: Any) -> None:
+    if attribute is None:
+        getattr(actor, prov_set)(name, state)
+        return
+    obj = getattr(actor, attribute)
+    set_ = prov_set or (stateful_methods(obj) or (None, "load_state_dict"))[1]
+    getattr(obj, set_)(state)
 
 
 class HostStaging:
@@ -91,7 +140,8 @@ def capture(state: Any, name: str, allow_pickle: bool = False, staging: Optional
     return flat
 
 
-def snapshot_in_actor(actor: Any, getter: str, name: str, allow_pickle: bool, prefault: bool = False) -> Flat:
+def snapshot_in_actor(actor: Any, getter: str, name: str, allow_pickle: bool, prefault: bool = False,
+                      attribute: Optional[str] = None) -> Flat:
     """Runs in the provider actor: call its getter and flatten (CPU tensor memory is not copied
     here; Ray copies it once into the object store when this returns; device tensors go through
     the actor's reused pinned staging buffers). ``prefault``: make sure this process maps the
@@ -99,7 +149,7 @@ def snapshot_in_actor(actor: Any, getter: str, name: str, allow_pickle: bool, pr
     if prefault:
         start_prefault()
     staging = actor.__dict__.setdefault("_ray_ckpt_host_staging", HostStaging())
-    return capture(getattr(actor, getter)(name), name, allow_pickle, staging)
+    return capture(_actor_get(actor, getter, attribute, name), name, allow_pickle, staging)
 
 
 def read_state(tiers: Sequence[Tier], files: List[FileEntry], name: str, allow_pickle: bool = False):
@@ -109,7 +159,7 @@ def read_state(tiers: Sequence[Tier], files: List[FileEntry], name: str, allow_p
 
 
 def stage_in_actor(actor: Any, name: str, config: Any, files: List[FileEntry],
-                   allow_pickle: bool) -> Dict[str, Any]:
+                   allow_pickle: bool) -> StagedState:
     """Runs in the provider actor: read + verify the state from its node's tiers and hold it until
     every state of the restore is verified (so a failed restore changes nothing)."""
     if config.prefault_object_store:
@@ -117,10 +167,9 @@ def stage_in_actor(actor: Any, name: str, config: Any, files: List[FileEntry],
     try:
         state, tier, problems = read_state(tiers_of(config), files, name, allow_pickle)
     except (IntegrityError, RestoreError, OSError) as exc:
-        return {"ok": False, "tier": None, "detail": one_line(exc)}
+        return StagedState(False, None, one_line(exc))
     actor.__dict__.setdefault(_STAGED, {})[name] = state
-    return {"ok": True, "tier": tier, "detail": "; ".join(problems),
-            "bytes": sum(f.size for f in files)}
+    return StagedState(True, tier, "; ".join(problems), sum(f.size for f in files))
 
 
 def tiers_of(config: Any) -> List[Tier]:
@@ -129,9 +178,9 @@ def tiers_of(config: Any) -> List[Tier]:
     return [config.local_tier()] + ([remote] if remote is not None else [])
 
 
-def apply_in_actor(actor: Any, setter: str, name: str) -> None:
+def apply_in_actor(actor: Any, setter: str, name: str, attribute: Optional[str] = None) -> None:
     state = actor.__dict__.get(_STAGED, {}).pop(name)
-    getattr(actor, setter)(name, state)
+    _actor_set(actor, setter, attribute, name, state)
 
 
 def discard_in_actor(actor: Any, name: str) -> None:

@@ -59,6 +59,9 @@ class SaveResult:
     # where the time went (local commit only): snapshot_wait_s — the slowest writer's wait for its
     # snapshot; write_s — its serialise + checksum + fsync; manifest_s — writing the manifest
     stages: Dict[str, float] = field(default_factory=dict)
+    missing: Tuple[str, ...] = ()   # best-effort states that failed (reported, not fatal)
+    pending: Tuple[str, ...] = ()   # best-effort states still being written when the version committed
+    rank_zero_only: bool = False    # a replica rank's push (replicated=True): rank 0's copy is the one stored
 
     @property
     def skipped(self) -> bool:
@@ -81,6 +84,8 @@ class RestoreReport:
     states: Dict[str, StateReport]
     seconds: float = 0.0
     rewound: Tuple[int, ...] = ()  # newer versions deleted by restore(..., rewind=True)
+    # newer versions passed over (restore(fallback=True), or unreadable manifests): version -> why
+    skipped_versions: Dict[int, str] = field(default_factory=dict)
 
     def __str__(self) -> str:  # a table a person can read
         lines = [f"restored version {self.version} (step {self.step}) in {self.seconds:.3f}s"]
@@ -89,6 +94,8 @@ class RestoreReport:
                 f"  {name:<20} {r.status:<9} tier={r.tier or '-':<6} verified={'yes' if r.verified else 'no':<3}"
                 + (f" {r.detail}" if r.detail else "")
             )
+        for v, why in sorted(self.skipped_versions.items()):
+            lines.append(f"  skipped newer version {v}: {why}")
         return "\n".join(lines)
 
 

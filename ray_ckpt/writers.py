@@ -9,15 +9,22 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Dict, List, Optional
+import asyncio
+import concurrent.futures
+import logging
+from typing import Any, Dict, Iterable, List, Optional, Set, Union
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .checkpoint_io import content_hash, delete_version, write_flat
 from .errors import IntegrityError, SaveError, UnsupportedTypeError, one_line
 from .formats.manifest import FileEntry
 from .formats.tree import Flat
+from .protocol import WrittenPart
 from .storage.tier import RateLimit, Tier
+
+log = logging.getLogger("ray_ckpt.writers")
 
 
 class PartWriter:
@@ -43,7 +50,7 @@ class PartWriter:
 
     def write_part(self, version: int, name: str, rank: int, flat: Flat, *,
                    reuse: Optional[Dict[str, List[dict]]] = None,
-                   compression: Optional[str] = None) -> Dict[str, Any]:
+                   compression: Optional[str] = None) -> WrittenPart:
         """Write one (state, rank) part to the local tier.
 
         ``reuse`` maps content hashes already stored (RELOADABLE states) to their files: when this
@@ -54,19 +61,18 @@ class PartWriter:
         if reuse is not None:
             chash = content_hash(flat)
             if chash in reuse:
-                return {"files": reuse[chash], "written": 0, "content_hash": chash, "reused": True,
-                        "seconds": time.perf_counter() - t0}
+                return WrittenPart(tuple(_entry(f) for f in reuse[chash]), 0, chash, reused=True,
+                                   write_s=time.perf_counter() - t0)
         files = write_flat(self.local, version, name, rank, flat, compression, self.write_threads, self.direct_io)
-        return {"files": [f.__dict__ for f in files], "written": sum(f.size for f in files),
-                "content_hash": chash, "reused": False, "seconds": time.perf_counter() - t0}
+        return WrittenPart(tuple(files), sum(f.size for f in files), chash, write_s=time.perf_counter() - t0)
 
-    def upload(self, files: List[dict]) -> int:
+    def upload(self, files: Iterable[Union[FileEntry, dict]]) -> int:
         """Copy committed local files to the remote tier, verifying each against its manifest
         checksum while streaming. Transient errors retry with exponential backoff."""
         if self.remote is None:
             raise SaveError("no remote tier is configured")
         total = 0
-        for f in map(lambda d: FileEntry(**d), files):
+        for f in map(_entry, files):
             for attempt in range(self.upload_retries + 1):
                 try:
                     size, digest = self.local.copy_to(self.remote, f.path)
@@ -105,7 +111,7 @@ class WriterActor:
                                  upload_bytes_per_s=None if config.upload_max_mb_s is None
                                  else config.upload_max_mb_s * 1e6)
 
-    def write_part(self, version: int, name: str, rank: int, refs: List[Any], **kw) -> Dict[str, Any]:
+    def write_part(self, version: int, name: str, rank: int, refs: List[Any], **kw) -> WrittenPart:
         t0 = time.perf_counter()
         try:
             flat = ray.get(refs[0])
@@ -116,17 +122,14 @@ class WriterActor:
         except ray.exceptions.RayError as exc:
             raise SaveError(f"snapshot of state {name!r} (rank {rank}) was lost: {one_line(exc)}") from None
         waited = time.perf_counter() - t0
-        result = self.writer.write_part(version, name, rank, flat, **kw)
-        result["node"] = self.node
-        result["timings"] = {"snapshot_wait_s": waited, "write_s": result["seconds"]}
-        return result
+        return self.writer.write_part(version, name, rank, flat, **kw).with_node(self.node, waited)
 
     def delete_version(self, version: int, keep_paths: set, referenced: List[str]) -> List[str]:
         """Retention on this node's local tier (each node's local tier is its own disk)."""
         return delete_version(self.writer.local, version, keep_paths, referenced)
 
     @ray.method(concurrency_group="upload", max_task_retries=0)  # the coordinator retries uploads itself
-    def upload(self, files: List[dict]) -> int:
+    def upload(self, files: List[FileEntry]) -> int:
         return self.writer.upload(files)
 
     def node_id(self) -> str:
@@ -134,3 +137,100 @@ class WriterActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+def _entry(f: Union[FileEntry, dict]) -> FileEntry:
+    return f if isinstance(f, FileEntry) else FileEntry(**f)
+
+
+class WriterPools:
+    """The coordinator's writers: a critical pool per node that holds snapshots (created on first
+    use: each node's local tier is its own disk, and a writer beside the snapshot reads it from
+    shared memory), and one best-effort pool that runs anywhere. Each writer's queued bytes decide
+    which one gets the next part."""
+
+    def __init__(self, config: Any):
+        self.cfg = config
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.critical_by_node: Dict[str, list] = {self.node_id: self._make_pool(self.node_id)}
+        self.best_effort = [self._writer("best_effort", config.best_effort_cpus, config.best_effort_nice)
+                            for _ in range(config.best_effort_writers)]
+        self.queued: Dict[int, int] = {}  # id(writer) -> bytes queued
+        self._locator = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="locate")
+        self._nodes: Set[str] = set()
+        self._nodes_at = 0.0
+
+    def _writer(self, pool: str, cpus: float, nice: int, node: Optional[str] = None):
+        opts: Dict[str, Any] = {"num_cpus": cpus}
+        if node is not None:
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+        return WriterActor.options(**opts).remote(self.cfg, pool, nice)
+
+    def _make_pool(self, node: str) -> list:
+        return [self._writer("critical", self.cfg.critical_cpus, self.cfg.critical_nice, node)
+                for _ in range(self.cfg.critical_writers)]
+
+    @property
+    def critical(self) -> list:
+        return [w for pool in self.critical_by_node.values() for w in pool]
+
+    def all(self) -> list:
+        return self.critical + self.best_effort
+
+    def critical_on(self, node: Optional[str]) -> list:
+        """The critical pool of ``node`` (created on first use), or this node's when unknown/gone."""
+        if node and node not in self.critical_by_node:
+            self._nodes_at = 0.0
+            if node in self._alive_nodes():
+                self.critical_by_node[node] = self._make_pool(node)
+        return self.critical_by_node.get(node) or self.critical_by_node[self.node_id]
+
+    def least_busy(self, pool: list) -> Any:
+        return min(pool, key=lambda w: self.queued.get(id(w), 0))
+
+    def add_queued(self, writer: Any, nbytes: int) -> None:
+        self.queued[id(writer)] = max(0, self.queued.get(id(writer), 0) + nbytes)
+
+    def queued_bytes(self, pool: list) -> int:
+        return sum(self.queued.get(id(w), 0) for w in pool)
+
+    def other_nodes(self) -> list:
+        """One critical writer on every node but this one (for deletions on their local tiers)."""
+        return [pool[0] for node, pool in self.critical_by_node.items() if node != self.node_id and pool]
+
+    def _alive_nodes(self) -> Set[str]:
+        now = time.monotonic()
+        if now - self._nodes_at > 5.0:
+            self._nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            self._nodes_at = now
+        return self._nodes
+
+    @staticmethod
+    def _locate_blocking(ref: Any) -> Optional[str]:
+        ray.wait([ref], num_returns=1, fetch_local=False)
+        # the coordinator only borrows the ref: the owner's location report can lag the object's
+        # readiness a little (more on a busy head node), so ask again for a bounded moment (3 s)
+        # before giving up on affinity
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            locs = ray.experimental.get_object_locations([ref]).get(ref) or {}
+            if locs.get("node_ids"):
+                return locs["node_ids"][0]
+            if 0 < (locs.get("object_size") or 0) < 100 * 1024:
+                return None  # small objects are inlined in their owner's memory: no node to prefer
+            time.sleep(0.025)
+        return None
+
+    async def locate(self, ref: Any) -> Optional[str]:
+        """The node holding a snapshot once it is ready (not fetched here: fetch_local=False).
+
+        The wait may last as long as the provider's current training call, so it runs on its own
+        thread pool, never on the one that writes manifests."""
+        if len(self._alive_nodes()) <= 1:
+            return None
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._locator, self._locate_blocking, ref)
+        except Exception as exc:  # a failed snapshot has no location: the writer reports its error
+            log.info("no location for a snapshot (%s); writing it from this node", one_line(exc))
+            return None

@@ -1,0 +1,155 @@
+"""The messages that cross an actor boundary, as frozen dataclasses.
+
+Engine, coordinator, writers and provider actors talk only through these records (Ray pickles
+them like any other argument): no field is read from a dict by a string key on the other side, and
+a field one side computes reaches the other or is not computed. The call order they belong to is
+spelled out at the top of ``coordinator.py``.
+
+    engine      --PartPlan-->          coordinator    save(): what each snapshot ref is
+    engine      --Declaration-->       coordinator    register(world_size=N): a state ranks push
+    coordinator --(ref, reuse)-->      writer         write_part()
+    writer      --WrittenPart-->       coordinator    the files one part became
+    coordinator --SaveOutcome-->       engine         a version's outcome on one tier (-> SaveResult)
+    coordinator --CoordinatorStatus--> engine         status()
+    provider    --StagedState-->       engine         restore(): a state read and verified in the actor
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
+
+from .formats.manifest import FileEntry
+from .types import SaveResult, Strategy
+
+
+@dataclass(frozen=True)
+class PartPlan:
+    """One part of a save as the engine plans it: a snapshot ref follows it, unless ``loader``."""
+
+    name: str
+    strategy: Strategy
+    rank: int = 0
+    nbytes: int = 0           # bytes of an in-process snapshot (0: not known to the driver)
+    loader: bool = False      # a RELOADABLE state rebuilt by its loader: no bytes, no ref
+    replicated: bool = False  # DDP-style replicas: rank 0's copy is the one stored
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """A state that ``world_size`` rank actors push themselves with ``engine.submit``."""
+
+    name: str
+    strategy: Strategy
+    world_size: int
+    replicated: bool = False
+    allow_pickle: bool = False
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"strategy": self.strategy.value, "world_size": self.world_size,
+                "replicated": self.replicated, "allow_pickle": self.allow_pickle}
+
+    @classmethod
+    def from_json(cls, name: str, d: Dict[str, Any]) -> "Declaration":
+        return cls(name, Strategy.parse(d["strategy"]), int(d["world_size"]), bool(d.get("replicated", False)),
+                   bool(d.get("allow_pickle", False)))
+
+    def parts(self) -> Tuple[PartPlan, ...]:
+        ranks = [0] if self.replicated else range(self.world_size)
+        return tuple(PartPlan(self.name, self.strategy, r, replicated=self.replicated) for r in ranks)
+
+
+@dataclass(frozen=True)
+class WrittenPart:
+    """What a writer made of one (state, rank) part."""
+
+    files: Tuple[FileEntry, ...]
+    written: int                          # bytes written now (0 when ``reused``)
+    content_hash: Optional[str] = None    # RELOADABLE: the digest that lets later versions reuse it
+    reused: bool = False                  # referred to an older version's files instead of writing
+    node: str = ""                        # the node whose local tier holds the files
+    snapshot_wait_s: float = 0.0          # the writer's wait for the snapshot to be ready
+    write_s: float = 0.0                  # serialise + checksum + fsync
+
+    def with_node(self, node: str, snapshot_wait_s: float) -> "WrittenPart":
+        return dataclasses.replace(self, node=node, snapshot_wait_s=snapshot_wait_s)
+
+
+@dataclass(frozen=True)
+class SaveOutcome:
+    """A version committed on one tier, as the coordinator knows it; becomes the user's SaveResult."""
+
+    version: int
+    step: int
+    durability: str                       # "local" | "remote"
+    bytes_written: int
+    states: Tuple[str, ...] = ()
+    seconds: float = 0.0                  # from the coordinator accepting the version to this commit
+    stages: Dict[str, float] = field(default_factory=dict)
+    missing: Tuple[str, ...] = ()         # best-effort states that failed (reported, not fatal)
+    pending: Tuple[str, ...] = ()         # best-effort states still being written at the commit
+    rank_zero_only: bool = False          # a replica rank's push: rank 0's copy is the one stored
+
+    def result(self) -> SaveResult:
+        return SaveResult(self.version, self.step, self.bytes_written, self.durability, self.states,
+                          self.seconds, dict(self.stages), self.missing, self.pending, self.rank_zero_only)
+
+
+@dataclass(frozen=True)
+class PartStatus:
+    state: str
+    rank: int
+    status: str                           # pending | written | failed
+
+
+@dataclass(frozen=True)
+class VersionStatus:
+    version: int
+    step: Optional[int]
+    stage: str                            # "writing (k/n parts)" | "committed" | "failed"
+    parts: Tuple[PartStatus, ...] = ()
+    upload: Optional[str] = None          # "uploading" (+ the last error) while an upload is owed
+
+
+@dataclass(frozen=True)
+class CoordinatorStatus:
+    run: str
+    in_flight: Tuple[VersionStatus, ...]
+    queued_bytes_critical: int
+    queued_bytes_best_effort: int
+    committed: int
+    remote_committed: int
+    commits: int
+    failures: int
+    last_error: Optional[str]
+    started_at: float
+    node: str
+    writer_nodes: Dict[str, int]
+    upload_owed: bool
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The form ``engine.status()`` returns to users (a dict a person or a dashboard reads)."""
+        in_flight: Dict[int, Dict[str, Any]] = {}
+        for v in self.in_flight:
+            d: Dict[str, Any] = {"stage": v.stage}
+            if v.step is not None:  # a version still being written (not only an upload)
+                d["step"] = v.step
+                d["parts"] = {f"{p.state}/rank{p.rank}": p.status for p in v.parts}
+            if v.upload is not None:
+                d["remote"] = v.upload
+            in_flight[v.version] = d
+        return {"run": self.run, "in_flight": in_flight,
+                "queued_bytes": {"critical": self.queued_bytes_critical, "best_effort": self.queued_bytes_best_effort},
+                "committed": self.committed, "remote_committed": self.remote_committed, "commits": self.commits,
+                "failures": self.failures, "last_error": self.last_error, "started_at": self.started_at,
+                "node": self.node, "writer_nodes": dict(self.writer_nodes), "upload_owed": self.upload_owed}
+
+
+@dataclass(frozen=True)
+class StagedState:
+    """A state read and verified inside its provider actor, held there until the restore applies it."""
+
+    ok: bool
+    tier: Optional[str] = None
+    detail: str = ""
+    bytes: int = 0
