@@ -20,9 +20,10 @@ Integration (the save side):
     the JSON-able record to the coordinator with the part;
   * at commit the coordinator calls ``index_of(records).to_json()`` and stores it in the manifest
     entry of the state (it raises if the chunks of a tensor do not cover it: a missing rank).
-The restore side: ``ShardIndex.from_json(...)`` then ``load_state_into(state, index, read_range)``
-for ``load_into(name, state, rank=r)`` (DTensor leaves filled in place on any mesh), or
-``assemble_full(meta, read_range)`` per key for ``load(name, rank=None)``.
+The restore side: ``ShardIndex.from_json(...)`` then ``load_state_into(state, index, read_range,
+plain=<rank 0's part unflattened>)`` for ``load_into(name, state, rank=r)`` (DTensor leaves filled in
+place on any mesh, whatever the saved world size), or ``full_state(<rank 0's part>, index,
+read_range)`` for ``load(name, rank=None)`` (DTensor leaves assembled by :func:`assemble_full`).
 """
 from __future__ import annotations
 
@@ -552,13 +553,29 @@ def iter_tensor_leaves(state: Any, path: Optional[list] = None) -> Iterator[Tupl
         yield path, state
 
 
-def load_state_into(state: Any, index: ShardIndex, read_range: ReadRange, *, verify: bool = True
-                    ) -> Tuple[List[str], List[str]]:
+def _lookup(state: Any, path: list) -> Any:
+    for k in path:
+        if isinstance(state, dict) and k in state:
+            state = state[k]
+        elif isinstance(state, (list, tuple)) and isinstance(k, int) and 0 <= k < len(state):
+            state = state[k]
+        else:
+            return None
+    return state
+
+
+def load_state_into(state: Any, index: ShardIndex, read_range: ReadRange, *, plain: Any = None,
+                    verify: bool = True) -> Tuple[List[str], List[str]]:
     """Fill every tensor leaf of ``state`` (e.g. ``model.state_dict()`` or ``optim.state_dict()`` of
     the new layout) whose key is in ``index``, in place: a DTensor gets its local shard, a plain
-    tensor the whole tensor. Returns (keys filled, keys of tensor leaves not in the index: rank-local
-    leaves such as AdamW's ``step``, for the caller to restore from a rank's own part). A DTensor
-    leaf with no entry in the index is a :class:`RestoreError`."""
+    tensor the whole tensor. A tensor leaf not in the index (AdamW's ``step``: not sharded) is copied
+    from the same path of ``plain`` when given (an unflattened part, e.g. rank 0's: such leaves are
+    the same on every rank of an FSDP / DTensor state; unflatten it with ``on_sharded=lambda leaf: None``:
+    its chunks are not needed). Returns (keys filled from the index, keys of
+    tensor leaves left as they were). A DTensor leaf with no entry in the index, or a ``plain`` leaf
+    of another shape or dtype, is a :class:`RestoreError`."""
+    import torch
+
     from .tree import _dtensor_types
 
     dt = _dtensor_types()
@@ -566,15 +583,37 @@ def load_state_into(state: Any, index: ShardIndex, read_range: ReadRange, *, ver
     for path, t in iter_tensor_leaves(state):
         key = leaf_key(path)
         m = index.get(key)
-        if m is None:
-            if dt is not None and isinstance(t, dt):
-                raise RestoreError(f"{key}: a sharded tensor of the target has no stored chunks in the "
-                                   f"checkpoint (stored keys: {sorted(index)[:8]}...)")
-            rest.append(key)
+        if m is not None:
+            load_into_tensor(t, m, read_range, verify=verify)
+            filled.append(key)
             continue
-        load_into_tensor(t, m, read_range, verify=verify)
-        filled.append(key)
+        if dt is not None and isinstance(t, dt):
+            raise RestoreError(f"{key}: a sharded tensor of the target has no stored chunks in the "
+                               f"checkpoint (stored: {', '.join(sorted(index)[:6])}{', ...' if len(index) > 6 else ''})")
+        src = _lookup(plain, path) if plain is not None else None
+        if isinstance(src, torch.Tensor) and not (dt is not None and isinstance(src, dt)):
+            if src.shape != t.shape or src.dtype != t.dtype:
+                raise RestoreError(f"{key}: the target is shape {list(t.shape)} {t.dtype} but the checkpoint "
+                                   f"holds shape {list(src.shape)} {src.dtype}")
+            with torch.no_grad():
+                t.copy_(src)
+        rest.append(key)
     return filled, rest
+
+
+def full_state(structure: Any, arrays: List[Any], tables: List[Any], index: ShardIndex, read_range: ReadRange,
+               *, verify: bool = True, **unflatten_kw: Any) -> Any:
+    """A part (structure and arrays, e.g. rank 0's) unflattened with every DTensor leaf assembled
+    into its full tensor from ``index``: ``load(name, rank=None)`` of a sharded state."""
+    from .tree import unflatten
+
+    def full(leaf: Any) -> Any:
+        m = index.get(leaf.key)
+        if m is None:
+            raise RestoreError(f"{leaf.key}: a sharded leaf with no entry in the shard index")
+        return assemble_full(m, read_range, verify=verify)
+
+    return unflatten(structure, arrays, tables, on_sharded=full, **unflatten_kw)
 
 
 def file_reader(paths: Dict[str, str], counter: Optional[Dict[str, int]] = None) -> ReadRange:
@@ -597,5 +636,5 @@ __all__ = [
     "PIECE_SIZE", "ChunkMeta", "StoredChunk", "ShardedTensorMeta", "ShardIndex", "ReadItem", "PieceHasher",
     "part_record", "index_of", "safetensors_array_offsets", "box_ranges", "plan_reads", "plan_bytes",
     "piece_digests", "pieces_for_range", "verify_pieces", "target_chunk", "load_into_tensor", "load_chunk",
-    "assemble_full", "iter_tensor_leaves", "load_state_into", "file_reader",
+    "assemble_full", "iter_tensor_leaves", "load_state_into", "full_state", "file_reader",
 ]

@@ -246,9 +246,9 @@ def dtensor_chunk(t: Any) -> Tuple[List[int], List[int]]:
     for p in t.placements:
         if type(p) not in (Shard, Replicate):
             raise ValueError(f"placement {p} (only Shard and Replicate are stored; redistribute first)")
-    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     if t.device_mesh.get_coordinate() is None:  # this rank is not in the mesh: it holds nothing
         return [0] * len(t.shape), [0] * len(t.shape)
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return list(offsets), list(shape)
 
 
