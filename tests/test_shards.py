@@ -284,6 +284,25 @@ def test_index_json_round_trip_and_coverage():
     with pytest.raises(IntegrityError, match="disagree"):
         index_of(recs + [rec([], shape=(10, 7))])
 
+    # a hostile or damaged index is refused when read
+    def edited(**change):
+        d = json.loads(idx.dumps())
+        d["tensors"]["w"]["chunks"][1].update(change)
+        return d
+
+    c1 = meta.chunks[1]
+    for change, why in [({"o": [9, 0]}, "not inside shape"), ({"s": [4, 0]}, "not inside shape"),
+                        ({"o": [0, 0]}, "overlap"), ({"n": c1.nbytes + 4}, "bytes at"),
+                        ({"at": -1}, "bytes at"), ({"xxh3": list(c1.digests[:-1])}, "piece digests"),
+                        ({"o": "x"}, "malformed")]:
+        with pytest.raises(IntegrityError, match=why):
+            ShardIndex.from_json(edited(**change))
+    # the right number of elements, but two chunks overlap (and leave a hole)
+    m2 = ShardedTensorMeta("w", (2, 2), "float32", [StoredChunk(ChunkMeta((0, 0), (1, 2)), "a", 0, 8),
+                                                     StoredChunk(ChunkMeta((0, 0), (2, 1)), "b", 0, 8)])
+    with pytest.raises(IntegrityError, match=r"w: chunks at \[0, 0\] and \[0, 0\] overlap"):
+        ShardIndex.from_json(ShardIndex({"w": m2}).dumps())
+
 
 def test_safetensors_array_offsets():
     """The offsets a writer records for a ray_ckpt safetensors file point at each array's bytes."""

@@ -142,6 +142,46 @@ class ShardedTensorMeta:
     def numel(self) -> int:
         return _prod(self.global_shape)
 
+    def validate(self) -> None:
+        """Structural checks of the chunks (a manifest is read from storage that may be hostile):
+        every chunk lies inside the shape, holds ``numel * itemsize`` bytes at a non-negative
+        offset with one digest per piece, and the chunks tile the tensor (no overlap, no hole).
+        Raises :class:`IntegrityError`."""
+        def bad(why: str) -> IntegrityError:
+            return IntegrityError(f"shard index: {self.key}: {why}")
+
+        shape = self.global_shape
+        if any(not isinstance(n, int) or n < 0 for n in shape):
+            raise bad(f"bad shape {list(shape)}")
+        try:
+            item = self.itemsize
+        except (AttributeError, TypeError):
+            raise bad(f"unknown dtype {self.dtype!r}") from None
+        for c in self.chunks:
+            o, z = c.chunk.offsets, c.chunk.sizes
+            if len(o) != len(shape) or any(a < 0 or b <= 0 or a + b > n for a, b, n in zip(o, z, shape)):
+                raise bad(f"chunk at {list(o)} of sizes {list(z)} is not inside shape {list(shape)}")
+            if c.nbytes != c.chunk.numel * item or c.offset < 0:
+                raise bad(f"chunk at {list(o)} in {c.file}: {c.nbytes} bytes at {c.offset}, expected "
+                          f"{c.chunk.numel * item}")
+            if c.digests and (c.piece_size <= 0 or len(c.digests) != -(-c.nbytes // c.piece_size)):
+                raise bad(f"chunk at {list(o)} in {c.file}: {len(c.digests)} piece digests for {c.nbytes} "
+                          f"bytes in pieces of {c.piece_size}")
+        covered = sum(c.chunk.numel for c in self.chunks)
+        if covered != self.numel:
+            raise bad(f"the stored chunks hold {covered} of the {self.numel} elements of shape "
+                      f"{list(shape)}: a rank's part is missing or chunks repeat")
+        if len(self.chunks) > 1:  # equal volumes and no overlap: the chunks tile the tensor
+            lo = np.array([c.chunk.offsets for c in self.chunks], dtype=np.int64).reshape(len(self.chunks), -1)
+            hi = lo + np.array([c.chunk.sizes for c in self.chunks], dtype=np.int64).reshape(lo.shape)
+            for i in range(0, len(lo), 256):
+                a, b = lo[i: i + 256, None, :], hi[i: i + 256, None, :]
+                hit = ((a < hi[None]) & (lo[None] < b)).all(axis=2)
+                hit[np.arange(hit.shape[0]), np.arange(i, i + hit.shape[0])] = False
+                if hit.any():
+                    r, j = map(int, np.argwhere(hit)[0])
+                    raise bad(f"chunks at {lo[i + r].tolist()} and {lo[j].tolist()} overlap")
+
     def to_json(self) -> dict:
         return {"shape": list(self.global_shape), "dtype": self.dtype, "path": self.path,
                 "mesh": list(self.mesh_shape), "placements": list(self.placements),
@@ -169,8 +209,13 @@ class ShardIndex(Dict[str, ShardedTensorMeta]):
         if not isinstance(d, dict) or d.get("format") != INDEX_FORMAT or not isinstance(d.get("tensors"), dict):
             raise IntegrityError(f"not a ray_ckpt shard index (format {INDEX_FORMAT} expected)")
         out = cls()
-        for k, m in d["tensors"].items():
-            out[k] = ShardedTensorMeta.from_json(k, m)
+        try:
+            for k, m in d["tensors"].items():
+                out[k] = ShardedTensorMeta.from_json(k, m)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise IntegrityError(f"shard index: malformed entry ({type(exc).__name__}: {exc})") from None
+        for m in out.values():
+            m.validate()
         return out
 
 
@@ -215,8 +260,9 @@ def part_record(flat_or_structure: Any, file: str, array_offsets: Sequence[int],
 def index_of(records: Iterable[dict]) -> ShardIndex:
     """Merge every rank's :func:`part_record` into the index of a sharded state.
 
-    Checks that the ranks agree on each tensor's shape and dtype and that its stored chunks cover
-    it exactly (a missing rank file leaves a hole); raises :class:`IntegrityError` otherwise."""
+    Checks that the ranks agree on each tensor's shape and dtype and that its stored chunks tile
+    it (:meth:`ShardedTensorMeta.validate`: a missing rank file leaves a hole); raises
+    :class:`IntegrityError` otherwise."""
     index = ShardIndex()
     seen: Dict[str, set] = {}
     for rec in records:
@@ -237,13 +283,9 @@ def index_of(records: Iterable[dict]) -> ShardIndex:
                     continue  # the same chunk written twice: keep the first
                 seen[key].add(box)
                 m.chunks.append(c)
-    for key, m in index.items():
-        covered = sum(c.chunk.numel for c in m.chunks)
-        if covered != m.numel:
-            raise IntegrityError(
-                f"{key}: the stored chunks hold {covered} of the {m.numel} elements of shape "
-                f"{list(m.global_shape)}: a rank's part is missing or chunks overlap")
+    for m in index.values():
         m.chunks.sort(key=lambda c: c.chunk.offsets)
+        m.validate()
     return index
 
 
