@@ -1,0 +1,176 @@
+"""``ray-ckpt gc URI --keep-last N [--keep-every K] [--keep-best METRIC:max|min:N] [--partial]
+[--dry-run] [--json]``: delete the committed versions a retention rule does not keep (the engine's
+rules), never a file that a kept version refers to."""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Dict, List, Set, Tuple
+
+from ..checkpoint_io import delete_version
+from ..errors import one_line
+from ..storage import layout
+from ..storage.retention import RetentionPolicy, VersionInfo, plan_deletions
+from .common import (EXIT_OK, CliError, UsageError, add_json_flag, human, plural, positive_int, print_json, say,
+                     vlist, warn)
+from .run_view import Run, command_parser, dir_files
+
+_vdir = layout.version_dir
+
+
+def _keep_best(text: str) -> Tuple[str, str, int]:
+    parts = text.rsplit(":", 2)
+    if len(parts) != 3 or not parts[0] or parts[1] not in ("max", "min") or not parts[2].isdigit() \
+            or int(parts[2]) < 1:
+        raise argparse.ArgumentTypeError(f"expected METRIC:max|min:N (e.g. reward:max:2), got {text!r}")
+    return parts[0], parts[1], int(parts[2])
+
+
+SUMMARY = "delete old versions by a retention rule"
+DESCRIPTION = ("Delete committed versions that the retention rule does not keep (the "
+               "same rules as the engine: newest N, every K-th step, best by a metric; "
+               "the newest committed version is always kept). Files that kept versions "
+               "refer to (a RELOADABLE state stored once) are never deleted.")
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    s = command_parser(sub, common, "gc", SUMMARY, DESCRIPTION, run)
+    s.add_argument("--keep-last", type=positive_int, metavar="N", help="keep the N newest versions")
+    s.add_argument("--keep-every", type=positive_int, metavar="K",
+                   help="also keep every version whose step is a multiple of K")
+    s.add_argument("--keep-best", type=_keep_best, metavar="METRIC:max|min:N",
+                   help="also keep the N best versions by a metric given to save(metrics=...)")
+    s.add_argument("--partial", action="store_true",
+                   help="also remove version directories without a manifest that are older than the newest "
+                        "committed version (abandoned saves); never newer ones, which may be in flight. "
+                        "Files that kept versions refer to are never deleted; shared files that no kept "
+                        "version refers to any more are deleted without this flag")
+    s.add_argument("--dry-run", "-n", action="store_true", help="print what would be deleted; delete nothing")
+    s.add_argument("--verbose", "-v", action="store_true", help="list every file")
+    add_json_flag(s)
+
+
+def _policy(args: argparse.Namespace) -> RetentionPolicy:
+    if args.keep_last is None and args.keep_every is None and args.keep_best is None:
+        raise UsageError("gc needs a retention rule: --keep-last N and/or --keep-every K (or --keep-best)")
+    try:
+        return RetentionPolicy(args.keep_last, args.keep_every, args.keep_best)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+class Plan:
+    """What gc keeps, what it deletes (``targets``: (version, label, kind)) and what it leaves alone."""
+
+    def __init__(self, run: Run, policy: RetentionPolicy, partial: bool):
+        self.committed = committed = run.committed()
+        self.unreadable = [v for v in run.with_manifest if v not in committed]
+        uncommitted = run.uncommitted()
+        self.in_flight = [v for v, u in uncommitted.items() if u["kind"] == "in_flight"]
+        self.abandoned = [v for v, u in uncommitted.items() if u["kind"] == "abandoned"]
+        self.newest = max(committed) if committed else None
+        self.kept: List[int] = []
+        self.keep_paths: Set[str] = set()
+        self.targets: List[Tuple[int, str, str]] = []
+        if not committed:
+            return
+        doomed = plan_deletions(policy, [VersionInfo(v, m.step, m.metrics) for v, m in committed.items()])
+        if self.newest in doomed:  # RetentionPolicy.keep always keeps the newest; never trust that blindly
+            doomed.remove(self.newest)
+        self.kept = sorted(v for v in committed if v not in doomed)
+        self.keep_paths = {p for v in self.kept for p in committed[v].referenced_paths()}
+        targets = [(v, f"version {v} (step {committed[v].step})", "version") for v in doomed]
+        # directories that only held shared files (their own version was deleted earlier) whose files
+        # no kept version refers to any more: complete files nobody can restore, never in flight
+        targets += [(v, f"{_vdir(v)} (shared files of deleted versions)", "retired") for v, u in uncommitted.items()
+                    if u["kind"] == "retired" and any(r not in self.keep_paths for r in u["rels"])]
+        if partial:
+            targets += [(v, f"uncommitted {_vdir(v)} (no manifest)", "abandoned") for v in self.abandoned]
+        self.targets = sorted(targets)
+
+
+def _delete(run: Run, plan: Plan, v: int, dry: bool, done: int) -> Dict[str, Any]:
+    """Delete (or with ``dry``, plan to delete) target ``v``: what went, what stayed, the bytes."""
+    sizes = {rel: size for rel, size, _mtime in dir_files(run.tier, _vdir(v))}
+    sizes.pop(layout.manifest_path(v), None)
+    to_go = sorted(p for p in sizes if p not in plan.keep_paths)
+    shared = sorted(p for p in sizes if p in plan.keep_paths)
+    if not dry:
+        try:
+            to_go = sorted(delete_version(run.tier, v, plan.keep_paths))
+        except OSError as exc:
+            raise CliError(f"deleting {_vdir(v)} from {run.uri} failed: {one_line(exc)}"
+                           + (f" (deleted {plural(done, 'version')} before it)" if done else "")) from None
+    return {"files": to_go, "kept_shared": shared, "bytes": sum(sizes.get(p, 0) for p in to_go)}
+
+
+def run(args: argparse.Namespace) -> int:
+    policy = _policy(args)
+    run = Run.open(args)
+    dry, text = args.dry_run, not args.json
+    verb = "would delete" if dry else "deleted"
+    plan = Plan(run, policy, args.partial)
+    warnings = [f"leaving {_vdir(v)} alone: {run.error(v)}" for v in plan.unreadable]
+    doc: Dict[str, Any] = {"uri": run.uri, "dry_run": dry, "newest": plan.newest, "kept": plan.kept,
+                           "deleted": [], "in_flight": plan.in_flight, "abandoned": plan.abandoned,
+                           "warnings": warnings}
+    if plan.newest is None:
+        for w in warnings:
+            warn(f"warning: {w}")
+        if text:
+            say(f"nothing to do: {run.uri} has no committed version"
+                + (f" (versions without manifest: {vlist(run.without_manifest)}; gc never deletes those "
+                   f"unless a newer version is committed)" if run.without_manifest else ""))
+        else:
+            print_json(doc)
+        return EXIT_OK
+    if plan.in_flight:
+        warnings.append(f"leaving {vlist([_vdir(v) for v in plan.in_flight])} alone: newer than the newest "
+                        f"committed version {plan.newest} and without manifest (a save may be in flight)")
+    for w in warnings:
+        warn(f"warning: {w}")
+    if text:
+        say(f"keeping {plural(len(plan.kept), 'version')}: {vlist(plan.kept)} (newest: {plan.newest})")
+    n_versions = 0
+    try:
+        for v, label, kind in plan.targets:
+            d = _delete(run, plan, v, dry, n_versions)
+            n_versions += kind == "version"
+            doc["deleted"].append({"version": v, "kind": kind, **d})
+            if text:
+                _print_target(f"{verb} {label}", d, args.verbose)
+    except CliError as exc:
+        if not text:  # what was deleted before the failure
+            print_json({**doc, "error": str(exc)})
+        raise
+    totals = {"versions_deleted": n_versions, "directories_deleted": len(doc["deleted"]) - n_versions,
+              "files_deleted": sum(len(d["files"]) for d in doc["deleted"]),
+              "bytes_deleted": sum(d["bytes"] for d in doc["deleted"])}
+    if text:
+        _print_summary(plan, totals, dry, args.partial)
+    else:
+        print_json({**doc, **totals})
+    return EXIT_OK
+
+
+def _print_summary(plan: Plan, totals: Dict[str, int], dry: bool, partial: bool) -> None:
+    if not partial and plan.abandoned:
+        one = len(plan.abandoned) == 1
+        say(f"note: {vlist([_vdir(v) for v in plan.abandoned])} (older than version {plan.newest}) "
+            f"{'has' if one else 'have'} no manifest (a save that never committed, or leftovers); "
+            f"pass --partial to remove {'it' if one else 'them'}")
+    prefix = "gc (dry run): would delete" if dry else "gc: deleted"
+    n_dirs = totals["directories_deleted"]
+    dirs = f" and {n_dirs} other version director{'y' if n_dirs == 1 else 'ies'}" if n_dirs else ""
+    say(f"{prefix} {plural(totals['versions_deleted'], 'version')}{dirs}, {plural(totals['files_deleted'], 'file')}, "
+        f"{human(totals['bytes_deleted'])}")
+
+
+def _print_target(head: str, d: Dict[str, Any], verbose: bool) -> None:
+    shared = d["kept_shared"]
+    keep_note = f"; kept {plural(len(shared), 'shared file')} that kept versions still refer to" if shared else ""
+    say(f"{head}: {plural(len(d['files']), 'file')}, {human(d['bytes'])}{keep_note}")
+    if verbose:
+        for p in d["files"]:
+            say(f"  {p}")
+        for p in shared:
+            say(f"  kept {p}")

@@ -1,0 +1,71 @@
+"""``ray-ckpt ls URI [--json]``: the versions of a run, committed or not."""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Dict, List
+
+from ..storage import layout
+from .common import EXIT_OK, CliError, add_json_flag, human, iso_time, print_json, say, table
+from .run_view import Run, command_parser, is_partial
+
+
+SUMMARY = "list the versions of a run"
+DESCRIPTION = ("List the versions of a run: version, step, creation time, size, "
+               "states and status (complete / partial / retired / unreadable).")
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    s = command_parser(sub, common, "ls", SUMMARY, DESCRIPTION, run)
+    add_json_flag(s)
+
+
+def _row(run: Run, v: int) -> Dict[str, Any]:
+    row: Dict[str, Any] = {"version": v, "dir": layout.version_dir(v)}
+    if not run.dirs[v]:
+        u = run.uncommitted()[v]
+        mtimes = [mtime for _rel, _size, mtime in u["files"] if mtime is not None]
+        row.update(step=None, created_at=max(mtimes) if mtimes else None,
+                   bytes=sum(size for _rel, size, _mtime in u["files"]), states={}, committed=False,
+                   status="retired" if u["kind"] == "retired" else "partial", kind=u["kind"], detail=u["detail"])
+        return row
+    m = run.load(v)
+    if m is None:
+        row.update(step=None, created_at=None, bytes=None, states={}, committed=False,
+                   status="unreadable", detail=run.error(v))
+        return row
+    states = sorted(m.states.items())
+    row.update(step=m.step, created_at=m.created_at, bytes=m.bytes, states={n: e.status for n, e in states},
+               committed=True, status="partial" if is_partial(m) else "complete", metrics=dict(m.metrics),
+               detail="; ".join(f"{n}: {e.status}{' - ' + e.detail if e.detail else ''}"
+                                for n, e in states if e.status in ("missing", "pending")))
+    return row
+
+
+def run(args: argparse.Namespace) -> int:
+    run = Run.open(args)
+    if not run.dirs:
+        hint = run.no_versions_hint()
+        if hint:  # a directory of runs, not a run: almost certainly the wrong URI
+            raise CliError(f"{run.uri} holds no checkpoint versions{hint}")
+    rows: List[Dict[str, Any]] = []
+    for v in run.versions:
+        row = _row(run, v)
+        row["created"] = iso_time(row["created_at"])
+        rows.append(row)
+    if args.json:
+        print_json({"uri": run.uri, "versions": rows})
+        return EXIT_OK
+    if not rows:
+        say(f"no checkpoint versions in {run.uri}{run.no_versions_hint()}")
+        return EXIT_OK
+    body = [[str(r["version"]), "-" if r["step"] is None else str(r["step"]), r["created"], human(r["bytes"]),
+             ",".join(n if s in ("stored", "loader") else f"{n}({s})" for n, s in r["states"].items()) or "-",
+             r["status"]] for r in rows]
+    for line in table(body, ["VERSION", "STEP", "CREATED", "SIZE", "STATES", "STATUS"]):
+        say(line)
+    notes = [f"  {r['dir']}: {r['detail']}" for r in rows if r["status"] != "complete" and r.get("detail")]
+    if notes:
+        say("notes:")
+        for note in notes:
+            say(note)
+    return EXIT_OK

@@ -1,0 +1,212 @@
+"""``ray-ckpt show URI [VERSION] [--json] [--max-leaves N]``: every state of a version, its files
+and the dtypes / shapes of its tensors, read from the safetensors headers and Arrow footers only."""
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+from typing import Any, Dict, Tuple
+
+from ..errors import CheckpointError, one_line
+from ..formats.manifest import FileEntry, Manifest
+from ..storage import layout
+from ..storage.tier import Tier
+from .common import (EXIT_OK, add_json_flag, human, iso_time, non_negative_int, plural, print_json, printable,
+                     rank_order, say)
+from .run_view import Run, command_parser, add_version_argument, is_partial, open_input
+
+MAX_HEADER = 100 << 20  # safetensors' own limit on a header's size
+
+
+SUMMARY = "show the states and files of a version"
+DESCRIPTION = ("Show every state of a version: strategy, status, files (path, bytes, "
+               "checksum) and the dtypes / shapes of its tensors (read from the "
+               "safetensors headers only).")
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    s = command_parser(sub, common, "show", SUMMARY, DESCRIPTION, run)
+    add_version_argument(s, "show")
+    add_json_flag(s)
+    s.add_argument("--max-leaves", type=non_negative_int, default=50, metavar="N",
+                   help="list at most N tensors per file (default 50; 0 = all)")
+
+
+# ---------------------------------------------------------------- reading headers
+def read_safetensors_header(tier: Tier, rel: str) -> Dict[str, Any]:
+    """The JSON header of a safetensors file: its first 8 bytes and the header, nothing more."""
+    with open_input(tier, rel) as f:
+        size = f.seek(0, 2)
+        f.seek(0)
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"file too short ({size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, MAX_HEADER):
+            raise ValueError(f"header length {n} does not fit the file ({size} bytes)")
+        return json.loads(f.read(n))
+
+
+def _leaf_kinds(structure: Any) -> Tuple[Dict[int, Tuple[str, str]], int]:
+    """leaf index -> (kind, logical dtype) from a ray_ckpt structure (node tags: see
+    ``ray_ckpt.formats.tree``); and the number of other leaves."""
+    kinds: Dict[int, Tuple[str, str]] = {}
+    other = 0
+    stack = [structure]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            other += 1
+            continue
+        if "d" in node:
+            stack.extend(v for _k, v in node["d"])
+        elif "l" in node or "u" in node:
+            stack.extend(node.get("l", node.get("u")))
+        elif "T" in node:
+            kinds[node["T"]] = ("tensor", str(node.get("dt")))
+        elif "N" in node:
+            try:
+                import numpy as np
+
+                dt = np.dtype(node.get("dt")).name
+            except TypeError:
+                dt = str(node.get("dt"))
+            kinds[node["N"]] = ("numpy", dt)
+        elif "P" in node:
+            kinds[node["P"]] = ("pickle", "pickled object")
+        elif "A" not in node:  # a table has its own file
+            other += 1
+    return kinds, other
+
+
+# safetensors dtype -> torch dtype name (ray_ckpt.formats.tree._torch_to_st reversed, without torch)
+_ST_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U16": "uint16",
+             "U32": "uint32", "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+             "C64": "complex64"}
+
+
+def tensor_summary(header: Dict[str, Any]) -> Dict[str, Any]:
+    """Leaves of a ray_ckpt safetensors header: name, dtype, shape, bytes, kind (in leaf order)."""
+    meta = header.get("__metadata__") or {}
+    try:
+        names = json.loads(meta["ray_ckpt.leaves"])
+    except (KeyError, ValueError, TypeError):
+        names = [k for k in header if k != "__metadata__"]
+    try:
+        kinds, other = _leaf_kinds(json.loads(meta["ray_ckpt.structure"]))
+    except (KeyError, ValueError, TypeError):
+        kinds, other = {}, None
+    leaves = []
+    for i, name in enumerate(names):
+        h = header.get(name) or {}
+        off = h.get("data_offsets") or [0, 0]
+        kind, logical = kinds.get(i, ("tensor", _ST_NAMES.get(h.get("dtype"), str(h.get("dtype")))))
+        leaves.append({"name": name, "dtype": logical, "stored_as": h.get("dtype"),
+                       "shape": None if kind == "pickle" else h.get("shape"),
+                       "bytes": int(off[1]) - int(off[0]), "kind": kind})
+    by_dtype: Dict[str, int] = {}
+    for leaf in leaves:
+        by_dtype[leaf["dtype"]] = by_dtype.get(leaf["dtype"], 0) + 1
+    return {"leaves": leaves, "dtypes": by_dtype, "other_leaves": other,
+            "tensor_bytes": sum(leaf["bytes"] for leaf in leaves)}
+
+
+def table_summary(tier: Tier, rel: str) -> Dict[str, Any]:
+    import pyarrow as pa
+
+    with open_input(tier, rel) as f:
+        reader = pa.ipc.open_file(f)  # reads the footer (schema, batch index) only
+        return {"columns": [{"name": fld.name, "type": str(fld.type)} for fld in reader.schema],
+                "record_batches": reader.num_record_batches}
+
+
+def _file_details(tier: Tier, f: FileEntry) -> Dict[str, Any]:
+    d: Dict[str, Any] = {"path": f.path, "bytes": f.size, "checksum": f.checksum, "role": f.role}
+    try:
+        if f.role == "tensors":
+            d["tensors"] = tensor_summary(read_safetensors_header(tier, f.path))
+        elif f.role in ("table", "buffer"):
+            d["table"] = table_summary(tier, f.path)
+    except FileNotFoundError:
+        d["problem"] = "file is missing"
+    except (CheckpointError, OSError, ValueError, KeyError, TypeError) as exc:
+        d["problem"] = f"cannot read its header: {one_line(exc)}"
+    return d
+
+
+def describe(run: Run, m: Manifest) -> Dict[str, Any]:
+    """The ``show --json`` document of manifest ``m``."""
+    states = {}
+    for name in sorted(m.states):
+        e = m.states[name]
+        ranks = {rank: [_file_details(run.tier, f) for f in e.files[rank]] for rank in rank_order(e.files)}
+        states[name] = {"strategy": e.strategy, "status": e.status, "bytes": e.bytes, "detail": e.detail,
+                        "content_hash": e.content_hash, "replicated": e.replicated, "ranks": ranks}
+    return {"uri": run.uri, "run": m.run, "version": m.version, "step": m.step, "created_at": m.created_at,
+            "created": iso_time(m.created_at), "bytes": m.bytes, "metrics": dict(m.metrics),
+            "checksum_algorithm": m.checksum_algorithm, "status": "partial" if is_partial(m) else "complete",
+            "states": states}
+
+
+# ---------------------------------------------------------------- text output
+def _print_tensors(t: Dict[str, Any], limit: int) -> None:
+    counts = ", ".join(f"{dt} x{n}" for dt, n in sorted(t["dtypes"].items()))
+    other = ("" if t["other_leaves"] is None else
+             f"; {t['other_leaves']} other leaf" if t["other_leaves"] == 1 else
+             f"; {t['other_leaves']} other leaves")
+    say(f"      {plural(len(t['leaves']), 'tensor')}, {human(t['tensor_bytes'])}"
+        + (f" ({counts})" if counts else "") + other)
+    leaves = t["leaves"] if limit == 0 else t["leaves"][:limit]
+    names = [printable(leaf["name"]) for leaf in leaves]
+    w = max(map(len, names), default=0)
+    for name, leaf in zip(names, leaves):
+        shape = "-" if leaf["shape"] is None else "[" + ", ".join(map(str, leaf["shape"])) + "]"
+        kind = "" if leaf["kind"] == "tensor" else f"  ({leaf['kind']})"
+        say(f"        {name.ljust(w)}  {leaf['dtype']:<9} {shape:<16} {human(leaf['bytes'])}{kind}")
+    if len(leaves) < len(t["leaves"]):
+        say(f"        ... {len(t['leaves']) - len(leaves)} more (--max-leaves 0 shows all)")
+
+
+def _print_file(d: Dict[str, Any], own: str, algorithm: str, limit: int) -> None:
+    shared = "" if d["path"].startswith(own) else f"  [shared: stored once, in {d['path'].split('/', 1)[0]}]"
+    size = human(d["bytes"]) + (f" ({d['bytes']} B)" if d["bytes"] >= 1024 else "")
+    say(f"    {d['path']}  {size}  {algorithm}:{d['checksum']}  {d['role']}{shared}")
+    if "problem" in d:
+        say(f"      ! {d['problem']}")
+    if "tensors" in d:
+        _print_tensors(d["tensors"], limit)
+    if "table" in d:
+        cols = d["table"]["columns"]
+        shown = ", ".join(f"{c['name']}: {c['type']}" for c in cols[:8]) + (", ..." if len(cols) > 8 else "")
+        say(f"      arrow table: {len(cols)} columns, {d['table']['record_batches']} record batch(es): {shown}")
+
+
+def _print_doc(doc: Dict[str, Any], limit: int) -> None:
+    own = layout.version_dir(doc["version"]) + "/"
+    say(f"run {doc['run']!r}  version {doc['version']} ({layout.version_dir(doc['version'])})  step {doc['step']}  "
+        f"created {doc['created']}  size {human(doc['bytes'])}  {doc['status']}")
+    if doc["metrics"]:
+        say("metrics: " + ", ".join(f"{k}={v:g}" for k, v in sorted(doc["metrics"].items())))
+    for name, s in doc["states"].items():
+        extra = (["replicated"] if s["replicated"] else []) + \
+            ([f"content {s['content_hash'][:16]}"] if s["content_hash"] else [])
+        say()
+        say(f"state {name}  strategy={s['strategy']}  status={s['status']}  {human(s['bytes'])}"
+            + (f"  ({', '.join(extra)})" if extra else ""))
+        if s["detail"]:
+            say(f"  detail: {s['detail']}")
+        for rank, files in s["ranks"].items():
+            say(f"  rank {rank}:")
+            for d in files:
+                _print_file(d, own, doc["checksum_algorithm"], limit)
+
+
+def run(args: argparse.Namespace) -> int:
+    run = Run.open(args)
+    doc = describe(run, run.manifest(args.version))
+    if args.json:
+        print_json(doc)
+    else:
+        _print_doc(doc, args.max_leaves)
+    return EXIT_OK
