@@ -16,6 +16,8 @@ pytest.importorskip("ray.rllib")
 
 import ray_ckpt as rc  # noqa: E402
 from ray_ckpt.integrations import rllib as rr  # noqa: E402
+from ray_ckpt.integrations.rllib.conversion import _ITEMS  # noqa: E402
+from ray_ckpt.integrations.rllib.env_runners import _runner_module_state  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -167,7 +169,7 @@ def test_ppo_saved_by_callback_restores_into_fresh_algorithm(engine_factory, run
         want = _learner(algo)
         want_conn = _connectors(algo.env_runner)  # the merged filter state the algorithm holds
         want_steps = result["env_runners"]["num_env_steps_sampled_lifetime"]
-        assert want_conn["MeanStdFilter"][rr._ITEMS][0][1]["running_stats"][0]["num_pushes"] > 0
+        assert want_conn["MeanStdFilter"][_ITEMS][0][1]["running_stats"][0]["num_pushes"] > 0
     finally:
         algo.stop()
 
@@ -176,7 +178,7 @@ def test_ppo_saved_by_callback_restores_into_fresh_algorithm(engine_factory, run
         initial_remote = rr.env_runner_weights(fresh)[1]
         report = rr.restore_algorithm(fresh, run_name, timeout_s=60)
         # ---- right after the restore, before any train(): no sleep, no second chance
-        remote_now = _remote(fresh, lambda r: (r.worker_index, rr._runner_module_state(r), _connectors(r),
+        remote_now = _remote(fresh, lambda r: (r.worker_index, _runner_module_state(r), _connectors(r),
                                                r.num_env_steps_sampled_lifetime))
         assert report.version == 2 and report.iteration == 2 and fresh.iteration == 2
         assert report.env_runners == {1: "verified"} and report.verified
@@ -197,7 +199,7 @@ def test_ppo_saved_by_callback_restores_into_fresh_algorithm(engine_factory, run
         assert remote_steps == want_steps
 
         # the remote runner's own RNG streams came back too (best-effort state env_runner_1)
-        saved_runner = engine.load(2, "env_runner_1")
+        saved_runner = engine.load(name="env_runner_1", version=2)
         runner_np = _remote(fresh, lambda r: __import__("numpy").random.get_state())[0]
         assert np.array_equal(runner_np[1], saved_runner["process_rng"]["numpy"][1])
 
@@ -210,7 +212,7 @@ def test_ppo_saved_by_callback_restores_into_fresh_algorithm(engine_factory, run
 
         # ---- rolling a running algorithm back: its runner's weights_seq_no is now above the
         # checkpoint's, which RLlib's own set_state would ignore; the helper still lands them
-        v1 = engine.load(1, "policy")["default_policy"]
+        v1 = engine.load(name="policy", version=1)["default_policy"]
         report = rr.restore_algorithm(fresh, run_name, version=1, timeout_s=60)
         assert report.version == 1 and fresh.iteration == 1 and report.verified
         _assert_params_equal(_learner(fresh)["rl_module"]["default_policy"], dict(v1))

@@ -6,6 +6,9 @@ requires them:
 - :mod:`ray_ckpt.integrations.rllib` -- RLlib (new API stack): ``RayCkptCallback`` /
   ``make_callback(...)`` save an Algorithm's learner, connector, counter and RNG state every N
   iterations without blocking ``train()``; ``restore_algorithm(...)`` brings an Algorithm back from a
-  version and synchronises (and verifies) the weights on every env runner before it returns.
-  Needs ``pip install "ray-ckpt[rllib]"``.
+  version and synchronises (and verifies) the weights on every env runner before it returns;
+  ``make_callback(..., resume=True)`` does that itself when the Algorithm is built (e.g. a Tune trial
+  retried after a failure). A package: conversion, capture, callback, restore, env_runners, and
+  ``_rllib_internals`` (the RLlib internals it relies on, checked by a test). Needs
+  ``pip install "ray-ckpt[rllib]"``.
 """

@@ -1,0 +1,133 @@
+"""Every private or undocumented RLlib (and gymnasium) internal this integration relies on -- the one
+place to look when an RLlib upgrade breaks it. Everything else in the package uses public APIs
+(``Algorithm.learner_group`` / ``env_runner_group`` / ``get_state`` / ``set_state``,
+``EnvRunnerGroup.foreach_env_runner`` / ``healthy_env_runner_ids``, ``EnvRunner.module`` /
+``env`` / ``worker_index``, Ray's documented ``ActorHandle.__ray_call__``).
+
+======================================================== =================================================
+internal                                                 why there is no public way
+======================================================== =================================================
+``EnvRunnerGroup._worker_manager`` (set in ``__init__``) The remote env runners' *actor handles*: the
+and ``FaultTolerantActorManager.actors()``               engine snapshots each runner's RNG states inside
+                                                         that actor (``env_runner_<i>``) without the
+                                                         driver awaiting a remote call, and a restore
+                                                         reports the runners that are not healthy.
+                                                         EnvRunnerGroup exposes healthy ids and
+                                                         ``foreach_*`` calls, never the handles; RLlib's
+                                                         own code marks ``actors()`` "TODO: remove".
+gymnasium ``Env._np_random``                             An env's RNG, read without side effects: the
+                                                         public ``np_random`` property seeds a new
+                                                         generator from OS entropy when there is none.
+``ray.rllib.utils.serialization._serialize_ndarray``     The string format (base64 of zlib of
+format                                                   ``np.save``) of ``RunningStat`` arrays, which the
+                                                         conversion decodes without unpickling (RLlib
+                                                         loads them with ``allow_pickle=True``) and
+                                                         re-encodes byte for byte on restore.
+``RunningStat.to_state()`` keys (``num_pushes``,         How the conversion recognises a RunningStat
+``mean_array``, ``mean_delta_array``,                    state (MeanStdFilter) inside a connector state
+``sum_sq_diff_array``, ``sum_sq_diff_delta_array``)      and which of its values are such strings.
+======================================================== =================================================
+
+:func:`missing_internals` checks each against the installed RLlib / gymnasium (a test runs it), and
+names the one that moved. Only the accessors below read them; no other module of the package does.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from .names import log
+
+RUNNING_STAT_MARKER = "num_pushes"
+RUNNING_STAT_ARRAYS = ("mean_array", "mean_delta_array", "sum_sq_diff_array", "sum_sq_diff_delta_array")
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One internal: ``attribute`` of ``owner`` ("package.module:Class" or "package.module").
+    ``kind``: "instance" (assigned to ``self`` in the class's source), "method", "class" (a class
+    attribute), "function" (of a module) or "state_keys" (keys of ``Class(shape=(1,)).to_state()``)."""
+
+    owner: str
+    attribute: str
+    kind: str
+    why: str
+
+
+INTERNALS = (
+    Internal("ray.rllib.env.env_runner_group:EnvRunnerGroup", "_worker_manager", "instance",
+             "the remote env runners' actor handles (saving env_runner_<i>; unhealthy runners on restore)"),
+    Internal("ray.rllib.utils.actor_manager:FaultTolerantActorManager", "actors", "method",
+             "{runner id: actor handle}, healthy or not"),
+    Internal("gymnasium.core:Env", "_np_random", "class",
+             "an env's RNG read without seeding a new one"),
+    Internal("ray.rllib.utils.serialization", "_serialize_ndarray", "function",
+             "the RunningStat array string format the conversion decodes and re-encodes"),
+) + tuple(
+    Internal("ray.rllib.utils.filter:RunningStat", key, "state_keys",
+             "how the conversion recognises a RunningStat state and its array strings")
+    for key in (RUNNING_STAT_MARKER,) + RUNNING_STAT_ARRAYS)
+
+
+def _resolve(owner: str) -> Any:
+    module, _, qualname = owner.partition(":")
+    obj = importlib.import_module(module)
+    for part in filter(None, qualname.split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _present(obj: Any, item: Internal) -> bool:
+    if item.kind == "instance":
+        assignment = rf"\bself\.{re.escape(item.attribute)}\s*(:[^=\n]*)?=(?!=)"
+        return re.search(assignment, inspect.getsource(obj)) is not None
+    if item.kind == "method":
+        return callable(getattr(obj, item.attribute, None))
+    if item.kind == "state_keys":
+        return item.attribute in obj(shape=(1,)).to_state()
+    return hasattr(obj, item.attribute)
+
+
+def missing_internals() -> List[str]:
+    """One line per internal that the installed RLlib / gymnasium no longer has (empty: all there)."""
+    missing = []
+    for item in INTERNALS:
+        try:
+            ok = _present(_resolve(item.owner), item)
+        except Exception as exc:  # the owner itself moved
+            ok, item_note = False, f" ({type(exc).__name__}: {exc})"
+        else:
+            item_note = ""
+        if not ok:
+            missing.append(f"{item.owner} has no {item.kind} {item.attribute!r}{item_note}: ray_ckpt's RLlib "
+                           f"integration uses it for {item.why}")
+    return missing
+
+
+# ---------------------------------------------------------------------- the accessors
+_warned = False
+
+
+def remote_env_runner_actors(group: Any) -> Dict[int, Any]:
+    """{runner id: actor handle} of every remote env runner of an EnvRunnerGroup, healthy or not
+    (``{}``, logged once, if RLlib moved them)."""
+    global _warned
+    try:
+        return dict(group._worker_manager.actors())
+    except Exception as exc:  # pragma: no cover - RLlib internals changed
+        if not _warned:
+            _warned = True
+            log.warning("ray_ckpt: cannot list RLlib's remote env runners (%s: %s); their RNG states are not "
+                        "saved and a restore does not report unhealthy ones", type(exc).__name__, exc)
+        return {}
+
+
+def env_rng(env: Any) -> Optional[np.random.Generator]:
+    """A gymnasium env's generator, or None where it has none yet (never creates one)."""
+    gen = getattr(getattr(env, "unwrapped", env), "_np_random", None)
+    return gen if isinstance(gen, np.random.Generator) else None

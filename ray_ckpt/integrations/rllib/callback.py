@@ -1,0 +1,309 @@
+"""Saving: the RLlib callback that checkpoints an Algorithm every N iterations without blocking
+``train()`` (and, with ``resume=True``, restores the latest version when the Algorithm is built).
+
+Why ``train()`` is not blocked: the callback runs in the algorithm's process right after the
+iteration. It reads the local learner's state (numpy views of the torch parameters, no copy), the
+connector states (small) and the RNG states, and calls ``engine.save(iteration)``, which flattens
+them (no copy) and ``ray.put`` s them: one memcpy of the state, the floor. Serialising,
+checksumming, writing and uploading happen in the engine's writer actors. A remote env runner's
+state is snapshotted *inside that runner* (the callback installs a ``ckpt_get_state`` on the actor
+and registers the actor handle; the engine submits the snapshot, whose ObjectRef goes straight to
+a writer), so no remote call is awaited either. If ``max_in_flight`` saves are still in flight,
+``on_busy="skip"`` (default) skips that iteration's save instead of waiting (counted and logged).
+Exception: with remote learners (``num_learners > 0``), ``learner_group.get_state`` fetches the
+state from the first learner actor, which waits for that transfer (what RLlib's own checkpointing
+does too).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from ray.rllib.callbacks.callbacks import RLlibCallback
+from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS
+
+from ...engine import CheckpointEngine, SaveHandle
+from ...errors import InvalidArgumentError, SaveError
+from ...storage.layout import validate_name
+from ...types import OnBusy, SaveResult, Strategy
+from .capture import capture_algorithm_state
+from .env_runners import runner_snapshot_actors
+from .names import CONNECTORS, COUNTERS, METRICS, OPTIMIZER, POLICY, RNG, log
+from .restore import AlgorithmRestoreReport, restore_algorithm
+
+
+@dataclass
+class CheckpointSettings:
+    """What :class:`RayCkptCallback` saves and where.
+
+    ``local_dir=None`` connects to an already created engine of ``run`` instead of creating one.
+    ``every``: save when ``algorithm.iteration % every == 0``. ``on_busy``: what a save does when
+    ``max_in_flight`` saves are still in flight ("skip": never block train(); "wait"; "queue").
+    ``on_error``: a failed save (seen at the next iteration) raises SaveError out of train()
+    ("raise") or is logged at ERROR level and counted ("warn"). ``env_runner_states``: save each
+    remote env runner's RNG / env RNG states (best effort). ``allow_pickle``: names of states that
+    may fall back to pickle. ``engine_options``: more ``CheckpointEngine.create`` options
+    (critical_writers, keep_best, remote_options, max_in_flight, ...). ``resume``: when the
+    Algorithm is built (``on_algorithm_init``) and the run already has a committed version, restore
+    the latest one into it (:func:`restore_algorithm`; RNGs only with ``rng``) -- e.g. a Tune trial
+    restarted by ``FailureConfig(max_failures=...)`` continues from it; a restore that fails raises
+    out of the Algorithm's construction. ``resume_timeout_s``: that restore's bound on the env
+    runner sync."""
+
+    run: str
+    local_dir: Optional[str] = None
+    remote_uri: Optional[str] = None
+    every: int = 1
+    keep_last: Optional[int] = None
+    keep_every: Optional[int] = None
+    on_busy: str = "skip"
+    on_error: str = "raise"
+    env_runner_states: bool = True
+    rng: bool = True
+    metrics: bool = True
+    allow_pickle: Tuple[str, ...] = ()
+    engine_options: Dict[str, Any] = field(default_factory=dict)
+    resume: bool = False
+    resume_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        try:
+            validate_name(self.run, "run name")
+            OnBusy.parse(self.on_busy)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
+            raise InvalidArgumentError(f"every must be an integer >= 1, got {self.every!r}")
+        if self.on_error not in ("raise", "warn"):
+            raise InvalidArgumentError(f"on_error must be 'raise' or 'warn', got {self.on_error!r}")
+        if not isinstance(self.resume, bool):
+            raise InvalidArgumentError(f"resume must be True or False, got {self.resume!r}")
+        if isinstance(self.allow_pickle, str):
+            self.allow_pickle = (self.allow_pickle,)
+        self.allow_pickle = tuple(self.allow_pickle)
+        self.engine_options = dict(self.engine_options or {})
+        clash = {"run", "local_dir", "remote_uri", "keep_last", "keep_every"} & set(self.engine_options)
+        if clash:
+            raise InvalidArgumentError(f"engine_options must not repeat {sorted(clash)}: pass them directly")
+
+    def engine(self) -> CheckpointEngine:
+        if self.local_dir is None:
+            return CheckpointEngine.connect(self.run)
+        return CheckpointEngine.create(self.run, local_dir=self.local_dir, remote_uri=self.remote_uri,
+                                       keep_last=self.keep_last, keep_every=self.keep_every,
+                                       **self.engine_options)
+
+
+class RayCkptCallback(RLlibCallback):
+    """Saves the algorithm every ``settings.every`` iterations from ``on_train_result``.
+
+    Construct it with the settings (``RayCkptCallback("run", local_dir=..., every=5)``, e.g. through
+    ``functools.partial``) or use :func:`make_callback`, which binds them to a subclass. After each
+    iteration ``result["ray_ckpt"]`` holds a summary (saves, skipped, failed, last save() call ms, the
+    version resumed from or -1).
+    Attributes for inspection: ``engine``, ``saves`` (iteration -> SaveHandle), ``save_call_ms``,
+    ``skipped``, ``failures``, ``resumed`` (the AlgorithmRestoreReport of a ``resume``, else None)."""
+
+    settings: Optional[CheckpointSettings] = None  # bound by make_callback
+
+    def __init__(self, run: Optional[str] = None, local_dir: Optional[str] = None,
+                 remote_uri: Optional[str] = None, **options: Any):
+        super().__init__()
+        if run is not None:
+            self.settings = CheckpointSettings(run, local_dir, remote_uri, **options)
+        elif options or local_dir is not None or remote_uri is not None:
+            raise InvalidArgumentError("RayCkptCallback: pass the run name as the first argument")
+        elif type(self).settings is None:
+            raise InvalidArgumentError("RayCkptCallback needs settings: RayCkptCallback('run', local_dir=...) "
+                                       "through functools.partial, or make_callback('run', local_dir=...)")
+        self.engine: Optional[CheckpointEngine] = None
+        self.saves: Dict[int, SaveHandle] = {}
+        self.save_call_ms: List[float] = []
+        self.skipped: List[int] = []
+        self.failures: Dict[int, str] = {}
+        self.results: Dict[int, SaveResult] = {}
+        self.resumed: Optional[AlgorithmRestoreReport] = None
+        self._pending: Dict[str, Any] = {}
+        self._open: List[int] = []
+        self._runner_names: set = set()
+        self._last_step = -1
+
+    # ------------------------------------------------------------------ RLlib hooks
+    def on_algorithm_init(self, *, algorithm: Any, metrics_logger: Any = None, **kwargs: Any) -> None:
+        eng = self._ensure_engine()
+        s = self.settings
+        if s.resume and self._last_step >= 0:
+            self.resumed = restore_algorithm(algorithm, eng, timeout_s=s.resume_timeout_s, restore_rng=s.rng,
+                                             allow_pickle=s.allow_pickle)
+            log.info("ray_ckpt: run %r resumed from version %d (iteration %d)", s.run, self.resumed.version,
+                     self.resumed.iteration)
+
+    def on_train_result(self, *, algorithm: Any, metrics_logger: Any = None, result: dict,
+                        **kwargs: Any) -> None:
+        self._collect(block=False)
+        it = int(algorithm.iteration)
+        if it % self.settings.every == 0:
+            self.save(algorithm, it, result=result)
+        if isinstance(result, dict):
+            result["ray_ckpt"] = self.summary()
+
+    # ------------------------------------------------------------------ API
+    def save(self, algorithm: Any, iteration: Optional[int] = None, result: Optional[dict] = None) -> SaveHandle:
+        """Capture the algorithm now and hand it to the engine (returns at once)."""
+        t0 = time.perf_counter()
+        eng = self._ensure_engine()
+        it = int(algorithm.iteration) if iteration is None else int(iteration)
+        s = self.settings
+        if it <= self._last_step:
+            # e.g. the algorithm was restored to an older version: versions are steps and only grow
+            self.skipped.append(it)
+            log.warning("ray_ckpt: iteration %d not saved: run %r already has version %d (the algorithm was "
+                        "restored to an older version?); saving resumes after iteration %d",
+                        it, s.run, self._last_step, self._last_step)
+            return SaveHandle(eng, it, None, time.perf_counter() - t0, skipped=True)
+        errors: Dict[str, str] = {}
+        self._pending = capture_algorithm_state(algorithm, rng=s.rng, metrics=s.metrics,
+                                                allow_pickle=s.allow_pickle, errors=errors)
+        for name, why in errors.items():
+            log.warning("ray_ckpt: iteration %d: best-effort state %r not saved: %s", it, name, why)
+        try:
+            self._sync_registrations(eng, algorithm)
+            handle = eng.save(it, on_busy=s.on_busy, metrics=_save_metrics(result))
+        finally:
+            self._pending = {}
+        ms = (time.perf_counter() - t0) * 1e3
+        self.save_call_ms.append(ms)
+        if handle.skipped:
+            self.skipped.append(it)
+            log.warning("ray_ckpt: iteration %d not saved: %d saves of run %r still in flight "
+                        "(on_busy='skip')", it, len(self._open), s.run)
+        else:
+            self.saves[it] = handle
+            self._open.append(it)
+            self._last_step = it
+        return handle
+
+    def flush(self, timeout: Optional[float] = None) -> Dict[int, SaveResult]:
+        """Wait until every save of this callback is committed locally; raises SaveError on a failure
+        (whatever ``on_error`` says). Returns {iteration: SaveResult} of all saves so far."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for it in list(self._open):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                self.results[it] = self.saves[it].wait(left)
+            except SaveError as exc:
+                self.failures[it] = str(exc)
+            self._open.remove(it)
+        if self.failures:
+            raise SaveError("; ".join(f"iteration {i}: {m}" for i, m in sorted(self.failures.items())))
+        return dict(self.results)
+
+    def summary(self) -> Dict[str, Any]:
+        return {"saves": len(self.saves), "in_flight": len(self._open), "skipped": len(self.skipped),
+                "failed": len(self.failures),
+                "last_saved_iteration": max(self.saves) if self.saves else -1,
+                "last_save_call_ms": self.save_call_ms[-1] if self.save_call_ms else float("nan"),
+                "resumed_version": self.resumed.version if self.resumed is not None else -1}
+
+    # ------------------------------------------------------------------ internals
+    def _ensure_engine(self) -> CheckpointEngine:
+        if self.engine is None:
+            self.engine = self.settings.engine()
+            self._last_step = max((m.version for m in self.engine.list_checkpoints()), default=-1)
+            self._register_static(self.engine)
+        return self.engine
+
+    def _register_static(self, eng: CheckpointEngine) -> None:
+        s = self.settings
+        names = [(n, Strategy.CRITICAL) for n in (POLICY, OPTIMIZER, CONNECTORS, COUNTERS)]
+        if s.rng:
+            names.append((RNG, Strategy.CRITICAL))
+        if s.metrics:
+            names.append((METRICS, Strategy.BEST_EFFORT))
+        for name, strat in names:
+            self._register(eng, name, strat)
+
+    def _register(self, eng: CheckpointEngine, name: str, strategy: Strategy) -> None:
+        """Register ``name`` to be read from this save's captured states."""
+        def get() -> Any:
+            try:
+                return self._pending[name]
+            except KeyError:
+                raise SaveError(f"RLlib state {name!r} was not captured for this save") from None
+        get.__name__ = f"rllib_{name}"
+        eng.register(name, get, strategy=strategy, allow_pickle=name in self.settings.allow_pickle, replace=True)
+
+    def _sync_registrations(self, eng: CheckpointEngine, algorithm: Any) -> None:
+        s = self.settings
+        if s.metrics:
+            if METRICS in self._pending and METRICS not in eng.registered:
+                self._register(eng, METRICS, Strategy.BEST_EFFORT)
+            elif METRICS not in self._pending and METRICS in eng.registered:
+                eng.unregister(METRICS)
+        if not s.env_runner_states:
+            return
+        actors = runner_snapshot_actors(algorithm)
+        for name, h in actors.items():
+            eng.register(name, h, strategy=Strategy.BEST_EFFORT, replace=True)
+        for name in self._runner_names - set(actors):
+            if name in eng.registered:
+                eng.unregister(name)
+        self._runner_names = set(actors)
+
+    def _collect(self, block: bool) -> None:
+        for it in list(self._open):
+            h = self.saves[it]
+            if not block and not h.done():
+                continue
+            self._open.remove(it)
+            try:
+                self.results[it] = h.wait(None if block else 0)
+            except SaveError as exc:
+                self.failures[it] = str(exc)
+                if self.settings.on_error == "raise":
+                    raise SaveError(f"ray_ckpt: the save of iteration {it} (run {self.settings.run!r}) "
+                                    f"failed: {exc}") from None
+                log.error("ray_ckpt: the save of iteration %d (run %r) failed: %s", it, self.settings.run, exc)
+
+
+def _save_metrics(result: Optional[dict]) -> Optional[Dict[str, float]]:
+    if not isinstance(result, dict):
+        return None
+    env = result.get(ENV_RUNNER_RESULTS)
+    v = env.get("episode_return_mean") if isinstance(env, dict) else None
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        return None
+    return {"episode_return_mean": v} if math.isfinite(v) else None
+
+
+def make_callback(run: str, local_dir: Optional[str] = None, remote_uri: Optional[str] = None,
+                  **options: Any) -> type:
+    """A :class:`RayCkptCallback` subclass with these settings bound, for ``config.callbacks(...)``.
+
+    Options: see :class:`CheckpointSettings` (every, keep_last, keep_every, on_busy, on_error,
+    env_runner_states, rng, metrics, allow_pickle, engine_options, resume, resume_timeout_s). The
+    settings are validated here."""
+    settings = CheckpointSettings(run, local_dir, remote_uri, **options)
+    return type(f"RayCkptCallback_{run.replace('-', '_').replace('.', '_')}", (RayCkptCallback,),
+                {"settings": settings, "__module__": __name__})
+
+
+def find_callback(algorithm: Any) -> Optional[RayCkptCallback]:
+    """The RayCkptCallback instance of an Algorithm (None if it has none)."""
+    cbs = algorithm.callbacks
+    for cb in cbs if isinstance(cbs, (list, tuple)) else [cbs]:
+        if isinstance(cb, RayCkptCallback):
+            return cb
+    return None
+
+
+def wait_for_saves(algorithm: Any, timeout: Optional[float] = None) -> Dict[int, SaveResult]:
+    """Wait for every save of the algorithm's RayCkptCallback (e.g. before ``algorithm.stop()``)."""
+    cb = find_callback(algorithm)
+    if cb is None:
+        raise InvalidArgumentError("this algorithm has no RayCkptCallback (config.callbacks(make_callback(...)))")
+    return cb.flush(timeout)

@@ -1,0 +1,90 @@
+"""Reading one version's in-process states out of an Algorithm (RLlib state -> storable state).
+
+============== ============ ==========================================================================
+name           strategy     content
+============== ============ ==========================================================================
+policy         CRITICAL     the learner's RLModule weights (``learner_group.get_state``), every module
+optimizer      CRITICAL     the learner's optimizer states (moments, step counts, param groups)
+connectors     CRITICAL     env-to-module / module-to-env connector states of the algorithm's env
+                            runner (the merged MeanStdFilter statistics, ...) and its sampled-steps
+                            counter
+counters       CRITICAL     training_iteration, the learner's weights_seq_no, env steps sampled
+rng            CRITICAL     python / numpy / torch RNG states of the algorithm's process (which also
+                            holds the learner when ``num_learners=0``)
+metrics        BEST_EFFORT  the algorithm's and the learner's MetricsLogger states (lifetime counters,
+                            smoothing windows)
+env_runner_<i> BEST_EFFORT  remote env runner i: its process RNG states and its environments'
+                            ``np_random`` states (captured inside the runner: :mod:`.env_runners`)
+============== ============ ==========================================================================
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+
+from ray.rllib.core import (COMPONENT_ENV_TO_MODULE_CONNECTOR, COMPONENT_LEARNER, COMPONENT_METRICS_LOGGER,
+                            COMPONENT_MODULE_TO_ENV_CONNECTOR, COMPONENT_OPTIMIZER, COMPONENT_RL_MODULE)
+from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME, WEIGHTS_SEQ_NO
+
+from ...errors import UnsupportedTypeError
+from ...rng import rng_state
+from .conversion import to_storable
+from .env_runners import CONNECTOR_COMPONENTS
+from .names import CONNECTORS, COUNTERS, METRICS, OPTIMIZER, POLICY, RNG, TRAINING_ITERATION
+
+
+def _learner_components(metrics: bool) -> List[str]:
+    comps = [f"{COMPONENT_LEARNER}/{COMPONENT_RL_MODULE}", f"{COMPONENT_LEARNER}/{COMPONENT_OPTIMIZER}"]
+    if metrics:
+        comps.append(f"{COMPONENT_LEARNER}/{COMPONENT_METRICS_LOGGER}")
+    return comps
+
+
+def algorithm_connectors(algorithm: Any) -> Iterator[Tuple[str, Any]]:
+    """(component name, connector pipeline) of an algorithm that has no local env runner."""
+    for comp, attr in ((COMPONENT_ENV_TO_MODULE_CONNECTOR, "env_to_module_connector"),
+                       (COMPONENT_MODULE_TO_ENV_CONNECTOR, "module_to_env_connector")):
+        conn = getattr(algorithm, attr, None)
+        if conn is not None:
+            yield comp, conn
+
+
+def _connector_state(algorithm: Any) -> Optional[Dict[str, Any]]:
+    if not getattr(algorithm.config, "is_online", True):
+        return None
+    runner = getattr(algorithm, "env_runner", None)
+    if runner is not None:
+        return runner.get_state(components=list(CONNECTOR_COMPONENTS))
+    return {comp: conn.get_state() for comp, conn in algorithm_connectors(algorithm)}
+
+
+def capture_algorithm_state(algorithm: Any, *, rng: bool = True, metrics: bool = True,
+                            allow_pickle: Iterable[str] = (),
+                            errors: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """The in-process states of one version, converted with :func:`to_storable`: ``policy``,
+    ``optimizer``, ``connectors``, ``counters`` (+ ``rng``, ``metrics``). A critical state that cannot
+    be converted raises; a best-effort one (``metrics``) is left out and its reason put in ``errors``."""
+    pickled = set(allow_pickle)
+    lg = algorithm.learner_group.get_state(components=_learner_components(metrics))[COMPONENT_LEARNER]
+    out: Dict[str, Any] = {}
+    out[POLICY] = to_storable(lg[COMPONENT_RL_MODULE], POLICY, POLICY in pickled)
+    out[OPTIMIZER] = to_storable(lg[COMPONENT_OPTIMIZER], OPTIMIZER, OPTIMIZER in pickled)
+    conn = _connector_state(algorithm)
+    out[CONNECTORS] = to_storable(conn if conn is not None else {}, CONNECTORS, CONNECTORS in pickled)
+    sampled = algorithm.metrics.peek((ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME), default=0)
+    out[COUNTERS] = {
+        TRAINING_ITERATION: int(algorithm.iteration),
+        WEIGHTS_SEQ_NO: int(lg.get(WEIGHTS_SEQ_NO, 0) or 0),
+        NUM_ENV_STEPS_SAMPLED_LIFETIME: int(sampled or 0),
+    }
+    if rng:
+        out[RNG] = to_storable(rng_state(), RNG)
+    if metrics:
+        try:
+            out[METRICS] = to_storable({"algorithm": algorithm.metrics.get_state(),
+                                        "learner": lg.get(COMPONENT_METRICS_LOGGER)},
+                                       METRICS, METRICS in pickled)
+        except UnsupportedTypeError as exc:
+            if errors is None:
+                raise
+            errors[METRICS] = str(exc)
+    return out

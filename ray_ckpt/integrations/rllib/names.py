@@ -1,0 +1,18 @@
+"""The names one RLlib version is stored under in the engine, and the integration's logger."""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("ray_ckpt.rllib")
+
+POLICY = "policy"
+OPTIMIZER = "optimizer"
+CONNECTORS = "connectors"
+COUNTERS = "counters"
+RNG = "rng"
+METRICS = "metrics"
+ENV_RUNNER_PREFIX = "env_runner_"
+
+CRITICAL_STATES = (POLICY, OPTIMIZER, CONNECTORS, COUNTERS, RNG)
+
+TRAINING_ITERATION = "training_iteration"
