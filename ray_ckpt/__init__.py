@@ -14,10 +14,10 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointEngine", "SaveHandle", "Strategy", "OnBusy", "SaveResult", "RestoreReport", "StateReport",
     "CheckpointMeta", "CheckpointError", "SaveError", "RestoreError", "IntegrityError",
-    "InvalidArgumentError", "UnsupportedTypeError", "actor_provider", "rng_state", "set_rng_state",
+    "InvalidArgumentError", "UnsupportedTypeError", "actor_provider", "actor_method", "rng_state", "set_rng_state",
 ]
 
-_LAZY = {"CheckpointEngine": "engine", "SaveHandle": "engine", "actor_provider": "snapshot",
+_LAZY = {"CheckpointEngine": "engine", "SaveHandle": "engine", "actor_provider": "snapshot", "actor_method": "snapshot",
          "rng_state": "rng", "set_rng_state": "rng"}
 
 
