@@ -55,7 +55,7 @@ def write_flat(tier: Tier, version: int, name: str, rank: int, flat: Flat,
         for i, table in enumerate(flat.tables):
             rel = layout.table_file(version, name, rank, i)
             entries.append(FileEntry(rel, *_write_table(tier, rel, table, compression, threads, direct), "table"))
-    except OSError as exc:
+    except (OSError, IntegrityError) as exc:  # IntegrityError: a link where a directory should be
         raise SaveError(f"writing state {name!r} rank {rank} of version {version} to "
                         f"{tier.describe(rel)} failed: {one_line(exc)}") from None
     return entries
@@ -109,7 +109,7 @@ def decode_files(files: List[FileEntry], bufs: List[bytearray], *, name: str,
     if len(tensors_buf) != 1:
         raise IntegrityError(f"state {name!r}: expected one tensors file, manifest lists {len(tensors_buf)}")
     structure, views = safetensors_io.read(tensors_buf[0], path=next(f.path for f in files if f.role == "tensors"))
-    tables = [arrow_io.read(b) for f, b in zip(files, bufs) if f.role == "table"]
+    tables = [arrow_io.read(b, path=f.path) for f, b in zip(files, bufs) if f.role == "table"]
     return unflatten(structure, views, tables, as_numpy=as_numpy, allow_pickle=allow_pickle, state_name=name)
 
 
@@ -125,36 +125,62 @@ def write_manifest(tier: Tier, manifest: Manifest) -> None:
     tier.put_bytes(layout.manifest_path(manifest.version), manifest.to_json())
 
 
-def read_manifest(tier: Tier, version: int) -> Manifest:
+def read_manifest(tier: Tier, version: int, key: Optional[bytes] = None) -> Manifest:
+    """The manifest of ``version``, checked: well-formed, its paths inside the run root, its
+    ``version`` that of the directory it lies in (a manifest copied into another version's
+    directory is refused), and with ``key`` its signature. Raises IntegrityError (naming the file)
+    or FileNotFoundError / OSError from the tier."""
     rel = layout.manifest_path(version)
-    return Manifest.from_json(bytes(tier.read_bytes(rel)), where=tier.describe(rel))
+    where = tier.describe(rel)
+    m = Manifest.from_json(bytes(tier.read_bytes(rel)), where=where, key=key)
+    if m.version != version:
+        raise IntegrityError(f"{where}: the manifest says version {m.version}, but it lies in "
+                             f"{layout.version_dir(version)}/ (copied from another version?): refused")
+    return m
 
 
-def scan(tier: Tier) -> Tuple[Dict[int, Manifest], List[int], List[str]]:
-    """(committed manifests by version, versions without manifest, unreadable manifests)."""
+def scan(tier: Tier, key: Optional[bytes] = None) -> Tuple[Dict[int, Manifest], List[int], List[str]]:
+    """(committed manifests by version, versions without manifest, problems).
+
+    A version whose manifest is unreadable, mis-signed (with ``key``) or names another version is
+    in the problems, not among the committed versions, and not among those without manifest
+    either: nothing removes it. So are version-named entries that are not directories (a link
+    to elsewhere, a file): not this run's, never listed or emptied."""
     committed, partial, bad = {}, [], []
+    for v, what in sorted(tier.odd_entries().items()):
+        bad.append(f"version {v}: {tier.describe(layout.version_dir(v))} is {what}, not a version directory "
+                   f"(left alone)")
     for v, has_manifest in sorted(tier.version_dirs().items()):
         if not has_manifest:
             partial.append(v)
             continue
         try:
-            committed[v] = read_manifest(tier, v)
+            committed[v] = read_manifest(tier, v, key)
         except (IntegrityError, OSError) as exc:
-            bad.append(f"version {v}: {exc}")
+            bad.append(f"version {v}: {one_line(exc)}")
     return committed, partial, bad
 
 
 def delete_version(tier: Tier, version: int, keep_paths: set, referenced: Sequence[str] = ()) -> List[str]:
     """Delete a version: its manifest first (it disappears at once), then its files and the files
     of older versions it referred to (``referenced``) that no kept version refers to, then empty
-    directories. Returns the deleted file paths."""
+    directories. Returns the deleted file paths.
+
+    Locally a link is deleted itself, never its target, and nothing is deleted through a linked
+    directory (a version directory that is a link: nothing at all)."""
     tier.delete_file(layout.manifest_path(version))
     deleted = []
     for rel in sorted(set(tier.list_files(layout.version_dir(version))) | set(referenced)):
-        if rel not in keep_paths:
-            tier.delete_file(rel)
+        if rel not in keep_paths and tier.delete_file(rel):
             deleted.append(rel)
     for top in {layout.version_dir(version)} | {rel.split("/", 1)[0] for rel in deleted}:
         tier.prune_empty_dirs(top)
     return deleted
 
+
+def stray_files(tier: Tier, version: int, manifest: Manifest) -> List[str]:
+    """Entries of the committed version directory of ``version`` that its manifest does not name
+    (leftover ``*.tmp-*`` files of an interrupted write, anything put there by hand, links), as
+    paths relative to the run root, sorted. The manifest itself is not a stray."""
+    named = set(manifest.referenced_paths()) | {layout.manifest_path(version)}
+    return sorted(rel for rel in tier.list_files(layout.version_dir(version)) if rel not in named)

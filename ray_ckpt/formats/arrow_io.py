@@ -5,6 +5,8 @@ from typing import Any, List, Optional
 
 import pyarrow as pa
 
+from ..errors import IntegrityError
+
 
 def write(table: pa.Table, sink: Any, compression: Optional[str] = None) -> None:
     opts = pa.ipc.IpcWriteOptions(compression=compression)
@@ -40,5 +42,19 @@ def segments(table: pa.Table) -> List[Any]:
     return sink.parts
 
 
-def read(buf: Any) -> pa.Table:
-    return pa.ipc.open_file(pa.py_buffer(buf)).read_all()
+def read(buf: Any, *, path: str = "<table>") -> pa.Table:
+    """The table of an Arrow IPC file held in ``buf``, validated in full (offsets, lengths, UTF-8)
+    before use. Raises IntegrityError naming ``path`` for anything that is not a valid IPC file."""
+    try:
+        return open_validated(buf)
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, OSError, pa.ArrowException) as exc:
+        raise IntegrityError(f"{path}: not a valid Arrow IPC file ({' '.join(str(exc).split())})") from None
+
+
+def open_validated(buf: Any) -> pa.Table:
+    """``pa.ipc.open_file(buf).read_all()`` followed by ``table.validate(full=True)``: every
+    buffer, offset and length checked, so a crafted file is an error here, not a wild read later.
+    Raises pyarrow's own errors (the caller names the file)."""
+    table = pa.ipc.open_file(pa.py_buffer(buf)).read_all()
+    table.validate(full=True)
+    return table

@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import IntegrityError
+from .arrow_io import open_validated
 from .tree import Flat, pieces_of, structure_to_json
 
 STRUCTURE_KEY = b"ray_ckpt.structure"
@@ -111,7 +112,7 @@ def read(buf: Any, *, path: str = "<buffer>") -> Tuple[Any, List[Any], List[pa.T
     bytes, tables) for :func:`.tree.unflatten`: leaf bytes are views into ``buf`` where the column
     lies in it (an uncompressed file), else copies (booleans, compressed files)."""
     try:
-        table = pa.ipc.open_file(pa.py_buffer(buf)).read_all()
+        table = open_validated(buf)  # validated in full: offsets and lengths inside the file
         meta = table.schema.metadata or {}
         if meta.get(FORMAT_KEY) != FORMAT_VERSION:
             raise ValueError(f"no {FORMAT_KEY.decode()}={FORMAT_VERSION.decode()} in its schema metadata")
@@ -126,19 +127,41 @@ def read(buf: Any, *, path: str = "<buffer>") -> Tuple[Any, List[Any], List[pa.T
         whole = memoryview(buf).cast("B")
         base = np.frombuffer(whole, np.uint8).ctypes.data if len(whole) else 0
         for name, node in cols:
+            if not isinstance(node.get("N"), int) or not 0 <= node["N"] < len(views) or views[node["N"]] is not None:
+                raise ValueError(f"column {name!r}: leaf index {node.get('N')!r} is not one of 0..{len(views) - 1}")
+            if table.schema.get_field_index(name) < 0:
+                raise ValueError(f"column {name!r} is not in the file")
             col = table.column(name)
-            views[node["N"]] = _leaf_bytes(col, np.dtype(node["dt"]), whole, base)
-        if any(v is None for v in views):
-            raise ValueError("a leaf has no column")
-    except (KeyError, ValueError, TypeError, pa.ArrowException) as exc:
+            views[node["N"]] = _leaf_bytes(col, np.dtype(node["dt"]), node.get("sh"), name, whole, base)
+    except (KeyError, ValueError, TypeError, IndexError, OverflowError, AttributeError, RecursionError,
+            OSError, pa.ArrowException) as exc:  # pyarrow's IPC errors include OSError
         raise IntegrityError(f"{path}: not a ray_ckpt buffer file ({exc})") from None
     return structure, views, []
 
 
-def _leaf_bytes(col: pa.ChunkedArray, dt: np.dtype, whole: memoryview, base: int) -> Any:
+def _leaf_bytes(col: pa.ChunkedArray, dt: np.dtype, shape: Any, name: str, whole: memoryview, base: int) -> Any:
+    """The bytes of one column, after checking that the column is what the structure says it is:
+    its value type ``dt``, ``shape[0]`` rows of ``shape[1:]`` each (no nulls)."""
+    if (not isinstance(shape, list) or not shape
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        raise ValueError(f"column {name!r}: shape {shape!r} is not a list of non-negative integers")
+    if dt.kind not in _KINDS or not dt.isnative:
+        raise ValueError(f"column {name!r}: dtype {dt} is not a buffer column's")
+    if len(col) != shape[0] or col.null_count:
+        raise ValueError(f"column {name!r}: {len(col)} rows ({col.null_count} null), the structure says {shape[0]}")
     arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
-    if isinstance(arr, pa.ExtensionArray):
+    width = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+    if len(shape) > 1:
+        if not isinstance(arr, pa.ExtensionArray) or not isinstance(arr.type, pa.FixedShapeTensorType) \
+                or list(arr.type.shape) != list(shape[1:]):
+            raise ValueError(f"column {name!r} is {arr.type}, the structure says a tensor of shape {shape[1:]}")
         arr = arr.storage.flatten()
+    elif isinstance(arr, pa.ExtensionArray):
+        raise ValueError(f"column {name!r} is {arr.type}, the structure says plain values")
+    want = pa.bool_() if dt.kind == "b" else pa.from_numpy_dtype(dt)
+    if arr.type != want or len(arr) != shape[0] * width or arr.null_count:
+        raise ValueError(f"column {name!r}: {len(arr)} values of {arr.type}, the structure says "
+                         f"{shape[0] * width} of {want}")
     if dt.kind == "b":
         return memoryview(arr.to_numpy(zero_copy_only=False).view(np.uint8)).cast("B")  # unpacked: a new array
     n = len(arr) * dt.itemsize

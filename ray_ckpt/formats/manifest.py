@@ -3,18 +3,42 @@
 It lists every file of every state with its size and checksum. A state entry may point at a file
 of an older version (a RELOADABLE state whose content did not change): paths are relative to the
 run root, not to the version directory.
+
+Two optional fields tie manifests to their run and to each other (both absent from the JSON when
+unset, so such manifests are byte for byte what earlier ray_ckpt versions wrote and read):
+
+* ``previous`` (with ``previous_version``): :func:`manifest_digest` of the manifest of the version
+  committed before this one: a manifest copied in from elsewhere, or an older one put back in
+  place of a newer one, breaks the chain (:func:`chain_problems`).
+* ``signature``: HMAC-SHA256 of the canonical JSON of every other field under a key the run is
+  configured with (:func:`sign_manifest`, :func:`verify_signature`); a reader given the key refuses
+  unsigned and mis-signed manifests.
+
+This module knows nothing of storage: the path rule below is the layout's
+(``storage.layout`` re-exports it).
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import re
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 from ..errors import IntegrityError
-from ..storage.layout import is_valid_file_path
 from .checksum import ALGORITHM
 
 MANIFEST_FORMAT = "ray_ckpt.manifest/1"
+DIGEST_PREFIX = "sha256:"
+_OPTIONAL = ("previous", "previous_version", "signature")  # left out of the JSON when None
+
+_FILE_PATH = re.compile(r"^v\d{12}/[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}/[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+
+
+def is_valid_file_path(rel: str) -> bool:
+    """A manifest's file path: ``v<12 digits>/<state>/<file>``, nothing that could leave the run root."""
+    return isinstance(rel, str) and bool(_FILE_PATH.match(rel)) and ".." not in rel
 
 
 @dataclass
@@ -49,6 +73,9 @@ class Manifest:
     metrics: Dict[str, float] = field(default_factory=dict)
     checksum_algorithm: str = ALGORITHM
     format: str = MANIFEST_FORMAT
+    previous: Optional[str] = None  # manifest_digest() of the predecessor's manifest (see chain_problems)
+    previous_version: Optional[int] = None  # the version that digest is of
+    signature: Optional[str] = None  # hex HMAC-SHA256 (see sign_manifest)
 
     @property
     def bytes(self) -> int:
@@ -57,26 +84,135 @@ class Manifest:
     def referenced_paths(self) -> List[str]:
         return [f.path for s in self.states.values() for f in s.all_files()]
 
+    def to_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        for k in _OPTIONAL:
+            if d[k] is None:
+                del d[k]
+        return d
+
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), indent=1, sort_keys=True, allow_nan=False).encode("utf-8")
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True, allow_nan=False).encode("utf-8")
 
     @classmethod
-    def from_json(cls, data: bytes, *, where: str = "manifest") -> "Manifest":
+    def from_json(cls, data: bytes, *, where: str = "manifest", key: Optional[bytes] = None) -> "Manifest":
+        """Parse and check a manifest. With ``key``, its signature must verify under that key.
+
+        Raises IntegrityError naming ``where`` for anything that is not a well-formed manifest."""
         try:
             d = json.loads(data)
+            if not isinstance(d, dict):
+                raise ValueError("not a JSON object")
+            if key is not None:
+                _verify(d, key)
             if d.get("format") != MANIFEST_FORMAT:
                 raise ValueError(f"unknown format {d.get('format')!r}")
             if d.get("checksum_algorithm", ALGORITHM) != ALGORITHM:
                 raise ValueError(f"its checksums are {d['checksum_algorithm']!r}; this ray_ckpt verifies "
                                  f"{ALGORITHM!r} (written by an older ray_ckpt: re-save it with that one)")
+            if not isinstance(d.get("version"), int) or isinstance(d["version"], bool) or d["version"] < 0:
+                raise ValueError(f"version {d.get('version')!r} is not a non-negative integer")
+            if not isinstance(d.get("states"), dict):
+                raise ValueError("'states' is not an object")
             states = {}
             for name, s in d["states"].items():
-                files = {r: [FileEntry(**f) for f in fs] for r, fs in s.pop("files").items()}
+                if not isinstance(s, dict) or not isinstance(s.get("files"), dict):
+                    raise ValueError(f"state {name!r} is not an object with 'files'")
+                files = {}
+                for r, fs in s.pop("files").items():
+                    if not isinstance(fs, list):
+                        raise ValueError(f"state {name!r} rank {r!r}: files is not a list")
+                    files[r] = [FileEntry(**f) for f in fs]
                 for f in (f for fs in files.values() for f in fs):
                     if not is_valid_file_path(f.path):
                         raise ValueError(f"state {name!r} lists an invalid file path {f.path!r}")
+                    if not isinstance(f.size, int) or isinstance(f.size, bool) or f.size < 0:
+                        raise ValueError(f"state {name!r} file {f.path!r}: size {f.size!r} is not a byte count")
+                    if not isinstance(f.checksum, str):
+                        raise ValueError(f"state {name!r} file {f.path!r}: checksum {f.checksum!r} is not a string")
                 states[name] = StateEntry(files=files, **s)
             d["states"] = states
             return cls(**d)
-        except (ValueError, KeyError, TypeError) as exc:
+        except IntegrityError as exc:
+            raise IntegrityError(f"{where}: {exc}") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise IntegrityError(f"{where}: unreadable manifest ({exc})") from None
+
+
+# ------------------------------------------------------------------------- digests and signatures
+def _canonical(d: Mapping[str, Any]) -> bytes:
+    return json.dumps(d, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=True).encode()
+
+
+def _as_dict(manifest_or_bytes: Union[Manifest, bytes, bytearray, memoryview]) -> Dict[str, Any]:
+    if isinstance(manifest_or_bytes, Manifest):
+        return manifest_or_bytes.to_dict()
+    try:
+        d = json.loads(bytes(manifest_or_bytes))
+    except ValueError as exc:
+        raise IntegrityError(f"unreadable manifest ({exc})") from None
+    if not isinstance(d, dict):
+        raise IntegrityError("unreadable manifest (not a JSON object)")
+    return d
+
+
+def manifest_digest(manifest_or_bytes: Union[Manifest, bytes, bytearray, memoryview]) -> str:
+    """``"sha256:<hex>"`` of a manifest's canonical JSON (sorted keys, no spaces; unset optional
+    fields left out; the signature included). The same for a Manifest and for the bytes it was
+    written as or read from, whitespace aside. Raises IntegrityError for bytes that are not JSON."""
+    return DIGEST_PREFIX + hashlib.sha256(_canonical(_as_dict(manifest_or_bytes))).hexdigest()
+
+
+def _signed_bytes(d: Mapping[str, Any]) -> bytes:
+    return _canonical({k: v for k, v in d.items() if k != "signature"})
+
+
+def _check_key(key: Any) -> bytes:
+    if not isinstance(key, (bytes, bytearray)) or not key:
+        raise TypeError("a manifest signing key must be non-empty bytes")
+    return bytes(key)
+
+
+def sign_manifest(manifest: Manifest, key: bytes) -> Manifest:
+    """Set ``manifest.signature`` to the hex HMAC-SHA256, under ``key``, of the canonical JSON of
+    all its other fields; returns the manifest. Sign last: any later change breaks it."""
+    manifest.signature = None
+    manifest.signature = hmac.new(_check_key(key), _signed_bytes(manifest.to_dict()), hashlib.sha256).hexdigest()
+    return manifest
+
+
+def _verify(d: Mapping[str, Any], key: bytes) -> None:
+    sig = d.get("signature")
+    if sig is None:
+        raise IntegrityError("manifest is not signed, and this run requires signed manifests")
+    want = hmac.new(_check_key(key), _signed_bytes(d), hashlib.sha256).hexdigest()
+    if not isinstance(sig, str) or not hmac.compare_digest(sig, want):
+        raise IntegrityError("manifest signature does not verify (edited, or signed with another key)")
+
+
+def verify_signature(manifest_bytes: Union[bytes, bytearray, memoryview], key: bytes, *,
+                     where: str = "manifest") -> None:
+    """Check a stored manifest's signature under ``key``: IntegrityError naming ``where`` when it is
+    unsigned, mis-signed or not a JSON object (``Manifest.from_json(..., key=key)`` does this too)."""
+    try:
+        _verify(_as_dict(manifest_bytes), key)
+    except IntegrityError as exc:
+        raise IntegrityError(f"{where}: {exc}") from None
+
+
+def chain_problems(manifests: Mapping[int, Manifest]) -> List[str]:
+    """Breaks in the ``previous`` chain among committed ``manifests`` (by version): a manifest whose
+    ``previous_version`` is present but whose digest is not ``previous``, or that names itself or a
+    newer version. Manifests without ``previous`` and predecessors deleted by retention are fine."""
+    problems = []
+    for v in sorted(manifests):
+        m = manifests[v]
+        if m.previous is None:
+            continue
+        pv = m.previous_version
+        if pv is None or not isinstance(pv, int) or pv >= v:
+            problems.append(f"version {v}: its previous version {pv!r} is not an older version")
+        elif pv in manifests and manifest_digest(manifests[pv]) != m.previous:
+            problems.append(f"version {v}: the manifest of version {pv} is not the one it was committed after "
+                            f"(digest {manifest_digest(manifests[pv])}, recorded {m.previous})")
+    return problems

@@ -53,22 +53,89 @@ def write(flat: Flat, sink: Any) -> None:
         sink.write(piece)
 
 
+# safetensors dtype -> item size in bytes (sub-byte F4/F6 types are not written by ray_ckpt: refused)
+ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+            "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+MAX_HEADER = 512 << 20  # a sane bound (safetensors itself allows 100 MB; ray_ckpt's structure can be large)
+
+
+def _nonneg_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def check_header(header: Any, data_len: int) -> None:
+    """Structural checks of a parsed safetensors header against a data section of ``data_len``
+    bytes: a JSON object of tensors, each with a known dtype, a shape of non-negative integers and
+    ``data_offsets`` [begin, end] with 0 <= begin <= end <= data_len and end - begin equal to the
+    number of elements times the item size; no two tensors overlap. ``__metadata__``, if present,
+    maps strings to strings. Raises ValueError naming the key."""
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    meta = header.get("__metadata__")
+    if meta is not None and (not isinstance(meta, dict)
+                             or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):
+        raise ValueError("__metadata__ is not an object of strings")
+    spans = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict):
+            raise ValueError(f"tensor {name!r}: its entry is not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in ITEMSIZE:
+            raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(_nonneg_int(d) for d in shape):
+            raise ValueError(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_nonneg_int(o) for o in offsets)
+                or offsets[0] > offsets[1]):
+            raise ValueError(f"tensor {name!r}: data_offsets {offsets!r} are not [begin, end] with 0 <= begin <= end")
+        begin, end = offsets
+        if end > data_len:
+            raise ValueError(f"tensor {name!r}: data_offsets {offsets!r} run past the data section ({data_len} bytes)")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if end - begin != numel * ITEMSIZE[dtype]:
+            raise ValueError(f"tensor {name!r}: data_offsets {offsets!r} hold {end - begin} bytes, but {dtype} "
+                             f"{shape} needs {numel * ITEMSIZE[dtype]}")
+        spans.append((begin, end, name))
+    spans.sort()
+    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise ValueError(f"tensor {n1!r}: data_offsets [{b1}, {e1}] overlap those of tensor {n0!r} [{b0}, {e0}]")
+
+
 def read(buf: Any, *, path: str = "<buffer>") -> Tuple[Any, List[memoryview]]:
-    """Parse a file held in ``buf`` (bytes-like). Returns (structure, per-leaf memoryviews into buf)."""
+    """Parse a file held in ``buf`` (bytes-like). Returns (structure, per-leaf memoryviews into buf).
+
+    Every read is checked structurally first (``check_header``: offsets inside the data section,
+    sizes matching dtype and shape, no overlaps), whatever its checksum says: a header edited and
+    re-checksummed is an IntegrityError naming the file and the key, never a stray exception."""
     mv = memoryview(buf).cast("B")
     try:
+        if len(mv) < 8:
+            raise ValueError(f"{len(mv)} bytes: too short for a header length")
         (n,) = struct.unpack_from("<Q", mv, 0)
+        if n < 2 or n > len(mv) - 8 or n > MAX_HEADER:
+            raise ValueError(f"header length {n} does not fit a file of {len(mv)} bytes")
         header = json.loads(bytes(mv[8: 8 + n]))
-        meta = header.pop("__metadata__", {}) or {}
+        base = 8 + n
+        check_header(header, len(mv) - base)
+        meta = header.pop("__metadata__", None) or {}
+        if STRUCTURE_KEY not in meta or "ray_ckpt.leaves" not in meta:
+            raise ValueError(f"no {STRUCTURE_KEY!r} in its __metadata__")
         structure = json.loads(meta[STRUCTURE_KEY])
         names = json.loads(meta["ray_ckpt.leaves"])
-        base = 8 + n
+        if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
+            raise ValueError("ray_ckpt.leaves is not a list of tensor names")
+        if len(set(names)) != len(names):
+            raise ValueError("ray_ckpt.leaves names a tensor twice")
         views = []
         for name in names:
+            if name not in header:
+                raise ValueError(f"tensor {name!r} (a leaf) is not in the header")
             b, e = header[name]["data_offsets"]
-            if base + e > len(mv):
-                raise ValueError(f"tensor {name!r} runs past the end of the file")
             views.append(mv[base + b: base + e])
-    except (KeyError, ValueError, struct.error) as exc:
+    except (KeyError, ValueError, TypeError, struct.error, RecursionError) as exc:
         raise IntegrityError(f"{path}: not a ray_ckpt safetensors file ({exc})") from None
     return structure, views

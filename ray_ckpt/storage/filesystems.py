@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Dict, Optional, Tuple
-from urllib.parse import urlparse
+import re
+from typing import Any, Dict, List, Optional, Tuple
+from urllib.parse import quote, unquote, urlparse
 
 import pyarrow.fs as pafs
 
@@ -21,6 +22,90 @@ OBJECT_STORES = tuple(c for c in (getattr(pafs, "S3FileSystem", None), getattr(p
 S3_CONNECT_TIMEOUT_S = 5.0
 S3_REQUEST_TIMEOUT_S = 20.0  # curl low-speed limit: fail when < 1 byte/s moves for this long
 S3_MAX_ATTEMPTS = 3
+
+
+# ------------------------------------------------------------------------- URIs in messages
+REDACTED = "***"
+# query parameters whose values are secrets (pyarrow's S3 URIs take access_key, secret_key,
+# session_token; presigned URLs carry X-Amz-Signature / X-Amz-Credential / X-Amz-Security-Token)
+_SECRET_PARAM = re.compile(r"secret|key|token|passw|session|credential|signature|auth", re.IGNORECASE)
+
+
+def _split_uri(uri: str) -> Tuple[str, str, str, str]:
+    """(scheme://, userinfo, rest of the location and path, ?query#fragment) of ``scheme://...``."""
+    scheme, _, after = uri.partition("://")
+    cut = min((i for i in (after.find("?"), after.find("#")) if i >= 0), default=len(after))
+    head, tail = after[:cut], after[cut:]
+    userinfo = ""
+    at = head.rfind("@")
+    if at >= 0 and ":" in head[:at]:  # key:secret@ (a raw secret may hold '/', '+', even '@')
+        userinfo, head = head[:at], head[at + 1:]
+    elif "@" in head and "/" not in head[:head.find("@")]:  # user@host (an '@' in a path is a path)
+        at = head.find("@")
+        userinfo, head = head[:at], head[at + 1:]
+    return scheme + "://", userinfo, head, tail
+
+
+def _redact_query(tail: str) -> str:
+    query, hash_, fragment = tail.lstrip("?").partition("#")
+    parts = []
+    for item in query.split("&") if query else []:
+        k, eq, v = item.partition("=")
+        parts.append(f"{k}={REDACTED}" if eq and v and _SECRET_PARAM.search(unquote(k)) else item)
+    out = ("?" + "&".join(parts)) if tail.startswith("?") else ""
+    return out + (hash_ + fragment if hash_ else "")
+
+
+def redact_uri(uri: str) -> str:
+    """``uri`` fit for a message, a log line or a repr: ``user:password@`` becomes ``***@`` and
+    the values of query parameters named like a secret (secret, key, token, password, session,
+    credential, signature, auth) become ``***``; anything else (local paths, endpoint settings)
+    is kept. Not for opening: use the URI itself for that."""
+    if not isinstance(uri, str) or "://" not in uri:
+        return uri
+    scheme, userinfo, head, tail = _split_uri(uri)
+    return scheme + (f"{REDACTED}@" if userinfo else "") + head + _redact_query(tail)
+
+
+def _secrets(uri: str) -> List[str]:
+    """The secret substrings of ``uri`` (raw and percent-decoded), longest first."""
+    if not isinstance(uri, str) or "://" not in uri:
+        return []
+    _, userinfo, _, tail = _split_uri(uri)
+    found = []
+    if userinfo:
+        user, _, password = userinfo.partition(":")
+        found += [userinfo, password, user] if password else [userinfo]
+    for item in tail.lstrip("?").partition("#")[0].split("&"):
+        k, eq, v = item.partition("=")
+        if eq and v and _SECRET_PARAM.search(unquote(k)):
+            found.append(v)
+    out = set()
+    for f in found:
+        if len(f) >= 3:  # a one- or two-letter "secret" would blank out ordinary words
+            out.update({f, unquote(f), quote(unquote(f), safe="")})
+    return sorted(out, key=len, reverse=True)
+
+
+def scrub(text: str, uri: str) -> str:
+    """``text`` (an error message that may quote ``uri``) with ``uri``'s secrets replaced by ***."""
+    for secret in _secrets(uri):
+        text = text.replace(secret, REDACTED)
+    return text
+
+
+def join_uri(base: str, name: str) -> str:
+    """``base`` with the path component ``name`` appended: before any ``?query`` or ``#fragment``
+    (``s3://bucket/prefix?endpoint_override=host:9000&scheme=http`` + ``run`` ->
+    ``s3://bucket/prefix/run?endpoint_override=host:9000&scheme=http``); a plain path is joined
+    as a path (``os.path.join``)."""
+    if "://" not in base:
+        return os.path.join(base, name)
+    cut = min((i for i in (base.find("?"), base.find("#")) if i >= 0), default=len(base))
+    head, tail = base[:cut], base[cut:]
+    if head.endswith("://"):  # "file://" alone: the name is a relative path? keep it literal
+        return head + name + tail
+    return head.rstrip("/") + "/" + name + tail
 
 
 def _s3_defaults() -> Dict[str, Any]:
@@ -45,7 +130,8 @@ def _s3_filesystem(uri: str, options: Dict[str, Any]) -> Tuple[pafs.FileSystem, 
     bucket = path.split("/", 1)[0]
     if not bucket:
         raise ValueError("no bucket in the URI")
-    if not options and (parsed.query or "@" in parsed.netloc):
+    # key:secret@ (a raw '/' in the secret ends urlparse's netloc early: found by _split_uri)
+    if not options and (parsed.query or "@" in parsed.netloc or _split_uri(uri)[1]):
         # settings carried by the URI itself (?endpoint_override=..., key:secret@bucket): pyarrow's syntax
         fs, p = pafs.FileSystem.from_uri(uri)
         return fs, p.rstrip("/")
@@ -73,7 +159,7 @@ def resolve_filesystem(uri: str, options: Optional[Dict[str, Any]] = None) -> Tu
 
     Raises InvalidArgumentError (a ValueError) for a URI or options that cannot be used."""
     if not isinstance(uri, str) or not uri:
-        raise InvalidArgumentError(f"storage URI must be a non-empty string, got {uri!r}")
+        raise InvalidArgumentError(f"storage URI must be a non-empty string, got {redact_uri(uri)!r}")
     scheme = urlparse(uri).scheme if "://" in uri else ""
     if options and "filesystem" in options:
         return _given_filesystem(uri, options)
@@ -83,13 +169,13 @@ def resolve_filesystem(uri: str, options: Optional[Dict[str, Any]] = None) -> Tu
         if options:
             if scheme in ("gs", "gcs"):
                 return pafs.GcsFileSystem(**options), uri.split("://", 1)[1].rstrip("/")
-            raise ValueError(f"storage options are only understood for s3:// and gs:// URIs, not {uri!r}")
+            raise ValueError(f"storage options are only understood for s3:// and gs:// URIs, not {redact_uri(uri)!r}")
         if scheme == "":
             return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
         fs, path = pafs.FileSystem.from_uri(uri)
         return fs, path.rstrip("/") or "/"
     except (ValueError, OSError, TypeError) as exc:  # pyarrow's ArrowInvalid is a ValueError
-        raise InvalidArgumentError(f"cannot open storage URI {uri!r}: {one_line(exc)}") from None
+        raise InvalidArgumentError(f"cannot open storage URI {redact_uri(uri)!r}: {scrub(one_line(exc), uri)}") from None
 
 
 def _given_filesystem(uri: str, options: Dict[str, Any]) -> Tuple[pafs.FileSystem, str]:
@@ -118,7 +204,7 @@ def _given_filesystem(uri: str, options: Dict[str, Any]) -> Tuple[pafs.FileSyste
     else:
         path = path.strip("/")
     if not path:
-        raise InvalidArgumentError(f"storage URI {uri!r} names no path inside the given filesystem")
+        raise InvalidArgumentError(f"storage URI {redact_uri(uri)!r} names no path inside the given filesystem")
     return fs, path
 
 

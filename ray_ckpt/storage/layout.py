@@ -11,10 +11,14 @@ import re
 from typing import Optional
 
 from ..errors import InvalidArgumentError
+from ..formats.manifest import is_valid_file_path  # the rule lives beside the manifest it checks
 
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 _VERSION_DIR = re.compile(r"^v(\d{12})$")
+
+__all__ = ["MANIFEST", "validate_name", "is_valid_file_path", "version_dir", "parse_version_dir", "manifest_path",
+           "tensors_file", "table_file", "buffer_file", "join_uri"]
 
 
 def validate_name(name: object, what: str = "name") -> str:
@@ -29,14 +33,6 @@ def validate_name(name: object, what: str = "name") -> str:
     if what == "state name" and name == MANIFEST:  # its directory would take the commit marker's path
         raise InvalidArgumentError(f"invalid {what} {name!r}: {MANIFEST} is the name of a version's manifest")
     return name
-
-
-_FILE_PATH = re.compile(r"^v\d{12}/[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}/[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
-
-
-def is_valid_file_path(rel: str) -> bool:
-    """A manifest's file path: ``v<12 digits>/<state>/<file>``, nothing that could leave the run root."""
-    return isinstance(rel, str) and bool(_FILE_PATH.match(rel)) and ".." not in rel
 
 
 def version_dir(version: int) -> str:
@@ -62,3 +58,11 @@ def table_file(version: int, state: str, rank: int, index: int) -> str:
 
 def buffer_file(version: int, state: str, rank: int) -> str:
     return f"{version_dir(version)}/{state}/rank{rank}.arrow"
+
+
+def join_uri(base: str, run: str) -> str:
+    """A run's root under ``base`` (a path or a URI whose ``?query`` settings are kept): see
+    :func:`.filesystems.join_uri`."""
+    from .filesystems import join_uri as _join_uri
+
+    return _join_uri(base, run)

@@ -5,11 +5,18 @@ fsynced), so a crash never leaves a half file under a final name (see ``local_fi
 stores: an object appears only when its upload completes, so a single PUT is atomic. Reads return
 writable memory (the restored tensors own it) and are verified against the manifest's size and
 checksum before use.
+
+Odd or hostile local storage: a local tier never follows a symbolic link below its root (the root
+itself may be one), never enters a linked directory, reads only regular files (a link, FIFO,
+socket or device in a checkpoint file's place is an IntegrityError naming it, never a hang), and
+deletes links themselves, never their targets: nothing outside the run root is read, written or
+deleted (see ``local_files.open_regular``, ``list_under``, ``unlink_under``).
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import uuid
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -17,16 +24,17 @@ import pyarrow.fs as pafs
 
 from ..errors import CheckpointError, IntegrityError, one_line
 from ..formats.checksum import HashingSink, combine, digest
-from .filesystems import OBJECT_STORES, resolve_filesystem, s3_hint
+from .filesystems import OBJECT_STORES, redact_uri, resolve_filesystem, s3_hint, scrub
 from .layout import MANIFEST, parse_version_dir, version_dir
-from .local_files import (TMP_MARK, RateLimit, WholeWrites, host_buffer, local_atomic, map_file, write_chunks,
-                          write_direct)
+from .local_files import (TMP_MARK, NotOurs, RateLimit, WholeWrites, hash_file, host_buffer, kind_of, list_under,
+                          local_atomic, lstat_under, make_dirs_under, map_fd, open_regular, prune_under,
+                          unlink_under, write_chunks, write_direct)
 
 _COPY_CHUNK = 16 << 20
 VERIFY_THREADS = 4  # threads hashing one large file being restored (I/O-bound: more reads in flight)
 _MAP_FROM = 1 << 20  # local files from 1 MiB are mapped for reading, not copied
 
-__all__ = ["Tier", "RateLimit", "TMP_MARK", "resolve_filesystem"]
+__all__ = ["Tier", "RateLimit", "TMP_MARK", "NotOurs", "resolve_filesystem"]
 
 
 class Tier:
@@ -41,8 +49,17 @@ class Tier:
         self.is_object_store = isinstance(self.fs, OBJECT_STORES)  # keys, no directories to create
         self.rate_limit: Optional[RateLimit] = None  # this process's writes to this tier (not pickled)
 
+    @property
+    def display(self) -> str:
+        """The URI for messages and logs: credentials and secret query values replaced by ***."""
+        return redact_uri(self.uri)
+
     def __repr__(self) -> str:
-        return f"Tier({self.name}, {self.uri!r})"
+        return f"Tier({self.name}, {self.display!r})"
+
+    def scrub(self, text: str) -> str:
+        """``text`` (an error message, perhaps from the SDK) without this tier's URI secrets."""
+        return scrub(text, self.uri)
 
     def __reduce__(self):  # filesystems are re-resolved in the receiving process
         return (Tier, (self.uri, self.name, self.options))
@@ -59,6 +76,7 @@ class Tier:
         """Yield a hashing sink; the file appears under ``rel`` only if the block succeeds."""
         final = self.abspath(rel)
         if self.is_local:
+            self._local_parent(rel)
             with local_atomic(final) as tmp, open(tmp, "wb", buffering=0) as f:
                 sink = HashingSink(WholeWrites(f, self.rate_limit))
                 yield sink
@@ -100,6 +118,7 @@ class Tier:
             raise CheckpointError("write_blocks is for local tiers; object stores take one stream")
         views = [memoryview(x).cast("B") for x in segments]
         size = sum(len(v) for v in views)
+        self._local_parent(rel)
         with local_atomic(self.abspath(rel)) as tmp:
             digests = write_direct(tmp, views, size, threads, self.rate_limit) if direct and size else None
             if digests is None:
@@ -112,6 +131,11 @@ class Tier:
                 finally:
                     os.close(fd)
         return size, combine(digests, size)
+
+    def _local_parent(self, rel: str) -> None:
+        """Create the directories of local file ``rel``; NotOurs (an IntegrityError) where one of
+        them is a link or not a directory: nothing is written through it."""
+        make_dirs_under(self.root, rel.rpartition("/")[0])
 
     def put_bytes(self, rel: str, data: bytes) -> Tuple[int, str]:
         with self.open_atomic(rel) as sink:
@@ -132,8 +156,8 @@ class Tier:
     @contextlib.contextmanager
     def _open_input(self, rel: str):
         path = self.abspath(rel)
-        if self.is_local:
-            with open(path, "rb") as f:
+        if self.is_local:  # a regular file reached without following links, or NotOurs
+            with os.fdopen(open_regular(self.root, rel), "rb") as f:
                 yield f
         else:
             # open_input_file: one GET for the whole object (open_input_stream issues many ranged GETs)
@@ -144,16 +168,21 @@ class Tier:
                 f.close()
 
     def read_bytes(self, rel: str) -> Any:
+        """The whole file ``rel`` in fresh writable memory. Raises FileNotFoundError, IntegrityError
+        (a short read; locally: a link or special file in its place), or the filesystem's OSError."""
         with self._open_input(rel) as f:
-            size = os.fstat(f.fileno()).st_size if self.is_local else f.size()
-            buf = host_buffer(size)
-            mv = memoryview(buf)
-            got = 0
-            while got < size:
-                n = f.readinto(mv[got:])
-                if not n:
-                    break
-                got += n
+            return self._read_all(rel, f)
+
+    def _read_all(self, rel: str, f: Any) -> Any:
+        size = os.fstat(f.fileno()).st_size if self.is_local else f.size()
+        buf = host_buffer(size)
+        mv = memoryview(buf)
+        got = 0
+        while got < size:
+            n = f.readinto(mv[got:])
+            if not n:
+                break
+            got += n
         if got != size:
             raise IntegrityError(f"{self.describe(rel)}: short read ({got} of {size} bytes)")
         return buf
@@ -163,10 +192,15 @@ class Tier:
 
         Large local files are mapped rather than read (see ``map_file``): the checksum pass pulls
         the pages in, and the tensors decoded from the result share the page cache until written."""
-        buf = None
-        if self.is_local and size >= _MAP_FROM:
-            buf = map_file(self.abspath(rel))
-        if buf is None:
+        if self.is_local:
+            with os.fdopen(open_regular(self.root, rel), "rb") as f:
+                st_size = os.fstat(f.fileno()).st_size
+                if st_size != size:  # before mapping or reading a byte of it
+                    raise IntegrityError(f"{self.describe(rel)}: size {st_size} != manifest size {size}")
+                buf = map_fd(f.fileno()) if size >= _MAP_FROM else None
+                if buf is None:
+                    buf = self._read_all(rel, f)
+        else:
             buf = self.read_bytes(rel)
         if len(buf) != size:
             raise IntegrityError(f"{self.describe(rel)}: size {len(buf)} != manifest size {size}")
@@ -174,20 +208,37 @@ class Tier:
             raise IntegrityError(f"{self.describe(rel)}: checksum mismatch (file is corrupt)")
         return buf
 
+    def hash_file(self, rel: str, threads: int = VERIFY_THREADS, on_bytes: Any = None) -> Tuple[int, str]:
+        """(size, digest) of a local file ``rel``, hashed by blocks in parallel (``local_files.hash_file``),
+        reached like a read: no links followed, only a regular file (else NotOurs)."""
+        if not self.is_local:
+            raise CheckpointError("hash_file is for local tiers")
+        return hash_file(open_regular(self.root, rel), threads, on_bytes)
+
     # ---------------------------------------------------------------- listing / deleting
     def exists(self, rel: str) -> bool:
+        """Whether ``rel`` is there (locally: an entry of any kind, links not followed; one that
+        lies behind a linked directory is not)."""
+        if self.is_local:
+            return lstat_under(self.root, rel) is not None
         return self.fs.get_file_info(self.abspath(rel)).type != pafs.FileType.NotFound
 
     def version_dirs(self) -> Dict[int, bool]:
         """version -> whether it has a manifest (committed). Missing root: empty.
 
+        Locally, only real directories count: a version-named link or file in the root is not a
+        version of this run (``odd_entries`` names them), so nothing treats it as one to list,
+        restore or empty. A manifest.json that is a link or a special file counts as a manifest
+        (reading it then fails: an unreadable version, never a partial one to remove).
+
         Object stores are listed once, recursively (a page per 1,000 keys), rather than asked
         about each version's manifest (one request per version: 200 versions on S3 took 200
         round trips before any catalogue was built)."""
+        if self.is_local:
+            return self._local_version_dirs()[0]
         out: Dict[int, bool] = {}
-        recursive = not self.is_local
         try:
-            infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True, recursive=recursive))
+            infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True, recursive=True))
         except FileNotFoundError:
             return out
         base = self.root.rstrip("/") + "/"
@@ -201,11 +252,39 @@ class Tier:
                 out[v] = True
             elif rest or info.type == pafs.FileType.Directory:  # anything under a version directory
                 out.setdefault(v, False)
-        if not recursive:
-            out = {v: self.exists(f"{version_dir(v)}/{MANIFEST}") for v in out}
         return out
 
+    def odd_entries(self) -> Dict[int, str]:
+        """Version-named entries of a local root that are not directories (links, files, FIFOs):
+        version -> what it is. Not versions of this run; left alone. Object stores: {}."""
+        return self._local_version_dirs()[1] if self.is_local else {}
+
+    def _local_version_dirs(self) -> Tuple[Dict[int, bool], Dict[int, str]]:
+        out: Dict[int, bool] = {}
+        odd: Dict[int, str] = {}
+        try:
+            with os.scandir(self.root) as it:
+                entries = [(e.name, e.is_dir(follow_symlinks=False), e.is_symlink()) for e in it]
+        except (FileNotFoundError, NotADirectoryError):
+            return out, odd
+        for name, is_dir, is_link in entries:
+            v = parse_version_dir(name)
+            if v is None:
+                continue
+            if not is_dir:
+                st = lstat_under(self.root, name)
+                odd[v] = kind_of(st.st_mode) if st is not None else ("a symbolic link" if is_link else "gone")
+                continue
+            st = lstat_under(self.root, f"{name}/{MANIFEST}")
+            out[v] = st is not None and not stat.S_ISDIR(st.st_mode)
+        return out, odd
+
     def list_files(self, rel: str) -> List[str]:
+        """Every file under ``rel`` (relative to the root). Locally: every entry that is not a
+        directory, links and special files included as entries; linked directories are never
+        entered (a link at ``rel`` itself: [])."""
+        if self.is_local:
+            return list_under(self.root, rel)
         try:
             infos = self.fs.get_file_info(pafs.FileSelector(self.abspath(rel), recursive=True,
                                                             allow_not_found=True))
@@ -215,17 +294,22 @@ class Tier:
         return [i.path[len(base):] if i.path.startswith(base) else i.path
                 for i in infos if i.type == pafs.FileType.File]
 
-    def delete_file(self, rel: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
+    def delete_file(self, rel: str) -> bool:
+        """Delete ``rel`` if it is there; True if something was deleted. Locally a link is removed
+        itself (never its target), and nothing is removed through a linked directory."""
+        if self.is_local:
+            return unlink_under(self.root, rel)
+        try:
             self.fs.delete_file(self.abspath(rel))
+            return True
+        except FileNotFoundError:
+            return False
 
     def prune_empty_dirs(self, rel: str) -> None:
-        """Remove ``rel`` and its subdirectories that hold no file; keep any that still do."""
+        """Remove ``rel`` and its subdirectories that hold no file; keep any that still do (and,
+        locally, never enter or remove a linked directory)."""
         if self.is_local:
-            top = self.abspath(rel)
-            for dirpath, _dirs, _files in os.walk(top, topdown=False):
-                with contextlib.suppress(OSError):
-                    os.rmdir(dirpath)  # fails (and is kept) when not empty
+            prune_under(self.root, rel)
         elif not self.list_files(rel):
             with contextlib.suppress(OSError, FileNotFoundError):
                 self.fs.delete_dir(self.abspath(rel))
@@ -242,4 +326,5 @@ class Tier:
             self.delete_file(probe)
         except Exception as exc:
             hint = "" if self.is_local else s3_hint(exc) if isinstance(self.fs, pafs.S3FileSystem) else ""
-            raise CheckpointError(f"{self.name} tier {self.uri!r} is not writable: {one_line(exc)}{hint}") from None
+            raise CheckpointError(f"{self.name} tier {self.display!r} is not writable: "
+                                  f"{self.scrub(one_line(exc))}{hint}") from None
