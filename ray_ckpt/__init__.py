@@ -5,7 +5,7 @@ in Ray and torch), so ``ray-ckpt`` and other tools that only read checkpoints st
 """
 from typing import Any
 
-from .errors import (CheckpointError, IntegrityError, InvalidArgumentError, RestoreError, SaveError,
+from .errors import (CheckpointError, IntegrityError, InvalidArgumentError, OwnershipError, RestoreError, SaveError,
                      UnsupportedTypeError)
 from .types import CheckpointMeta, OnBusy, RestoreReport, SaveResult, StateReport, Strategy
 
@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointEngine", "SaveHandle", "Strategy", "OnBusy", "SaveResult", "RestoreReport", "StateReport",
     "CheckpointMeta", "CheckpointError", "SaveError", "RestoreError", "IntegrityError",
-    "InvalidArgumentError", "UnsupportedTypeError", "actor_provider", "actor_method", "rng_state", "set_rng_state",
+    "InvalidArgumentError", "UnsupportedTypeError", "OwnershipError", "actor_provider", "actor_method", "rng_state", "set_rng_state",
 ]
 
 _LAZY = {"CheckpointEngine": "engine", "SaveHandle": "engine", "actor_provider": "snapshot", "actor_method": "snapshot",

@@ -42,8 +42,10 @@ from .checkpoint_io import delete_version, scan, write_manifest
 from .config import EngineConfig
 from .errors import CheckpointError, IntegrityError, SaveError, UnsupportedTypeError, one_line
 from .formats.manifest import Manifest
+from .lease import ray_identity, read_owner
 from .metrics import Metrics
-from .protocol import CoordinatorStatus, Declaration, PartPlan, SaveOutcome, VersionStatus
+from .ownership import fence_error
+from .protocol import CoordinatorStatus, Declaration, PartPlan, SaveOutcome, SubmitAck, VersionStatus
 from .storage.tier import Tier
 from .types import Strategy
 from .upload_plan import UploadPlan
@@ -104,6 +106,7 @@ class CheckpointCoordinator:
         self.version_locks: Dict[int, asyncio.Lock] = {}
         self.remote_locks: Dict[int, asyncio.Lock] = {}  # one upload sequence per version at a time
         self.accepted_at: Dict[int, float] = {}
+        self.manifest_revision: Dict[int, int] = {}  # version -> PendingVersion.revision its manifest shows
         self.unsupported: Set[int] = set()  # failed versions whose cause was an unsupported object
         self.commits = 0
         self.failures = 0
@@ -111,6 +114,20 @@ class CheckpointCoordinator:
         self.started_at = time.time()
         self.metrics = Metrics(config.run)
         self.background: Set[asyncio.Future] = set()  # writes (with commit and retention), uploads
+        # the run's fencing token (see ownership.py): the creating engine sets it; a coordinator
+        # Ray restarted takes it from the owner record if that record is its own job's
+        self.owner_token: Optional[int] = None
+        record = read_owner([self.local])
+        if record is not None and record.same_job(*ray_identity()):
+            self.owner_token = record.token
+
+    def set_owner(self, token: int) -> None:
+        """The token of the job that owns the run (create() wrote its record before calling this)."""
+        self.owner_token = token
+
+    def _fence(self, tier: Tier) -> Optional[str]:
+        """Why this coordinator must not commit on ``tier`` now: another job took the run over."""
+        return fence_error(read_owner([tier]), self.owner_token, self.cfg.run)
 
     def _load_declarations(self) -> None:
         if not self.local.exists(DECLARED):
@@ -186,6 +203,10 @@ class CheckpointCoordinator:
             writer_nodes={n[:12]: len(p) for n, p in self.pools.critical_by_node.items()},
             upload_owed=self.uploads.owed)
 
+    def cpu_seconds(self) -> float:
+        """CPU time this coordinator process has used (all threads), for benchmarks/scale.py."""
+        return time.process_time()
+
     def writers(self) -> Dict[str, Any]:
         w = self.pools
         return {"critical": list(w.critical), "best_effort": list(w.best_effort),
@@ -193,13 +214,17 @@ class CheckpointCoordinator:
 
     # ------------------------------------------------------------------ 1-2: open, dispatch
     async def save(self, step: int, parts: List[PartPlan], refs: List[Any],
-                   metrics: Optional[Dict[str, float]] = None, upload: bool = False) -> SaveOutcome:
+                   metrics: Optional[Dict[str, float]] = None, upload: bool = False,
+                   token: Optional[int] = None) -> SaveOutcome:
         """Accept a version and return its outcome once it is committed locally.
 
         ``parts[i]`` describes ``refs[i]``; parts with ``loader=True`` have no ref. ``upload``:
         whether it is this version's turn to be uploaded (``remote_every``), as the caller counted
         its saves. Raises SaveError if the version cannot commit."""
         self._resume_uploads()
+        if token is not None and self.owner_token is not None and token < self.owner_token:
+            raise SaveError(f"run {self.cfg.run!r} was taken over (token {self.owner_token}); this engine's token "
+                            f"{token} is stale, so its saves no longer commit")
         t0 = time.perf_counter()
         version = step
         merged = version in self.catalogue.pending
@@ -258,32 +283,34 @@ class CheckpointCoordinator:
         return dict(self.catalogue.declared)
 
     async def submit(self, step: int, name: str, rank: int, refs: List[Any], nbytes: int = 0,
-                     upload: bool = False, after: int = -1) -> SaveOutcome:
-        """A rank's part of ``name`` at ``step``; returns the outcome once the version commits.
-        ``upload``: as in :meth:`save`, counted by the rank (the part that opens a version decides).
-        ``after``: the step this rank pushed before (see ``Catalogue.barrier_violations``)."""
+                     upload: bool = False, after: int = -1) -> SubmitAck:
+        """A rank's part of ``name`` at ``step``: accepted and sent to a writer, then this returns
+        at once with a :class:`SubmitAck` (a bad push raises here). It never waits for the commit:
+        thousands of ranks push each version, and a call that waited would hold one of the actor's
+        concurrency slots until the parts that complete the version — queued behind it — arrived.
+        The rank's handle learns of the commit through :meth:`wait` (one call per version and
+        process, see ``engine._shared_wait``). ``upload``: as in :meth:`save`, counted by the rank
+        (the part that opens a version decides). ``after``: the step this rank pushed before (see
+        ``Catalogue.barrier_violations``). Nothing in it awaits: it holds no slot beyond its own run."""
         self._resume_uploads()
         version = step
         d = self.catalogue.declared.get(name)
-        rank_zero_only = d is not None and d.replicated and rank != 0  # DDP replicas: rank 0's copy is stored
-        if not rank_zero_only:
-            is_new = version not in self.catalogue.pending
-            self.catalogue.accept_push(version, step, name, rank)
-            if is_new:
-                self._opened(version, upload)
-                self._watch_pushed(version)
-            for v in self.catalogue.barrier_violations(version, name, rank, after):
-                pv = self.catalogue.pending[v]
-                self.catalogue.fail(v, f"ranks disagree on the step: state {name!r} rank {rank} submitted step "
-                                       f"{step} while version {v} (step {pv.step}) still awaits its part")
-                log.error("version %d: %s", v, pv.error)
-                await self._progress(v)
-            self._dispatch(version, name, rank, refs[0], nbytes)
-            await self._progress(version)
-        while version not in self.commit_futures:  # a non-zero replica rank ran ahead of rank 0
-            await asyncio.sleep(0.05)
-        outcome = await self.commit_futures[version]
-        return dataclasses.replace(outcome, rank_zero_only=rank_zero_only)
+        if d is not None and d.replicated and rank != 0:
+            return SubmitAck(version, rank_zero_only=True)  # DDP replicas: rank 0's copy is stored
+        is_new = version not in self.catalogue.pending
+        self.catalogue.accept_push(version, step, name, rank)
+        if is_new:
+            self._opened(version, upload)
+            self._watch_pushed(version)
+        for v in self.catalogue.barrier_violations(version, name, rank, after):
+            pv = self.catalogue.pending[v]
+            self.catalogue.fail(v, f"ranks disagree on the step: state {name!r} rank {rank} submitted step "
+                                   f"{step} while version {v} (step {pv.step}) still awaits its part")
+            log.error("version %d: %s", v, pv.error)
+            self.last_error = f"version {v}: {pv.error}"
+            self._in_background(self._progress(v))
+        self._dispatch(version, name, rank, refs[0], nbytes)
+        return SubmitAck(version)
 
     def _watch_pushed(self, version: int) -> None:
         pv = self.catalogue.pending.get(version)
@@ -297,12 +324,22 @@ class CheckpointCoordinator:
         pv = self.catalogue.pending.get(version)
         if pv is None or not pv.missing_submits():
             return
-        why = f"no part arrived within rank_timeout_s={self.cfg.rank_timeout_s}s"
-        log.error("version %d: %s from %s", version, why, ", ".join(pv.missing_submits()))
-        for p in list(pv.parts.values()):
-            if not p.submitted:
-                p.submitted = True
-                self.catalogue.part_failed(version, p.name, p.rank, why)
+        missing = [p for p in pv.parts.values() if not p.submitted]
+        critical = [p for p in missing if p.blocks_commit]
+        named = sorted(critical or missing, key=lambda p: (p.name, p.rank))
+        shown = ", ".join(f"{p.name!r} rank {p.rank}" for p in named[:8])
+        more = f"+{len(named) - 8} more; " if len(named) > 8 else ""
+        what = f"ranks did not push within rank_timeout_s={self.cfg.rank_timeout_s:g}s: {shown} " \
+               f"({more}{len(named)} of {len(pv.parts)} parts)"
+        log.error("version %d: %s", version, what)
+        if critical:  # the version's error names the missing ranks, not only the first part failed
+            self.catalogue.fail(version, what)
+            if pv.error == what:
+                self.last_error = f"version {version}: {what}"
+        why = f"no part arrived within rank_timeout_s={self.cfg.rank_timeout_s:g}s"
+        for p in missing:
+            p.submitted = True
+            self.catalogue.part_failed(version, p.name, p.rank, why)
         await self._progress(version)
 
     # ------------------------------------------------------------------ 3: written
@@ -351,14 +388,20 @@ class CheckpointCoordinator:
             await self._apply_retention()
 
     async def _commit(self, version: int, pv: PendingVersion, fut: asyncio.Future) -> None:
+        revision = pv.revision
         manifest = self.catalogue.manifest_for(version)
         t_commit = time.perf_counter()
+        taken_over = await asyncio.to_thread(self._fence, self.local)
+        if taken_over:
+            self.catalogue.fail(version, taken_over)
+            return
         try:
             await asyncio.to_thread(write_manifest, self.local, manifest)
         except Exception as exc:  # reported once its files are removed
             self.catalogue.fail(version, f"writing the manifest failed: {one_line(exc)}")
             return
         self.catalogue.mark_committed(version, manifest)
+        self.manifest_revision[version] = revision
         self.commits += 1
         written = self.catalogue.bytes_written(version)
         self.metrics.committed("local", time.perf_counter() - self.accepted_at.get(version, 0.0), written)
@@ -370,12 +413,17 @@ class CheckpointCoordinator:
         """Best-effort parts that landed after the commit (or while its manifest was being written)
         join the manifest; loop, because another may land during the rewrite."""
         while pv.committed and version in self.catalogue.committed:
+            if self.manifest_revision.get(version) == pv.revision:
+                return  # no part ended since the manifest was written: nothing to add (O(1) per part)
+            revision = pv.revision
             manifest = self.catalogue.manifest_for(version)
             if manifest.to_json() == self.catalogue.committed[version].to_json():
+                self.manifest_revision[version] = revision
                 return
             try:
                 await asyncio.to_thread(write_manifest, self.local, manifest)
                 self.catalogue.committed[version] = manifest
+                self.manifest_revision[version] = revision
             except Exception as exc:  # the committed manifest stays; the late part is reported
                 self.last_error = f"version {version}: adding best-effort parts to the manifest failed: " \
                                   f"{one_line(exc)}"
@@ -411,7 +459,7 @@ class CheckpointCoordinator:
             if v in self.catalogue.pending or v in self.uploads.uploading or (remote is not None and not remote.done()):
                 continue
             for d in (self.commit_futures, self.remote_futures, self.version_locks, self.accepted_at,
-                      self.settled_futures, self.remote_locks):
+                      self.settled_futures, self.remote_locks, self.manifest_revision):
                 d.pop(v, None)
             self.uploads.bytes.pop(v, None)
 
@@ -455,6 +503,9 @@ class CheckpointCoordinator:
                 try:
                     await self._copy_files(files)
                     self.uploads.files_uploaded(files)
+                    taken_over = await asyncio.to_thread(self._fence, self.remote)
+                    if taken_over:
+                        raise IntegrityError(taken_over)  # no retry helps: given up like a bad local copy
                     await asyncio.to_thread(write_manifest, self.remote, manifest)
                 except Exception as exc:
                     msg = one_line(getattr(exc, "cause", None) or exc)
@@ -507,16 +558,20 @@ class CheckpointCoordinator:
             self._in_background(self._upload(v))
 
     # ------------------------------------------------------------------ waiting
-    async def wait(self, version: int, durability: str = "local", best_effort: bool = False) -> SaveOutcome:
+    async def wait(self, version: int, durability: str = "local", best_effort: bool = False,
+                   pushed: bool = False) -> SaveOutcome:
         """The outcome once ``version`` is committed on the ``durability`` tier; with
-        ``best_effort=True`` also once its best-effort parts are written (or reported missing)."""
+        ``best_effort=True`` also once its best-effort parts are written (or reported missing).
+        ``pushed``: asked for ranks' pushes (one call per version and process serves them all),
+        whose version may open only when another rank pushes (a replica rank's push does not
+        open it): an unknown version is waited for up to ``rank_timeout_s``, not 30 s."""
         self._resume_uploads()
         if durability not in ("local", "remote"):
             raise SaveError(f"durability must be 'local' or 'remote', got {durability!r}")
         if best_effort:
             return await self._wait_settled(version, durability)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + 30.0
+        deadline = loop.time() + (max(30.0, self.cfg.rank_timeout_s) if pushed else 30.0)
         # an async actor may run this call before the save() submitted just before it: wait a little
         while (version not in self.commit_futures and version not in self.catalogue.committed
                and version not in self.uploads.committed and version not in self.catalogue.failed

@@ -6,10 +6,13 @@ list, to the coordinator: the driver never touches the bytes of an actor's state
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import threading
 import time
 import warnings
+from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import ray
@@ -22,8 +25,10 @@ from .coordinator import NAMESPACE, CoordinatorActor, actor_name
 from .errors import (CheckpointError, IntegrityError, InvalidArgumentError, InvalidSaveError, RestoreError,
                      SaveError, one_line)
 from .formats.manifest import Manifest
+from .lease import OwnerLease, job_alive, ray_identity, read_owner, write_owner
 from .metrics import for_run as metrics_for_run
 from .object_store import prefault_in_actor, start_prefault
+from .ownership import DEFAULT_LEASE_S, claim
 from .protocol import Declaration, PartPlan, SaveOutcome
 from .providers import Registration, rank_provider, resolve
 from .snapshot import ActorProvider, CallableProvider, capture, read_state, snapshot_in_actor, tiers_of
@@ -46,23 +51,68 @@ def _coordinator_placement() -> Dict[str, Any]:
                                                                   soft=True)}
 
 
+_WAITS: "OrderedDict[tuple, ray.ObjectRef]" = OrderedDict()  # see _shared_wait
+_WAITS_LOCK = threading.Lock()
+_WAITS_MAX = 4096
+
+
+def _shared_wait(coord: Any, version: int, durability: str = "local", best_effort: bool = False,
+                 pushed: bool = True, fresh: bool = False) -> ray.ObjectRef:
+    """ONE ``coordinator.wait(version, durability)`` call per (coordinator, version, durability) in
+    this process, shared by every handle that waits on it: a host process pushing 300 ranks costs
+    the coordinator one waiting call per version, not 300. (Waiting calls are coroutines in the
+    coordinator; they hold no slot the parts need, but thousands of them would still be thousands
+    of calls.) ``fresh``: a new push for ``version`` — a cached call that already ended (the
+    version committed or failed before) is replaced, since the push starts a new attempt."""
+    key = (coord._actor_id.hex(), version, durability, best_effort, pushed)
+    with _WAITS_LOCK:
+        ref = _WAITS.get(key)
+        if ref is not None and fresh and ray.wait([ref], timeout=0)[0]:
+            ref = None
+        if ref is None:
+            ref = coord.wait.remote(version, durability, best_effort, pushed)
+            _WAITS[key] = ref
+            while len(_WAITS) > _WAITS_MAX:
+                _WAITS.popitem(last=False)
+        else:
+            _WAITS.move_to_end(key)
+        return ref
+
+
 class SaveHandle:
     """The future of one save. ``wait()`` raises SaveError on failure: never silent.
 
     It follows ``concurrent.futures.Future``: ``result(timeout)``, ``done()``, ``exception()``,
     ``add_done_callback(fn)``, and ``await handle`` in asyncio code; ``wait()`` is the form that
-    also waits for the remote tier (``durability="remote"``) or for best-effort parts."""
+    also waits for the remote tier (``durability="remote"``) or for best-effort parts.
+
+    A rank's handle (``submit()``) holds two refs: ``_ack``, the coordinator's answer that the part
+    was accepted (a rejected push raises from it), and ``_ref``, the version's commit, shared with
+    every other handle of this process waiting on the same version (``_shared_wait``)."""
 
     def __init__(self, engine: "CheckpointEngine", step: int, ref: Optional[ray.ObjectRef],
-                 submit_s: float, skipped: bool = False):
+                 submit_s: float, skipped: bool = False, ack: Optional[ray.ObjectRef] = None,
+                 rank_zero_only: bool = False):
         self._engine = engine
         self._coordinator = engine._coordinator  # the one this save went to
         self.step = step
         self.version: Optional[int] = None if skipped else step
         self._ref = ref
+        self._ack = ack
+        self._rank_zero_only = rank_zero_only
         self._remote_ref = None
         self.submit_seconds = submit_s  # how long save() took to return
         self.skipped = skipped
+
+    def _ack_failed(self) -> bool:
+        """Whether a rank's push was rejected (only once its ack arrived; never blocks)."""
+        if self._ack is None or not ray.wait([self._ack], timeout=0)[0]:
+            return False
+        try:
+            ray.get(self._ack, timeout=0)
+        except Exception:
+            return True
+        return False
 
     def _coordinator_died(self) -> bool:
         """Whether this (finished) save failed because its coordinator died for good."""
@@ -79,9 +129,14 @@ class SaveHandle:
         return f"SaveHandle(step={self.step}, {state})"
 
     def done(self) -> bool:
-        """True once the local commit finished (or failed); never blocks."""
+        """True once the local commit finished (or failed, or the push was rejected); never blocks."""
         if self._ref is None:
             return True
+        if self._ack is not None:
+            if not ray.wait([self._ack], timeout=0)[0]:
+                return False
+            if self._ack_failed():
+                return True
         ready, _ = ray.wait([self._ref], timeout=0)
         return bool(ready)
 
@@ -96,15 +151,23 @@ class SaveHandle:
         if durability not in ("local", "remote"):
             raise InvalidArgumentError(f"durability must be 'local' or 'remote', got {durability!r}")
         coord = self._engine._coordinator
+        pushed = self._ack is not None
         if best_effort:
-            ref = coord.wait.remote(self.version, durability, True)
+            ref = _shared_wait(coord, self.version, durability, True, pushed) if pushed else \
+                coord.wait.remote(self.version, durability, True)
         elif durability == "local":
             ref = self._ref
         else:
             if self._remote_ref is None:
-                self._remote_ref = coord.wait.remote(self.version, "remote")
+                self._remote_ref = _shared_wait(coord, self.version, "remote", pushed=pushed) if pushed else \
+                    coord.wait.remote(self.version, "remote")
             ref = self._remote_ref
         try:
+            if self._ack is not None:  # a rejected push raises its own error, not the version's
+                t0 = time.monotonic()
+                ray.get(self._ack, timeout=timeout)
+                if timeout is not None:
+                    timeout = max(0.0, timeout - (time.monotonic() - t0))
             d = ray.get(ref, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             detail = ""
@@ -126,6 +189,8 @@ class SaveHandle:
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             raise (type(cause) if isinstance(cause, SaveError) else SaveError)(one_line(cause)) from None
+        if self._rank_zero_only:  # a replica rank's push: rank 0's copy is the one stored
+            d = dataclasses.replace(d, rank_zero_only=True)
         return d.result()
 
     # ------------------------------------------------------------------ concurrent.futures.Future style
@@ -152,7 +217,10 @@ class SaveHandle:
         import threading
 
         def watch():
-            ray.wait([self._ref], num_returns=1, timeout=None)
+            if self._ack is not None:
+                ray.wait([self._ack], num_returns=1, timeout=None)
+            if not self._ack_failed():
+                ray.wait([self._ref], num_returns=1, timeout=None)
             fn(self)
 
         threading.Thread(target=watch, name=f"ray_ckpt-done-{self.step}", daemon=True).start()
@@ -176,8 +244,11 @@ class CheckpointEngine:
         self._last_pushed: Dict[tuple, int] = {}
         self._saves = 0  # save() calls sent; every remote_every-th is uploaded
         self._pushes: Dict[tuple, int] = {}  # submit() calls sent per (state, rank), likewise
+        self._push_waits: Dict[int, Any] = {}  # version -> its shared commit ref, while this engine's pushes wait
         self._owner = False  # set by create()
         self._closed = False  # set by shutdown()
+        self._token: Optional[int] = None  # the run's fencing token this (creating) engine holds
+        self._lease: Optional[OwnerLease] = None
         last = _ask(config.run, coordinator.last_version.remote(), "the last version")
         self._last_saved = last
         self._step = max(last, 0)
@@ -187,8 +258,15 @@ class CheckpointEngine:
     def create(cls, run: str, local_dir: str, remote_uri: Optional[str] = None, *,
                critical_writers: int = 2, best_effort_writers: int = 1,
                keep_last: Optional[int] = None, keep_every: Optional[int] = None,
-               startup_timeout: float = 120.0, **options: Any) -> "CheckpointEngine":
+               startup_timeout: float = 120.0, takeover: bool = False, owner_lease_s: float = DEFAULT_LEASE_S,
+               **options: Any) -> "CheckpointEngine":
         """Get-or-create the named coordinator of ``run`` and its writer pools.
+
+        A run has one owner, the Ray job that created it (see ``ownership.py``): ``create()`` from
+        another live job — on this cluster or another one sharing the storage — raises
+        ``rc.OwnershipError`` naming the owner; ``takeover=True`` takes the run over, and the old
+        owner's later saves fail instead of committing. The owner renews its lease every
+        ``owner_lease_s / 4`` seconds; a driver gone for ``owner_lease_s`` no longer holds the run.
 
         Other options: see :class:`~ray_ckpt.config.EngineConfig` (remote_options, keep_best,
         remote_keep_last, remote_every, max_in_flight, compression, critical_cpus, ...)."""
@@ -204,8 +282,15 @@ class CheckpointEngine:
         config.local_tier().check_writable()
         if config.remote_uri:
             config.remote_tier().check_writable()
+        if not isinstance(owner_lease_s, (int, float)) or isinstance(owner_lease_s, bool) or owner_lease_s <= 0:
+            raise InvalidArgumentError(f"owner_lease_s must be a number of seconds > 0, got {owner_lease_s!r}")
         if not ray.is_initialized():
             ray.init()
+        tiers = [config.local_tier()] + ([config.remote_tier()] if config.remote_uri else [])
+        cluster, job = ray_identity()
+        record = claim(read_owner(tiers), cluster, job, takeover=bool(takeover), run=run,
+                       lease_s=float(owner_lease_s), job_alive=job_alive)
+        write_owner(tiers, record)
         try:
             coord, existing = _open_coordinator(config, startup_timeout)
         except ray.exceptions.GetTimeoutError:
@@ -221,6 +306,9 @@ class CheckpointEngine:
                 f"remote_uri={existing.remote_uri!r}; connect() to it or shut it down first")
         engine = cls(coord, existing)
         engine._owner = True  # the driver's engine brings the coordinator back if it is killed for good
+        engine._token = record.token
+        engine._call(lambda c: c.set_owner.remote(record.token), "the owner token")
+        engine._lease = OwnerLease(tiers, record, run)
         return engine
 
     def _call(self, method: Callable[[Any], Any], what: str, timeout: float = 60.0,
@@ -245,6 +333,8 @@ class CheckpointEngine:
         log.warning("the coordinator of run %r is gone; creating it again from storage", self.run)
         try:
             self._coordinator, _ = _open_coordinator(self.config, 120.0)
+            if self._token is not None:
+                ray.get(self._coordinator.set_owner.remote(self._token), timeout=60)
         except ray.exceptions.RayError as exc:
             log.error("the coordinator of run %r could not be created again: %s", self.run, one_line(exc)[:300])
             return False
@@ -279,6 +369,8 @@ class CheckpointEngine:
             return
         self._closed = True
         if not (self._owner if stop_coordinator is None else bool(stop_coordinator)):
+            if self._lease is not None:
+                self._lease.stop(release_record=False)
             return
         deadline = time.monotonic() + timeout
         # this engine's saves first: the coordinator may not have started one that was just called
@@ -295,6 +387,8 @@ class CheckpointEngine:
             log.warning("shutting down run %r with work unfinished after %.0fs: %s", self.run, timeout,
                         "; ".join(unfinished))
         ray.kill(self._coordinator, no_restart=True)
+        if self._lease is not None:  # the run is free for another job at once
+            self._lease.stop(release_record=True)
         # ray.kill only asks: wait (bounded) until the coordinator is gone, so that nothing of this
         # run still runs when shutdown() returns and a new engine of the same run starts afresh
         deadline = time.monotonic() + 30
@@ -369,12 +463,26 @@ class CheckpointEngine:
                                             bool(replicated))
         # ranks push from their own processes: submit() starts their prefault
 
-    def submit(self, step: int, name: str, state: Any, rank: int = 0) -> SaveHandle:
+    def submit(self, step: int, name: str, state: Any, rank: int = 0, *,
+               on_busy: Union[OnBusy, str] = OnBusy.WAIT) -> SaveHandle:
         """Push this rank's part of a declared state for ``step`` (from inside a rank actor).
 
-        Returns at once with a handle; the version commits when every declared rank has pushed."""
+        Returns once the coordinator accepted the part (a bad push raises here: an undeclared state,
+        a rank out of range, a part pushed twice), with a handle; the version commits when every
+        declared rank has pushed. One engine may push for many ranks (a host process of several
+        ranks): their handles share one wait call per version.
+
+        Backpressure: at most ``max_in_flight`` of this engine's versions are in flight (pushes
+        for a version already in flight always go). ``on_busy``: "wait" (block until the oldest
+        ends; push every rank of a version before the next version, or this waits for a version
+        that cannot commit until ``rank_timeout_s``), "skip" (return a skipped handle, nothing
+        captured) or "queue" (push anyway)."""
         t0 = time.perf_counter()
         self._check_open()
+        try:
+            policy = OnBusy.parse(on_busy)
+        except ValueError as exc:
+            raise InvalidSaveError(str(exc)) from None
         validate_name(name, "state name")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise InvalidSaveError(f"step must be a non-negative integer, got {step!r}")
@@ -393,21 +501,45 @@ class CheckpointEngine:
         if step <= last:
             raise InvalidSaveError(f"state {name!r} rank {rank}: step {step} is not after its last submitted "
                                    f"step {last}; steps must increase")
-        if decl.replicated and rank != 0:
+        busy = [v for v in self._pushes_in_flight() if v != step]
+        if len(busy) >= self.config.max_in_flight and policy is not OnBusy.QUEUE:
+            if policy is OnBusy.SKIP:
+                return SaveHandle(self, step, None, time.perf_counter() - t0, skipped=True)
+            ray.wait([self._push_waits[v] for v in busy], num_returns=len(busy) - self.config.max_in_flight + 1)
+            self._pushes_in_flight()
+        rank_zero_only = decl.replicated and rank != 0
+        if rank_zero_only:
             ref = None  # replicas: rank 0's copy is stored; this rank's handle follows the version
         else:
             if self.config.prefault_object_store:
                 start_prefault()  # once per process; this rank's later copies land in mapped pages
             flat = capture(state, name, decl.allow_pickle)
             ref = ray.put(flat)
-        self._in_flight = [h for h in self._in_flight if not h.done()]
         pushes = self._pushes[(name, rank)] = self._pushes.get((name, rank), 0) + 1
-        obj = self._coordinator.submit.remote(step, name, rank, [ref] if ref is not None else [], 0,
+        ack = self._coordinator.submit.remote(step, name, rank, [ref] if ref is not None else [], 0,
                                               pushes % self.config.remote_every == 0, last)
         self._last_pushed[(name, rank)] = step
-        handle = SaveHandle(self, step, obj, time.perf_counter() - t0)
+        commit = self._push_waits.get(step)
+        if commit is None:  # this engine's first push of the version: a new attempt, if it ran before
+            commit = self._push_waits[step] = _shared_wait(self._coordinator, step, fresh=True)
+        handle = SaveHandle(self, step, commit, time.perf_counter() - t0, ack=ack, rank_zero_only=rank_zero_only)
         self._in_flight.append(handle)
         return handle
+
+    def _pushes_in_flight(self) -> List[int]:
+        """This engine's pushed versions not yet committed or failed; forgets the others' handles.
+        One ``ray.wait`` over at most ``max_in_flight`` + 1 refs: O(1) per submit, however many
+        ranks this engine pushes for."""
+        if not self._push_waits:
+            return []
+        refs = list(self._push_waits.values())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        if ready:
+            ended = {v for v, r in self._push_waits.items() if r in ready}
+            for v in ended:
+                del self._push_waits[v]
+            self._in_flight = [h for h in self._in_flight if h._ack is None or h.version not in ended]
+        return sorted(self._push_waits)
 
     def unregister(self, name: str) -> None:
         if self._registry.pop(name, None) is None:
@@ -481,7 +613,7 @@ class CheckpointEngine:
         # remote_every counts this engine's saves, in call order: the coordinator runs concurrent calls
         # in any order, so the turn is decided here
         ref = self._coordinator.save.remote(step, parts, refs, clean_metrics,
-                                            self._saves % self.config.remote_every == 0)
+                                            self._saves % self.config.remote_every == 0, token=self._token)
         self._last_saved = step
         self._step = max(self._step, step)
         handle = SaveHandle(self, step, ref, time.perf_counter() - t0)
@@ -615,7 +747,12 @@ class CheckpointEngine:
 def _start_coordinator(config: EngineConfig) -> Any:
     return CoordinatorActor.options(
         name=actor_name(config.run), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-        max_restarts=-1, num_cpus=0, max_concurrency=1000, **_coordinator_placement(),
+        # max_concurrency: every call is a coroutine on one event loop and none holds a slot while
+        # it waits for a commit (submit() only accepts; handles share one wait() per version and
+        # process), but thousands of ranks' pushes and waits arrive at once: Ray's default of 1,000
+        # slots queued the parts that complete a version behind calls waiting for it (issue 15).
+        # A slot costs a coroutine, not a thread, so the ceiling is set far above any world size.
+        max_restarts=-1, num_cpus=0, max_concurrency=100_000, **_coordinator_placement(),
     ).remote(config)
 
 

@@ -32,3 +32,7 @@ class InvalidSaveError(InvalidArgumentError, SaveError):
 def one_line(exc: BaseException) -> str:
     """An exception as one line of text (SDK errors span many), for error messages and reports."""
     return " ".join(str(exc).split()) or type(exc).__name__
+
+
+class OwnershipError(CheckpointError):
+    """The run is owned by another live driver (job); ``create(..., takeover=True)`` takes it over."""
