@@ -53,6 +53,12 @@ class PendingVersion:
     committed: bool = False
     error: Optional[str] = None
     opened_by_push: bool = False
+    # counters kept by the Catalogue as parts are added, written or failed, so that the commit rule
+    # (ready_to_commit / settled), run after every part, is O(1) rather than O(parts)
+    n_pending: int = 0            # parts not yet written or failed
+    n_critical_pending: int = 0   # of those, parts that block the commit (not best-effort)
+    n_failed: int = 0
+    revision: int = 0             # bumped whenever a part ends: a manifest built at an older one is stale
 
     def stages(self) -> Dict[str, float]:
         """Where the version's time went: the slowest part's wait for its snapshot and its write."""
@@ -75,8 +81,7 @@ class PendingVersion:
             return "failed"
         if self.committed:
             return "committed"
-        done = sum(p.status != "pending" for p in self.parts.values())
-        return f"writing ({done}/{len(self.parts)} parts)"
+        return f"writing ({len(self.parts) - self.n_pending}/{len(self.parts)} parts)"
 
 
 class Catalogue:
@@ -177,13 +182,20 @@ class Catalogue:
             if p.loader:
                 pv.loader_states.add(p.name)
                 continue
-            pv.parts[(p.name, p.rank)] = Part(p.name, p.rank, p.strategy)
+            part = Part(p.name, p.rank, p.strategy)
+            old = pv.parts.get((p.name, p.rank))
+            if old is not None:
+                _end(pv, old, "replaced")
+            pv.parts[(p.name, p.rank)] = part
+            pv.n_pending += 1
+            pv.n_critical_pending += part.blocks_commit
 
     def part_written(self, version: int, name: str, rank: int, result: Union[WrittenPart, dict]) -> None:
         if isinstance(result, dict):  # the plain form, for code and tests without writers
             result = WrittenPart(tuple(result["files"]), result.get("written", 0), result.get("content_hash"))
-        part = self.pending[version].parts[(name, rank)]
-        part.status = "written"
+        pv = self.pending[version]
+        part = pv.parts[(name, rank)]
+        _end(pv, part, "written")
         part.files = [f if isinstance(f, FileEntry) else FileEntry(**f) for f in result.files]
         part.written = result.written
         part.content_hash = result.content_hash
@@ -194,7 +206,8 @@ class Catalogue:
         """Record a failed part; returns True when the version can no longer commit."""
         pv = self.pending[version]
         part = pv.parts[(name, rank)]
-        part.status, part.error = "failed", error
+        _end(pv, part, "failed")
+        part.error = error
         part.reuse_paths = set()
         if part.blocks_commit and not pv.committed:
             pv.error = f"critical state {name!r} rank {rank} failed: {error}"
@@ -202,21 +215,25 @@ class Catalogue:
         return False
 
     def ready_to_commit(self, version: int) -> bool:
+        """Every critical part written (O(1): counters kept as parts end)."""
         pv = self.pending[version]
-        return not pv.error and all(p.status == "written" for p in pv.parts.values() if p.blocks_commit)
+        return not pv.error and pv.n_critical_pending == 0
 
     def settled(self, version: int) -> bool:
-        pv = self.pending[version]
-        return all(p.status != "pending" for p in pv.parts.values())
+        """Every part written or failed, best-effort ones too (O(1))."""
+        return self.pending[version].n_pending == 0
 
     def manifest_for(self, version: int) -> Manifest:
         pv = self.pending[version]
         m = Manifest(self.run, pv.version, pv.step, pv.created_at, metrics=pv.metrics)
+        by_state: Dict[str, List[Part]] = {}  # grouped once: O(parts), not O(states x parts)
+        for p in pv.parts.values():
+            by_state.setdefault(p.name, []).append(p)
         for name, strategy in pv.strategies.items():
             if name in pv.loader_states:
                 m.states[name] = StateEntry(strategy.value, "loader", detail="rebuilt by its loader on restore")
                 continue
-            parts = [p for p in pv.parts.values() if p.name == name]
+            parts = by_state.get(name, [])
             entry = StateEntry(strategy.value, "stored", replicated=name in pv.replicated)
             if any(p.status == "pending" for p in parts):
                 entry.status, entry.detail = "pending", "best-effort part not written yet"
@@ -279,6 +296,20 @@ class Catalogue:
 
     def forget(self, version: int) -> None:
         self.committed.pop(version, None)
+
+
+def _end(pv: PendingVersion, part: Part, status: str) -> None:
+    """A part leaves "pending" (written, failed, or replaced by a merge): keep the counters."""
+    if part.status == "pending":
+        pv.n_pending -= 1
+        pv.n_critical_pending -= part.blocks_commit
+    elif part.status == "failed":
+        pv.n_failed -= 1  # counted again below if it fails again
+    if status == "failed":
+        pv.n_failed += 1
+    if status != "replaced":
+        part.status = status
+    pv.revision += 1
 
 
 def meta_of(m: Manifest, tiers: Tuple[str, ...]) -> CheckpointMeta:

@@ -9,6 +9,7 @@ spelled out at the top of ``coordinator.py``.
     engine      --Declaration-->       coordinator    register(world_size=N): a state ranks push
     coordinator --(ref, reuse)-->      writer         write_part()
     writer      --WrittenPart-->       coordinator    the files one part became
+    coordinator --SubmitAck-->         engine         submit(): a rank's part accepted (not committed)
     coordinator --SaveOutcome-->       engine         a version's outcome on one tier (-> SaveResult)
     coordinator --CoordinatorStatus--> engine         status()
     provider    --StagedState-->       engine         restore(): a state read and verified in the actor
@@ -93,6 +94,15 @@ class SaveOutcome:
     def result(self) -> SaveResult:
         return SaveResult(self.version, self.step, self.bytes_written, self.durability, self.states,
                           self.seconds, dict(self.stages), self.missing, self.pending, self.rank_zero_only)
+
+
+@dataclass(frozen=True)
+class SubmitAck:
+    """A rank's part accepted and sent to a writer (``coordinator.submit`` returns at once with it;
+    the commit is learnt through ``coordinator.wait``, one call per version and process)."""
+
+    version: int
+    rank_zero_only: bool = False          # a replica rank's push: nothing stored, rank 0's copy is
 
 
 @dataclass(frozen=True)
