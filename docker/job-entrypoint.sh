@@ -1,12 +1,12 @@
 #!/bin/sh
-# Entry point of the `job` service: wait for the S3 server and create the bucket, join the Ray
-# cluster as a CPU-less node (its driver, coordinator and local tier live here), wait until the
-# worker nodes have joined, then run the given command (the example).
+# Entry point of the `job` service (not a Ray node): wait for the S3 server and create the bucket,
+# wait until the Ray head's job API answers and the cluster's nodes have joined, then run the given
+# command: `ray job submit ... -- python .../train.py ...`, whose driver runs on the head node.
 set -eu
 
 : "${RAY_HEAD:=ray-head:6379}"
 : "${CKPT_BUCKET:=ray-ckpt}"
-: "${EXPECTED_NODES:=4}"
+: "${EXPECTED_NODES:=3}"
 
 python - <<'PY'
 import os, sys, time
@@ -35,24 +35,23 @@ while True:
         time.sleep(2)
 PY
 
-until ray start --address="$RAY_HEAD" --num-cpus=0 --disable-usage-stats; do
-    echo "waiting for the Ray head at $RAY_HEAD ..."
-    sleep 2
-done
-
 python - <<'PY'
 import os, sys, time
-import ray
+from ray.util.state import list_nodes
 
-ray.init(address="auto", log_to_driver=False)
-want = int(os.environ.get("EXPECTED_NODES", "4"))
-deadline = time.monotonic() + 180
-while sum(n["Alive"] for n in ray.nodes()) < want:
-    if time.monotonic() > deadline:
-        sys.exit(f"only {sum(n['Alive'] for n in ray.nodes())} of {want} Ray nodes joined")
-    time.sleep(1)
-print(f"{want} Ray nodes alive: {ray.cluster_resources()}")
-ray.shutdown()
+head, want = os.environ.get("RAY_HEAD", "ray-head:6379"), int(os.environ.get("EXPECTED_NODES", "3"))
+deadline, alive, last = time.monotonic() + 180, 0, None
+while time.monotonic() < deadline:
+    try:  # the state API: through the head's GCS and dashboard, no local Ray node needed
+        alive = sum(n.state == "ALIVE" for n in list_nodes(address=head, timeout=10))
+        if alive >= want:
+            print(f"{alive} Ray nodes alive")
+            break
+    except Exception as exc:  # head or dashboard not up yet
+        last = exc
+    time.sleep(2)
+else:
+    sys.exit(f"only {alive} of {want} Ray nodes joined {head} within 180 s (last error: {last})")
 PY
 
 exec "$@"

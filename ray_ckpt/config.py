@@ -5,7 +5,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
-from .storage.layout import validate_name
+from .storage.layout import join_uri, validate_name
 from .storage.retention import RetentionPolicy
 from .storage.tier import Tier
 
@@ -38,9 +38,18 @@ class EngineConfig:
     prefault_object_store: bool = False  # providers map Ray's whole object store once (shorter pauses, more RAM)
     upload_retries: int = 1  # per upload call; the coordinator retries with backoff on top
     rank_timeout_s: float = 600.0  # a pushed version fails if a rank's part has not arrived by then
+    # manifests carry an HMAC-SHA256 under this key and unsigned or mis-signed ones are refused
+    # (default: the RAY_CKPT_SIGNING_KEY environment variable of the creating process, if set)
+    signing_key: Optional[bytes] = field(default=None, repr=False)
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
+        if self.signing_key is None and os.environ.get("RAY_CKPT_SIGNING_KEY"):
+            self.signing_key = os.environ["RAY_CKPT_SIGNING_KEY"]
+        if isinstance(self.signing_key, str):
+            self.signing_key = self.signing_key.encode()
+        if self.signing_key is not None and (not isinstance(self.signing_key, bytes) or not self.signing_key):
+            raise ValueError("signing_key must be non-empty bytes or str (or None)")
         validate_name(self.run, "run name")
         if not isinstance(self.local_dir, str) or not self.local_dir:
             raise ValueError(f"local_dir must be a directory path or file:// URI, got {self.local_dir!r}")
@@ -70,19 +79,27 @@ class EngineConfig:
             return self.local_policy()
         return RetentionPolicy(self.remote_keep_last, self.remote_keep_every, self.remote_keep_best)
 
-    def local_tier(self) -> Tier:
+    def local_root(self, node_id: Optional[str] = None) -> str:
+        """The run's root on the local tier: ``local_dir`` (``{node_id}`` replaced by the first 12
+        characters of ``node_id``, by default this process's Ray node) joined with the run name."""
         base = self.local_dir
         if "{node_id}" in base:
-            import ray
+            if node_id is None:
+                import ray
 
-            base = base.replace("{node_id}", ray.get_runtime_context().get_node_id()[:12])
-        return Tier(_join(base, self.run), "local")
+                node_id = ray.get_runtime_context().get_node_id()
+            base = base.replace("{node_id}", node_id[:12])
+        return join_uri(base, self.run)
+
+    def remote_root(self) -> Optional[str]:
+        """The run's root on the remote tier: the run name appended to the URI's path, before any
+        ``?query`` settings (``s3://b/p?endpoint_override=h:9000&scheme=http`` ->
+        ``s3://b/p/<run>?endpoint_override=h:9000&scheme=http``); None without a remote tier."""
+        return join_uri(self.remote_uri, self.run) if self.remote_uri else None
+
+    def local_tier(self) -> Tier:
+        return Tier(self.local_root(), "local")
 
     def remote_tier(self) -> Optional[Tier]:
-        if not self.remote_uri:
-            return None
-        return Tier(_join(self.remote_uri, self.run), "remote", self.remote_options)
-
-
-def _join(base: str, run: str) -> str:
-    return base.rstrip("/") + "/" + run if "://" in base else os.path.join(base, run)
+        root = self.remote_root()
+        return Tier(root, "remote", self.remote_options) if root else None

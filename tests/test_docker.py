@@ -1,6 +1,6 @@
 """docker/: the compose file describes the cluster the docs promise (no Docker engine runs here, so
-the files are checked statically: services, volumes, S3 wiring, and the job's command line, which
-must be one the example accepts)."""
+the files are checked statically: exact versions, the dashboard, services, volumes, S3 wiring, and
+the `ray job submit` command line, whose entrypoint must be one the example accepts)."""
 import json
 import re
 import runpy
@@ -13,7 +13,8 @@ yaml = pytest.importorskip("yaml")
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
-RAY_NODES = ("ray-head", "ray-worker-1", "ray-worker-2", "job")
+RAY_NODES = ("ray-head", "ray-worker-1", "ray-worker-2")  # the job service only submits
+IMAGE_USERS = RAY_NODES + ("job",)
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +31,14 @@ def test_services_and_their_commands(compose):
     assert set(services) == {"ray-head", "ray-worker-1", "ray-worker-2", "seaweedfs", "job"}
     head = argv(services["ray-head"]["command"])
     assert head[:3] == ["ray", "start", "--head"] and "--port=6379" in head and "--block" in head
+    assert "--include-dashboard=true" in head and "--dashboard-host=0.0.0.0" in head  # the dashboard is on
+    assert "--dashboard-port=8265" in head and "127.0.0.1:8265:8265" in services["ray-head"]["ports"]
     for w in ("ray-worker-1", "ray-worker-2"):
         cmd = argv(services[w]["command"])
         assert cmd[:2] == ["ray", "start"] and "--address=ray-head:6379" in cmd and "--block" in cmd
         assert "ray-head" in services[w]["depends_on"]
     assert set(services["job"]["depends_on"]) == {"ray-head", "ray-worker-1", "ray-worker-2", "seaweedfs"}
-    for name in RAY_NODES:  # one image, built from the repository root with docker/Dockerfile
+    for name in IMAGE_USERS:  # one image, built from the repository root with docker/Dockerfile
         svc = services[name]
         assert svc["build"] == {"context": "..", "dockerfile": "docker/Dockerfile"}
         assert svc["image"] == "ray-ckpt:dev"
@@ -63,31 +66,43 @@ def test_s3_server_and_credentials_agree(compose):
     host_path = DOCKER / mount.split(":")[0]
     assert host_path.is_file()
     creds = [c for ident in json.loads(host_path.read_text())["identities"] for c in ident["credentials"]]
-    for name in RAY_NODES:  # writers upload and ranks restore from every node: all need the keys
+    for name in IMAGE_USERS:  # writers upload and ranks restore from every node; the job creates the bucket
         env = services[name]["environment"]
         assert env["AWS_ENDPOINT_URL_S3"] == "http://seaweedfs:8333"
         assert {"accessKey": env["AWS_ACCESS_KEY_ID"], "secretKey": env["AWS_SECRET_ACCESS_KEY"]} in creds
 
 
-def test_job_runs_the_openrlhf_example_with_both_tiers(compose):
+def test_job_is_submitted_with_ray_job_submit_and_runs_the_openrlhf_example(compose):
     job = compose["services"]["job"]
     cmd = argv(job["command"])
-    assert cmd[:2] == ["python", "examples/openrlhf_style/train.py"]
-    assert (ROOT / cmd[1]).is_file()
-    args = runpy.run_path(str(ROOT / cmd[1]), run_name="compose_check")["build_parser"]().parse_args(cmd[2:])
+    assert cmd[:4] == ["ray", "job", "submit", "--address=http://ray-head:8265"]
+    entry = cmd[cmd.index("--") + 1:]
+    assert entry[:2] == ["python", "/opt/ray_ckpt/examples/openrlhf_style/train.py"]
+    script = ROOT / "examples" / "openrlhf_style" / "train.py"  # COPY examples /opt/ray_ckpt/examples
+    assert script.is_file() and "COPY examples ./examples" in (DOCKER / "Dockerfile").read_text()
+    args = runpy.run_path(str(script), run_name="compose_check")["build_parser"]().parse_args(entry[2:])
     assert args.local_dir == "/ckpt/{node_id}"
     assert args.remote_uri.startswith("s3://" + job["environment"]["CKPT_BUCKET"] + "/")
     assert args.kill_at and args.save_every <= args.kill_at < args.steps
-    assert job["environment"]["RAY_ADDRESS"] == "ray-head:6379"
-    entry = argv(job["entrypoint"])
-    script = (DOCKER / entry[0]).read_text()
-    assert "ray start --address=" in script and "--num-cpus=0" in script and 'exec "$@"' in script
+    assert "volumes" not in job  # not a Ray node: no local tier of its own
+    assert job["environment"]["EXPECTED_NODES"] == str(len(RAY_NODES))
+    script = (DOCKER / argv(job["entrypoint"])[0]).read_text()
+    assert "ray start" not in script and "list_nodes(" in script and 'exec "$@"' in script
     assert "create_dir" in script  # the bucket is created before the run
+
+
+def test_images_and_ray_are_pinned_exactly(compose):
+    for name, svc in compose["services"].items():
+        if "image" in svc and "build" not in svc:
+            repo, _, tag = svc["image"].rpartition(":")
+            assert repo and re.fullmatch(r"\d+(\.\d+)+", tag), f"{name}: {svc['image']} is not an exact version"
+    text = (DOCKER / "Dockerfile").read_text()
+    assert re.search(r'pip install "ray\[default\]==2\.60\.0"', text)
 
 
 def test_dockerfile_installs_cpu_torch_before_the_package():
     text = (DOCKER / "Dockerfile").read_text()
-    assert re.search(r"^FROM python:3\.11-slim\s*$", text, re.M)
+    assert re.search(r"^FROM python:3\.11\.7-slim-bookworm\s*$", text, re.M)
     torch = re.search(r"pip install torch==2\.13\.0 --index-url https://download\.pytorch\.org/whl/cpu", text)
     pkg = re.search(r"pip install \.", text)
     assert torch and pkg and torch.start() < pkg.start()
@@ -96,7 +111,9 @@ def test_dockerfile_installs_cpu_torch_before_the_package():
     assert ".venv" in ignore and ".git" in ignore
 
 
-def test_docs_say_how_to_run_it():
+def test_docs_say_how_to_run_it_and_where_the_coordinator_runs():
     cmd = "docker compose -f docker/docker-compose.yml up --build"
-    assert cmd in (DOCKER / "README.md").read_text()
-    assert cmd in (ROOT / "docs" / "integrating.md").read_text()
+    for doc in (DOCKER / "README.md", ROOT / "docs" / "integrating.md"):
+        text = doc.read_text()
+        assert cmd in text and "ray job submit" in text, doc
+        assert "coordinator" in text and "head node" in text, doc

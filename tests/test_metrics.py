@@ -1,11 +1,37 @@
-"""Ray metrics of saves and restores reach the Prometheus endpoint of Ray's metrics agent."""
+"""Ray metrics of saves and restores reach the Prometheus endpoint of Ray's metrics agent, named by
+Prometheus' conventions and documented in the README under the names a user scrapes."""
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
+from ray_ckpt import metrics
+
 HERE = os.path.dirname(os.path.abspath(__file__))
+README = os.path.join(os.path.dirname(HERE), "README.md")
+
+
+def test_names_follow_prometheus_conventions():
+    counters = {metrics.WRITTEN_BYTES, metrics.COMMITS, metrics.FAILURES}
+    for name in metrics.NAMES:
+        assert re.fullmatch(r"ray_ckpt_[a-z_]+", name), name
+        assert name.endswith("_total") == (name in counters), name  # counters, and only they
+        if "latency" in name or "pause" in name or "timestamp" in name:
+            assert name.endswith("_seconds"), name
+        if "bytes" in name:
+            assert name.endswith("_bytes_total"), name
+    assert metrics.SCRAPED == tuple("ray_" + n for n in metrics.NAMES)
+
+
+def test_readme_documents_the_scraped_names():
+    text = open(README, encoding="utf-8").read()
+    missing = [n for n in metrics.SCRAPED if f"`{n}`" not in text]
+    assert not missing, f"README does not name {missing}"
+    unscraped = set(re.findall(r"`(ray_ckpt_\w+)`", text)) - set(metrics.NAMES)  # a name without Ray's prefix
+    documented_wrong = set(re.findall(r"`ray_ray_ckpt_(\w+)`", text)) - {n[len("ray_ckpt_"):] for n in metrics.NAMES}
+    assert not unscraped and not documented_wrong, (unscraped, documented_wrong)
 
 
 @pytest.mark.timeout(300)
