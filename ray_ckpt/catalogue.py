@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple, Union
 
-from .errors import InvalidArgumentError, SaveError
-from .formats.manifest import FileEntry, Manifest, StateEntry
+from .errors import IntegrityError, InvalidArgumentError, SaveError
+from .formats.manifest import FileEntry, Manifest, StateEntry, chain_digest, sign_manifest
 from .protocol import Declaration, PartPlan, PartStatus, VersionStatus, WrittenPart
 from .storage.layout import validate_name
 from .storage.retention import RetentionPolicy, VersionInfo, plan_deletions
@@ -53,12 +53,20 @@ class PendingVersion:
     committed: bool = False
     error: Optional[str] = None
     opened_by_push: bool = False
+    # (previous_version, chain_digest) of the newest version committed before this one, fixed at
+    # its first manifest so that rewrites for late best-effort parts keep the same link
+    previous: Optional[Tuple[int, str]] = None
     # counters kept by the Catalogue as parts are added, written or failed, so that the commit rule
     # (ready_to_commit / settled), run after every part, is O(1) rather than O(parts)
     n_pending: int = 0            # parts not yet written or failed
     n_critical_pending: int = 0   # of those, parts that block the commit (not best-effort)
     n_failed: int = 0
     revision: int = 0             # bumped whenever a part ends: a manifest built at an older one is stale
+    # sharded (DTensor) states: each written part's shard record (None: a part without DTensors),
+    # and, once every part of a state is written, its index as the manifest stores it
+    shard_records: Dict[str, Dict[int, Optional[dict]]] = field(default_factory=dict)
+    shard_index: Dict[str, dict] = field(default_factory=dict)
+    shard_expected: Dict[str, int] = field(default_factory=dict)  # parts of each sharded state
 
     def stages(self) -> Dict[str, float]:
         """Where the version's time went: the slowest part's wait for its snapshot and its write."""
@@ -89,6 +97,7 @@ class Catalogue:
         self.run = run
         self.committed: Dict[int, Manifest] = dict(committed or {})
         self.pending: Dict[int, PendingVersion] = {}
+        self.signing_key: Optional[bytes] = None  # set: every manifest is signed (HMAC-SHA256)
         self.failed: Dict[int, str] = {}
         # states pushed by rank actors (engine.submit)
         self.declared: Dict[str, Declaration] = {}
@@ -192,7 +201,8 @@ class Catalogue:
 
     def part_written(self, version: int, name: str, rank: int, result: Union[WrittenPart, dict]) -> None:
         if isinstance(result, dict):  # the plain form, for code and tests without writers
-            result = WrittenPart(tuple(result["files"]), result.get("written", 0), result.get("content_hash"))
+            result = WrittenPart(tuple(result["files"]), result.get("written", 0), result.get("content_hash"),
+                                 shards=result.get("shards"))
         pv = self.pending[version]
         part = pv.parts[(name, rank)]
         _end(pv, part, "written")
@@ -201,6 +211,37 @@ class Catalogue:
         part.content_hash = result.content_hash
         part.timings = {"snapshot_wait_s": result.snapshot_wait_s, "write_s": result.write_s}
         part.reuse_paths = set()  # what it refers to is in part.files now
+        self._shard_part(pv, name, rank, getattr(result, "shards", None))
+
+    @staticmethod
+    def _shard_part(pv: PendingVersion, name: str, rank: int, record: Optional[dict]) -> None:
+        """Collect a written part's shard record; once every part of a state with DTensors is
+        written, build its index (``formats.shards.index_of``). Ranks that disagree on a tensor,
+        chunks that do not tile it, or a rank without the DTensors the others have fail the
+        version (a best-effort state is reported missing instead): it could not be restored."""
+        recs = pv.shard_records.setdefault(name, {})
+        recs[rank] = record
+        if record is not None and name not in pv.shard_expected:  # once per sharded state
+            pv.shard_expected[name] = sum(1 for (n, _r) in pv.parts if n == name)
+        want = pv.shard_expected.get(name)
+        if want is None or len(recs) < want or name in pv.shard_index:
+            return
+        plain = sorted(r for r, rec in recs.items() if rec is None)
+        try:
+            if plain:
+                raise SaveError(f"ranks {plain} pushed no DTensor leaves while ranks "
+                                f"{sorted(r for r in recs if r not in plain)} did")
+            from .formats.shards import index_of
+
+            index = index_of(recs[r] for r in sorted(recs)).to_json()
+            index["heads"] = {str(r): recs[r]["head"] for r in sorted(recs)[:1]}  # rank 0's header
+            pv.shard_index[name] = index
+        except (SaveError, IntegrityError, KeyError, TypeError, ValueError) as exc:
+            why = f"sharded state {name!r}: {exc}"
+            if pv.strategies.get(name) is Strategy.BEST_EFFORT or pv.committed:
+                pv.shard_index[name] = {"error": why}
+            elif not pv.error:
+                pv.error = why
 
     def part_failed(self, version: int, name: str, rank: int, error: str) -> bool:
         """Record a failed part; returns True when the version can no longer commit."""
@@ -226,6 +267,12 @@ class Catalogue:
     def manifest_for(self, version: int) -> Manifest:
         pv = self.pending[version]
         m = Manifest(self.run, pv.version, pv.step, pv.created_at, metrics=pv.metrics)
+        if pv.previous is None:
+            older = [v for v in self.committed if v < version]
+            if older:
+                pv.previous = (max(older), chain_digest(self.committed[max(older)]))
+        if pv.previous is not None:
+            m.previous_version, m.previous = pv.previous
         by_state: Dict[str, List[Part]] = {}  # grouped once: O(parts), not O(states x parts)
         for p in pv.parts.values():
             by_state.setdefault(p.name, []).append(p)
@@ -244,7 +291,14 @@ class Catalogue:
                 entry.files = {str(p.rank): p.files for p in sorted(parts, key=lambda p: p.rank)}
                 entry.bytes = sum(f.size for p in parts for f in p.files)
                 entry.content_hash = parts[0].content_hash if len(parts) == 1 else None
+                index = pv.shard_index.get(name)
+                if index is not None and "error" in index:
+                    entry.status, entry.detail, entry.files, entry.bytes = "missing", index["error"], {}, 0
+                elif index is not None:
+                    entry.shards = index
             m.states[name] = entry
+        if self.signing_key:
+            sign_manifest(m, self.signing_key)
         return m
 
     def mark_committed(self, version: int, manifest: Manifest) -> None:

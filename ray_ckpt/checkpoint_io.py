@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .errors import IntegrityError, RestoreError, SaveError, one_line
+import xxhash
+
+from .errors import CheckpointError, IntegrityError, RestoreError, SaveError, one_line
 from .formats import arrow_io, buffer_io, safetensors_io
 from .formats.checksum import BLOCK, HashingSink
 from .formats.manifest import FileEntry, Manifest, StateEntry
@@ -61,6 +63,38 @@ def write_flat(tier: Tier, version: int, name: str, rank: int, flat: Flat,
     return entries
 
 
+def shard_record(flat: Flat, rel: str, piece_size: Optional[int] = None) -> Optional[dict]:
+    """The shard record of a part written as the safetensors file ``rel`` (``write_flat``), or None
+    when the part has no DTensor leaf.
+
+    It is ``formats.shards.part_record`` (every stored DTensor chunk: its box in the global tensor,
+    its byte offset in ``rel``, xxh3-128 digests per piece) plus ``"head"``: the file's header
+    length and digest and, for every other array of the part (non-sharded tensors such as AdamW's
+    ``step``), its offset, size and digest. With these a reader of another layout reads only the
+    header and the byte ranges it needs, each verified, never the whole file. The offsets come from
+    the same header ``write_flat`` writes (serialisation is deterministic): nothing is read back."""
+    from .formats import shards
+    from .formats.tree import pieces_of, walk_sharded
+
+    sharded = {node["DT"] for _, node in walk_sharded(flat.structure)}
+    if not sharded:
+        return None
+    head, _order = safetensors_io._header(flat)
+    offsets = shards.safetensors_array_offsets(head)
+    kw = {} if piece_size is None else {"piece_size": piece_size}
+    rec = shards.part_record(flat, rel, offsets, **kw)
+    plain = []
+    for i, arr in enumerate(flat.arrays):
+        if i in sharded:
+            continue
+        h = xxhash.xxh3_128()
+        for p in pieces_of(arr):
+            h.update(memoryview(p).cast("B"))
+        plain.append([i, int(offsets[i]), int(arr.nbytes), h.hexdigest()])
+    rec["head"] = {"n": len(head), "xxh3": xxhash.xxh3_128_hexdigest(head), "plain": plain}
+    return rec
+
+
 def _write_table(tier: Tier, rel: str, table: Any, compression: Optional[str], threads: int,
                  direct: bool) -> Tuple[int, str]:
     blocks = (threads > 1 or direct) and tier.is_local and table.nbytes >= PARALLEL_FROM
@@ -104,13 +138,27 @@ def decode_files(files: List[FileEntry], bufs: List[bytearray], *, name: str,
                  allow_pickle: bool = False, as_numpy: bool = False):
     if len(files) == 1 and files[0].role == "buffer":
         structure, views, tables = buffer_io.read(bufs[0], path=files[0].path)
-        return unflatten(structure, views, tables, as_numpy=as_numpy, allow_pickle=allow_pickle, state_name=name)
+        return _unflatten(files[0].path, structure, views, tables, as_numpy=as_numpy, allow_pickle=allow_pickle,
+                          state_name=name)
     tensors_buf = [b for f, b in zip(files, bufs) if f.role == "tensors"]
     if len(tensors_buf) != 1:
         raise IntegrityError(f"state {name!r}: expected one tensors file, manifest lists {len(tensors_buf)}")
     structure, views = safetensors_io.read(tensors_buf[0], path=next(f.path for f in files if f.role == "tensors"))
     tables = [arrow_io.read(b, path=f.path) for f, b in zip(files, bufs) if f.role == "table"]
-    return unflatten(structure, views, tables, as_numpy=as_numpy, allow_pickle=allow_pickle, state_name=name)
+    return _unflatten(next(f.path for f in files if f.role == "tensors"), structure, views, tables,
+                      as_numpy=as_numpy, allow_pickle=allow_pickle, state_name=name)
+
+
+def _unflatten(path: str, structure: Any, *args: Any, **kw: Any) -> Any:
+    """A verified file whose structure does not fit its arrays (a crafted header with a recomputed
+    checksum, or a writer bug) is an IntegrityError naming the file, never a raw numpy/torch error."""
+    try:
+        return unflatten(structure, *args, **kw)
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError, OverflowError) as exc:
+        raise IntegrityError(f"{path}: its structure does not match its data ({type(exc).__name__}: "
+                             f"{one_line(exc)[:200]})") from None
 
 
 def rank_files(entry: StateEntry, name: str, rank: int) -> List[FileEntry]:

@@ -41,7 +41,7 @@ from .catalogue import Catalogue, PendingVersion, meta_of
 from .checkpoint_io import delete_version, scan, write_manifest
 from .config import EngineConfig
 from .errors import CheckpointError, IntegrityError, SaveError, UnsupportedTypeError, one_line
-from .formats.manifest import Manifest
+from .formats.manifest import Manifest, chain_suspects
 from .lease import ray_identity, read_owner
 from .metrics import Metrics
 from .ownership import fence_error
@@ -67,6 +67,16 @@ def actor_name(run: str) -> str:
     return f"ray_ckpt.coordinator.{run}"
 
 
+def _problems_by_version(problems: List[str]) -> Dict[int, str]:
+    """scan()'s problems ("version N: why") by version."""
+    out: Dict[int, str] = {}
+    for p in problems:
+        head, _, why = p.partition(": ")
+        if head.startswith("version ") and head[8:].isdigit():
+            out[int(head[8:])] = why
+    return out
+
+
 def outcome_of(m: Manifest, durability: str, bytes_written: Optional[int] = None, **extra: Any) -> SaveOutcome:
     """A committed manifest as the outcome a handle returns."""
     missing = tuple(sorted(n for n, e in m.states.items() if e.status == "missing"))
@@ -81,19 +91,33 @@ class CheckpointCoordinator:
         self.local = config.local_tier()
         self.remote = config.remote_tier()
         self.local.check_writable()  # the remote tier is checked by create(): it may be down at a restart
-        committed, partial, bad = scan(self.local)
+        key = config.signing_key
+        committed, partial, bad = scan(self.local, key)
         for problem in bad:
             log.warning("ignoring %s", problem)
+        # versions found but not trusted (unreadable, mis-signed, or off the manifest chain): listed
+        # by status() and by a restore that goes past them, never restored
+        self.skipped: Dict[int, str] = _problems_by_version(bad)
+        for v, why in chain_suspects(committed).items():
+            log.error("version %d is not trusted: %s", v, why)
+            self.skipped[v] = why
+            committed.pop(v, None)
         self.catalogue = Catalogue(config.run, committed)
+        self.catalogue.signing_key = key
         self._remove_partial(self.local, partial, self.catalogue.kept_paths(set()))
         self._load_declarations()
         remote_committed: Dict[int, Manifest] = {}
         remote_partial: List[int] = []
         if self.remote is not None:
             try:
-                remote_committed, remote_partial, _ = scan(self.remote)
+                remote_committed, remote_partial, remote_bad = scan(self.remote, key)
+                for v, why in _problems_by_version(remote_bad).items():
+                    self.skipped.setdefault(v, f"remote tier: {why}")
+                for v, why in chain_suspects(remote_committed).items():
+                    self.skipped.setdefault(v, f"remote tier: {why}")
+                    remote_committed.pop(v, None)
             except Exception as exc:  # remote down at (re)start: local checkpointing goes on
-                log.warning("cannot list the remote tier %s: %s", self.remote.uri, one_line(exc))
+                log.warning("cannot list the remote tier %s: %s", self.remote.display, self.remote.scrub(one_line(exc)))
         self.uploads = UploadPlan(config.remote_every, self.remote is not None, remote_committed,
                                   self.catalogue.committed)
         self._remove_partial(self.remote, remote_partial, self.uploads.paths)
@@ -130,9 +154,16 @@ class CheckpointCoordinator:
         return fence_error(read_owner([tier]), self.owner_token, self.cfg.run)
 
     def _load_declarations(self) -> None:
-        if not self.local.exists(DECLARED):
+        try:
+            if not self.local.exists(DECLARED):
+                return
+            declared = json.loads(bytes(self.local.read_bytes(DECLARED)))
+            if not isinstance(declared, dict):
+                raise ValueError("not a JSON object")
+        except (IntegrityError, ValueError, OSError) as exc:  # a link, a FIFO, garbage: not ours to follow
+            log.error("ignoring %s: %s", DECLARED, one_line(exc))
             return
-        for name, d in json.loads(bytes(self.local.read_bytes(DECLARED))).items():
+        for name, d in declared.items():
             try:
                 decl = Declaration.from_json(name, d)
                 self.catalogue.declare(name, decl.strategy, decl.world_size, decl.replicated, decl.allow_pickle)
@@ -158,20 +189,28 @@ class CheckpointCoordinator:
                             "removed its %d partial file(s)", v, tier.name, len(removed))
 
     # ------------------------------------------------------------------ queries
+    # Queries run in their own concurrency group (QUERIES): their own thread and event loop, so that
+    # they answer within milliseconds while thousands of ranks' submit() calls queue on the main
+    # loop (issue 15). They only read, and copy a dict (one C-level step under the GIL) before
+    # iterating it in Python, since the main loop may change it meanwhile.
+    @ray.method(concurrency_group="queries")
     def config(self) -> EngineConfig:
         return self.cfg
 
+    @ray.method(concurrency_group="queries")
     def last_version(self) -> int:
         return max([self.catalogue.last_version] + list(self.uploads.committed))
 
+    @ray.method(concurrency_group="queries")
     def list(self) -> list:
-        local, remote = self.catalogue.committed, self.uploads.committed
+        local, remote = dict(self.catalogue.committed), dict(self.uploads.committed)
         out = []
         for v in sorted(set(local) | set(remote)):
             tiers = tuple(t for t, d in (("local", local), ("remote", remote)) if v in d)
             out.append(meta_of(local.get(v) or remote[v], tiers))
         return out
 
+    @ray.method(concurrency_group="queries")
     def manifest(self, version: int = -1, step: Optional[int] = None) -> Optional[Manifest]:
         """The manifest of ``version`` (-1: latest committed), or of the version at ``step``."""
         allv = {**self.uploads.committed, **self.catalogue.committed}
@@ -182,14 +221,30 @@ class CheckpointCoordinator:
             return allv[max(allv)] if allv else None
         return allv.get(version)
 
+    def skipped_versions(self) -> Dict[int, str]:
+        """Versions found in storage but not trusted (and not committed on another tier): why."""
+        return {v: why for v, why in self.skipped.items()
+                if v not in self.catalogue.committed and v not in self.uploads.committed}
+
+    @ray.method(concurrency_group="queries")
     def manifests(self) -> List[Manifest]:
         """Every committed manifest, newest first (a restore that falls back walks them)."""
         allv = {**self.uploads.committed, **self.catalogue.committed}
         return [allv[v] for v in sorted(allv, reverse=True)]
 
+    @ray.method(concurrency_group="queries")
     def status(self) -> CoordinatorStatus:
-        in_flight = {v: pv.status() for v, pv in self.catalogue.pending.items()}
-        for v in self.uploads.uploading:
+        for attempt in range(5):  # a driver's save merging parts into a version meanwhile: read again
+            try:
+                return self._status()
+            except RuntimeError:  # "dictionary changed size during iteration"
+                if attempt == 4:
+                    raise
+                time.sleep(0.01)
+
+    def _status(self) -> CoordinatorStatus:
+        in_flight = {v: pv.status() for v, pv in list(self.catalogue.pending.items())}
+        for v in list(self.uploads.uploading):
             upload = self.uploads.upload_state(v)
             in_flight[v] = dataclasses.replace(in_flight[v], upload=upload) if v in in_flight else \
                 VersionStatus(v, None, "committed", upload=upload)
@@ -201,8 +256,9 @@ class CheckpointCoordinator:
             commits=self.commits, failures=self.failures, last_error=self.last_error,
             started_at=self.started_at, node=self.node_id,
             writer_nodes={n[:12]: len(p) for n, p in self.pools.critical_by_node.items()},
-            upload_owed=self.uploads.owed)
+            upload_owed=self.uploads.owed, skipped_versions=self.skipped_versions())
 
+    @ray.method(concurrency_group="queries")
     def cpu_seconds(self) -> float:
         """CPU time this coordinator process has used (all threads), for benchmarks/scale.py."""
         return time.process_time()
@@ -684,4 +740,5 @@ class CheckpointCoordinator:
         return True
 
 
-CoordinatorActor = ray.remote(CheckpointCoordinator)
+# "queries": list / status / manifests answer on their own thread while the main loop is busy
+CoordinatorActor = ray.remote(concurrency_groups={"queries": 4})(CheckpointCoordinator)

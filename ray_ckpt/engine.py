@@ -19,6 +19,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from . import restore as stages
+from . import sharded_io
 from .checkpoint_io import rank_files
 from .config import EngineConfig
 from .coordinator import NAMESPACE, CoordinatorActor, actor_name
@@ -33,7 +34,7 @@ from .protocol import Declaration, PartPlan, SaveOutcome
 from .providers import Registration, rank_provider, resolve
 from .snapshot import ActorProvider, CallableProvider, capture, read_state, snapshot_in_actor, tiers_of
 from .storage.layout import validate_name
-from .types import CheckpointMeta, OnBusy, RestoreReport, SaveResult, Strategy
+from .types import CheckpointMeta, OnBusy, RestoreReport, SaveResult, StateReport, Strategy
 
 log = logging.getLogger("ray_ckpt")
 
@@ -644,7 +645,9 @@ class CheckpointEngine:
         manifest, local tier first, then remote), without touching any provider.
 
         ``step=-1``: the latest version (versions are steps). ``rank``: which rank's part of a
-        pushed state. The older form ``load(version, name, rank)`` still works."""
+        pushed state; ``rank=None``: a sharded (DTensor) state with every DTensor leaf assembled
+        into its full tensor from all ranks' chunks (ranged reads, each piece verified), or the
+        single part of a state that has one. The older form ``load(version, name, rank)`` still works."""
         if isinstance(name, int) and not isinstance(name, bool) and isinstance(step, str):
             warnings.warn("engine.load(version, name) is deprecated; call engine.load(name, step=version)",
                           DeprecationWarning, stacklevel=2)
@@ -657,8 +660,8 @@ class CheckpointEngine:
         validate_name(name, "state name")
         if not isinstance(step, int) or isinstance(step, bool) or step < -1:
             raise InvalidArgumentError(f"load: step must be a step number or -1 (the latest), got {step!r}")
-        if rank is None or not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-            raise InvalidArgumentError(f"load: rank must be a non-negative integer, got {rank!r}")
+        if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
+            raise InvalidArgumentError(f"load: rank must be a non-negative integer or None, got {rank!r}")
         m = self._manifest_at(step)
         entry = m.states.get(name)
         if entry is None:
@@ -669,11 +672,72 @@ class CheckpointEngine:
         if allow_pickle is None:
             reg = self._registry.get(name)
             allow_pickle = bool(reg and reg.allow_pickle)
+        if rank is None and entry.shards is not None:  # the full tensors of a sharded state
+            try:
+                return sharded_io.load_full(tiers_of(self.config), entry, name, bool(allow_pickle))[0]
+            except IntegrityError as exc:
+                raise RestoreError(f"state {name!r} of version {m.version}: {exc}") from None
+        if rank is None:
+            if len(entry.files) > 1 and not entry.replicated:
+                raise InvalidArgumentError(
+                    f"load({name!r}, rank=None): state {name!r} of version {m.version} holds {len(entry.files)} "
+                    f"rank-local parts of plain tensors (no DTensors), which cannot be assembled into full "
+                    f"tensors; load one rank's part with rank=r")
+            rank = 0
         try:
             state, _tier, _ = read_state(tiers_of(self.config), rank_files(entry, name, rank), name, allow_pickle)
-        except IntegrityError as exc:
-            raise RestoreError(f"state {name!r} of version {m.version}: {exc}") from None
+        except (IntegrityError, OSError) as exc:
+            raise RestoreError(f"state {name!r} of version {m.version}: {one_line(exc)}") from None
         return state
+
+    def load_into(self, name: str, state: Any, step: int = -1, rank: int = 0, *, strict: bool = True,
+                  world_size: Optional[int] = None, allow_pickle: Optional[bool] = None) -> StateReport:
+        """Fill ``state`` (e.g. ``model.state_dict()`` / ``optim.state_dict()`` of this rank) in
+        place from state ``name`` of a committed version; returns a :class:`StateReport` (tier read,
+        bytes read, skipped keys).
+
+        A sharded state (saved with DTensor leaves) is resharded: each DTensor leaf of ``state``,
+        on any mesh and any world size, gets its local shard, read as the byte ranges it overlaps
+        from each stored file (each piece verified; a corrupt local piece is read from the remote
+        tier), plain tensor leaves and scalars (AdamW's ``step``, param_groups) come from rank 0's
+        part. A state of plain tensors pushed per rank is rank-local: ``rank``'s part is loaded,
+        and a ``world_size`` other than the number of ranks that saved it is a RestoreError naming
+        both, raised before anything changes (``world_size`` defaults to torch.distributed's when
+        a process group is initialised).
+
+        Keys, shapes and dtypes are checked before any tensor of ``state`` changes: a mismatch is
+        a RestoreError naming it; ``strict=False`` skips keys missing on either side and names them
+        in the report's detail. Only tensors and scalars are filled: call ``load_state_dict`` after
+        it for objects that keep state elsewhere."""
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError(f"load_into: the state's name is required, got {name!r}")
+        validate_name(name, "state name")
+        if not isinstance(step, int) or isinstance(step, bool) or step < -1:
+            raise InvalidArgumentError(f"load_into: step must be a step number or -1 (the latest), got {step!r}")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise InvalidArgumentError(f"load_into: rank must be a non-negative integer, got {rank!r}")
+        if world_size is None:
+            import sys
+
+            dist = getattr(sys.modules.get("torch"), "distributed", None)
+            if dist is not None and dist.is_available() and dist.is_initialized():
+                world_size = dist.get_world_size()
+        m = self._manifest_at(step)
+        entry = m.states.get(name)
+        if entry is None:
+            raise RestoreError(f"version {m.version} of run {self.run!r} has no state {name!r} "
+                               f"(it has: {', '.join(sorted(m.states))})")
+        if entry.status != "stored":
+            raise RestoreError(f"state {name!r} of version {m.version} is {entry.status}: {entry.detail}")
+        if allow_pickle is None:
+            reg = self._registry.get(name)
+            allow_pickle = bool(reg and reg.allow_pickle)
+        tiers = tiers_of(self.config)
+        if entry.shards is not None:
+            return sharded_io.load_into_state(tiers, entry, name, state, strict=strict, allow_pickle=allow_pickle)
+        sharded_io.check_world_size(entry, name, m.version, world_size)
+        return sharded_io.load_rank_local_into(tiers, entry, name, state, rank, strict=strict,
+                                               allow_pickle=allow_pickle)
 
     def _manifest_at(self, step: int) -> Manifest:
         return self._manifest(-1) if step == -1 else self._manifest(step=step)
@@ -723,6 +787,9 @@ class CheckpointEngine:
                 continue
             break
         stages.apply(staged, reports, self._registry, self.run)
+        # newer versions found in storage but not trusted (unreadable, mis-signed, off the chain)
+        untrusted = self._call(lambda c: c.skipped_versions.remote(), "the skipped versions", error=RestoreError)
+        skipped.update({v: why for v, why in untrusted.items() if v > m.version and v not in skipped})
         rewound: List[int] = []
         if rewind:
             rewound = self._call(lambda c: c.rewind.remote(m.version), "rewind", 300, RestoreError)

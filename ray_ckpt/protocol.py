@@ -71,6 +71,7 @@ class WrittenPart:
     node: str = ""                        # the node whose local tier holds the files
     snapshot_wait_s: float = 0.0          # the writer's wait for the snapshot to be ready
     write_s: float = 0.0                  # serialise + checksum + fsync
+    shards: Optional[dict] = None         # a part with DTensor leaves: its shard record (checkpoint_io.shard_record)
 
     def with_node(self, node: str, snapshot_wait_s: float) -> "WrittenPart":
         return dataclasses.replace(self, node=node, snapshot_wait_s=snapshot_wait_s)
@@ -136,6 +137,7 @@ class CoordinatorStatus:
     node: str
     writer_nodes: Dict[str, int]
     upload_owed: bool
+    skipped_versions: Dict[int, str] = field(default_factory=dict)  # found in storage, not trusted: why
 
     def to_dict(self) -> Dict[str, Any]:
         """The form ``engine.status()`` returns to users (a dict a person or a dashboard reads)."""
@@ -152,7 +154,8 @@ class CoordinatorStatus:
                 "queued_bytes": {"critical": self.queued_bytes_critical, "best_effort": self.queued_bytes_best_effort},
                 "committed": self.committed, "remote_committed": self.remote_committed, "commits": self.commits,
                 "failures": self.failures, "last_error": self.last_error, "started_at": self.started_at,
-                "node": self.node, "writer_nodes": dict(self.writer_nodes), "upload_owed": self.upload_owed}
+                "node": self.node, "writer_nodes": dict(self.writer_nodes), "upload_owed": self.upload_owed,
+                "skipped_versions": dict(self.skipped_versions)}
 
 
 @dataclass(frozen=True)

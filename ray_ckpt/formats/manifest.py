@@ -58,6 +58,10 @@ class StateEntry:
     content_hash: Optional[str] = None  # RELOADABLE: digest of rank 0's files
     detail: str = ""
     replicated: bool = False
+    # a sharded (DTensor) state: its shard index (``formats.shards.ShardIndex.to_json()``: every
+    # tensor's global shape, dtype and stored chunks with per-piece digests) plus ``"heads"``, where
+    # rank 0's file keeps its header and non-sharded leaves; None (absent from the JSON) otherwise
+    shards: Optional[Dict[str, Any]] = None
 
     def all_files(self) -> List[FileEntry]:
         return [f for fs in self.files.values() for f in fs]
@@ -89,6 +93,9 @@ class Manifest:
         for k in _OPTIONAL:
             if d[k] is None:
                 del d[k]
+        for s in d["states"].values():
+            if s.get("shards") is None:
+                s.pop("shards", None)  # unsharded entries stay byte for byte what they were
         return d
 
     def to_json(self) -> bytes:
@@ -130,6 +137,8 @@ class Manifest:
                         raise ValueError(f"state {name!r} file {f.path!r}: size {f.size!r} is not a byte count")
                     if not isinstance(f.checksum, str):
                         raise ValueError(f"state {name!r} file {f.path!r}: checksum {f.checksum!r} is not a string")
+                if s.get("shards") is not None and not isinstance(s["shards"], dict):
+                    raise ValueError(f"state {name!r}: 'shards' is not an object")
                 states[name] = StateEntry(files=files, **s)
             d["states"] = states
             return cls(**d)
@@ -200,6 +209,17 @@ def verify_signature(manifest_bytes: Union[bytes, bytearray, memoryview], key: b
         raise IntegrityError(f"{where}: {exc}") from None
 
 
+def chain_digest(manifest: Manifest) -> str:
+    """The digest a successor records as ``previous``: :func:`manifest_digest` of the manifest
+    without its signature and without its best-effort states — the parts of a committed manifest
+    that never change (a best-effort part landing late rewrites its entry, legitimately, possibly
+    after a newer version recorded this one)."""
+    d = manifest.to_dict()
+    d.pop("signature", None)
+    d["states"] = {n: e for n, e in d["states"].items() if e.get("strategy") != "best_effort"}
+    return DIGEST_PREFIX + hashlib.sha256(_canonical(d)).hexdigest()
+
+
 def chain_problems(manifests: Mapping[int, Manifest]) -> List[str]:
     """Breaks in the ``previous`` chain among committed ``manifests`` (by version): a manifest whose
     ``previous_version`` is present but whose digest is not ``previous``, or that names itself or a
@@ -212,7 +232,25 @@ def chain_problems(manifests: Mapping[int, Manifest]) -> List[str]:
         pv = m.previous_version
         if pv is None or not isinstance(pv, int) or pv >= v:
             problems.append(f"version {v}: its previous version {pv!r} is not an older version")
-        elif pv in manifests and manifest_digest(manifests[pv]) != m.previous:
+        elif pv in manifests and chain_digest(manifests[pv]) != m.previous:
             problems.append(f"version {v}: the manifest of version {pv} is not the one it was committed after "
-                            f"(digest {manifest_digest(manifests[pv])}, recorded {m.previous})")
+                            f"(digest {chain_digest(manifests[pv])}, recorded {m.previous})")
     return problems
+
+
+def chain_suspects(manifests: Mapping[int, Manifest]) -> Dict[int, str]:
+    """Versions not to trust, by the ``previous`` chain: a predecessor whose manifest is not the
+    one its successor was committed after (replaced, e.g. an older copy put back), and a manifest
+    that names itself or a newer version as its predecessor. Version -> why."""
+    out: Dict[int, str] = {}
+    for v in sorted(manifests):
+        m = manifests[v]
+        if m.previous is None:
+            continue
+        pv = m.previous_version
+        if not isinstance(pv, int) or pv >= v:
+            out[v] = f"its manifest names version {pv!r} as its predecessor, not an older version"
+        elif pv in manifests and chain_digest(manifests[pv]) != m.previous:
+            out[pv] = (f"its manifest is not the one version {v} was committed after (replaced or rolled back "
+                       f"since: digest {chain_digest(manifests[pv])}, recorded {m.previous})")
+    return out

@@ -1,0 +1,79 @@
+"""Storage that lies: copied, edited, unreadable or unsigned manifests are never restored as
+something they are not, and what was passed over is said (restore report, status)."""
+import json
+
+import pytest
+import ray
+import torch
+
+import ray_ckpt as rc
+from actors import Learner, remote
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _three_versions(engine_factory, **kw):
+    learner = remote(Learner).remote(seed=3)
+    eng = engine_factory(remote_uri=None, **kw)
+    eng.register("policy", learner)
+    for step in (1, 2, 3):
+        ray.get(learner.train.remote())
+        eng.save(step).result(timeout=60)
+    return eng, learner
+
+
+def _reopen(eng, engine_factory, learner, **kw):
+    eng.shutdown()
+    eng2 = engine_factory(remote_uri=None, **kw)  # a new coordinator rebuilds its catalogue from storage
+    eng2.register("policy", learner)
+    return eng2
+
+
+def _manifest(tmp_path, run_name, v):
+    return tmp_path / "local" / run_name / f"v{v:012d}" / "manifest.json"
+
+
+def test_a_copied_manifest_and_an_unreadable_one_are_skipped_and_said(engine_factory, tmp_path, run_name):
+    eng, learner = _three_versions(engine_factory)
+    _manifest(tmp_path, run_name, 3).write_bytes(_manifest(tmp_path, run_name, 1).read_bytes())  # copied in
+    eng2 = _reopen(eng, engine_factory, learner)
+    assert [m.version for m in eng2.list_checkpoints()] == [1, 2]
+    assert "version 1" in eng2.status()["skipped_versions"][3]
+    report = eng2.restore()
+    assert report.version == 2 and "version 1" in report.skipped_versions[3]
+    assert "skipped newer version 3" in str(report)
+    _manifest(tmp_path, run_name, 2).write_bytes(b"{ not json")
+    eng3 = _reopen(eng2, engine_factory, learner)
+    report = eng3.restore()
+    assert report.version == 1 and set(report.skipped_versions) == {2, 3}
+    assert "unreadable manifest" in report.skipped_versions[2]
+
+
+def test_a_replaced_manifest_breaks_the_chain_of_its_successor(engine_factory, tmp_path, run_name):
+    eng, learner = _three_versions(engine_factory)
+    m2 = json.loads(_manifest(tmp_path, run_name, 2).read_bytes())
+    m1 = json.loads(_manifest(tmp_path, run_name, 1).read_bytes())
+    assert m2["previous_version"] == 1 and m2["previous"].startswith("sha256:")
+    m1["metrics"] = {"reward": 1e9}  # an older manifest "improved" in place: checksums of files still match
+    _manifest(tmp_path, run_name, 1).write_text(json.dumps(m1))
+    eng2 = _reopen(eng, engine_factory, learner)
+    assert [m.version for m in eng2.list_checkpoints()] == [2, 3]
+    assert "not the one version 2 was committed after" in eng2.status()["skipped_versions"][1]
+
+
+def test_signed_manifests_refuse_edits_and_unsigned_ones(engine_factory, tmp_path, run_name):
+    eng, learner = _three_versions(engine_factory, signing_key=b"k" * 32)
+    m3 = json.loads(_manifest(tmp_path, run_name, 3).read_bytes())
+    assert len(m3["signature"]) == 64
+    m3["step"] = 30  # an edit that keeps the JSON valid
+    _manifest(tmp_path, run_name, 3).write_text(json.dumps(m3))
+    del m3["signature"]
+    m3["step"] = 2
+    eng2 = _reopen(eng, engine_factory, learner, signing_key=b"k" * 32)
+    assert [m.version for m in eng2.list_checkpoints()] == [1, 2]
+    assert "signature does not verify" in eng2.status()["skipped_versions"][3]
+    report = eng2.restore()
+    assert report.version == 2 and 3 in report.skipped_versions
+    with pytest.raises(rc.InvalidArgumentError, match="signing_key"):
+        engine_factory(remote_uri=None, signing_key=b"")
+    assert "k" * 32 not in repr(eng2.config)
