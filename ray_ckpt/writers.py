@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterable, List, Optional, Set, Union
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .checkpoint_io import content_hash, delete_version, write_flat
+from .checkpoint_io import content_hash, delete_version, shard_record, write_flat
 from .errors import IntegrityError, SaveError, UnsupportedTypeError, one_line
 from .formats.manifest import FileEntry
 from .formats.tree import Flat
@@ -61,10 +61,12 @@ class PartWriter:
         if reuse is not None:
             chash = content_hash(flat)
             if chash in reuse:
-                return WrittenPart(tuple(_entry(f) for f in reuse[chash]), 0, chash, reused=True,
-                                   write_s=time.perf_counter() - t0)
+                files = tuple(_entry(f) for f in reuse[chash])
+                return WrittenPart(files, 0, chash, reused=True, write_s=time.perf_counter() - t0,
+                                   shards=_shards_of(flat, files))
         files = write_flat(self.local, version, name, rank, flat, compression, self.write_threads, self.direct_io)
-        return WrittenPart(tuple(files), sum(f.size for f in files), chash, write_s=time.perf_counter() - t0)
+        return WrittenPart(tuple(files), sum(f.size for f in files), chash, write_s=time.perf_counter() - t0,
+                           shards=_shards_of(flat, files))
 
     def upload(self, files: Iterable[Union[FileEntry, dict]]) -> int:
         """Copy committed local files to the remote tier, verifying each against its manifest
@@ -137,6 +139,13 @@ class WriterActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+def _shards_of(flat: Flat, files: Iterable[FileEntry]) -> Optional[dict]:
+    """The shard record of a part with DTensor leaves (None otherwise): where its chunks lie in its
+    tensors file, so that the manifest can index the state for resharded, ranged restores."""
+    tensors = [f for f in files if f.role == "tensors"]
+    return shard_record(flat, tensors[0].path) if len(tensors) == 1 else None
 
 
 def _entry(f: Union[FileEntry, dict]) -> FileEntry:

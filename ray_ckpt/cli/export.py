@@ -1,6 +1,11 @@
-"""``ray-ckpt export URI [VERSION] --state NAME --to DIR [--rank R] [--force] [--json]``: verify one
-state's part, then write it as plain safetensors (its tensor leaves) + JSON (its structure and other
-leaves) + Arrow IPC files (its tables), all or nothing."""
+"""``ray-ckpt export URI [VERSION] --state NAME --to DIR|FILE.safetensors [--rank R] [--max-shard-size SIZE]
+[--force] [--json]``: verify one state's part, then write it as plain safetensors (its tensor leaves)
++ JSON (its structure and other leaves) + Arrow IPC files (its tables), all or nothing.
+
+A sharded (DTensor) state is exported as its full tensors, assembled from every rank's chunks
+(unless ``--rank`` asks for one rank's local part). ``--to FILE.safetensors`` writes the tensors
+alone into that one file, or, past ``--max-shard-size``, in Hugging Face's sharded layout
+(``FILE-00001-of-0000N.safetensors`` + ``FILE.safetensors.index.json``)."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +20,7 @@ from ..errors import CheckpointError, one_line
 from ..formats.manifest import Manifest, StateEntry
 from ..storage import layout
 from ..storage.local_files import local_atomic
-from .common import EXIT_OK, CliError, UsageError, add_json_flag, non_negative_int, print_json, say
+from .common import EXIT_OK, CliError, UsageError, add_json_flag, human, non_negative_int, print_json, say
 from .run_view import Run, command_parser, add_version_argument
 
 
@@ -23,7 +28,10 @@ SUMMARY = "export one state as plain safetensors + JSON"
 DESCRIPTION = ("Verify, then write DIR/NAME.safetensors (the tensor leaves, named by "
                "their key path, e.g. 'fc.weight' or 'state/0/exp_avg'; loadable with "
                "safetensors.torch.load_file) and DIR/NAME.json (the structure and the "
-               "non-tensor leaves). Arrow tables go to DIR/NAME.tableI.arrow.")
+               "non-tensor leaves). Arrow tables go to DIR/NAME.tableI.arrow. A sharded "
+               "(DTensor) state is exported as full tensors merged from every rank's chunks. "
+               "--to FILE.safetensors writes only the tensors, to that file (or Hugging Face's "
+               "sharded layout with FILE.safetensors.index.json past --max-shard-size).")
 
 
 def _to_torch(arr: Any, info: Dict[str, Any]):
@@ -125,14 +133,149 @@ def _read_state(run: Run, m: Manifest, name: str, rank: int) -> Tuple[StateEntry
         raise CliError(msg) from None
 
 
+def parse_size(text: str) -> int:
+    """'5GB' (10^9, as Hugging Face counts), '500MiB', '1048576' -> bytes."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+    t = text.strip().upper()
+    num = t.rstrip("KMGTIB")
+    try:
+        n = int(float(num) * units[t[len(num):].strip()])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 500MiB, 1048576)") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
+    return n
+
+
+def _full_tensors(run: Run, m: Manifest, name: str) -> Tuple[StateEntry, Dict[str, Any], int]:
+    """(entry, key -> full tensor, bytes read) of a sharded state: every chunk range-read and verified."""
+    from ..sharded_io import full_tensors
+
+    entry = _stored_entry(m, name)
+    try:
+        tensors, reader = full_tensors([run.tier], entry, name)
+    except CheckpointError as exc:
+        raise CliError(f"cannot export state {name!r} of version {m.version}: {one_line(exc)}") from None
+    return entry, tensors, reader.bytes
+
+
+def _stored_entry(m: Manifest, name: str) -> StateEntry:
+    entry: Optional[StateEntry] = m.states.get(name)
+    if entry is None:
+        raise CliError(f"version {m.version} has no state {name!r} (it has: {', '.join(sorted(m.states)) or 'none'})")
+    if entry.status != "stored":
+        raise CliError(f"state {name!r} of version {m.version} has no stored bytes: it is {entry.status}"
+                       + (f" ({entry.detail})" if entry.detail else ""))
+    return entry
+
+
+def _plan_shards(tensors: Dict[str, Any], stem: str, limit: Optional[int]) -> List[Tuple[str, List[str]]]:
+    """[(file name, keys)]: one file, or consecutive groups of at most ``limit`` bytes (a tensor
+    larger than the limit gets a file of its own), named as Hugging Face names them."""
+    sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
+    if limit is None or sum(sizes.values()) <= limit:
+        return [(f"{stem}.safetensors", list(tensors))]
+    groups: List[List[str]] = [[]]
+    used = 0
+    for k in tensors:
+        if groups[-1] and used + sizes[k] > limit:
+            groups.append([])
+            used = 0
+        groups[-1].append(k)
+        used += sizes[k]
+    n = len(groups)
+    return [(f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]
+
+
+def _run_file(args: argparse.Namespace) -> int:
+    """--to FILE.safetensors: the state's tensors (full tensors of a sharded state) in one file or
+    in Hugging Face's sharded layout; nothing else."""
+    from safetensors.torch import save_file
+
+    name, target = args.state, Path(args.to).expanduser()
+    try:
+        layout.validate_name(name, "state name")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    out_dir, stem = target.parent, target.name[: -len(".safetensors")]
+    if not stem:
+        raise UsageError(f"--to {args.to}: the file needs a name before .safetensors")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CliError(f"--to {args.to}: {out_dir} is not a directory")
+    run_ = Run.open(args)
+    m = run_.manifest(args.version)
+    entry = _stored_entry(m, name)
+    if entry.shards is not None and args.rank is None:
+        entry, tensors, nread = _full_tensors(run_, m, name)
+        source, what = [f.path for f in entry.all_files()], "full tensors merged from every rank's chunks"
+    else:
+        rank = 0 if args.rank is None else args.rank
+        entry, files, state = _read_state(run_, m, name, rank)
+        from ..formats.shards import iter_tensor_leaves
+        from ..formats.tree import leaf_key
+
+        tensors = {leaf_key(p): t for p, t in iter_tensor_leaves(state)}
+        source, what, nread = [f.path for f in files], f"rank {rank}'s part", sum(f.size for f in files)
+    tensors = {k: t.contiguous() for k, t in tensors.items()}
+    plan = _plan_shards(tensors, stem, args.max_shard_size)
+    outputs = [out_dir / f for f, _ in plan] + ([out_dir / f"{stem}.safetensors.index.json"] if len(plan) > 1 else [])
+    if not args.force:
+        for p in outputs:
+            if p.exists():
+                raise CliError(f"{p} already exists; pass --force to overwrite it")
+    meta = {"format": "pt", "ray_ckpt.run": m.run, "ray_ckpt.version": str(m.version), "ray_ckpt.step": str(m.step),
+            "ray_ckpt.state": name}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with contextlib.ExitStack() as stack:  # all files appear together, or none
+        for fname, keys in plan:
+            tmp = stack.enter_context(local_atomic(str(out_dir / fname)))
+            save_file({k: tensors[k] for k in keys}, tmp, metadata=meta)
+        if len(plan) > 1:
+            tmp = stack.enter_context(local_atomic(str(outputs[-1])))
+            index = {"metadata": {"total_size": total, **meta},
+                     "weight_map": {k: fname for fname, keys in plan for k in keys}}
+            Path(tmp).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    files_out = [{"path": str(out_dir / f), "role": "tensors", "tensors": len(keys)} for f, keys in plan]
+    if len(plan) > 1:
+        files_out.append({"path": str(outputs[-1]), "role": "index"})
+    if args.json:
+        print_json({"uri": run_.uri, "run": m.run, "version": m.version, "step": m.step, "state": name,
+                    "rank": args.rank, "sharded": entry.shards is not None, "verified": True, "source": source,
+                    "bytes_read": nread, "tensor_bytes": total, "files": files_out})
+        return EXIT_OK
+    say(f"exported state {name!r} of version {m.version} (step {m.step}), {what}, verified: "
+        f"{len(tensors)} tensors, {human(total)}")
+    for d in files_out:
+        say(f"  {d['path']}" + (f"  ({d['tensors']} tensors)" if d["role"] == "tensors" else "  (index)"))
+    return EXIT_OK
+
+
 def run(args: argparse.Namespace) -> int:
     from ..formats.tree import flatten, structure_to_json
 
-    name, rank = args.state, args.rank
+    if str(args.to).endswith(".safetensors"):
+        return _run_file(args)
+    if args.max_shard_size is not None:
+        raise UsageError("--max-shard-size goes with --to FILE.safetensors")
+    name = args.state
     out_dir, st_path, json_path = _check_arguments(args)
     run = Run.open(args)
     m = run.manifest(args.version)
-    entry, files, state = _read_state(run, m, name, rank)
+    if args.rank is None and _stored_entry(m, name).shards is not None:
+        from ..sharded_io import load_full
+
+        entry = _stored_entry(m, name)
+        try:
+            state = load_full([run.tier], entry, name)[0]
+        except CheckpointError as exc:
+            raise CliError(f"cannot export state {name!r} of version {m.version}: {one_line(exc)}") from None
+        rank: Any = "all (full tensors)"
+        files = entry.all_files()
+    else:
+        rank = 0 if args.rank is None else args.rank
+        entry, files, state = _read_state(run, m, name, rank)
     flat = flatten(state, state_name=name)
     tensors, typed = {}, {}
     for i, (arr, info) in enumerate(zip(flat.arrays, flat.leaf_info)):
@@ -188,7 +331,12 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     s = command_parser(sub, common, "export", SUMMARY, DESCRIPTION, run)
     add_version_argument(s, "export")
     s.add_argument("--state", required=True, metavar="NAME", help="the state to export")
-    s.add_argument("--to", required=True, metavar="DIR", help="output directory (created if needed)")
-    s.add_argument("--rank", type=non_negative_int, default=0, metavar="R", help="which rank's part (default 0)")
+    s.add_argument("--to", required=True, metavar="DIR|FILE.safetensors",
+                   help="output directory (created if needed), or a .safetensors file for the tensors alone")
+    s.add_argument("--rank", type=non_negative_int, default=None, metavar="R",
+                   help="which rank's part (default 0; a sharded state: its full tensors)")
+    s.add_argument("--max-shard-size", type=parse_size, default=None, metavar="SIZE",
+                   help="with --to FILE.safetensors: split into Hugging Face shards of at most SIZE "
+                        "(e.g. 5GB) with FILE.safetensors.index.json")
     s.add_argument("--force", action="store_true", help="overwrite existing output files")
     add_json_flag(s)

@@ -74,6 +74,11 @@ def _leaf_kinds(structure: Any) -> Tuple[Dict[int, Tuple[str, str]], int]:
             kinds[node["N"]] = ("numpy", dt)
         elif "P" in node:
             kinds[node["P"]] = ("pickle", "pickled object")
+        elif "DT" in node:  # a DTensor leaf: this rank's local chunk (or a replica stored by another rank)
+            if node["DT"] is not None:
+                kinds[node["DT"]] = ("dtensor chunk", str(node.get("dt")))
+            else:
+                other += 1
         elif "A" not in node:  # a table has its own file
             other += 1
     return kinds, other
@@ -135,6 +140,22 @@ def _file_details(tier: Tier, f: FileEntry) -> Dict[str, Any]:
     return d
 
 
+def sharded_summary(shards: Any) -> Dict[str, Any]:
+    """The DTensor leaves of a sharded state's index (manifest only): key -> global shape, dtype,
+    how it was sharded (mesh, placements), its stored chunks and their bytes."""
+    out: Dict[str, Any] = {}
+    try:
+        for key, t in (shards.get("tensors") or {}).items():
+            chunks = t.get("chunks") or []
+            out[key] = {"shape": t.get("shape"), "dtype": t.get("dtype"), "mesh": t.get("mesh"),
+                        "placements": t.get("placements"), "chunks": len(chunks),
+                        "chunk_bytes": sum(int(c.get("n", 0)) for c in chunks),
+                        "files": len({c.get("file") for c in chunks})}
+    except (AttributeError, TypeError, ValueError) as exc:
+        return {"problem": f"malformed shard index ({one_line(exc)})"}
+    return out
+
+
 def describe(run: Run, m: Manifest) -> Dict[str, Any]:
     """The ``show --json`` document of manifest ``m``."""
     states = {}
@@ -143,6 +164,8 @@ def describe(run: Run, m: Manifest) -> Dict[str, Any]:
         ranks = {rank: [_file_details(run.tier, f) for f in e.files[rank]] for rank in rank_order(e.files)}
         states[name] = {"strategy": e.strategy, "status": e.status, "bytes": e.bytes, "detail": e.detail,
                         "content_hash": e.content_hash, "replicated": e.replicated, "ranks": ranks}
+        if e.shards is not None:
+            states[name]["sharded"] = sharded_summary(e.shards)
     return {"uri": run.uri, "run": m.run, "version": m.version, "step": m.step, "created_at": m.created_at,
             "created": iso_time(m.created_at), "bytes": m.bytes, "metrics": dict(m.metrics),
             "checksum_algorithm": m.checksum_algorithm, "status": "partial" if is_partial(m) else "complete",
@@ -166,6 +189,25 @@ def _print_tensors(t: Dict[str, Any], limit: int) -> None:
         say(f"        {name.ljust(w)}  {leaf['dtype']:<9} {shape:<16} {human(leaf['bytes'])}{kind}")
     if len(leaves) < len(t["leaves"]):
         say(f"        ... {len(t['leaves']) - len(leaves)} more (--max-leaves 0 shows all)")
+
+
+def _print_sharded(sh: Dict[str, Any], limit: int) -> None:
+    if "problem" in sh:
+        say(f"  ! sharded: {sh['problem']}")
+        return
+    n = len(sh)
+    say(f"  sharded: {n} DTensor {'leaf' if n == 1 else 'leaves'} (global shapes; chunks in the rank files "
+        f"below; restorable on any world size)")
+    items = list(sh.items()) if limit == 0 else list(sh.items())[:limit]
+    names = [printable(k) for k, _ in items]
+    w = max(map(len, names), default=0)
+    for name, (_k, t) in zip(names, items):
+        shape = "[" + ", ".join(map(str, t["shape"] or [])) + "]"
+        layout_ = f"mesh {t['mesh']} {','.join(map(str, t['placements'] or []))}" if t.get("mesh") else ""
+        say(f"    {name.ljust(w)}  {str(t['dtype']):<9} {shape:<16} {plural(t['chunks'], 'chunk')} in "
+            f"{plural(t['files'], 'file')}, {human(t['chunk_bytes'])}  {printable(layout_)}".rstrip())
+    if len(items) < len(sh):
+        say(f"    ... {len(sh) - len(items)} more (--max-leaves 0 shows all)")
 
 
 def _print_file(d: Dict[str, Any], own: str, algorithm: str, limit: int) -> None:
@@ -196,6 +238,8 @@ def _print_doc(doc: Dict[str, Any], limit: int) -> None:
             + (f"  ({', '.join(extra)})" if extra else ""))
         if s["detail"]:
             say(f"  detail: {s['detail']}")
+        if "sharded" in s:
+            _print_sharded(s["sharded"], limit)
         for rank, files in s["ranks"].items():
             say(f"  rank {rank}:")
             for d in files:

@@ -534,16 +534,24 @@ def load_chunk(local: Any, meta: ShardedTensorMeta, offsets: Sequence[int], size
     items = plan_reads(meta, offsets, sizes)
     fetched: Dict[int, List[Tuple[int, Any]]] = {}
     total = 0
+    checked = getattr(read_range, "read_checked", None)  # a reader with other copies to fall back on
     for n, b, e in _fetches(meta, items, verify):
         c = meta.chunks[items[n].chunk]
-        data = memoryview(read_range(c.file, c.offset + b, c.offset + e)).cast("B")
-        if len(data) != e - b:
-            raise IntegrityError(f"{c.file}: {meta.key}: read {len(data)} bytes at {c.offset + b}, "
-                                 f"expected {e - b} (file truncated?)")
+
+        def check(data: Any, c: StoredChunk = c, b: int = b, e: int = e) -> None:
+            if len(data) != e - b:
+                raise IntegrityError(f"{c.file}: {meta.key}: read {len(data)} bytes at {c.offset + b}, "
+                                     f"expected {e - b} (file truncated?)")
+            if verify and c.digests:
+                p = c.piece_size
+                verify_pieces(data, b // p, c.digests, p, file=c.file, what=meta.key)
+
+        if checked is not None:  # read_checked(file, begin, end, check): the first copy check passes
+            data = memoryview(checked(c.file, c.offset + b, c.offset + e, check)).cast("B")
+        else:
+            data = memoryview(read_range(c.file, c.offset + b, c.offset + e)).cast("B")
+            check(data)
         total += e - b
-        if verify and c.digests:
-            p = c.piece_size
-            verify_pieces(data, b // p, c.digests, p, file=c.file, what=meta.key)
         fetched.setdefault(n, []).append((b, data))
     tdt = _torch_dtype(meta.dtype)
     with torch.no_grad(), warnings.catch_warnings():

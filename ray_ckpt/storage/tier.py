@@ -187,6 +187,43 @@ class Tier:
             raise IntegrityError(f"{self.describe(rel)}: short read ({got} of {size} bytes)")
         return buf
 
+    def read_range(self, rel: str, begin: int, end: int) -> Any:
+        """Bytes ``[begin, end)`` of ``rel`` in fresh writable memory: one ranged read (locally a
+        ``pread`` of the regular file reached without following links; on an object store a ranged
+        GET). Not verified here: the caller checks them against per-piece digests (``formats.shards``).
+        Raises FileNotFoundError, IntegrityError (a short read: the file is shorter than ``end``;
+        locally a link or special file in its place) or the filesystem's OSError."""
+        if begin < 0 or end < begin:
+            raise ValueError(f"bad byte range [{begin}, {end}) of {rel}")
+        n = end - begin
+        buf = bytearray(n)
+        mv = memoryview(buf)
+        got = 0
+        if self.is_local:
+            fd = open_regular(self.root, rel)
+            try:
+                while got < n:
+                    k = os.preadv(fd, [mv[got:]], begin + got)
+                    if not k:
+                        break
+                    got += k
+            finally:
+                os.close(fd)
+        elif n:
+            f = self.fs.open_input_file(self.abspath(rel))
+            try:
+                while got < n:
+                    chunk = f.read_at(n - got, begin + got)
+                    if not len(chunk):
+                        break
+                    mv[got: got + len(chunk)] = memoryview(chunk).cast("B")
+                    got += len(chunk)
+            finally:
+                f.close()
+        if got != n:
+            raise IntegrityError(f"{self.describe(rel)}: short read ({got} of {n} bytes at {begin}): truncated?")
+        return buf
+
     def read_verified(self, rel: str, size: int, checksum: str) -> Any:
         """Read ``rel`` and check it against the manifest. Raises FileNotFoundError or IntegrityError.
 
