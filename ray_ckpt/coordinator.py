@@ -137,6 +137,9 @@ class CheckpointCoordinator:
         self.last_error: Optional[str] = None
         self.started_at = time.time()
         self.metrics = Metrics(config.run)
+        for tier, found in (("local", self.catalogue.committed), ("remote", self.uploads.committed)):
+            if found:  # a restarted coordinator: "no checkpoint in N minutes" alerts see the real age
+                self.metrics.last_committed(tier, found[max(found)].created_at)
         self.background: Set[asyncio.Future] = set()  # writes (with commit and retention), uploads
         # the run's fencing token (see ownership.py): the creating engine sets it; a coordinator
         # Ray restarted takes it from the owner record if that record is its own job's

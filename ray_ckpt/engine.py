@@ -600,16 +600,18 @@ class CheckpointEngine:
                 if prov.fn is None:
                     parts.append(PartPlan(reg.name, reg.strategy, loader=True))
                     continue
+                t_pause = time.perf_counter()
                 flat = capture(prov.fn(), reg.name, reg.allow_pickle)
                 parts.append(PartPlan(reg.name, reg.strategy, nbytes=flat.nbytes))
                 refs.append(ray.put(flat))
+                metrics_for_run(self.run).snapshot_pause(time.perf_counter() - t_pause, state=reg.name)
         for reg in self._registry.values():
             prov = reg.provider
             if isinstance(prov, ActorProvider):
                 parts.append(PartPlan(reg.name, reg.strategy))
                 refs.append(prov.handle.__ray_call__.options(name=f"ray_ckpt.snapshot:{self.run}/{reg.name}").remote(
                     snapshot_in_actor, prov.get, reg.name, reg.allow_pickle, self.config.prefault_object_store,
-                    prov.attribute))
+                    prov.attribute, self.run))
         self._saves += 1
         # remote_every counts this engine's saves, in call order: the coordinator runs concurrent calls
         # in any order, so the turn is decided here

@@ -8,6 +8,7 @@ as flat numpy views (one memcpy into the object store, no pickling of tensor dat
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -141,15 +142,21 @@ def capture(state: Any, name: str, allow_pickle: bool = False, staging: Optional
 
 
 def snapshot_in_actor(actor: Any, getter: str, name: str, allow_pickle: bool, prefault: bool = False,
-                      attribute: Optional[str] = None) -> Flat:
+                      attribute: Optional[str] = None, run: Optional[str] = None) -> Flat:
     """Runs in the provider actor: call its getter and flatten (CPU tensor memory is not copied
     here; Ray copies it once into the object store when this returns; device tensors go through
     the actor's reused pinned staging buffers). ``prefault``: make sure this process maps the
     object store (an actor that Ray restarted is a new process that ``register`` never saw)."""
     if prefault:
         start_prefault()
+    t0 = time.perf_counter()
     staging = actor.__dict__.setdefault("_ray_ckpt_host_staging", HostStaging())
-    return capture(_actor_get(actor, getter, attribute, name), name, allow_pickle, staging)
+    flat = capture(_actor_get(actor, getter, attribute, name), name, allow_pickle, staging)
+    if run:  # the capture in the actor (Ray's copy of the result into the object store follows it)
+        from .metrics import for_run
+
+        for_run(run).snapshot_pause(time.perf_counter() - t0, state=name)
+    return flat
 
 
 def read_state(tiers: Sequence[Tier], files: List[FileEntry], name: str, allow_pickle: bool = False):

@@ -48,6 +48,36 @@ class OnBusy(str, enum.Enum):
             raise ValueError(f"on_busy must be 'wait', 'skip' or 'queue', got {value!r}") from None
 
 
+class _StrEnum(str, enum.Enum):
+    """An enum whose members are their strings: ``status == "restored"`` holds, JSON writes the
+    string, and formatting prints the value (as ``Strategy`` members do)."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class Durability(_StrEnum):
+    """Where a SaveResult's version is committed."""
+
+    LOCAL = "local"
+    REMOTE = "remote"
+    SKIPPED = "skipped"  # on_busy="skip": nothing was captured
+
+
+class StateStatus(_StrEnum):
+    """What a restore (or load_into) did with one state."""
+
+    RESTORED = "restored"   # read, verified and loaded
+    RELOADED = "reloaded"   # rebuilt by its loader (a RELOADABLE state stored as 'loader')
+    SKIPPED = "skipped"     # not loaded on purpose (no loader, a pushed state without rank providers)
+    MISSING = "missing"     # not in the version, or it did not verify (a best-effort state: not fatal)
+
+
+class TierName(_StrEnum):
+    LOCAL = "local"
+    REMOTE = "remote"
+
+
 @dataclass(frozen=True)
 class SaveResult:
     version: Optional[int]
@@ -63,6 +93,9 @@ class SaveResult:
     pending: Tuple[str, ...] = ()   # best-effort states still being written when the version committed
     rank_zero_only: bool = False    # a replica rank's push (replicated=True): rank 0's copy is the one stored
 
+    def __post_init__(self):
+        object.__setattr__(self, "durability", Durability(self.durability))
+
     @property
     def skipped(self) -> bool:
         return self.durability == "skipped"
@@ -75,6 +108,11 @@ class StateReport:
     verified: bool
     detail: str = ""
     bytes: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "status", StateStatus(self.status))
+        if self.tier is not None:
+            object.__setattr__(self, "tier", TierName(self.tier))
 
 
 @dataclass(frozen=True)

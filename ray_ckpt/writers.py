@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 import asyncio
 import concurrent.futures
 import logging
@@ -173,6 +174,10 @@ class WriterPools:
         opts: Dict[str, Any] = {"num_cpus": cpus}
         if node is not None:
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+        # named per run and pool, so the Ray dashboard tells runs and pools apart (a suffix keeps the
+        # name unique while a restarted coordinator's old writers are still going away)
+        opts["name"] = f"ray_ckpt.writer.{self.cfg.run}.{pool}.{(node or self.node_id)[:8]}.{uuid.uuid4().hex[:6]}"
+        opts["namespace"] = "ray_ckpt"
         return WriterActor.options(**opts).remote(self.cfg, pool, nice)
 
     def _make_pool(self, node: str) -> list:
