@@ -203,3 +203,21 @@ def test_json_flag_is_on_every_command_that_prints_a_result():
         r = subprocess.run([sys.executable, "-m", "ray_ckpt.cli", command, "--help"], capture_output=True,
                            text=True, timeout=60, cwd=str(REPO))
         assert r.returncode == 0 and "--json" in r.stdout, r.stdout + r.stderr
+
+
+# ---------------------------------------------------------------------------- signed manifests
+def test_verify_with_a_signing_key_refuses_unsigned_and_mis_signed_manifests(tmp_path, capsys, monkeypatch):
+    from ray_ckpt.formats.manifest import sign_manifest
+
+    tier = Tier(str(tmp_path / "r"), "local")
+    make_run(tier, versions=(1, 2))
+    m1 = Manifest.from_json(bytes(tier.read_bytes(f"{V(1)}/manifest.json")))
+    tier.put_bytes(f"{V(1)}/manifest.json", sign_manifest(m1, b"secret-key").to_json())
+    monkeypatch.setenv("RAY_CKPT_SIGNING_KEY", "secret-key")
+    code, out, err = cli(capsys, "verify", tmp_path / "r", "1")
+    assert code == 0, err
+    code, out, err = cli(capsys, "verify", tmp_path / "r", "2")  # unsigned
+    assert code != 0 and "not signed" in err
+    monkeypatch.setenv("RAY_CKPT_SIGNING_KEY", "another-key")
+    code, out, err = cli(capsys, "verify", tmp_path / "r", "1")
+    assert code != 0 and "signature does not verify" in err and "another-key" not in err

@@ -167,7 +167,9 @@ class Run:
         if v in self._errors:
             return None
         try:
-            m = read_manifest(self.tier, v)
+            # RAY_CKPT_SIGNING_KEY set: the run's manifests must be signed with it (as the engine checks)
+            key = os.environ.get("RAY_CKPT_SIGNING_KEY")
+            m = read_manifest(self.tier, v, key.encode() if key else None)
             if m.version != v:
                 raise CheckpointError(f"{self.tier.describe(layout.manifest_path(v))}: manifest says version "
                                       f"{m.version}, but it lies in {layout.version_dir(v)}/")
