@@ -346,7 +346,7 @@ class Chaos:
             self.events.append(f"RESTORE FAILED after {kind}: {exc}")
             return
         secs = time.monotonic() - t0
-        tiers = sorted({r.tier for r in rep.states.values() if r.tier})
+        tiers = sorted({str(getattr(r.tier, "value", r.tier)) for r in rep.states.values() if r.tier})
         self.restores.append((kind, rep.version, secs, ",".join(tiers)))
         want = self.digests.get(rep.version)
         got = self.provider_digests()
