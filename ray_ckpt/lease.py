@@ -45,8 +45,9 @@ def job_alive(job: str) -> Optional[bool]:
         return None
 
 
-def read_owner(tiers: Sequence[Tier]) -> Optional[OwnerRecord]:
-    """The newest owner record on any of ``tiers`` (the highest token), or None."""
+def read_owner(tiers: Sequence[Tier], quiet: bool = False) -> Optional[OwnerRecord]:
+    """The newest owner record on any of ``tiers`` (the highest token), or None. ``quiet``: a tier
+    that cannot be read is logged at debug level (the lease renewal, every few seconds)."""
     found: List[OwnerRecord] = []
     for tier in tiers:
         try:
@@ -55,7 +56,8 @@ def read_owner(tiers: Sequence[Tier]) -> Optional[OwnerRecord]:
         except IntegrityError as exc:
             log.warning("ignoring %s", exc)
         except Exception as exc:  # e.g. the remote tier is down: the others decide
-            log.warning("cannot read the owner record on the %s tier: %s", tier.name, one_line(exc))
+            (log.debug if quiet else log.warning)("cannot read the owner record on the %s tier: %s", tier.name,
+                                                  tier.scrub(one_line(exc)))
     return max(found, key=lambda r: (r.token, r.renewed), default=None)
 
 
@@ -88,8 +90,9 @@ class OwnerLease:
         self._thread.start()
 
     def _loop(self) -> None:
+        failing = False
         while not self._stop.wait(self.record.lease_s / 4):
-            current = read_owner(self.tiers)
+            current = read_owner(self.tiers, quiet=True)
             if current is not None and current.token > self.record.token:
                 log.error("run %r was taken over by %s; this driver's saves no longer commit", self.run,
                           current.describe())
@@ -97,8 +100,14 @@ class OwnerLease:
             self.record = replace(self.record, renewed=time.time())
             try:
                 write_owner(self.tiers, self.record)
+                if failing:
+                    log.warning("the lease of run %r is renewed again", self.run)
+                failing = False
             except Exception as exc:  # a tier down for a moment: the next renewal tries again
-                log.warning("cannot renew the lease of run %r: %s", self.run, one_line(exc))
+                if not failing:  # once per outage, not every renewal
+                    log.warning("cannot renew the lease of run %r (retrying every %.0fs): %s", self.run,
+                                self.record.lease_s / 4, one_line(exc))
+                failing = True
 
     def stop(self, release_record: bool = True) -> None:
         self._stop.set()
