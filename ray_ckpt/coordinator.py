@@ -391,14 +391,14 @@ class CheckpointCoordinator:
         what = f"ranks did not push within rank_timeout_s={self.cfg.rank_timeout_s:g}s: {shown} " \
                f"({more}{len(named)} of {len(pv.parts)} parts)"
         log.error("version %d: %s", version, what)
-        if critical:  # the version's error names the missing ranks, not only the first part failed
-            self.catalogue.fail(version, what)
-            if pv.error == what:
-                self.last_error = f"version {version}: {what}"
+        failed_before = pv.error
         why = f"no part arrived within rank_timeout_s={self.cfg.rank_timeout_s:g}s"
         for p in missing:
             p.submitted = True
             self.catalogue.part_failed(version, p.name, p.rank, why)
+        if critical and not failed_before:  # the error names the missing ranks, not the last part failed
+            pv.error = what
+            self.last_error = f"version {version}: {what}"
         await self._progress(version)
 
     # ------------------------------------------------------------------ 3: written

@@ -1,0 +1,149 @@
+"""One coordinator for many ranks (issue 15): more pushed parts than the coordinator has concurrency
+slots, pushed from a few host actors that each push for hundreds of ranks (as ranks share nodes)."""
+import sys
+import time
+
+import pytest
+import ray
+import torch
+
+import ray_ckpt as rc
+
+pytestmark = pytest.mark.timeout(300)
+
+STATES = ("params", "optim")
+
+
+def state_of(rank: int, name: str, step: int) -> dict:
+    """A tiny, deterministic per-rank state: the test knows every rank's bytes without asking."""
+    base = torch.arange(4, dtype=torch.float32) + rank * 10.0 + step * 100_000.0
+    return {"w": base if name == "params" else -base, "rank": rank, "step": step}
+
+
+class Host:
+    """One process holding many ranks (a node's worth): one engine, a submit() per rank and state."""
+
+    def __init__(self, run: str, ranks):
+        self.run, self.ranks = run, list(ranks)
+        self.engine = None
+        self.handles = {}
+
+    def push(self, step: int, ranks=None) -> float:
+        if self.engine is None:
+            self.engine = rc.CheckpointEngine.connect(self.run)
+        t0 = time.perf_counter()
+        for r in self.ranks if ranks is None else ranks:
+            for name in STATES:
+                self.handles[(step, name, r)] = self.engine.submit(step, name, state_of(r, name, step), rank=r)
+        return time.perf_counter() - t0
+
+    def wait(self, step: int, timeout: float = 120):
+        """Every handle of ``step``: ("ok", version) when all committed, else the first error."""
+        deadline = time.monotonic() + timeout
+        versions = set()
+        for (s, _name, _r), h in self.handles.items():
+            if s != step:
+                continue
+            try:
+                versions.add(h.wait(timeout=max(0.1, deadline - time.monotonic())).version)
+            except rc.SaveError as exc:
+                return ("error", str(exc))
+        return ("ok", sorted(versions))
+
+    def pid(self):
+        import os
+
+        return os.getpid()
+
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not importable in workers
+
+
+def host_actor(run, ranks):
+    return ray.remote(num_cpus=0.05)(Host).remote(run, ranks)
+
+
+def split(world: int, hosts: int):
+    per = world // hosts
+    return [range(h * per, (h + 1) * per) for h in range(hosts)]
+
+
+def test_1200_ranks_two_states_from_four_hosts_commit_and_load_per_rank(engine_factory, run_name):
+    world, n_hosts = 1200, 4  # 2,400 parts: more than Ray's default 1,000 concurrency slots
+    eng = engine_factory(critical_writers=2, best_effort_writers=0, keep_last=3)
+    for name in STATES:
+        eng.register(name, world_size=world)
+    hosts = [host_actor(run_name, ranks) for ranks in split(world, n_hosts)]
+    ray.get([h.pid.remote() for h in hosts])
+    t0 = time.monotonic()
+    pushes = [h.push.remote(1) for h in hosts]
+    latencies = []
+    while True:  # the coordinator answers while the parts arrive and are written
+        t = time.monotonic()
+        eng.list_checkpoints()
+        latencies.append(time.monotonic() - t)
+        if len(ray.wait(pushes, num_returns=len(pushes), timeout=0)[0]) == len(pushes):
+            break
+        time.sleep(0.1)
+    push_s = ray.get(pushes)
+    results = ray.get([h.wait.remote(1, 150) for h in hosts])
+    commit_s = time.monotonic() - t0
+    assert results == [("ok", [1])] * n_hosts, results
+    # it answers throughout (before issue 15 it stopped answering: 60 s timeouts). The issue's goal
+    # of < 1 s is NOT met on this 2-core VM: the latency grows with the submits queued at the
+    # coordinator (see benchmarks/RESULTS.md, scale.py), hence only a bound that catches a hang
+    assert max(latencies) < 30.0, f"list_checkpoints() latencies during the pushes: {sorted(latencies)}"
+    metas = eng.list_checkpoints()
+    assert [m.version for m in metas] == [1] and set(metas[0].states) == set(STATES)
+    for r in (0, 1, world // 2, world - 1):
+        for name in STATES:
+            got = eng.load(name, step=1, rank=r)
+            want = state_of(r, name, 1)
+            assert torch.equal(got["w"], want["w"]) and got["w"].dtype == torch.float32
+            assert (got["rank"], got["step"]) == (r, 1)
+    print(f"\n{world} ranks x {len(STATES)} states from {n_hosts} hosts: pushes {max(push_s):.1f}s, "
+          f"committed {commit_s:.1f}s after the first push; list_checkpoints() max {max(latencies):.3f}s "
+          f"over {len(latencies)} calls")
+
+
+def test_killed_host_fails_its_version_naming_missing_ranks_and_the_next_commits(engine_factory, run_name):
+    world, n_hosts = 200, 4
+    # the timeout counts from the version's first push: it must cover the pushes of 400 parts
+    # reaching the coordinator on 2 cores (several seconds), not only the killed host's silence
+    eng = engine_factory(critical_writers=2, best_effort_writers=0, rank_timeout_s=20.0, keep_last=3)
+    for name in STATES:
+        eng.register(name, world_size=world)
+    groups = split(world, n_hosts)
+    hosts = [host_actor(run_name, ranks) for ranks in groups]
+    doomed = hosts[-1]
+    half = list(groups[-1])[: len(groups[-1]) // 2]
+    ray.get([h.push.remote(2) for h in hosts[:-1]] + [doomed.push.remote(2, half)])
+
+    def written():  # the doomed host's parts are on disk (its objects die with it when it is killed)
+        parts = eng.status()["in_flight"].get(2, {}).get("parts", {})
+        return all(parts.get(f"{n}/rank{r}") == "written" for n in STATES for r in half)
+
+    deadline = time.monotonic() + 60
+    while not written():
+        st = eng.status()
+        assert time.monotonic() < deadline, f"the pushed parts were not written in time: " \
+            f"{st['in_flight'].get(2, {}).get('stage')}; last error {st['last_error']}"
+        time.sleep(0.2)
+    ray.kill(doomed)  # a node lost mid-push: half its ranks never push version 2
+
+    status, msg = ray.get(hosts[0].wait.remote(2, 90))
+    missing = len(STATES) * (len(groups[-1]) - len(half))  # 50 parts
+    first = half[-1] + 1
+    assert status == "error", msg
+    assert "ranks did not push within rank_timeout_s=20s" in msg, msg
+    assert f"'optim' rank {first}, 'optim' rank {first + 1}" in msg, msg  # the first few, by name
+    assert f"(+{missing - 8} more; {missing} of {len(STATES) * world} parts)" in msg, msg
+    assert "did not push" in (eng.status()["last_error"] or "")
+
+    replacement = host_actor(run_name, groups[-1])
+    hosts[-1] = replacement
+    ray.get([h.push.remote(3) for h in hosts])
+    assert ray.get([h.wait.remote(3, 120) for h in hosts]) == [("ok", [3])] * n_hosts
+    assert [m.version for m in eng.list_checkpoints()] == [3]
+    for r in (first, world - 1):
+        assert torch.equal(eng.load("params", step=3, rank=r)["w"], state_of(r, "params", 3)["w"])
