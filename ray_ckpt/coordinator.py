@@ -18,7 +18,9 @@ A version's life, in call order:
    goes to ``Catalogue.part_written`` / ``part_failed``.
 4. **manifest** — ``_progress``: once every critical part is written the manifest is written to
    the local tier, last and atomically: it is the commit marker.
-5. **committed** — the version's commit future resolves with a :class:`~ray_ckpt.protocol.SaveOutcome`;
+5. **committed** — the version's commit future resolves with a :class:`~ray_ckpt.protocol.SaveOutcome`
+   (the driver's ``save()`` call returns it; a rank's ``submit()`` returned a ``SubmitAck`` at once,
+   and its handle learns of the commit through ``wait()``, one call per version per process);
    best-effort parts that land later rewrite the manifest. A failed version's files are removed
    before its handle raises.
 6. **uploaded** — ``_upload``: if the upload plan says it is this version's turn, writers copy its

@@ -1,0 +1,202 @@
+"""SaveHandle: the future of one save, and the wait calls handles share.
+
+A handle follows ``concurrent.futures.Future`` (``result``, ``done``, ``exception``,
+``add_done_callback``, awaitable); ``wait()`` is the form that also waits for the remote tier or
+for best-effort parts. A rank's push is acknowledged at once by the coordinator; the handles of one
+process share one ``wait`` call per version (``_shared_wait``), so thousands of ranks cost the
+coordinator a few calls, not one each.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import ray
+
+from .errors import InvalidArgumentError, SaveError, one_line
+from .types import SaveResult
+
+if TYPE_CHECKING:  # the engine imports this module
+    from .engine import CheckpointEngine
+
+_WAITS: "OrderedDict[tuple, ray.ObjectRef]" = OrderedDict()  # see _shared_wait
+_WAITS_LOCK = threading.Lock()
+_WAITS_MAX = 4096
+
+
+def _shared_wait(coord: Any, version: int, durability: str = "local", best_effort: bool = False,
+                 pushed: bool = True, fresh: bool = False) -> ray.ObjectRef:
+    """ONE ``coordinator.wait(version, durability)`` call per (coordinator, version, durability) in
+    this process, shared by every handle that waits on it: a host process pushing 300 ranks costs
+    the coordinator one waiting call per version, not 300. (Waiting calls are coroutines in the
+    coordinator; they hold no slot the parts need, but thousands of them would still be thousands
+    of calls.) ``fresh``: a new push for ``version`` — a cached call that already ended (the
+    version committed or failed before) is replaced, since the push starts a new attempt."""
+    key = (coord._actor_id.hex(), version, durability, best_effort, pushed)
+    with _WAITS_LOCK:
+        ref = _WAITS.get(key)
+        if ref is not None and fresh and ray.wait([ref], timeout=0)[0]:
+            ref = None
+        if ref is None:
+            ref = coord.wait.remote(version, durability, best_effort, pushed)
+            _WAITS[key] = ref
+            while len(_WAITS) > _WAITS_MAX:
+                _WAITS.popitem(last=False)
+        else:
+            _WAITS.move_to_end(key)
+        return ref
+
+
+class SaveHandle:
+    """The future of one save. ``wait()`` raises SaveError on failure: never silent.
+
+    It follows ``concurrent.futures.Future``: ``result(timeout)``, ``done()``, ``exception()``,
+    ``add_done_callback(fn)``, and ``await handle`` in asyncio code; ``wait()`` is the form that
+    also waits for the remote tier (``durability="remote"``) or for best-effort parts.
+
+    A rank's handle (``submit()``) holds two refs: ``_ack``, the coordinator's answer that the part
+    was accepted (a rejected push raises from it), and ``_ref``, the version's commit, shared with
+    every other handle of this process waiting on the same version (``_shared_wait``)."""
+
+    def __init__(self, engine: "CheckpointEngine", step: int, ref: Optional[ray.ObjectRef],
+                 submit_s: float, skipped: bool = False, ack: Optional[ray.ObjectRef] = None,
+                 rank_zero_only: bool = False):
+        self._engine = engine
+        self._coordinator = engine._coordinator  # the one this save went to
+        self.step = step
+        self.version: Optional[int] = None if skipped else step
+        self._ref = ref
+        self._ack = ack
+        self._rank_zero_only = rank_zero_only
+        self._remote_ref = None
+        self.submit_seconds = submit_s  # how long save() took to return
+        self.skipped = skipped
+
+    def _ack_failed(self) -> bool:
+        """Whether a rank's push was rejected (only once its ack arrived; never blocks)."""
+        if self._ack is None or not ray.wait([self._ack], timeout=0)[0]:
+            return False
+        try:
+            ray.get(self._ack, timeout=0)
+        except Exception:
+            return True
+        return False
+
+    def _coordinator_died(self) -> bool:
+        """Whether this (finished) save failed because its coordinator died for good."""
+        try:
+            ray.get(self._ref, timeout=0)
+        except ray.exceptions.ActorDiedError:
+            return self._engine._coordinator is self._coordinator
+        except Exception:
+            pass
+        return False
+
+    def __repr__(self) -> str:
+        state = "skipped" if self.skipped else ("done" if self.done() else "in flight")
+        return f"SaveHandle(step={self.step}, {state})"
+
+    def done(self) -> bool:
+        """True once the local commit finished (or failed, or the push was rejected); never blocks."""
+        if self._ref is None:
+            return True
+        if self._ack is not None:
+            if not ray.wait([self._ack], timeout=0)[0]:
+                return False
+            if self._ack_failed():
+                return True
+        ready, _ = ray.wait([self._ref], timeout=0)
+        return bool(ready)
+
+    def wait(self, timeout: Optional[float] = None, durability: str = "local",
+             best_effort: bool = False) -> SaveResult:
+        """Block until the version is committed on the ``durability`` tier ("local" or "remote").
+
+        ``best_effort=True`` also waits for the version's best-effort parts to be written or
+        reported missing (a commit never waits for them)."""
+        if self.skipped:
+            return SaveResult(None, self.step, 0, "skipped")
+        if durability not in ("local", "remote"):
+            raise InvalidArgumentError(f"durability must be 'local' or 'remote', got {durability!r}")
+        coord = self._engine._coordinator
+        pushed = self._ack is not None
+        if best_effort:
+            ref = _shared_wait(coord, self.version, durability, True, pushed) if pushed else \
+                coord.wait.remote(self.version, durability, True)
+        elif durability == "local":
+            ref = self._ref
+        else:
+            if self._remote_ref is None:
+                self._remote_ref = _shared_wait(coord, self.version, "remote", pushed=pushed) if pushed else \
+                    coord.wait.remote(self.version, "remote")
+            ref = self._remote_ref
+        try:
+            if self._ack is not None:  # a rejected push raises its own error, not the version's
+                t0 = time.monotonic()
+                ray.get(self._ack, timeout=timeout)
+                if timeout is not None:
+                    timeout = max(0.0, timeout - (time.monotonic() - t0))
+            d = ray.get(ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            detail = ""
+            if durability == "remote":
+                try:
+                    err = ray.get(coord.remote_error.remote(self.version), timeout=10)
+                    detail = f"; last upload error: {err}" if err else "; upload still in progress"
+                except Exception:
+                    pass
+            raise SaveError(f"version {self.version} (step {self.step}) of run {self._engine.run!r} is not "
+                            f"durable on the {durability} tier after {timeout}s{detail}") from None
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+            revived = isinstance(exc, ray.exceptions.ActorDiedError) and (
+                self._engine._coordinator is not self._coordinator or self._engine._revive())
+            raise SaveError(f"the coordinator of run {self._engine.run!r} died while version {self.version} was in "
+                            f"flight; its outcome is lost (listed only if its manifest was written before) "
+                            f"({one_line(exc)[:200]})"
+                            + ("; a new coordinator was created: later saves go to it" if revived else "")) from None
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+            raise (type(cause) if isinstance(cause, SaveError) else SaveError)(one_line(cause)) from None
+        if self._rank_zero_only:  # a replica rank's push: rank 0's copy is the one stored
+            d = dataclasses.replace(d, rank_zero_only=True)
+        return d.result()
+
+    # ------------------------------------------------------------------ concurrent.futures.Future style
+    def result(self, timeout: Optional[float] = None) -> SaveResult:
+        """The local commit's SaveResult (as ``wait(timeout)``); raises SaveError on failure."""
+        return self.wait(timeout)
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        """The error the save failed with, or None once it committed (waits up to ``timeout``)."""
+        try:
+            self.wait(timeout)
+        except SaveError as exc:
+            if "is not durable on the local tier after" in str(exc):
+                raise TimeoutError(str(exc)) from None
+            return exc
+        return None
+
+    def add_done_callback(self, fn: Callable[["SaveHandle"], Any]) -> None:
+        """Call ``fn(handle)`` once the local commit finished or failed (at once if it has); from a
+        background thread, as ``concurrent.futures`` does for a future that is not done yet."""
+        if self.done():
+            fn(self)
+            return
+        import threading
+
+        def watch():
+            if self._ack is not None:
+                ray.wait([self._ack], num_returns=1, timeout=None)
+            if not self._ack_failed():
+                ray.wait([self._ref], num_returns=1, timeout=None)
+            fn(self)
+
+        threading.Thread(target=watch, name=f"ray_ckpt-done-{self.step}", daemon=True).start()
+
+    def __await__(self):
+        import asyncio
+
+        return asyncio.get_event_loop().run_in_executor(None, self.wait).__await__()
