@@ -468,16 +468,7 @@ class CheckpointEngine:
             raise InvalidArgumentError(f"load: step must be a step number or -1 (the latest), got {step!r}")
         if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
             raise InvalidArgumentError(f"load: rank must be a non-negative integer or None, got {rank!r}")
-        m = self._manifest_at(step)
-        entry = m.states.get(name)
-        if entry is None:
-            raise RestoreError(f"version {m.version} of run {self.run!r} has no state {name!r} "
-                               f"(it has: {', '.join(sorted(m.states))})")
-        if entry.status != "stored":
-            raise RestoreError(f"state {name!r} of version {m.version} is {entry.status}: {entry.detail}")
-        if allow_pickle is None:
-            reg = self._registry.get(name)
-            allow_pickle = bool(reg and reg.allow_pickle)
+        m, entry, allow_pickle = self._stored_state(name, step, allow_pickle)
         if rank is None and entry.shards is not None:  # the full tensors of a sharded state
             try:
                 return sharded_io.load_full(tiers_of(self.config), entry, name, bool(allow_pickle))[0]
@@ -528,6 +519,16 @@ class CheckpointEngine:
             dist = getattr(sys.modules.get("torch"), "distributed", None)
             if dist is not None and dist.is_available() and dist.is_initialized():
                 world_size = dist.get_world_size()
+        m, entry, allow_pickle = self._stored_state(name, step, allow_pickle)
+        tiers = tiers_of(self.config)
+        if entry.shards is not None:
+            return sharded_io.load_into_state(tiers, entry, name, state, strict=strict, allow_pickle=allow_pickle)
+        sharded_io.check_world_size(entry, name, m.version, world_size)
+        return sharded_io.load_rank_local_into(tiers, entry, name, state, rank, strict=strict,
+                                               allow_pickle=allow_pickle)
+
+    def _stored_state(self, name: str, step: int, allow_pickle: Optional[bool]):
+        """(manifest, its entry of ``name``, allow_pickle) for a load: RestoreError unless stored."""
         m = self._manifest_at(step)
         entry = m.states.get(name)
         if entry is None:
@@ -538,12 +539,7 @@ class CheckpointEngine:
         if allow_pickle is None:
             reg = self._registry.get(name)
             allow_pickle = bool(reg and reg.allow_pickle)
-        tiers = tiers_of(self.config)
-        if entry.shards is not None:
-            return sharded_io.load_into_state(tiers, entry, name, state, strict=strict, allow_pickle=allow_pickle)
-        sharded_io.check_world_size(entry, name, m.version, world_size)
-        return sharded_io.load_rank_local_into(tiers, entry, name, state, rank, strict=strict,
-                                               allow_pickle=allow_pickle)
+        return m, entry, allow_pickle
 
     def _manifest_at(self, step: int) -> Manifest:
         return self._manifest(-1) if step == -1 else self._manifest(step=step)

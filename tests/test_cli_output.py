@@ -221,3 +221,14 @@ def test_verify_with_a_signing_key_refuses_unsigned_and_mis_signed_manifests(tmp
     monkeypatch.setenv("RAY_CKPT_SIGNING_KEY", "another-key")
     code, out, err = cli(capsys, "verify", tmp_path / "r", "1")
     assert code != 0 and "signature does not verify" in err and "another-key" not in err
+
+
+def test_verify_reports_a_leftover_file_inside_a_committed_version(tmp_path, capsys):
+    make_run(tmp_path / "r", versions=(1,))
+    leftover = tmp_path / "r" / V(1) / "policy" / "rank0.safetensors.tmp-1a2b3c"
+    leftover.write_bytes(b"half a file")
+    code, out, err = cli(capsys, "verify", tmp_path / "r", "1")
+    assert code == 0 and f"{V(1)}/policy/rank0.safetensors.tmp-1a2b3c is not named by the manifest" in out
+    code, out, err = cli(capsys, "verify", tmp_path / "r", "1", "--json")
+    notes = json.loads(out)["versions"][0]["notes"]
+    assert any("tmp-1a2b3c" in n["note"] for n in notes)

@@ -134,3 +134,28 @@ def test_restore_fallback_goes_to_the_newest_version_that_verifies(engine_factor
     assert "skipped newer version 2" in str(report)
     got = ray.get(learner.snapshot.remote())
     assert all(torch.equal(want[k], got[k]) for k in want if k.startswith("p."))
+
+
+class _Counters:
+    """RLlib's Checkpointable protocol: get_state() / set_state(state)."""
+
+    def __init__(self):
+        self.state = {"env_steps": 0, "episodes": 0, "returns": torch.zeros(3)}
+
+    def get_state(self):
+        return self.state
+
+    def set_state(self, state):
+        self.state = state
+
+
+def test_a_checkpointable_object_registers_as_it_is(engine_factory):
+    counters = _Counters()
+    counters.state.update(env_steps=1200, episodes=17, returns=torch.tensor([1.5, 2.5, -1.0]))
+    eng = engine_factory(remote_uri=None)
+    eng.register("counters", counters)
+    eng.save(1).result(timeout=60)
+    counters.state = {"env_steps": 0, "episodes": 0, "returns": torch.zeros(3)}
+    assert eng.restore().states["counters"].status == "restored"
+    assert counters.state["env_steps"] == 1200 and counters.state["episodes"] == 17
+    assert torch.equal(counters.state["returns"], torch.tensor([1.5, 2.5, -1.0]))

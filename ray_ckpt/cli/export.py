@@ -113,12 +113,7 @@ def _check_arguments(args: argparse.Namespace) -> Tuple[Path, Path, Path]:
 
 def _read_state(run: Run, m: Manifest, name: str, rank: int) -> Tuple[StateEntry, List[Any], Any]:
     """(entry, its files, the decoded state): every file verified (size and checksum) on the way."""
-    entry: Optional[StateEntry] = m.states.get(name)
-    if entry is None:
-        raise CliError(f"version {m.version} has no state {name!r} (it has: {', '.join(sorted(m.states)) or 'none'})")
-    if entry.status != "stored":
-        raise CliError(f"state {name!r} of version {m.version} has no stored bytes: it is {entry.status}"
-                       + (f" ({entry.detail})" if entry.detail else ""))
+    entry = _stored_entry(m, name)
     files = rank_files(entry, name, rank)
     try:
         bufs, _tier, _problems = read_files([run.tier], files)

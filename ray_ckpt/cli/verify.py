@@ -10,7 +10,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pyarrow.fs as pafs
 
-from ..errors import IntegrityError, one_line
+from ..checkpoint_io import stray_files
+from ..errors import CheckpointError, IntegrityError, one_line
 from ..formats.checksum import ALGORITHM, CHUNK, HashingSink
 from ..formats.manifest import FileEntry, Manifest
 from ..storage import layout
@@ -211,6 +212,14 @@ def run(args: argparse.Namespace) -> int:
             manifests[v] = m
     results, total = check_files(run.tier, manifests, args.progress)
     reports.update({v: _version_report(m, results) for v, m in manifests.items()})
+    for v, m in manifests.items():  # leftovers a killed writer left inside a committed version
+        try:
+            strays = stray_files(run.tier, v, m)
+        except (CheckpointError, OSError) as exc:
+            strays = [f"(cannot list: {one_line(exc)})"]
+        reports[v]["notes"] += [{"state": "", "note": f"{path} is not named by the manifest (a leftover of an "
+                                 f"interrupted write, or put there by hand); not verified, never restored"}
+                                for path in strays]
     versions = [reports[v] for v in targets]
     n_bad = sum(len(r["problems"]) if "problems" in r else 1 for r in versions)
     if args.json:
