@@ -13,7 +13,9 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PYPI_INDEX ?= https://pypi.org/simple
-TORCH_SOURCE := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url $(PYPI_INDEX))
+# --retries 1: where the index cannot be reached (a closed network with a local wheel cache) each
+# lookup fails over to the cache in seconds instead of retrying five times per package
+TORCH_SOURCE := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url $(PYPI_INDEX) --retries 1 --timeout 15)
 
 .PHONY: install demo test bench clean
 
