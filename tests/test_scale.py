@@ -142,6 +142,9 @@ def test_killed_host_fails_its_version_naming_missing_ranks_and_the_next_commits
 
     replacement = host_actor(run_name, groups[-1])
     hosts[-1] = replacement
+    # started and connected before the version opens: rank_timeout_s counts from its first push, and
+    # a new worker process on a busy 2-core machine can take longer than that to start
+    ray.get(replacement.push.remote(3, []), timeout=120)
     ray.get([h.push.remote(3) for h in hosts])
     assert ray.get([h.wait.remote(3, 120) for h in hosts]) == [("ok", [3])] * n_hosts
     assert [m.version for m in eng.list_checkpoints()] == [3]
