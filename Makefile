@@ -36,7 +36,7 @@ demo: install
 	$(VENV)/bin/ray-ckpt demo
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 bench: install
 	$(PY) benchmarks/save_stall.py
