@@ -15,6 +15,7 @@ from .formats.checksum import BLOCK, HashingSink
 from .formats.manifest import FileEntry, Manifest, StateEntry
 from .formats.tree import Flat, unflatten
 from .storage import layout
+from .storage.durable_batch import DurableBatch
 from .storage.tier import Tier
 
 
@@ -35,28 +36,35 @@ PARALLEL_FROM = 2 * BLOCK  # files from this size are written by blocks (threads
 
 
 def write_flat(tier: Tier, version: int, name: str, rank: int, flat: Flat,
-               compression: Optional[str] = None, threads: int = 1, direct: bool = False) -> List[FileEntry]:
+               compression: Optional[str] = None, threads: int = 1, direct: bool = False,
+               batch: Optional[DurableBatch] = None) -> List[FileEntry]:
     """Write one (state, rank) part: a buffer as one Arrow IPC file; anything else as a safetensors
     file, plus one Arrow IPC file per table in it.
 
     A large tensors file, or a large uncompressed table, on a local tier is written block by block
-    by ``threads`` threads, with O_DIRECT when ``direct`` (see ``Tier.write_blocks``)."""
+    by ``threads`` threads, with O_DIRECT when ``direct`` (see ``Tier.write_blocks``).
+
+    With ``batch``, the other files are written under temporary names and become durable and
+    visible only at ``batch.commit()`` (many small parts: one grouped sync, see ``DurableBatch``);
+    the entries returned describe them as they will be once committed."""
     entries: List[FileEntry] = []
+    atomic = tier.open_atomic if batch is None else (lambda rel: batch.open_atomic(tier, rel))
     buffer = buffer_io.as_table(flat)
     rel = layout.tensors_file(version, name, rank) if buffer is None else layout.buffer_file(version, name, rank)
     try:
         if buffer is not None:
-            return [FileEntry(rel, *_write_table(tier, rel, buffer, compression, threads, direct), "buffer")]
+            return [FileEntry(rel, *_write_table(tier, rel, buffer, compression, threads, direct, atomic), "buffer")]
         if (threads > 1 or direct) and tier.is_local and flat.nbytes >= PARALLEL_FROM:
             size, digest = tier.write_blocks(rel, safetensors_io.segments(flat), threads, direct)
         else:
-            with tier.open_atomic(rel) as sink:
+            with atomic(rel) as sink:
                 safetensors_io.write(flat, sink)
             size, digest = sink.size, sink.digest()
         entries.append(FileEntry(rel, size, digest, "tensors"))
         for i, table in enumerate(flat.tables):
             rel = layout.table_file(version, name, rank, i)
-            entries.append(FileEntry(rel, *_write_table(tier, rel, table, compression, threads, direct), "table"))
+            entries.append(FileEntry(rel, *_write_table(tier, rel, table, compression, threads, direct, atomic),
+                                     "table"))
     except (OSError, IntegrityError) as exc:  # IntegrityError: a link where a directory should be
         raise SaveError(f"writing state {name!r} rank {rank} of version {version} to "
                         f"{tier.describe(rel)} failed: {one_line(exc)}") from None
@@ -96,11 +104,11 @@ def shard_record(flat: Flat, rel: str, piece_size: Optional[int] = None) -> Opti
 
 
 def _write_table(tier: Tier, rel: str, table: Any, compression: Optional[str], threads: int,
-                 direct: bool) -> Tuple[int, str]:
+                 direct: bool, atomic: Any = None) -> Tuple[int, str]:
     blocks = (threads > 1 or direct) and tier.is_local and table.nbytes >= PARALLEL_FROM
     if blocks and compression is None:  # compressed files are made while streaming
         return tier.write_blocks(rel, arrow_io.segments(table), threads, direct)
-    with tier.open_atomic(rel) as sink:
+    with (atomic or tier.open_atomic)(rel) as sink:
         arrow_io.write(table, sink, compression)
     return sink.size, sink.digest()
 

@@ -7,22 +7,24 @@ lower-priority best-effort pool, each with its own resources.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import uuid
 import asyncio
 import concurrent.futures
 import logging
-from typing import Any, Dict, Iterable, List, Optional, Set, Union
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .checkpoint_io import content_hash, delete_version, shard_record, write_flat
-from .errors import IntegrityError, SaveError, UnsupportedTypeError, one_line
+from .errors import CheckpointError, IntegrityError, SaveError, UnsupportedTypeError, one_line
 from .formats.manifest import FileEntry
 from .formats.tree import Flat
 from .protocol import WrittenPart
+from .storage.durable_batch import DurableBatch
 from .storage.tier import RateLimit, Tier
 
 log = logging.getLogger("ray_ckpt.writers")
@@ -68,6 +70,41 @@ class PartWriter:
         files = write_flat(self.local, version, name, rank, flat, compression, self.write_threads, self.direct_io)
         return WrittenPart(tuple(files), sum(f.size for f in files), chash, write_s=time.perf_counter() - t0,
                            shards=_shards_of(flat, files))
+
+    def write_parts(self, version: int, parts: List[Tuple[str, int, Union[Flat, BaseException]]], *,
+                    compression: Optional[str] = None) -> List[Union[WrittenPart, BaseException]]:
+        """Write many (state, rank) parts of ``version`` as one durable batch (``DurableBatch``):
+        every file under a temporary name, then their contents synced together, renamed, and each
+        directory fsynced once. Returns, per part in order, its WrittenPart or the error that
+        stopped it (a part given as an exception: its snapshot failed). Nothing is reported
+        written before the whole batch is durable; if the batch's sync fails, every part fails."""
+        t0 = time.perf_counter()
+        batch = DurableBatch()
+        out: List[Union[WrittenPart, BaseException]] = []
+        try:
+            for name, rank, flat in parts:
+                if isinstance(flat, BaseException):
+                    out.append(flat)
+                    continue
+                try:
+                    files = write_flat(self.local, version, name, rank, flat, compression, self.write_threads,
+                                       self.direct_io, batch=batch)
+                    out.append(WrittenPart(tuple(files), sum(f.size for f in files), None,
+                                           shards=_shards_of(flat, files)))
+                except Exception as exc:  # this part fails; the batch's other parts go on
+                    out.append(exc if isinstance(exc, CheckpointError) else
+                               SaveError(f"writing state {name!r} rank {rank} failed: {one_line(exc)}"))
+            batch.commit()
+        except OSError as exc:
+            batch.abort()
+            err = SaveError(f"making {len(batch)} file(s) of version {version} durable on "
+                            f"{self.local.describe('')} failed: {one_line(exc)}")
+            return [r if isinstance(r, BaseException) else err for r in out] + [err] * (len(parts) - len(out))
+        except BaseException:
+            batch.abort()
+            raise
+        write_s = time.perf_counter() - t0  # the batch's time: each part was durable only at its end
+        return [r if isinstance(r, BaseException) else dataclasses.replace(r, write_s=write_s) for r in out]
 
     def upload(self, files: Iterable[Union[FileEntry, dict]]) -> int:
         """Copy committed local files to the remote tier, verifying each against its manifest
@@ -116,16 +153,40 @@ class WriterActor:
 
     def write_part(self, version: int, name: str, rank: int, refs: List[Any], **kw) -> WrittenPart:
         t0 = time.perf_counter()
+        flat = self._snapshot(name, rank, refs[0])
+        waited = time.perf_counter() - t0
+        return self.writer.write_part(version, name, rank, flat, **kw).with_node(self.node, waited)
+
+    def write_parts(self, version: int, keys: List[Tuple[str, int]], refs: List[Any],
+                    compression: Optional[str] = None) -> List[Union[WrittenPart, BaseException]]:
+        """Many parts of one version (``keys[i]`` is ``refs[i]``'s (state, rank)) written as one
+        durable batch (``PartWriter.write_parts``); per part, its WrittenPart or its error."""
+        t0 = time.perf_counter()
+        flats: List[Any] = []
         try:
-            flat = ray.get(refs[0])
+            flats = ray.get(refs)  # one call for the batch; per part below only if one of them failed
+        except ray.exceptions.RayError:
+            flats = []
+            for (name, rank), ref in zip(keys, refs):
+                try:
+                    flats.append(self._snapshot(name, rank, ref))
+                except (SaveError, UnsupportedTypeError) as exc:
+                    flats.append(exc)
+        waited = time.perf_counter() - t0
+        written = self.writer.write_parts(version, [(n, r, f) for (n, r), f in zip(keys, flats)],
+                                          compression=compression)
+        return [w if isinstance(w, BaseException) else w.with_node(self.node, waited) for w in written]
+
+    @staticmethod
+    def _snapshot(name: str, rank: int, ref: Any) -> Any:
+        try:
+            return ray.get(ref)
         except ray.exceptions.RayTaskError as exc:  # the snapshot itself failed in the provider
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             error = UnsupportedTypeError if isinstance(cause, UnsupportedTypeError) else SaveError
             raise error(f"snapshot of state {name!r} (rank {rank}) failed: {one_line(cause)}") from None
         except ray.exceptions.RayError as exc:
             raise SaveError(f"snapshot of state {name!r} (rank {rank}) was lost: {one_line(exc)}") from None
-        waited = time.perf_counter() - t0
-        return self.writer.write_part(version, name, rank, flat, **kw).with_node(self.node, waited)
 
     def delete_version(self, version: int, keep_paths: set, referenced: List[str]) -> List[str]:
         """Retention on this node's local tier (each node's local tier is its own disk)."""
