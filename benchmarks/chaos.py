@@ -540,9 +540,10 @@ class Chaos:
         next_fault = self.t_start + self.rng.uniform(*a.fault_gap)
         active = None          # (kind, cleared_at or None, ending (until, fn) or None, versions before)
         step = 0
+        cap = end + a.every_kind_cap_s
         while True:
             now = time.monotonic()
-            if now >= end and active is None:
+            if now >= end and active is None and not self._kinds_owed(now < cap):
                 break
             step += 1
             try:
@@ -584,7 +585,7 @@ class Chaos:
                         self.check()
                         active = None
                         next_fault = time.monotonic() + self.rng.uniform(*a.fault_gap)
-            elif now >= next_fault and now < end:
+            elif now >= next_fault and (now < end or self._kinds_owed(now < cap)):
                 kind = self.next_kind()
                 step += 1
                 before = step
@@ -593,6 +594,11 @@ class Chaos:
         self.reap(block_s=a.save_timeout)
         self.await_remote(max(self.acked) if self.acked else None)
         self.check(final=True)
+
+    def _kinds_owed(self, in_time: bool) -> bool:
+        """With --every-kind: a kind not injected yet keeps the run going past --minutes (bounded by
+        --every-kind-cap-s), so a short run still injects every kind once."""
+        return self.args.every_kind and in_time and any(self.faults[k] == 0 for k in self.kinds)
 
     def await_remote(self, v: Optional[int]) -> None:
         """Bounded: wait until version ``v`` is on the remote tier (uploads resume after an outage)."""
@@ -692,6 +698,10 @@ def parse(argv=None):
                     help="a save failing this long after the last fault is reported as unexplained")
     ap.add_argument("--check-sample", type=int, default=25,
                     help="after a fault, also re-check this many already verified versions (all at the end)")
+    ap.add_argument("--every-kind", action="store_true",
+                    help="run on past --minutes until every fault kind was injected once (the short form)")
+    ap.add_argument("--every-kind-cap-s", type=float, default=300.0,
+                    help="with --every-kind: at most this many seconds past --minutes")
     ap.add_argument("--tmpfs-mb", type=int, default=256)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None, help="write the results here")
