@@ -1,14 +1,14 @@
 """Sharded state end to end (issue 14): real Ray rank actors, each in a real gloo process group on
 CPU, train an FSDP2 (``fully_shard``) MLP with AdamW and push ``model.state_dict()`` and
-``optim.state_dict()`` (DTensors) through ``engine.submit``; new rank actors on other world sizes
-(2, and 3: uneven) fill their own FSDP2 model and optimizer with ``engine.load_into``; the driver
-assembles full tensors with ``engine.load(name, rank=None)``; a corrupt local piece is read from the
-remote tier; plain per-rank parts refuse another world size before anything changes; one rank of
-an 8-way restore reads about its own share (same code path as load_into, without Ray)."""
+``optim.state_dict()`` (DTensors) through ``engine.submit``; the manifest indexes every chunk; the
+driver assembles full tensors with ``engine.load(name, rank=None)`` and fills plain targets with
+``load_into`` (strict key / shape / dtype errors); a corrupt local piece is read from the remote
+tier; plain per-rank parts refuse another world size before anything changes; one rank of an 8-way
+restore reads about its own share (same code path as load_into, without Ray); export and show.
+Restores into FSDP2 models on other world sizes (2, 3, 8) and the 2-D mesh: tests/test_fsdp2.py."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import time
@@ -46,19 +46,6 @@ def _mlp(seed: int) -> torch.nn.Module:
     # rows 10, 7, 5: uneven on 2, 3 and 4 ranks; a bias of 5 leaves an empty chunk on 4 ranks
     return torch.nn.Sequential(torch.nn.Linear(12, 10), torch.nn.ReLU(), torch.nn.Linear(10, 7),
                                torch.nn.ReLU(), torch.nn.Linear(7, 5))
-
-
-def _init_optim_state(opt: torch.optim.Optimizer) -> None:
-    """Create AdamW's state (moments, step) without changing the parameters: zero grads, lr 0."""
-    lrs = [g["lr"] for g in opt.param_groups]
-    for g in opt.param_groups:
-        g["lr"] = 0.0
-        for p in g["params"]:
-            p.grad = torch.zeros_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    for g, lr in zip(opt.param_groups, lrs):
-        g["lr"] = lr
 
 
 @ray.remote(num_cpus=0.1)
@@ -114,23 +101,6 @@ class FsdpRank:
                 out[f"optim/state/{ids[id(p)]}/{k}"] = st[k].full_tensor().clone()
         return out
 
-    def optim_plain(self) -> dict:
-        sd = self.opt.state_dict()
-        steps = {k: float(v["step"]) for k, v in sd["state"].items()}
-        groups = [{k: v for k, v in g.items()} for g in sd["param_groups"]]
-        return {"steps": steps, "groups": groups}
-
-    def restore(self, step: int = -1) -> dict:
-        self.engine = self.engine or rc.CheckpointEngine.connect(self.run)
-        _init_optim_state(self.opt)
-        for g in self.opt.param_groups:
-            g["lr"] = 0.5  # to be restored from the checkpoint (1e-2)
-        msd, osd = self.model.state_dict(), self.opt.state_dict()
-        reports = {"model": self.engine.load_into("model", msd, step=step, rank=self.rank),
-                   "optim": self.engine.load_into("optim", osd, step=step, rank=self.rank)}
-        self.opt.load_state_dict(osd)
-        return reports
-
     def shutdown(self) -> None:
         import torch.distributed as dist
 
@@ -162,13 +132,12 @@ def saved(ray_session, tmp_path_factory):
     ray.get([r.train.remote(3) for r in ranks])
     assert ray.get([r.push.remote(3) for r in ranks]) == [[3, 3, 3]] * 4
     want = ray.get([r.full.remote() for r in ranks])[0]
-    plain = ray.get(ranks[0].optim_plain.remote())
     _end(ranks)
     deadline = time.time() + 60
     while not any(m.version == 3 and "remote" in m.tiers for m in eng.list_checkpoints()):
         assert time.time() < deadline, eng.list_checkpoints()
         time.sleep(0.1)
-    yield {"engine": eng, "run": run, "tmp": tmp, "want": want, "plain": plain}
+    yield {"engine": eng, "run": run, "tmp": tmp, "want": want}
     eng.shutdown()
 
 
@@ -190,25 +159,6 @@ def test_manifest_indexes_the_sharded_states(saved):
     assert all(c.digests for c in w.chunks)
     assert "state/0/exp_avg" in ShardIndex.from_json(m.states["optim"].shards)
     assert "state/0/step" not in ShardIndex.from_json(m.states["optim"].shards)  # a plain tensor
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_load_into_other_world_sizes_is_bit_exact(saved, world):
-    ranks = _group(saved["run"], world, seed=999)
-    reports = ray.get([r.restore.remote(3) for r in ranks])
-    got = ray.get([r.full.remote() for r in ranks])[0]
-    plain = ray.get(ranks[0].optim_plain.remote())
-    _end(ranks)
-    want = saved["want"]
-    assert got.keys() == want.keys() and len(want) == 6 + 12
-    for k in want:
-        assert same_bits(got[k], want[k]), k
-    assert plain == saved["plain"] and set(plain["steps"].values()) == {3.0}
-    assert plain["groups"][0]["lr"] == 1e-2 and plain["groups"][0]["weight_decay"] == 0.1
-    for rep in reports:
-        for name in ("model", "optim"):
-            assert rep[name].status == "restored" and rep[name].tier == "local" and rep[name].verified
-            assert rep[name].bytes > 0
 
 
 def test_load_full_tensors_and_strict_keys(saved):
