@@ -34,6 +34,8 @@ class Part:
     timings: Dict[str, float] = field(default_factory=dict)  # from the writer: snapshot_wait_s, write_s
     # files the writer may refer to instead of writing (RELOADABLE): kept while the part is pending
     reuse_paths: Set[str] = field(default_factory=set)
+    # stands for a driver-side state in a version its ranks opened: the driver's save() replaces it
+    placeholder: bool = False
 
     @property
     def blocks_commit(self) -> bool:
@@ -101,6 +103,9 @@ class Catalogue:
         self.failed: Dict[int, str] = {}
         # states pushed by rank actors (engine.submit)
         self.declared: Dict[str, Declaration] = {}
+        # states the driver's save() captures (the owning engine says which): a version its ranks
+        # open waits for that save, so the driver need not win the race to open it
+        self.driver_states: List[str] = []
 
     # ------------------------------------------------------------------ pushed states
     def declare(self, name: str, strategy: str, world_size: int, replicated: bool = False,
@@ -110,6 +115,12 @@ class Catalogue:
             raise InvalidArgumentError(f"world_size must be an integer >= 1, got {world_size!r}")
         self.declared[name] = Declaration(name, Strategy.parse(strategy), world_size, bool(replicated),
                                           bool(allow_pickle))
+
+    def expect_driver(self, names: List[str]) -> None:
+        """The driver-side states of this run (``[]``: ranks' pushes alone make a version)."""
+        for n in names:
+            validate_name(n, "state name")
+        self.driver_states = sorted(set(names))
 
     def pushed_parts(self) -> List[PartPlan]:
         return [p for d in self.declared.values() for p in d.parts()]
@@ -129,6 +140,11 @@ class Catalogue:
         if pv is None:
             pv = self.begin(version, step, [])
             pv.opened_by_push = True
+            for n in self.driver_states:  # critical until the driver's save() says what they are
+                if n not in self.declared:
+                    pv.parts[(n, 0)] = Part(n, 0, Strategy.CRITICAL, placeholder=True)
+                    pv.n_pending += 1
+                    pv.n_critical_pending += 1
         part = pv.parts.get((name, rank))
         if part is None:
             raise SaveError(f"version {version} does not expect state {name!r} rank {rank}")
@@ -160,7 +176,7 @@ class Catalogue:
         # Steps increasing is checked by each engine at the call; here only duplicates are refused,
         # because Ray may start an async actor's calls out of submission order.
         pv = self.pending.get(version)
-        if pv is not None and pv.opened_by_push and parts and not pv.committed and not pv.error:
+        if pv is not None and pv.opened_by_push and not pv.committed and not pv.error:
             return self._merge(pv, parts, metrics)  # ranks pushed first; the driver's parts join them
         if version in self.committed or version in self.pending:
             raise SaveError(f"version {version} of run {self.run!r} already exists"
@@ -174,6 +190,10 @@ class Catalogue:
 
     def _merge(self, pv: "PendingVersion", parts: List[PartPlan], metrics: Optional[Dict[str, float]]
                ) -> "PendingVersion":
+        for key, part in list(pv.parts.items()):
+            if part.placeholder:  # the driver's save arrived: its own parts (or none) take the place
+                _end(pv, part, "replaced")
+                del pv.parts[key]
         both = sorted({p.name for p in parts} & set(pv.strategies))
         if both:
             raise SaveError(f"version {pv.version}: states {both} are both pushed and saved by the driver")

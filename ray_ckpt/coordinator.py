@@ -56,6 +56,7 @@ from .writers import WriterPools
 log = logging.getLogger("ray_ckpt.coordinator")
 NAMESPACE = "ray_ckpt"
 DECLARED = "declared_states.json"  # pushed-state declarations, so a restarted coordinator knows them
+DRIVER_STATES = "driver_states.json"  # the states the driver's save() brings (Catalogue.expect_driver)
 
 
 def _root_cause(exc: BaseException) -> BaseException:
@@ -108,6 +109,7 @@ class CheckpointCoordinator:
         self.catalogue.signing_key = key
         self._remove_partial(self.local, partial, self.catalogue.kept_paths(set()))
         self._load_declarations()
+        self._load_driver_states()
         remote_committed: Dict[int, Manifest] = {}
         remote_partial: List[int] = []
         if self.remote is not None:
@@ -174,6 +176,13 @@ class CheckpointCoordinator:
                 self.catalogue.declare(name, decl.strategy, decl.world_size, decl.replicated, decl.allow_pickle)
             except (CheckpointError, ValueError, KeyError, TypeError) as exc:
                 log.warning("ignoring the declaration of %r in %s: %s", name, DECLARED, one_line(exc))
+
+    def _load_driver_states(self) -> None:
+        try:
+            if self.local.exists(DRIVER_STATES):
+                self.catalogue.expect_driver(json.loads(bytes(self.local.read_bytes(DRIVER_STATES))))
+        except (CheckpointError, IntegrityError, ValueError, OSError, TypeError) as exc:
+            log.error("ignoring %s: %s", DRIVER_STATES, one_line(exc))
 
     @staticmethod
     def _remove_partial(tier: Optional[Tier], partial: List[int], keep: Set[str]) -> None:
@@ -288,6 +297,9 @@ class CheckpointCoordinator:
                             f"{token} is stale, so its saves no longer commit")
         t0 = time.perf_counter()
         version = step
+        if not parts and version in self.catalogue.committed and version not in self.catalogue.pending:
+            # nothing of the driver's own: its ranks' pushes already committed the version it opens
+            return outcome_of(self.catalogue.committed[version], "local", seconds=time.perf_counter() - t0)
         merged = version in self.catalogue.pending
         self.catalogue.begin(version, step, parts, metrics)
         if not merged:
@@ -340,6 +352,11 @@ class CheckpointCoordinator:
         self.local.put_bytes(DECLARED, json.dumps({n: d.to_json() for n, d in self.catalogue.declared.items()},
                                                   sort_keys=True).encode())
 
+    def expect_driver(self, names: List[str]) -> None:
+        """The owning engine's driver-side states: a version its ranks open waits for its save()."""
+        self.catalogue.expect_driver(list(names))
+        self.local.put_bytes(DRIVER_STATES, json.dumps(self.catalogue.driver_states).encode())
+
     def declared(self) -> Dict[str, Declaration]:
         return dict(self.catalogue.declared)
 
@@ -386,12 +403,18 @@ class CheckpointCoordinator:
         if pv is None or not pv.missing_submits():
             return
         missing = [p for p in pv.parts.values() if not p.submitted]
-        critical = [p for p in missing if p.blocks_commit]
-        named = sorted(critical or missing, key=lambda p: (p.name, p.rank))
+        driver = sorted(p.name for p in missing if p.placeholder)
+        critical = [p for p in missing if p.blocks_commit and not p.placeholder]
+        named = sorted(critical or [p for p in missing if not p.placeholder], key=lambda p: (p.name, p.rank))
         shown = ", ".join(f"{p.name!r} rank {p.rank}" for p in named[:8])
         more = f"+{len(named) - 8} more; " if len(named) > 8 else ""
-        what = f"ranks did not push within rank_timeout_s={self.cfg.rank_timeout_s:g}s: {shown} " \
-               f"({more}{len(named)} of {len(pv.parts)} parts)"
+        what = "; ".join(
+            ([f"ranks did not push within rank_timeout_s={self.cfg.rank_timeout_s:g}s: {shown} "
+              f"({more}{len(named)} of {len(pv.parts)} parts)"] if named else [])
+            + ([f"the driver's save(step={pv.step}) did not arrive within rank_timeout_s="
+                f"{self.cfg.rank_timeout_s:g}s (driver-side states {driver}: a version its ranks open "
+                f"commits only with them)"] if driver else []))
+        critical = critical or [p for p in missing if p.placeholder]
         log.error("version %d: %s", version, what)
         failed_before = pv.error
         why = f"no part arrived within rank_timeout_s={self.cfg.rank_timeout_s:g}s"

@@ -240,6 +240,16 @@ class CheckpointEngine:
         prov = resolve(name, provider, strat, loader)
         self._registry[name] = Registration(name, prov, strat, bool(allow_pickle))
         self._prefault(prov)
+        self._expect_driver()
+
+    def _expect_driver(self) -> None:
+        """Tell the coordinator which states this (owning) engine's save() brings: a version that
+        its ranks open by pushing first then waits for the driver's save instead of committing
+        without it, so ``h = engine.save(step)`` then the ranks' ``submit(step, ...)`` needs no
+        wait for the open in between, in whichever order the calls arrive."""
+        if self._owner:
+            names = [n for n, r in self._registry.items() if r.world_size is None]
+            self._call(lambda c: c.expect_driver.remote(names), "the driver-side states")
 
     def _prefault(self, prov: Union[ActorProvider, CallableProvider]) -> None:
         """With ``prefault_object_store``: the process that will copy this state's snapshots into the
@@ -347,8 +357,11 @@ class CheckpointEngine:
         return sorted(self._push_waits)
 
     def unregister(self, name: str) -> None:
-        if self._registry.pop(name, None) is None:
+        reg = self._registry.pop(name, None)
+        if reg is None:
             raise InvalidArgumentError(f"state {name!r} is not registered")
+        if reg.world_size is None:
+            self._expect_driver()
 
     @property
     def registered(self) -> Dict[str, Strategy]:
@@ -379,9 +392,9 @@ class CheckpointEngine:
             policy = OnBusy.parse(on_busy)
         except ValueError as exc:
             raise InvalidSaveError(str(exc)) from None
-        if not any(r.world_size is None for r in self._registry.values()):
-            raise InvalidSaveError("nothing to save from the driver: register at least one state with a "
-                                   "provider (pushed states are saved by their ranks with submit())")
+        if not self._registry:
+            raise InvalidSaveError("nothing to save: register at least one state (a provider here, or a "
+                                   "state its ranks push with submit(), declared with world_size=N)")
         clean_metrics = _check_metrics(metrics)
         if self._owner and any(h.done() and h._coordinator_died() for h in self._in_flight):
             self._revive()  # an earlier save found the coordinator dead: this one goes to a new one

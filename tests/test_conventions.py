@@ -11,6 +11,10 @@ from actors import Learner, Weird, remote
 
 pytestmark = pytest.mark.timeout(240)
 
+# One critical writer and no best-effort pool where the pools' sizes are not the point (every
+# writer is a process to start: seconds on a 2-core machine).
+LEAN = {"critical_writers": 1, "best_effort_writers": 0}
+
 
 def _model_and_opt(seed):
     torch.manual_seed(seed)
@@ -41,7 +45,7 @@ def test_stateful_objects_register_as_they_are_and_restore_bit_exact(engine_fact
     for _ in range(3):
         next(it)
     _train(model, opt, sched, 3)
-    eng = engine_factory(remote_uri=None)
+    eng = engine_factory(remote_uri=None, **LEAN)
     for name, obj in (("model", model), ("optimizer", opt), ("sched", sched), ("data", loader)):
         eng.register(name, obj)
     eng.save(1).result(timeout=60)
@@ -65,7 +69,7 @@ def test_stateful_objects_register_as_they_are_and_restore_bit_exact(engine_fact
 def test_actor_method_saves_an_actor_attribute_through_its_state_dict(engine_factory):
     learner = remote(Learner).remote(seed=4)
     ray.get(learner.train.remote(3))
-    eng = engine_factory(remote_uri=None)
+    eng = engine_factory(remote_uri=None, **LEAN)
     eng.register("model", rc.actor_method(learner, "model"))
     eng.register("optimizer", rc.actor_method(learner, "opt"))
     assert eng.save(1).result(timeout=60).states == ("model", "optimizer")
@@ -80,7 +84,7 @@ def test_actor_method_saves_an_actor_attribute_through_its_state_dict(engine_fac
 
 def test_save_handle_is_a_future_and_awaitable(engine_factory):
     learner = remote(Learner).remote(seed=5)
-    eng = engine_factory(remote_uri=None)
+    eng = engine_factory(remote_uri=None, critical_writers=1)
     eng.register("policy", learner)
     eng.register("replay", remote(Weird).remote(), strategy=rc.Strategy.BEST_EFFORT)
     h = eng.save(1)
@@ -99,7 +103,7 @@ def test_save_handle_is_a_future_and_awaitable(engine_factory):
 
 def test_load_by_name_step_and_rank(engine_factory):
     learner = remote(Learner).remote(seed=6)
-    eng = engine_factory(remote_uri=None)
+    eng = engine_factory(remote_uri=None, **LEAN)
     eng.register("policy", learner)
     eng.save(10).result(timeout=60)
     ray.get(learner.train.remote())
@@ -116,7 +120,7 @@ def test_load_by_name_step_and_rank(engine_factory):
 
 def test_restore_fallback_goes_to_the_newest_version_that_verifies(engine_factory, tmp_path, run_name):
     learner = remote(Learner).remote(seed=7)
-    eng = engine_factory(remote_uri=None)
+    eng = engine_factory(remote_uri=None, **LEAN)
     eng.register("policy", learner)
     eng.save(1).result(timeout=60)
     want = ray.get(learner.snapshot.remote())
@@ -152,7 +156,7 @@ class _Counters:
 def test_a_checkpointable_object_registers_as_it_is(engine_factory):
     counters = _Counters()
     counters.state.update(env_steps=1200, episodes=17, returns=torch.tensor([1.5, 2.5, -1.0]))
-    eng = engine_factory(remote_uri=None)
+    eng = engine_factory(remote_uri=None, **LEAN)
     eng.register("counters", counters)
     eng.save(1).result(timeout=60)
     counters.state = {"env_steps": 0, "episodes": 0, "returns": torch.zeros(3)}

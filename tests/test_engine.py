@@ -12,6 +12,11 @@ from actors import BigState, Flaky, Frozen, Learner, Replay, Weird, remote
 
 pytestmark = pytest.mark.timeout(240)
 
+# One critical writer and no best-effort pool, for tests that save one version at a time and where
+# the pools' sizes are not the point: every writer is a process to start (seconds on 2 cores).
+LEAN = {"critical_writers": 1, "best_effort_writers": 0}
+NO_BEST_EFFORT_POOL = {"best_effort_writers": 0}  # no best-effort state registered: its pool is unused
+
 
 def equal_snapshots(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -43,7 +48,7 @@ def test_exact_resume_after_killed_learner(engine_factory):
     expected = ray.get(ref.snapshot.remote())
 
     learner = remote(Learner, max_restarts=1).remote(seed=1)
-    eng = engine_factory(keep_last=2)
+    eng = engine_factory(keep_last=2, **LEAN)
     register_learner(eng, learner)
     for step in (1, 2, 3):
         ray.get(learner.train.remote())
@@ -65,7 +70,7 @@ def test_exact_resume_after_killed_learner(engine_factory):
 
 def test_corrupt_local_file_restored_from_remote(engine_factory, tmp_path, run_name):
     learner = remote(Learner).remote(seed=2)
-    eng = engine_factory()
+    eng = engine_factory(**LEAN)
     register_learner(eng, learner)
     ray.get(learner.train.remote(2))
     before = ray.get(learner.snapshot.remote())
@@ -88,7 +93,7 @@ def test_interrupted_write_is_never_listed_nor_restored(engine_factory, tmp_path
     next coordinator removes it, but not the files committed versions refer to that lie in the
     directory of a version retention deleted (a RELOADABLE state stored once)."""
     learner, frozen = remote(Learner).remote(seed=3), remote(Frozen).remote()
-    eng = engine_factory(keep_last=1)
+    eng = engine_factory(keep_last=1, **LEAN)
     register_learner(eng, learner)
     eng.register("reference", frozen, strategy=rc.Strategy.RELOADABLE)
     eng.save(1).wait(timeout=60)
@@ -105,7 +110,7 @@ def test_interrupted_write_is_never_listed_nor_restored(engine_factory, tmp_path
     partial.mkdir(parents=True)
     (partial / "rank0.safetensors").write_bytes(b"\x00" * 64)
     eng.shutdown()
-    eng2 = engine_factory(keep_last=1)
+    eng2 = engine_factory(keep_last=1, **LEAN)
     assert [m.version for m in eng2.list_checkpoints()] == [2]
     assert not (run_dir / "v000000000005").exists() and shared.exists()
     register_learner(eng2, learner)
@@ -118,7 +123,7 @@ def test_interrupted_write_is_never_listed_nor_restored(engine_factory, tmp_path
 
 def test_coordinator_killed_and_recreated_with_catalogue(engine_factory, run_name):
     learner = remote(Learner).remote(seed=4)
-    eng = engine_factory()
+    eng = engine_factory(**LEAN)
     register_learner(eng, learner)
     for s in (1, 2):
         eng.save(s).wait(timeout=60)
@@ -156,7 +161,7 @@ def test_a_coordinator_killed_for_good_is_created_again_by_the_driver(engine_fac
     """ray.kill without restart: the driver's engine creates the coordinator again by name (it
     rebuilds its catalogue from storage); the save that found it dead fails loudly, the next works."""
     learner = remote(Learner).remote(seed=13)
-    eng = engine_factory()
+    eng = engine_factory(**LEAN)
     register_learner(eng, learner)
     eng.save(1).wait(timeout=60, durability="remote")
     # what a coordinator killed mid-save leaves: a version directory without manifest on each tier
@@ -184,7 +189,7 @@ def test_a_coordinator_killed_for_good_is_created_again_by_the_driver(engine_fac
 
 def test_bad_inputs_fail_at_the_call_before_any_byte(engine_factory, tmp_path, run_name):
     learner = remote(Learner).remote(seed=5)
-    eng = engine_factory()
+    eng = engine_factory(**LEAN)
     for bad in ("../escape", "a/b", "..", "x y", ""):
         with pytest.raises(rc.InvalidArgumentError, match="invalid state name"):
             eng.register(bad, learner)
@@ -240,7 +245,7 @@ def test_a_provider_that_refuses_its_state_fails_the_restore_by_name(engine_fact
     """A provider whose ckpt_set_state raises: restore raises RestoreError naming that state and
     what was loaded, not a bare Ray error."""
     flaky, learner = remote(Flaky).remote(), remote(Learner).remote(seed=12)
-    eng = engine_factory()
+    eng = engine_factory(**LEAN)
     eng.register("w", flaky)
     eng.register("policy", learner)
     eng.save(1).wait(timeout=60)
@@ -266,7 +271,7 @@ def test_a_provider_that_refuses_its_state_fails_the_restore_by_name(engine_fact
 
 def test_retention_keeps_newest_and_never_deletes_early(engine_factory, tmp_path, run_name):
     learner = remote(Learner).remote(seed=6)
-    eng = engine_factory(keep_last=2, keep_every=4)
+    eng = engine_factory(keep_last=2, keep_every=4, **LEAN)
     register_learner(eng, learner)
     for s in range(1, 8):
         ray.get(learner.train.remote())
@@ -284,7 +289,7 @@ def test_retention_keeps_newest_and_never_deletes_early(engine_factory, tmp_path
 def test_reloadable_state_is_stored_once(engine_factory, tmp_path, run_name):
     frozen = remote(Frozen).remote()
     learner = remote(Learner).remote(seed=7)
-    eng = engine_factory()
+    eng = engine_factory(**LEAN)
     eng.register("policy", learner)
     eng.register("reference", frozen, strategy=rc.Strategy.RELOADABLE)
     eng.register("tokenizer", None, strategy=rc.Strategy.RELOADABLE, loader=lambda: None)
@@ -314,7 +319,7 @@ def test_best_effort_failure_is_reported_not_fatal(engine_factory):
 
 def test_save_returns_in_milliseconds_while_large_save_in_flight(engine_factory):
     big = remote(BigState, num_cpus=0.1).remote(300)
-    eng = engine_factory(remote_uri=None, max_in_flight=2)
+    eng = engine_factory(remote_uri=None, max_in_flight=2, **NO_BEST_EFFORT_POOL)
     eng.register("big", big)
     ray.get(big.checksum.remote())
     t0 = time.perf_counter()
@@ -342,7 +347,7 @@ def test_save_returns_in_milliseconds_while_large_save_in_flight(engine_factory)
 
 def test_writer_killed_mid_write(engine_factory, tmp_path, run_name):
     big = remote(BigState).remote(200)
-    eng = engine_factory(remote_uri=None, critical_writers=1)
+    eng = engine_factory(remote_uri=None, critical_writers=1, best_effort_writers=0)
     eng.register("big", big)
     writer = ray.get(eng._coordinator.writers.remote())["critical"][0]
     h = eng.save(1)
@@ -361,7 +366,7 @@ def test_writer_killed_mid_write(engine_factory, tmp_path, run_name):
 
 def test_remote_cadence_and_per_tier_retention(engine_factory, tmp_path, run_name):
     learner = remote(Learner).remote(seed=9)
-    eng = engine_factory(remote_every=2, keep_last=1, remote_keep_last=2)
+    eng = engine_factory(remote_every=2, keep_last=1, remote_keep_last=2, **NO_BEST_EFFORT_POOL)
     register_learner(eng, learner)
     handles = [eng.save(s) for s in range(1, 7)]
     for s, h in enumerate(handles, start=1):
@@ -393,7 +398,7 @@ def test_remote_cadence_names_versions_and_a_failed_turn_passes_on(engine_factor
     """remote_every=2 uploads versions 2, 4, 6 whatever order they commit in; if version 4 fails,
     version 5 (the next to commit) is uploaded instead, then 6 as planned."""
     flaky = remote(Flaky).remote()
-    eng = engine_factory(remote_every=2, keep_last=10, remote_keep_last=10)
+    eng = engine_factory(remote_every=2, keep_last=10, remote_keep_last=10, **NO_BEST_EFFORT_POOL)
     eng.register("w", flaky)
     # saves in flight together may commit in any order: the uploaded versions stay 2 and 4
     handles = [eng.save(s, on_busy="queue") for s in range(1, 5)]
@@ -419,7 +424,7 @@ def test_remote_cadence_names_versions_and_a_failed_turn_passes_on(engine_factor
     remote_versions = sorted(m.version for m in eng.list_checkpoints() if "remote" in m.tiers)
     assert remote_versions == [2, 4, 7, 8], remote_versions
     # turns count saves, not step numbers: saving every 100 steps with remote_every=4 uploads the 4th
-    eng4 = engine_factory(run=run_name + "b", remote_every=4, keep_last=10, remote_keep_last=10)
+    eng4 = engine_factory(run=run_name + "b", remote_every=4, keep_last=10, remote_keep_last=10, **NO_BEST_EFFORT_POOL)
     eng4.register("w", flaky)
     assert eng4.status()["saves_until_upload"] == 4
     handles = [eng4.save(s, on_busy="queue") for s in range(100, 700, 100)]
@@ -452,7 +457,7 @@ def test_an_upload_a_killed_coordinator_left_undone_is_resumed(engine_factory, t
     from the remote tier alone."""
     state = {"w": torch.arange(1000.0)}
     got = {}
-    eng = engine_factory()
+    eng = engine_factory(**LEAN)
     eng.register("policy", lambda: state, loader=lambda s: got.update(s))
     eng.save(1).wait(timeout=60, durability="remote")
     unblock = _block_remote(tmp_path / "remote" / run_name)
@@ -464,7 +469,7 @@ def test_an_upload_a_killed_coordinator_left_undone_is_resumed(engine_factory, t
     ray.kill(coord, no_restart=True)
     _wait_dead(coord)
     unblock()
-    eng2 = engine_factory()
+    eng2 = engine_factory(**LEAN)
     eng2.register("policy", lambda: state, loader=lambda s: got.update(s))
     deadline = time.time() + 60
     while (tiers := {m.version: m.tiers for m in eng2.list_checkpoints()}).get(2) != ("local", "remote"):
@@ -482,7 +487,7 @@ def test_an_upload_whose_local_copy_is_corrupt_fails_loudly_and_passes_its_turn(
     """Retrying cannot repair a local file that no longer matches its manifest: the upload stops
     with a clear error on the handle, and the next version to commit is uploaded instead."""
     state = {"w": torch.arange(1000.0)}
-    eng = engine_factory(remote_every=2)
+    eng = engine_factory(remote_every=2, **LEAN)
     eng.register("policy", lambda: state, loader=lambda s: None)
     eng.save(1).wait(timeout=60)
     unblock = _block_remote(tmp_path / "remote" / run_name)
@@ -508,7 +513,7 @@ def test_an_fsspec_filesystem_is_a_remote_tier(engine_factory, tmp_path, run_nam
     state = {"w": torch.randn(300, 7)}
     got = {}
     root = tmp_path / "fsspec-remote"
-    eng = engine_factory(remote_uri=f"file://{root}", remote_options={"filesystem": fsspec.filesystem("file")})
+    eng = engine_factory(remote_uri=f"file://{root}", remote_options={"filesystem": fsspec.filesystem("file")}, **LEAN)
     eng.register("policy", lambda: state, loader=lambda s: got.update(s))
     assert eng.save(1).wait(timeout=60, durability="remote").durability == "remote"
     assert sorted(p.name for p in (root / run_name / "v000000000001").iterdir()) == ["manifest.json", "policy"]
@@ -521,7 +526,7 @@ def test_an_fsspec_filesystem_is_a_remote_tier(engine_factory, tmp_path, run_nam
 
 def test_restore_with_rewind_continues_from_an_older_version(engine_factory, tmp_path, run_name):
     learner = remote(Learner).remote(seed=10)
-    eng = engine_factory()
+    eng = engine_factory(**LEAN)
     register_learner(eng, learner)
     snaps = {}
     for s in range(1, 5):
@@ -549,7 +554,7 @@ def test_full_disk_fails_the_save_clearly_and_keeps_older_versions(small_disk, e
     disk = small_disk(96)
     state = {"w": torch.arange(1 << 18, dtype=torch.float32)}  # 1 MiB
     restored = {}
-    eng = engine_factory(local_dir=str(disk), remote_uri=None)
+    eng = engine_factory(local_dir=str(disk), remote_uri=None, **LEAN)
     eng.register("policy", lambda: state, loader=lambda s: restored.update(s))
     assert eng.save(1).wait(timeout=60).version == 1
     first = {k: v.clone() for k, v in state.items()}
@@ -575,7 +580,7 @@ def test_best_effort_writes_are_rate_limited_and_do_not_hold_the_commit(engine_f
     replay = {"obs": torch.randint(0, 255, (40 << 20,), dtype=torch.uint8)}
     policy = {"w": torch.randn(1000)}
     got = {}
-    eng = engine_factory(best_effort_max_mb_s=10)
+    eng = engine_factory(best_effort_max_mb_s=10, critical_writers=1)
     eng.register("policy", lambda: policy, loader=lambda s: got.update(policy=s))
     eng.register("replay", lambda: replay, strategy=rc.Strategy.BEST_EFFORT, loader=lambda s: got.update(replay=s))
     t0 = time.perf_counter()
@@ -598,7 +603,7 @@ def test_a_replay_buffer_is_an_arrow_file_and_restores_exactly(engine_factory, t
     import pyarrow as pa
 
     buf = remote(Replay).remote(seed=4)
-    eng = engine_factory()
+    eng = engine_factory(critical_writers=1)
     eng.register("replay", buf, strategy=rc.Strategy.BEST_EFFORT)
     ray.get(buf.add.remote(1200))
     eng.save(1).wait(timeout=60, best_effort=True)
@@ -632,7 +637,7 @@ def test_shutdown_lets_saves_and_retention_in_flight_finish(engine_factory, tmp_
     ends, and nothing is still writing or deleting once it returns (a user may remove the
     directory next)."""
     learner = remote(Learner).remote(seed=3)
-    eng = engine_factory(keep_last=1, remote_uri=None)
+    eng = engine_factory(keep_last=1, remote_uri=None, **LEAN)
     eng.register("policy", learner)
     for step in (1, 2, 3):
         ray.get(learner.train.remote())

@@ -12,9 +12,14 @@ from actors import Learner, remote
 pytestmark = pytest.mark.timeout(240)
 
 
+# one state, saved one version at a time: one critical writer and no best-effort pool are enough
+# (each writer is a process to start; the pools' sizes are not what these tests are about)
+LEAN = {"remote_uri": None, "critical_writers": 1, "best_effort_writers": 0}
+
+
 def _three_versions(engine_factory, **kw):
     learner = remote(Learner).remote(seed=3)
-    eng = engine_factory(remote_uri=None, **kw)
+    eng = engine_factory(**LEAN, **kw)
     eng.register("policy", learner)
     for step in (1, 2, 3):
         ray.get(learner.train.remote())
@@ -24,7 +29,7 @@ def _three_versions(engine_factory, **kw):
 
 def _reopen(eng, engine_factory, learner, **kw):
     eng.shutdown()
-    eng2 = engine_factory(remote_uri=None, **kw)  # a new coordinator rebuilds its catalogue from storage
+    eng2 = engine_factory(**LEAN, **kw)  # a new coordinator rebuilds its catalogue from storage
     eng2.register("policy", learner)
     return eng2
 

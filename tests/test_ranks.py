@@ -10,6 +10,10 @@ import ray_ckpt as rc
 
 pytestmark = pytest.mark.timeout(240)
 
+# No best-effort state is pushed here: no best-effort pool; one critical writer where the order in
+# which versions commit is not the point (every writer is a process to start).
+LEAN = {"critical_writers": 1, "best_effort_writers": 0}
+
 
 @ray.remote(num_cpus=0.1)
 class Rank:
@@ -56,7 +60,7 @@ def wait_until(pred, timeout=60):
 
 
 def test_version_commits_when_every_rank_pushed_and_restores_per_rank(engine_factory, run_name):
-    eng = engine_factory()
+    eng = engine_factory(**LEAN)
     ranks = [Rank.remote(run_name, r) for r in range(2)]
     eng.register("shard", ranks, world_size=2)
     assert ray.get(ranks[0].train_and_submit.remote(1)) < 2.0  # returns before rank 1 pushed: never waits for the commit
@@ -80,7 +84,7 @@ def test_version_commits_when_every_rank_pushed_and_restores_per_rank(engine_fac
 def test_pushed_versions_take_their_upload_turns_by_the_ranks_count(engine_factory, run_name, tmp_path):
     """remote_every=2 with pushed states: the ranks' 2nd and 4th pushes (steps 20 and 40) are
     uploaded, whatever order the versions commit in."""
-    eng = engine_factory(remote_every=2, keep_last=10, remote_keep_last=10)
+    eng = engine_factory(remote_every=2, keep_last=10, remote_keep_last=10, best_effort_writers=0)
     ranks = [Rank.remote(run_name, r) for r in range(2)]
     eng.register("shard", ranks, world_size=2)
     for step in (10, 20, 30, 40):
@@ -93,7 +97,7 @@ def test_pushed_versions_take_their_upload_turns_by_the_ranks_count(engine_facto
 
 
 def test_ranks_at_different_steps_fail_the_version(engine_factory, run_name):
-    eng = engine_factory()
+    eng = engine_factory(**LEAN)
     ranks = [Rank.remote(run_name, r) for r in range(2)]
     eng.register("shard", world_size=2)
     ray.get(ranks[0].train_and_submit.remote(2))
@@ -107,7 +111,7 @@ def test_ranks_at_different_steps_fail_the_version(engine_factory, run_name):
 
 
 def test_missing_rank_times_out_loudly_without_blocking_later_versions(engine_factory, run_name, tmp_path):
-    eng = engine_factory(rank_timeout_s=2.0)
+    eng = engine_factory(rank_timeout_s=2.0, **LEAN)
     ranks = [Rank.remote(run_name, r) for r in range(2)]
     eng.register("shard", world_size=2)
     ray.get(ranks[0].train_and_submit.remote(5))   # rank 1 is silent (hung, or lost)
@@ -120,7 +124,7 @@ def test_missing_rank_times_out_loudly_without_blocking_later_versions(engine_fa
 
 
 def test_replicated_state_is_stored_once_and_restored_to_every_rank(engine_factory, run_name, tmp_path):
-    eng = engine_factory()
+    eng = engine_factory(**LEAN)
     ranks = [Rank.remote(run_name, r, seed=0) for r in range(2)]  # same seed: DDP replicas
     eng.register("shard", ranks, world_size=2, replicated=True)
     ray.get([r.train_and_submit.remote(1) for r in ranks])
@@ -134,7 +138,7 @@ def test_replicated_state_is_stored_once_and_restored_to_every_rank(engine_facto
 
 
 def test_submit_bad_input(engine_factory, run_name):
-    eng = engine_factory()
+    eng = engine_factory(**LEAN)
     eng.register("shard", world_size=2)
     with pytest.raises(rc.SaveError, match="not declared"):
         eng.submit(1, "other", {"x": torch.ones(1)}, rank=0)
