@@ -1,39 +1,46 @@
-"""ray_ckpt in an OpenRLHF / verl-style PPO trainer: sharded learner ranks push their own parts.
+"""ray_ckpt in an OpenRLHF / verl-style PPO trainer: FSDP2 learner ranks push DTensor state, and the
+run resumes on a different number of ranks.
 
 The shape of OpenRLHF's ``PPOTrainer`` (and verl's ``RayPPOTrainer``), shrunk to a toy that runs
 in seconds on a laptop:
 
 * the driver owns the loop and the prompt **dataloader** (its position -- epoch, samples consumed,
   shuffle seed -- is saved and restored exactly);
-* an actor group of **2 learner ranks** trains the policy data-parallel, ZeRO-style: each rank
-  holds the full module for forward/backward, but owns only half of the flat fp32 master
-  parameters and the Adam moments of that half. Gradients are reduce-scattered (each rank averages
-  the two ranks' gradients for its half) and the updated halves are all-gathered, all through Ray
-  object refs passed from one rank to the other;
+* an actor group of ``--ranks`` learner ranks (default 2) joined in a **gloo process group** trains
+  the policy with **FSDP2** (``torch.distributed.fsdp.fully_shard``: each rank holds a shard of
+  every parameter, gradients are reduce-scattered, parameters all-gathered for forward/backward)
+  and **AdamW** (its moments are DTensors sharded like the parameters) -- verl's FSDP2 workers,
+  OpenRLHF's ZeRO-3 in spirit;
 * a frozen **reference model** actor gives the KL term (saved RELOADABLE: written once, every later
   version's manifest points at the first file);
 * **rollout** actors receive the new weights every step and sample responses; their sampling is
   seeded by (seed, step, worker), so they hold no state worth saving (like vLLM engines).
 
 Checkpoints: every ``--save-every`` steps the driver calls ``engine.save(step)`` (reference model +
-dataloader) and, once the coordinator has opened that version, each rank pushes its own parts with
-``engine.submit(step, ...)`` from inside the actor: ``policy`` (the module's weights, replicated:
-rank 0's copy is stored once and restored to every rank -- DeepSpeed's ``mp_rank_00_model_states``)
-and ``optim_shard`` (each rank's fp32 master half + Adam state -- DeepSpeed's
-``zero_pp_rank_<r>_..._optim_states``). A version commits when every part arrived. At
-``--kill-at`` learner rank 1 is killed (Ray restarts it with fresh state), the group restores the
-latest version and the run finishes; the final state is compared bit for bit with an uninterrupted
-run with the same seeds, run alongside.
+dataloader) and, once the coordinator has opened that version, each rank pushes its own shards
+with ``engine.submit(step, ...)`` from inside the actor: ``policy`` (the FSDP2 model's state dict)
+and ``optim`` (AdamW's), both holding DTensors as they are, via
+``torch.distributed.checkpoint.state_dict.get_model_state_dict`` / ``get_optimizer_state_dict``.
+Each rank writes only its local shards; the manifest records where each chunk sits in the global
+tensor. A version commits when every rank's part arrived.
 
-    python examples/openrlhf_style/train.py [--steps 20 --save-every 4 --kill-at 10]
+At ``--kill-at`` learner rank 1 is killed. A gloo group cannot lose a member, so the whole learner
+group goes (as a preempted job does) and comes back on ``--resume-ranks`` ranks (default 3: the
+run reshards from 2 to 3 ranks, unevenly). The driver restores the reference model and the
+dataloader with ``engine.restore()``; each new rank fills a freshly built FSDP2 model and AdamW with
+``engine.load_into`` (each rank reads only the byte ranges of its new shards). Right after the
+restore every parameter's and both AdamW moments' full tensor is compared bit for bit with what the
+old group held when it saved that version; the run then finishes on the new group.
+
+    python examples/openrlhf_style/train.py [--steps 20 --save-every 4 --kill-at 10 --ranks 2 --resume-ranks 3]
     python examples/openrlhf_style/train.py --local-dir '/ckpt/{node_id}' --remote-uri s3://ray-ckpt/runs
 """
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import os
 import shutil
+import socket
 import statistics
 import tempfile
 import time
@@ -47,10 +54,10 @@ import torch
 import ray_ckpt as rc
 from ray_ckpt.checkpoint_io import read_manifest
 
-OBS_DIM, HIDDEN, N_ACTIONS = 8, 32, 16
+OBS_DIM, HIDDEN, N_ACTIONS = 8, 30, 16  # HIDDEN 30: uneven shards on 4 ranks, even on 2 and 3
 N_PROMPTS, PROMPTS_PER_STEP, SAMPLES_PER_PROMPT = 96, 16, 4
-PPO_EPOCHS, CLIP, KL_COEF, LR = 2, 0.2, 0.05, 1e-2
-WORLD_SIZE = 2
+PPO_EPOCHS, CLIP, KL_COEF, LR, WEIGHT_DECAY = 2, 0.2, 0.05, 1e-2, 0.01
+N_ROLLOUT = 2  # rollout actors (independent of the number of learner ranks)
 
 RESULTS: Dict[str, object] = {}  # figures of the last main() call (read by the tests)
 
@@ -154,103 +161,128 @@ class ReferenceModel:
         self.model.load_state_dict(state)
 
 
-@ray.remote(num_cpus=0.25, max_restarts=2)
+@ray.remote(num_cpus=0.1)
 class LearnerRank:
-    """One rank of the policy actor group (OpenRLHF's PolicyModelActor under DeepSpeed ZeRO-2)."""
+    """One rank of the policy actor group (verl's FSDP2 actor worker, OpenRLHF's PolicyModelActor)."""
 
     def __init__(self, run: str, rank: int, world_size: int, seed: int):
         torch.set_num_threads(1)
-        self.run, self.rank = run, rank
-        self.model = make_policy(seed)  # every rank starts from the same weights
-        flat = torch.nn.utils.parameters_to_vector(self.model.parameters()).detach()
-        bounds = np.linspace(0, flat.numel(), world_size + 1).astype(int)
-        self.lo, self.hi = int(bounds[rank]), int(bounds[rank + 1])
-        self.master = torch.nn.Parameter(flat[self.lo:self.hi].clone())  # this rank's fp32 partition
-        self.opt = torch.optim.Adam([self.master], lr=LR)
+        self.run, self.rank, self.world = run, rank, world_size
+        self.seed = seed
+        self.model: Optional[torch.nn.Module] = None
+        self.opt: Optional[torch.optim.Optimizer] = None
         self.engine: Optional[rc.CheckpointEngine] = None
         self.handles: List[rc.SaveHandle] = []
         self.metrics = {}
 
-    # -- one PPO update: local grads -> reduce-scatter -> sharded Adam -> all-gather
-    def compute_grads(self, batch: dict, ref_logp: np.ndarray) -> np.ndarray:
-        self.model.zero_grad(set_to_none=True)
-        logp = logprobs(self.model, batch["obs"], batch["act"])
-        ratio = torch.exp(logp - torch.as_tensor(batch["old_logp"]))
-        adv = torch.as_tensor(batch["adv"])
-        pg = -torch.min(ratio * adv, torch.clamp(ratio, 1 - CLIP, 1 + CLIP) * adv).mean()
-        kl = (logp - torch.as_tensor(ref_logp)).mean()
-        (pg + KL_COEF * kl).backward()
+    def address(self) -> tuple:
+        """(this node's IP, a free port): rank 0's, where the group rendezvous (any node of a cluster)."""
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            return ip, s.getsockname()[1]
+
+    def join(self, ip: str, port: int) -> None:
+        """Join the gloo group and build the FSDP2 policy (every rank from the same initial weights)."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo", init_method=f"tcp://{ip}:{port}", rank=self.rank, world_size=self.world)
+        mesh = init_device_mesh("cpu", (self.world,))
+        self.model = make_policy(self.seed)
+        for layer in self.model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+
+    # -- one PPO update on this rank's slice of the step's samples; FSDP2 averages the gradients
+    def update(self, n: int, *parts) -> None:
+        batches, ref_logps = parts[:n], parts[n:]
+        batch = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+        ref_logp = np.concatenate(ref_logps)
+        mine = np.array_split(np.arange(len(ref_logp)), self.world)[self.rank]
+        obs, act = batch["obs"][mine], batch["act"][mine]
+        old_logp, adv = torch.as_tensor(batch["old_logp"][mine]), torch.as_tensor(batch["adv"][mine])
+        for _ in range(PPO_EPOCHS):
+            logp = logprobs(self.model, obs, act)
+            ratio = torch.exp(logp - old_logp)
+            pg = -torch.min(ratio * adv, torch.clamp(ratio, 1 - CLIP, 1 + CLIP) * adv).mean()
+            kl = (logp - torch.as_tensor(ref_logp[mine])).mean()
+            (pg + KL_COEF * kl).backward()  # reduce-scatter of the gradients
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
         self.metrics = {"reward": float(batch["reward"].mean()), "kl": float(kl)}
-        return torch.cat([p.grad.reshape(-1) for p in self.model.parameters()]).numpy()
-
-    def apply_grads(self, *grads: np.ndarray) -> np.ndarray:
-        """Reduce-scatter: average every rank's gradient over this rank's partition only."""
-        g = grads[0][self.lo:self.hi].copy()
-        for other in grads[1:]:
-            g += other[self.lo:self.hi]
-        self.master.grad = torch.from_numpy(g / len(grads))
-        self.opt.step()
-        return self.master.detach().numpy().copy()
-
-    def load_partitions(self, *parts: np.ndarray) -> None:
-        """All-gather: every rank's updated partition into the full module."""
-        torch.nn.utils.vector_to_parameters(torch.from_numpy(np.concatenate(parts)), self.model.parameters())
 
     def weights(self) -> np.ndarray:
-        return torch.nn.utils.parameters_to_vector(self.model.parameters()).detach().numpy().copy()
+        """The full flat weights for the rollout engines (a collective: every rank calls it)."""
+        full = [p.full_tensor().reshape(-1) for p in self.model.parameters()]
+        return torch.cat(full).detach().numpy().copy()
 
     def get_metrics(self) -> dict:
         return self.metrics
 
-    # -- checkpointing: the rank pushes its own parts (DeepSpeed save_checkpoint's place)
+    # -- checkpointing: the rank pushes its own shards (verl's / DeepSpeed's save_checkpoint's place)
+    def state_dicts(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        # DTensors as they are; the optimizer's state keyed by parameter name, not position
+        return {"policy": get_model_state_dict(self.model), "optim": get_optimizer_state_dict(self.model, self.opt)}
+
     def save_checkpoint(self, step: int) -> List[float]:
-        """Push this rank's parts for ``step``; returns at once (ms spent in each submit call)."""
+        """Push this rank's shards for ``step``; returns at once (ms spent in each submit call)."""
         if self.engine is None:
             self.engine = rc.CheckpointEngine.connect(self.run)
         ms = []
-        for name, state in (("policy", self.model.state_dict()),
-                            ("optim_shard", {"master": self.master.detach(), "adam": self.opt.state_dict(),
-                                             "range": [self.lo, self.hi]})):
+        for name, state in self.state_dicts().items():
             t0 = time.perf_counter()
             self.handles.append(self.engine.submit(step, name, state, rank=self.rank))
             ms.append((time.perf_counter() - t0) * 1e3)
         self.handles = [h for h in self.handles if not h.done()]
         return ms
 
-    def ckpt_get_state(self, name):  # used by engine.restore() only: the ranks push their saves
-        raise NotImplementedError("rank states are pushed with submit()")
+    def load_checkpoint(self, step: int) -> dict:
+        """Fill this rank's FSDP2 model and AdamW from version ``step``, whatever world size saved it.
 
-    def ckpt_set_state(self, name, state):
-        if name == "policy":
-            self.model.load_state_dict(state)
-        elif name == "optim_shard":
-            if list(state["range"]) != [self.lo, self.hi]:
-                raise ValueError(f"rank {self.rank}: partition {state['range']} != {[self.lo, self.hi]}")
-            with torch.no_grad():
-                self.master.copy_(state["master"])
-            self.opt.load_state_dict(state["adam"])
+        ``get_optimizer_state_dict`` creates AdamW's state (moments, step) if it has none yet; its
+        tensors are then filled in place by ``load_into`` (this rank's shards only) and loaded."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    def final_state(self) -> dict:
-        return {"weights": {k: v.clone() for k, v in self.model.state_dict().items()},
-                "master": self.master.detach().clone(),
-                "adam": {k: v.clone() for k, v in self.opt.state_dict()["state"][0].items()}}
+        if self.engine is None:
+            self.engine = rc.CheckpointEngine.connect(self.run)
+        sds = self.state_dicts()
+        reports = {name: self.engine.load_into(name, sd, step=step, rank=self.rank) for name, sd in sds.items()}
+        set_model_state_dict(self.model, sds["policy"])
+        set_optimizer_state_dict(self.model, self.opt, sds["optim"])
+        return {n: (r.status, r.tier, r.bytes) for n, r in reports.items()}
 
-    def pid(self) -> int:
-        return os.getpid()
+    def full_state(self) -> dict:
+        """Every parameter's and both AdamW moments' full tensor, the step counters and the param
+        groups (a collective: every rank calls it; rank 0 returns it)."""
+        out = {f"policy/{n}": p.full_tensor().detach().clone() for n, p in self.model.named_parameters()}
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        for p, st in self.opt.state.items():
+            for k in ("exp_avg", "exp_avg_sq"):
+                out[f"optim/{names[id(p)]}/{k}"] = st[k].full_tensor().clone()
+            out[f"optim/{names[id(p)]}/step"] = st["step"].clone()
+        out["optim/param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
+        return out if self.rank == 0 else {}
+
+    def leave(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- the run
-def wait_restarted(actor, old_pid: int, timeout: float = 90.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            if ray.get(actor.pid.remote(), timeout=10) != old_pid:
-                return
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
-                ray.exceptions.GetTimeoutError):
-            pass
-        time.sleep(0.1)
-    raise RuntimeError("the killed rank was not restarted in time")
+def start_group(run: str, world: int, seed: int) -> list:
+    """``world`` learner ranks joined in a new gloo group, rendezvous at rank 0's node."""
+    ranks = [LearnerRank.remote(run, r, world, seed) for r in range(world)]
+    ip, port = ray.get(ranks[0].address.remote(), timeout=120)
+    ray.get([r.join.remote(ip, port) for r in ranks], timeout=120)
+    return ranks
 
 
 def wait_opened(engine: rc.CheckpointEngine, handle: rc.SaveHandle, timeout: float = 60.0) -> None:
@@ -266,29 +298,26 @@ def wait_opened(engine: rc.CheckpointEngine, handle: rc.SaveHandle, timeout: flo
         time.sleep(0.001)
 
 
-def make_inference_actors(seed: int):
-    """The rollout actors and the frozen reference model: stateless / frozen, so two runs with the
-    same seed may share them (as jobs share an inference pool)."""
-    return [RolloutWorker.remote(seed, i) for i in range(WORLD_SIZE)], ReferenceModel.remote(seed)
-
-
 def train(run: str, local_dir: str, remote_uri: Optional[str], steps: int, save_every: int,
-          kill_at: Optional[int] = None, seed: int = 0, quiet: bool = False, inference=None):
+          kill_at: Optional[int] = None, seed: int = 0, world: int = 2, resume_world: int = 3):
     engine = rc.CheckpointEngine.create(run, local_dir=local_dir, remote_uri=remote_uri, keep_last=3,
                                         critical_writers=1, best_effort_writers=0,  # tiny states
                                         max_in_flight=1)  # a save waits for the previous commit (rarely)
-    ranks = [LearnerRank.remote(run, r, WORLD_SIZE, seed) for r in range(WORLD_SIZE)]
-    rollouts, reference = inference or make_inference_actors(seed)
+    ranks = start_group(run, world, seed)
+    rollouts = [RolloutWorker.remote(seed, i) for i in range(N_ROLLOUT)]
+    reference = ReferenceModel.remote(seed)
     loader = PromptLoader(task(seed)[0], PROMPTS_PER_STEP, shuffle_seed=seed)
 
     # driver-side states: saved by engine.save(step)
     engine.register("reference", reference, strategy=rc.Strategy.RELOADABLE)
     engine.register("dataloader", loader.state_dict, loader=loader.load_state_dict)
     # rank-pushed states: each rank calls engine.submit(step, name, state, rank=r) itself
-    engine.register("policy", ranks, world_size=WORLD_SIZE, replicated=True)
-    engine.register("optim_shard", ranks, world_size=WORLD_SIZE)
+    for name in ("policy", "optim"):
+        engine.register(name, world_size=world)
 
-    st = {"save_ms": [], "open_ms": [], "submit_ms": [], "versions": {}, "restore_s": None, "restored": None}
+    st = {"save_ms": [], "open_ms": [], "submit_ms": [], "versions": {}, "restore_s": None, "restored": None,
+          "worlds": [world], "restored_identical": None, "mismatched": []}
+    saved_full: Dict[int, object] = {}     # step -> the group's full state when it saved (a ref until resolved)
     handles: List[rc.SaveHandle] = []      # saves not yet recorded
     not_uploaded: List[rc.SaveHandle] = []  # recorded, remote copy not yet confirmed
     submit_refs = []
@@ -303,7 +332,8 @@ def train(run: str, local_dir: str, remote_uri: Optional[str], steps: int, save_
             m = manifest(engine, res.version)
             ref_file = m.states["reference"].files["0"][0]
             st["versions"][res.version] = {"bytes": res.bytes_written, "reference_path": ref_file.path,
-                                           "reference_bytes": ref_file.size}
+                                           "reference_bytes": ref_file.size,
+                                           "policy_ranks": len(m.states["policy"].files)}
             handles.remove(h)
             not_uploaded.append(h)
         if wait:
@@ -314,15 +344,12 @@ def train(run: str, local_dir: str, remote_uri: Optional[str], steps: int, save_
     step = 0
     while step < steps:
         step += 1
-        prompts = np.array_split(loader.next_batch(), WORLD_SIZE)
-        weights = ranks[0].weights.remote()                      # broadcast to the rollout engines
+        prompts = np.array_split(loader.next_batch(), N_ROLLOUT)
+        weights = [r.weights.remote() for r in ranks][0]      # all-gather; broadcast to the rollout engines
         batches = [w.generate.remote(weights, p, step) for w, p in zip(rollouts, prompts)]
         ref_logp = [reference.logprobs.remote(b) for b in batches]
-        for _ in range(PPO_EPOCHS):
-            grads = [r.compute_grads.remote(b, lp) for r, b, lp in zip(ranks, batches, ref_logp)]
-            parts = [r.apply_grads.remote(*grads) for r in ranks]   # reduce-scatter + sharded Adam
-            for r in ranks:
-                r.load_partitions.remote(*parts)                     # all-gather
+        for r in ranks:
+            r.update.remote(len(batches), *batches, *ref_logp)
         if step % save_every == 0:
             t0 = time.perf_counter()
             h = engine.save(step)                        # reference + dataloader; opens version `step`
@@ -331,38 +358,58 @@ def train(run: str, local_dir: str, remote_uri: Optional[str], steps: int, save_
             st["save_ms"].append((t1 - t0) * 1e3)
             st["open_ms"].append((time.perf_counter() - t1) * 1e3)
             handles.append(h)
-            submit_refs += [r.save_checkpoint.remote(step) for r in ranks]  # ranks push their parts
+            saved_full[step] = [r.full_state.remote() for r in ranks][0]  # what this version must hold
+            submit_refs += [r.save_checkpoint.remote(step) for r in ranks]  # ranks push their shards
         metrics = ray.get(ranks[0].get_metrics.remote())  # the step's end (also paces the driver)
         collect(wait=False)
-        if not quiet and step % 5 == 0:
-            print(f"  step {step:3d}  mean reward {metrics['reward']:+.3f}  kl {metrics['kl']:.4f}")
+        if step % 5 == 0:
+            print(f"  step {step:3d}  mean reward {metrics['reward']:+.3f}  kl {metrics['kl']:.4f}  "
+                  f"({len(ranks)} ranks)")
         if kill_at is not None and step == kill_at:
             collect(wait=True)  # the run's latest version is durable before the preemption
             st["submit_ms"] += [ms for pair in ray.get(submit_refs) for ms in pair]
             submit_refs = []
-            old_pid = ray.get(ranks[1].pid.remote())
-            if not quiet:
-                print(f"  step {step:3d}  preemption: killing learner rank 1")
-            ray.kill(ranks[1], no_restart=False)
-            wait_restarted(ranks[1], old_pid)
+            saved_full = {k: ray.get(v) for k, v in saved_full.items()}  # held here, not by the ranks
+            print(f"  step {step:3d}  preemption: killing learner rank 1; the group of {len(ranks)} goes "
+                  f"and comes back on {resume_world} ranks")
+            ray.kill(ranks[1], no_restart=True)
+            for r in ranks:
+                ray.kill(r, no_restart=True)
             t0 = time.perf_counter()
-            report = engine.restore()
+            ranks = start_group(run, resume_world, seed + 1)  # fresh weights: all of them come from the checkpoint
+            report = engine.restore()  # reference + dataloader; pushed states are the ranks' to load
+            per_rank = ray.get([r.load_checkpoint.remote(report.step) for r in ranks], timeout=120)
             st["restore_s"] = time.perf_counter() - t0
+            states = {n: f"{s.status}/{s.tier}" for n, s in report.states.items()}
+            for name in ("policy", "optim"):
+                got = {(status, tier) for status, tier, _ in (p[name] for p in per_rank)}
+                states[name] = "/".join(next(iter(got))) if len(got) == 1 else str(sorted(got))
             st["restored"] = report
+            # right after the restore: the new group holds bit for bit what the old one saved
+            now = ray.get([r.full_state.remote() for r in ranks])[0]
+            then = saved_full[report.step]
+            st["mismatched"] = sorted(k for k in then.keys() | now.keys()
+                                      if k not in now or k not in then or not identical(now[k], then[k]))
+            st["restored_identical"] = not st["mismatched"]
+            for name in ("policy", "optim"):
+                engine.register(name, world_size=resume_world, replace=True)  # later versions: the new group
+            st["worlds"].append(resume_world)
             step = report.step
             kill_at = None
-            if not quiet:
-                print(f"  restored version {report.version} (step {report.step}) in {st['restore_s']:.3f}s: "
-                      + ", ".join(f"{n}={r.status}/{r.tier}" for n, r in sorted(report.states.items()))
-                      + f"; dataloader at epoch {loader.epoch}, {loader.total_consumed} prompts consumed")
+            print(f"  restored version {report.version} (step {report.step}) onto {resume_world} ranks in "
+                  f"{st['restore_s']:.3f}s: " + ", ".join(f"{n}={s}" for n, s in sorted(states.items()))
+                  + f"; dataloader at epoch {loader.epoch}, {loader.total_consumed} prompts consumed")
+            print(f"  full parameters and AdamW moments after the restore = saved at step {report.step}, bit for "
+                  f"bit: {'yes' if st['restored_identical'] else 'NO: ' + ', '.join(st['mismatched'][:5])}")
     st["submit_ms"] += [ms for pair in ray.get(submit_refs) for ms in pair]
     collect(wait=True)
-    final = ray.get([r.final_state.remote() for r in ranks])
-    final.append(loader.state_dict())
+    st["final_reward"] = ray.get(ranks[0].get_metrics.remote())["reward"]
+    st["steps_done"] = step
     engine.shutdown()
-    for a in ranks + ([] if inference else rollouts + [reference]):
+    ray.get([r.leave.remote() for r in ranks])
+    for a in ranks + rollouts + [reference]:
         ray.kill(a)
-    return final, st
+    return st
 
 
 def manifest(engine: rc.CheckpointEngine, version: int):
@@ -378,11 +425,12 @@ def manifest(engine: rc.CheckpointEngine, version: int):
 
 def identical(a, b) -> bool:
     if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and \
+            a.reshape(-1).view(torch.uint8).numpy().tobytes() == b.reshape(-1).view(torch.uint8).numpy().tobytes()
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(identical(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return isinstance(b, list) and len(a) == len(b) and all(identical(x, y) for x, y in zip(a, b))
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, type(a)) and len(a) == len(b) and all(identical(x, y) for x, y in zip(a, b))
     return a == b
 
 
@@ -391,15 +439,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--save-every", type=int, default=4)
     ap.add_argument("--kill-at", type=int, default=10, help="kill learner rank 1 after this step (0: never)")
+    ap.add_argument("--ranks", type=int, default=2, help="learner ranks (FSDP2 world size) before the preemption")
+    ap.add_argument("--resume-ranks", type=int, default=3, help="learner ranks the run resumes on")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", default=None, help="checkpoint root (default: a temporary directory); the local "
-                    "tier is <dir>/{a,b}/local and the remote tier file://<dir>/{a,b}/remote unless given below")
+                    "tier is <dir>/local and the remote tier file://<dir>/remote unless given below")
     ap.add_argument("--local-dir", default=None, help="node-local tier; '{node_id}' is replaced per process "
                     "by the node's id (e.g. /ckpt/{node_id})")
     ap.add_argument("--remote-uri", default=None, help="remote tier, any pyarrow.fs URI (e.g. "
                     "s3://ray-ckpt/runs; S3 endpoint and keys from AWS_ENDPOINT_URL_S3 / AWS_ACCESS_KEY_ID / "
                     "AWS_SECRET_ACCESS_KEY)")
-    ap.add_argument("--run-prefix", default="openrlhf", help="run names are <prefix>-{a,b}-<random>")
+    ap.add_argument("--run-prefix", default="openrlhf", help="the run's name is <prefix>-<random>")
     return ap
 
 
@@ -408,58 +458,47 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.kill_at and not args.save_every <= args.kill_at < args.steps:
         ap.error("--kill-at must be at least --save-every (a version must exist) and below --steps")
+    if args.ranks < 2 and args.kill_at or args.ranks < 1 or args.resume_ranks < 1:
+        ap.error("--ranks must be at least 2 (rank 1 is killed) and --resume-ranks at least 1")
     root = args.dir or tempfile.mkdtemp(prefix="ray_ckpt_openrlhf_")
-    suffix = uuid.uuid4().hex[:6]
     started = not ray.is_initialized()
     if started:
         if os.environ.get("RAY_ADDRESS", "local") != "local":  # a cluster (docker/docker-compose.yml)
             ray.init()
         else:  # a private local instance (never another process's cluster)
-            ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-
-    def tiers(tag: str):
-        local = args.local_dir or os.path.join(root, tag, "local")
-        remote = args.remote_uri or "file://" + os.path.join(root, tag, "remote")
-        return local, remote
-
+            ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    local = args.local_dir or os.path.join(root, "local")
+    remote = args.remote_uri or "file://" + os.path.join(root, "remote")
     try:
-        # the uninterrupted run (same seeds) goes alongside, in a thread. The runs share the rollout
-        # actors and the frozen reference model (stateless / frozen: seeded per step, never trained);
-        # each has its own learner ranks, dataloader and checkpoint run.
-        inference = make_inference_actors(args.seed)
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            t0 = time.perf_counter()
-            fut = pool.submit(train, f"{args.run_prefix}-a-{suffix}", *tiers("a"), args.steps, args.save_every,
-                              None, args.seed, True, inference)
-            print(f"uninterrupted run: {args.steps} steps (alongside)")
-            print(f"preempted run: {args.steps} steps, save every {args.save_every}, learner rank 1 killed "
-                  f"at step {args.kill_at}" if args.kill_at else f"second run: {args.steps} steps, no preemption")
-            got, st = train(f"{args.run_prefix}-b-{suffix}", *tiers("b"), args.steps, args.save_every,
-                            args.kill_at or None, args.seed, False, inference)
-            ref, _ = fut.result()
-        for a in inference[0] + [inference[1]]:
-            ray.kill(a)
-        print(f"both runs done in {time.perf_counter() - t0:.1f} s")
+        t0 = time.perf_counter()
+        print(f"{args.steps} steps on {args.ranks} FSDP2 ranks, save every {args.save_every}"
+              + (f", learner rank 1 killed at step {args.kill_at}, resumed on {args.resume_ranks} ranks"
+                 if args.kill_at else ""))
+        st = train(f"{args.run_prefix}-{uuid.uuid4().hex[:6]}", local, remote, args.steps, args.save_every,
+                   args.kill_at or None, args.seed, args.ranks, args.resume_ranks)
+        print(f"done in {time.perf_counter() - t0:.1f} s")
     finally:
         if started:
             ray.shutdown()
-    same = identical(ref, got)
 
     versions = st["versions"]
     first = min(versions)
     ref_home = versions[first]["reference_path"]
     ref_once = all(v["reference_path"] == ref_home for v in versions.values())
-    rows = [("steps", str(args.steps)), ("saves", str(len(st["save_ms"]))),
+    rows = [("steps", str(st["steps_done"])), ("learner ranks", " -> ".join(map(str, st["worlds"]))),
+            ("saves", str(len(st["save_ms"]))),
             ("median save() call (driver)", f"{statistics.median(st['save_ms']):.2f} ms"),
             ("median wait for version open", f"{statistics.median(st['open_ms']):.2f} ms"),
             ("median submit() call (rank)", f"{statistics.median(st['submit_ms']):.2f} ms")]
     for v, info in sorted(versions.items()):
         where = "reference written" if info["reference_path"].startswith(f"v{v:012d}/") else \
             f"reference -> v{int(info['reference_path'][1:13])}"
-        rows.append((f"bytes written v{v}", f"{info['bytes']:,} ({where})"))
+        rows.append((f"bytes written v{v}", f"{info['bytes']:,} ({info['policy_ranks']} ranks, {where})"))
     rep = st["restored"]
+    same = st["restored_identical"]
     rows += [("restore", f"v{rep.version} in {st['restore_s']:.3f} s" if rep else "-"),
-             ("bit-identical", "yes" if same else "no")]
+             ("restored = saved, bit for bit", "-" if same is None else "yes" if same else "no")]
     print()
     kw = max(len(k) for k, _ in rows)
     vw = max(16, max(len(v) for _, v in rows))
@@ -472,12 +511,13 @@ def main(argv=None) -> int:
           f"referenced by {', '.join(f'v{v}' for v in later) or 'no later version'}: "
           f"{'yes' if ref_once else 'NO'}")
     RESULTS.clear()
-    RESULTS.update(identical=same, versions=versions, reference_once=ref_once,
+    RESULTS.update(restored_identical=same, mismatched=st["mismatched"], versions=versions,
+                   reference_once=ref_once, worlds=st["worlds"], steps_done=st["steps_done"],
                    restored_version=rep.version if rep else None, save_ms=st["save_ms"], open_ms=st["open_ms"],
                    submit_ms=st["submit_ms"], restore_s=st["restore_s"])
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)
-    return 0 if same else 1
+    return 0 if same is not False and st["steps_done"] == args.steps else 1
 
 
 if __name__ == "__main__":
