@@ -65,8 +65,10 @@ def main() -> int:
              _system_config={"metrics_report_interval_ms": 500})
     try:
         model = torch.nn.Linear(8, 8)
+        # one critical writer, no best-effort pool (nothing best-effort here): fewer processes to start
         eng = rc.CheckpointEngine.create("metrics", local_dir=os.path.join(root, "local"),
-                                         remote_uri="file://" + os.path.join(root, "remote"))
+                                         remote_uri="file://" + os.path.join(root, "remote"),
+                                         critical_writers=1, best_effort_writers=0)
         eng.register("policy", model.state_dict, loader=model.load_state_dict)
         t0 = time.time()
         eng.save(1).wait(timeout=60, durability="remote")
@@ -91,7 +93,7 @@ def main() -> int:
                 text = ""
             if set(WANT) <= set(families(text)) and samples(text, "ray_ray_ckpt_commits_total", tier="remote"):
                 break
-            time.sleep(1)
+            time.sleep(0.25)  # the agent reports every 500 ms (metrics_report_interval_ms)
         got = families(text)
         print("\n".join(f"{n} {t}" for n, t in sorted(got.items())))
         assert got == WANT, f"scraped families differ: got {got}, want {WANT}"

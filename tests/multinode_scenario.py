@@ -23,6 +23,14 @@ import ray_ckpt as rc  # noqa: E402
 from actors import Learner, remote  # noqa: E402
 
 
+T0 = time.monotonic()
+
+
+def say(msg) -> None:
+    """Each line with the seconds since start: where a slow run spends its time."""
+    print(f"[{time.monotonic() - T0:5.1f}s] {msg}", flush=True)
+
+
 def main() -> int:
     root = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="rc_multinode_")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
@@ -31,6 +39,7 @@ def main() -> int:
     try:
         ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
+        say("cluster of 3 nodes up")
         a, b = node_a.node_id, node_b.node_id
 
         reference = remote(Learner).remote(seed=11, hidden=8192)
@@ -42,8 +51,11 @@ def main() -> int:
         learner = remote(Learner, max_restarts=1, resources={"learner_slot": 1},
                          scheduling_strategy=NodeAffinitySchedulingStrategy(a, soft=True)).remote(seed=11, hidden=8192)
         assert ray.get(learner.node.remote()) == a
+        # one critical writer per node and no best-effort pool (nothing best-effort is registered):
+        # every writer is a process to start, and each node's pool is what this scenario is about
         engine = rc.CheckpointEngine.create("multinode", local_dir=os.path.join(root, "local", "{node_id}"),
-                                            remote_uri="file://" + os.path.join(root, "remote"))
+                                            remote_uri="file://" + os.path.join(root, "remote"),
+                                            critical_writers=1, best_effort_writers=0)
         for name in ("policy", "optimizer", "rng"):
             engine.register(name, learner)
         ray.get(learner.train.remote(2))
@@ -55,15 +67,16 @@ def main() -> int:
         assert os.path.exists(on_a), (f"critical writer did not write on the learner's node: {on_a} missing; "
                                       f"files: {written}; status: {engine.status()}")
         head = ray.get_runtime_context().get_node_id()
-        print(f"saved version 2 on node A ({a[:12]}) and uploaded it; coordinator on "
+        say(f"saved version 2 on node A ({a[:12]}) and uploaded it; coordinator on "
               f"{engine.status()['node'][:12]}, head {head[:12]}, "
-              f"writers {engine.status()['writer_nodes']}", flush=True)
+              f"writers {engine.status()['writer_nodes']}")
         # the coordinator lives on the head node: a worker's preemption never takes it (and the
         # saves it holds) down
         assert engine.status()["node"] == head, (engine.status()["node"], head)
         coordinator_started = engine.status()["started_at"]
 
         cluster.remove_node(node_a)  # preemption of node A
+        say("node A removed")
         deadline = time.time() + 120
         while True:
             try:
@@ -74,9 +87,9 @@ def main() -> int:
                 pass
             assert time.time() < deadline, "learner was not restarted on node B"
             time.sleep(0.2)
-        print(f"learner restarted on node B ({b[:12]})", flush=True)
+        say(f"learner restarted on node B ({b[:12]})")
         report = engine.restore()
-        print(report, flush=True)
+        say(report)
         assert report.version == 2
         for name, st in report.states.items():
             assert st.status == "restored" and st.verified, (name, st)
@@ -91,7 +104,7 @@ def main() -> int:
         status = engine.status()
         assert (status["node"], status["started_at"]) == (head, coordinator_started), status  # never restarted
         engine.shutdown()
-        print("MULTINODE OK", flush=True)
+        say("MULTINODE OK")
         return 0
     finally:
         ray.shutdown()

@@ -44,7 +44,9 @@ def ckpt(ray_session, tmp_path_factory):
              "table": pa.table({"a": [1, 2, 3], "b": [0.5, 1.5, 2.5]})}
     critic = {"ref": {"w": torch.ones(2, 2)}}
     replay = {"obs": np.arange(40, dtype=np.float32).reshape(10, 4), "done": np.arange(10) % 3 == 0}
-    eng = rc.CheckpointEngine.create(run, local_dir=str(base / "local"), remote_uri=f"file://{base / 'remote'}")
+    # one version at a time, no best-effort state: one critical writer, no best-effort pool
+    eng = rc.CheckpointEngine.create(run, local_dir=str(base / "local"), remote_uri=f"file://{base / 'remote'}",
+                                     critical_writers=1, best_effort_writers=0)
     try:
         eng.register("policy", lambda: model.state_dict(), loader=model.load_state_dict)
         eng.register("optimizer", lambda: opt.state_dict(), loader=opt.load_state_dict)

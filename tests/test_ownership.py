@@ -33,6 +33,11 @@ def test_claim_rules_without_storage():
         OwnerRecord.from_json(b'{"token": "x"}')
 
 
+# one critical writer and no best-effort pool: one small state saved at a time (every writer is a
+# process to start, seconds on a 2-core machine)
+LEAN = {"critical_writers": 1, "best_effort_writers": 0}
+
+
 def _start(args, tmp_path):
     out = open(tmp_path / "driver.log", "w+")
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "owner_scenario.py")] + args,
@@ -63,8 +68,8 @@ def test_a_second_cluster_is_refused_and_a_takeover_fences_the_old_owner(engine_
     try:
         _wait_line(proc, out, "SAVED 1")
         with pytest.raises(rc.OwnershipError, match=r"is owned by job .* takeover=True"):
-            engine_factory(local_dir=shared, remote_uri=None)
-        eng = engine_factory(local_dir=shared, remote_uri=None, takeover=True)
+            engine_factory(local_dir=shared, remote_uri=None, **LEAN)
+        eng = engine_factory(local_dir=shared, remote_uri=None, **LEAN, takeover=True)
         state = {"w": torch.full((8,), 5.0)}
         eng.register("policy", lambda: state, loader=lambda s: None)
         assert eng.save(5).result(timeout=120).version == 5
@@ -97,7 +102,7 @@ def test_a_restarted_driver_on_the_same_cluster_goes_on_once_the_old_job_is_gone
     deadline = time.time() + 60
     while True:  # the job is marked dead by the cluster a moment after its driver exits
         try:
-            eng = engine_factory(local_dir=shared, remote_uri=None)
+            eng = engine_factory(local_dir=shared, remote_uri=None, **LEAN)
             break
         except rc.OwnershipError:
             assert time.time() < deadline, "the dead job still owns the run after 60 s"

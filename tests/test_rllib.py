@@ -227,9 +227,9 @@ def test_ppo_saved_by_callback_restores_into_fresh_algorithm(engine_factory, run
 @pytest.mark.timeout(240)
 def test_rllib_example_runs(ray_session, tmp_path, capsys):
     mod = runpy.run_path(str(ROOT / "examples" / "rllib_example.py"), run_name="rllib_example_under_test")
-    assert mod["main"](["--iterations", "2", "--dir", str(tmp_path)]) == 0
+    assert mod["main"](["--iterations", "1", "--dir", str(tmp_path)]) == 0  # 1 saved, restored, 1 more
     out = capsys.readouterr().out
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in out.splitlines()
             if line.startswith("| ")}
     assert rows["weights equal"] == "yes" and rows["training continued"] == "yes", out
-    assert rows["saves"] == "2", out
+    assert rows["saves"] == "1", out
