@@ -35,7 +35,7 @@ import dataclasses
 import json
 import logging
 import time
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import ray
 
@@ -56,6 +56,11 @@ from .writers import WriterPools
 log = logging.getLogger("ray_ckpt.coordinator")
 NAMESPACE = "ray_ckpt"
 DECLARED = "declared_states.json"  # pushed-state declarations, so a restarted coordinator knows them
+# Parts that arrive together (thousands of ranks' pushes) go to writers in batches: one writer call
+# and one durable sync per batch instead of per part (issue 15: a Ray call per part was the
+# coordinator's largest cost). A part waits at most BATCH_WINDOW_S for others to join it.
+BATCH_WINDOW_S = 0.005
+BATCH_PARTS = 128  # parts per writer call at most (spread over the pool's writers)
 DRIVER_STATES = "driver_states.json"  # the states the driver's save() brings (Catalogue.expect_driver)
 
 
@@ -145,6 +150,7 @@ class CheckpointCoordinator:
             if found:  # a restarted coordinator: "no checkpoint in N minutes" alerts see the real age
                 self.metrics.last_committed(tier, found[max(found)].created_at)
         self.background: Set[asyncio.Future] = set()  # writes (with commit and retention), uploads
+        self._outbox: Dict[int, List[Tuple[Any, Any, int]]] = {}  # version -> parts gathered for a batch
         # the run's fencing token (see ownership.py): the creating engine sets it; a coordinator
         # Ray restarted takes it from the owner record if that record is its own job's
         self.owner_token: Optional[int] = None
@@ -324,10 +330,53 @@ class CheckpointCoordinator:
         self.metrics.set_in_flight(len(self.catalogue.pending))
 
     def _dispatch(self, version: int, name: str, rank: int, ref: Any, size: int) -> None:
-        """Send one part's snapshot ref (inside a list: not resolved here) to a writer."""
+        """Send one part's snapshot ref (inside a list: not resolved here) to a writer: gathered
+        with the version's other parts arriving within ``BATCH_WINDOW_S`` (``_write_batch``). A
+        RELOADABLE part goes alone: the writer first looks its content up among stored ones."""
         part = self.catalogue.pending[version].parts[(name, rank)]
         part.submitted = True
-        self._in_background(self._write(version, part, ref, size))
+        if part.strategy is Strategy.RELOADABLE:
+            self._in_background(self._write(version, part, ref, size))
+            return
+        box = self._outbox.setdefault(version, [])
+        box.append((part, ref, size))
+        if len(box) == 1:  # the first part of a batch starts its flush
+            self._in_background(self._write_batch(version))
+
+    async def _write_batch(self, version: int) -> None:
+        """Send the parts gathered for ``version``: best-effort ones to the best-effort pool,
+        critical ones to the critical pool of the node that holds each snapshot (node affinity),
+        each group spread over its pool's writers in calls of at most ``BATCH_PARTS`` parts."""
+        await asyncio.sleep(BATCH_WINDOW_S)
+        items = self._outbox.pop(version, [])
+        if not items:
+            return
+        anywhere = [it for it in items if it[0].strategy is Strategy.BEST_EFFORT and self.pools.best_effort]
+        placed = [it for it in items if not (it[0].strategy is Strategy.BEST_EFFORT and self.pools.best_effort)]
+        groups = [(self.pools.best_effort, anywhere)] if anywhere else []
+        if placed:
+            by_node: Dict[Optional[str], list] = {}
+            for it, node in zip(placed, await self.pools.locate_many([ref for _, ref, _ in placed])):
+                by_node.setdefault(node, []).append(it)
+            groups += [(self.pools.critical_on(node), its) for node, its in by_node.items()]
+        # each chunk moves the version on when it ends: a critical chunk never waits for a best-effort one
+        await asyncio.gather(*[self._write_chunk(version, writer, chunk)
+                               for pool, its in groups for writer, chunk in self.pools.spread(pool, its, BATCH_PARTS)])
+
+    async def _write_chunk(self, version: int, writer: Any, chunk: List[Tuple[Any, Any, int]]) -> None:
+        size = sum(s for _, _, s in chunk)
+        self.pools.add_queued(writer, size, len(chunk))
+        try:
+            try:
+                results = await writer.write_parts.remote(version, [(p.name, p.rank) for p, _, _ in chunk],
+                                                          [ref for _, ref, _ in chunk], compression=self.cfg.compression)
+            except Exception as exc:  # the writer died or the call failed: every part of the chunk failed
+                results = [exc] * len(chunk)
+            for (p, _, _), result in zip(chunk, results):
+                self._record(version, p.name, p.rank, result)
+        finally:
+            self.pools.add_queued(writer, -size, -len(chunk))
+        await self._progress(version)
 
     async def _write(self, version: int, part: Any, ref: Any, size: int) -> None:
         if part.strategy is Strategy.BEST_EFFORT and self.pools.best_effort:
@@ -429,12 +478,20 @@ class CheckpointCoordinator:
     # ------------------------------------------------------------------ 3: written
     async def _track(self, version: int, name: str, rank: int, obj: Any) -> None:
         try:
-            written = await obj
-            if not written.reused:
-                for f in written.files:
-                    self.file_nodes[f.path] = written.node or self.node_id
-            self.catalogue.part_written(version, name, rank, written)
-        except Exception as exc:  # reaches the handle through the commit future
+            result = await obj
+        except Exception as exc:
+            result = exc
+        self._record(version, name, rank, result)
+
+    def _record(self, version: int, name: str, rank: int, result: Any) -> None:
+        """A part's WrittenPart, or the error that stopped it, into the catalogue."""
+        if not isinstance(result, BaseException):
+            if not result.reused:
+                for f in result.files:
+                    self.file_nodes[f.path] = result.node or self.node_id
+            self.catalogue.part_written(version, name, rank, result)
+        else:  # reaches the handle through the commit future
+            exc = result
             if isinstance(_root_cause(exc), UnsupportedTypeError):
                 self.unsupported.add(version)  # the handle raises the same class as an in-process save
             msg = one_line(getattr(exc, "cause", None) or exc)

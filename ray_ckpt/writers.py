@@ -227,6 +227,7 @@ class WriterPools:
         self.best_effort = [self._writer("best_effort", config.best_effort_cpus, config.best_effort_nice)
                             for _ in range(config.best_effort_writers)]
         self.queued: Dict[int, int] = {}  # id(writer) -> bytes queued
+        self.queued_parts: Dict[int, int] = {}  # id(writer) -> parts queued (pushes may not say their size)
         self._locator = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="locate")
         self._nodes: Set[str] = set()
         self._nodes_at = 0.0
@@ -261,10 +262,25 @@ class WriterPools:
         return self.critical_by_node.get(node) or self.critical_by_node[self.node_id]
 
     def least_busy(self, pool: list) -> Any:
-        return min(pool, key=lambda w: self.queued.get(id(w), 0))
+        return min(pool, key=self._load)
 
-    def add_queued(self, writer: Any, nbytes: int) -> None:
+    def _load(self, writer: Any) -> Tuple[int, int]:
+        return self.queued.get(id(writer), 0), self.queued_parts.get(id(writer), 0)
+
+    def add_queued(self, writer: Any, nbytes: int, parts: int = 0) -> None:
         self.queued[id(writer)] = max(0, self.queued.get(id(writer), 0) + nbytes)
+        self.queued_parts[id(writer)] = max(0, self.queued_parts.get(id(writer), 0) + parts)
+
+    def spread(self, pool: list, items: List[Any], most: int) -> List[Tuple[Any, List[Any]]]:
+        """``items`` (parts of one version) in chunks of at most ``most``, spread over ``pool``'s
+        writers, least busy first: a version's parts are written by all of a node's writers at
+        once, not queued on one."""
+        if not items:
+            return []
+        n = max(-(-len(items) // most), min(len(pool), len(items)))
+        size = -(-len(items) // n)
+        order = sorted(pool, key=self._load)
+        return [(order[i % len(order)], items[i * size:(i + 1) * size]) for i in range(n) if items[i * size:]]
 
     def queued_bytes(self, pool: list) -> int:
         return sum(self.queued.get(id(w), 0) for w in pool)
@@ -295,6 +311,38 @@ class WriterPools:
                 return None  # small objects are inlined in their owner's memory: no node to prefer
             time.sleep(0.025)
         return None
+
+    @staticmethod
+    def _locate_many_blocking(refs: List[Any]) -> List[Optional[str]]:
+        """``_locate_blocking`` for many refs with one wait and one location query per round."""
+        ray.wait(refs, num_returns=len(refs), fetch_local=False)
+        out: List[Optional[str]] = [None] * len(refs)
+        todo = list(range(len(refs)))
+        deadline = time.monotonic() + 3.0
+        while todo and time.monotonic() < deadline:
+            locs = ray.experimental.get_object_locations([refs[i] for i in todo])
+            rest = []
+            for i in todo:
+                loc = locs.get(refs[i]) or {}
+                if loc.get("node_ids"):
+                    out[i] = loc["node_ids"][0]
+                elif not 0 < (loc.get("object_size") or 0) < 100 * 1024:  # small ones are inlined: no node
+                    rest.append(i)
+            todo = rest
+            if todo:
+                time.sleep(0.025)
+        return out
+
+    async def locate_many(self, refs: List[Any]) -> List[Optional[str]]:
+        """``locate`` for the parts of one batch (one thread-pool call, not one per part)."""
+        if len(self._alive_nodes()) <= 1:
+            return [None] * len(refs)
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._locator, self._locate_many_blocking, refs)
+        except Exception as exc:  # a failed snapshot has no location: the writer reports its error
+            log.info("no location for %d snapshot(s) (%s); writing them from this node", len(refs), one_line(exc))
+            return [None] * len(refs)
 
     async def locate(self, ref: Any) -> Optional[str]:
         """The node holding a snapshot once it is ready (not fetched here: fetch_local=False).
