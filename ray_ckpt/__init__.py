@@ -16,10 +16,12 @@ __all__ = [
     "CheckpointEngine", "SaveHandle", "Strategy", "OnBusy", "Durability", "StateStatus", "TierName", "SaveResult", "RestoreReport", "StateReport",
     "CheckpointMeta", "CheckpointError", "SaveError", "RestoreError", "IntegrityError",
     "InvalidArgumentError", "UnsupportedTypeError", "OwnershipError", "actor_provider", "actor_method", "rng_state", "set_rng_state",
+    "fence", "state_from_snapshot",
 ]
 
 _LAZY = {"CheckpointEngine": "engine", "SaveHandle": "engine", "actor_provider": "snapshot", "actor_method": "snapshot",
-         "rng_state": "rng", "set_rng_state": "rng"}
+         "rng_state": "rng", "set_rng_state": "rng", "fence": "overlap",
+         "state_from_snapshot": "snapshot"}
 
 
 def __getattr__(name: str) -> Any:

@@ -36,6 +36,15 @@ class EngineConfig:
     best_effort_max_mb_s: Optional[float] = None  # best-effort writers' local writes, MB/s (None: no limit)
     upload_max_mb_s: Optional[float] = None  # each writer's uploads to the remote tier, MB/s (None: no limit)
     prefault_object_store: bool = False  # providers map Ray's whole object store once (shorter pauses, more RAM)
+    # providers map only the object-store pages their first saves use (~2 snapshots' bytes) ahead of
+    # the first save, so that it is as fast as later ones (see object_store.prefault_needed)
+    prefault_needed: bool = True
+    # snapshots copied into the object store in the background while the learner goes on; fences
+    # (optimizer step pre-hooks, BatchNorm forward pre-hooks, rc.fence(name)) wait before a change
+    overlap: bool = False
+    # debug: checksum every overlapped copy against its source after the copy; a torn one fails the
+    # version (default: the RAY_CKPT_OVERLAP_CHECK environment variable of the creating process)
+    overlap_check: Optional[bool] = None
     upload_retries: int = 1  # per upload call; the coordinator retries with backoff on top
     rank_timeout_s: float = 600.0  # a pushed version fails if a rank's part has not arrived by then
     # manifests carry an HMAC-SHA256 under this key and unsigned or mis-signed ones are refused
@@ -63,7 +72,11 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
                 raise ValueError(f"{name} must be a number > 0 (MB/s) or None, got {v!r}")
-        for name in ("direct_io", "prefault_object_store"):
+        if self.overlap_check is None:
+            from .overlap import check_enabled
+
+            self.overlap_check = check_enabled()
+        for name in ("direct_io", "prefault_object_store", "prefault_needed", "overlap", "overlap_check"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.compression not in (None, "zstd", "lz4"):

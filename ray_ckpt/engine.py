@@ -26,11 +26,13 @@ from .errors import (CheckpointError, IntegrityError, InvalidArgumentError, Inva
 from .formats.manifest import Manifest
 from .lease import OwnerLease, job_alive, ray_identity, read_owner, write_owner
 from .metrics import for_run as metrics_for_run
-from .object_store import prefault_in_actor, start_prefault
+from .object_store import prefault_in_actor, prefault_needed, start_prefault, state_nbytes
 from .ownership import DEFAULT_LEASE_S, claim
 from .protocol import Declaration, PartPlan
 from .providers import Registration, rank_provider, resolve
-from .snapshot import ActorProvider, CallableProvider, capture, read_state, snapshot_in_actor, tiers_of
+from .snapshot import (ActorProvider, CallableProvider, capture, mailbox_name, open_mailbox, read_state,
+                       prefault_needed_in_actor, receive_in_actor, snapshot_in_actor, snapshot_overlapped, snapshot_overlapped_in_actor,
+                       tiers_of)
 from .storage.layout import validate_name
 from .types import CheckpointMeta, OnBusy, RestoreReport, SaveResult, StateReport, Strategy
 
@@ -54,6 +56,7 @@ class CheckpointEngine:
         self._closed = False  # set by shutdown()
         self._token: Optional[int] = None  # the run's fencing token this (creating) engine holds
         self._lease: Optional[OwnerLease] = None
+        self._last_handle: Optional[SaveHandle] = None  # the latest save(), for publish()
         last = _ask(config.run, coordinator.last_version.remote(), "the last version")
         self._last_saved = last
         self._step = max(last, 0)
@@ -215,7 +218,8 @@ class CheckpointEngine:
     # ------------------------------------------------------------------ registration
     def register(self, name: str, provider: Any = None, *, strategy: Union[Strategy, str] = Strategy.CRITICAL,
                  loader: Optional[Callable[..., Any]] = None, allow_pickle: bool = False,
-                 replace: bool = False, world_size: Optional[int] = None, replicated: bool = False) -> None:
+                 replace: bool = False, world_size: Optional[int] = None, replicated: bool = False,
+                 overlap: Optional[bool] = None) -> None:
         """Register a state. ``provider``: an actor handle (``ckpt_get_state`` / ``ckpt_set_state``),
         ``rc.actor_provider(handle, get=..., set=...)``, or an in-process callable returning the state
         (``loader(state)`` loads it back). A RELOADABLE state with a ``loader`` and no provider is not
@@ -225,7 +229,13 @@ class CheckpointEngine:
         ``rc.CheckpointEngine.connect(run).submit(step, name, state, rank=r)``; a version commits when
         every rank's part is durable. ``provider`` may then be the list of rank actor handles, so that
         ``restore()`` hands rank r its own part. ``replicated=True`` (DDP replicas) stores rank 0's
-        copy once and restores it to every rank."""
+        copy once and restores it to every rank.
+
+        ``overlap=True`` (default: ``create(..., overlap=...)``): ``save()``'s snapshot of this state
+        only captures views of its memory and returns; the copy into the object store runs on a
+        background thread of the provider's process, overlapping its next step. Before the state
+        changes in place a fence waits for the copy: optimizers' step pre-hooks and BatchNorm
+        forward pre-hooks do it by themselves; anything else calls ``rc.fence(name)`` first."""
         try:
             validate_name(name, "state name")
             strat = Strategy.parse(strategy)
@@ -238,8 +248,13 @@ class CheckpointEngine:
             self._register_pushed(name, provider, strat, world_size, replicated, allow_pickle)
             return
         prov = resolve(name, provider, strat, loader)
-        self._registry[name] = Registration(name, prov, strat, bool(allow_pickle))
-        self._prefault(prov)
+        if overlap is not None and not isinstance(overlap, bool):
+            raise InvalidArgumentError(f"state {name!r}: overlap must be True, False or None, got {overlap!r}")
+        overlapped = self.config.overlap if overlap is None else overlap
+        if overlapped:
+            open_mailbox(self.run)  # where the background copies announce their refs
+        self._registry[name] = Registration(name, prov, strat, bool(allow_pickle), overlap=overlapped)
+        self._prefault(prov, name)
         self._expect_driver()
 
     def _expect_driver(self) -> None:
@@ -251,11 +266,19 @@ class CheckpointEngine:
             names = [n for n, r in self._registry.items() if r.world_size is None]
             self._call(lambda c: c.expect_driver.remote(names), "the driver-side states")
 
-    def _prefault(self, prov: Union[ActorProvider, CallableProvider]) -> None:
+    def _prefault(self, prov: Union[ActorProvider, CallableProvider], name: Optional[str] = None) -> None:
         """With ``prefault_object_store``: the process that will copy this state's snapshots into the
         object store (the provider actor; this one for an in-process callable) maps it now, in the
         background."""
         if not self.config.prefault_object_store:
+            if self.config.prefault_needed and name is not None:  # only the pages its first saves use
+                if isinstance(prov, ActorProvider):
+                    prov.handle.__ray_call__.remote(prefault_needed_in_actor, prov.get, prov.attribute, name)
+                elif prov.fn is not None:
+                    try:
+                        prefault_needed(state_nbytes(prov.fn()), name)
+                    except Exception:  # not ready yet: nothing mapped ahead
+                        pass
             return
         if isinstance(prov, ActorProvider):
             prov.handle.__ray_call__.remote(prefault_in_actor)  # returns at once; no answer needed
@@ -418,17 +441,30 @@ class CheckpointEngine:
                     parts.append(PartPlan(reg.name, reg.strategy, loader=True))
                     continue
                 t_pause = time.perf_counter()
+                if reg.overlap:  # the copy runs on this process's copy thread; fences guard the state
+                    pending = snapshot_overlapped(getattr(prov.fn, "__self__", prov.fn), prov.fn, reg.name,
+                                                  reg.allow_pickle, mailbox_name(self.run), self.config.overlap_check,
+                                                  needed=self.config.prefault_needed)
+                    parts.append(PartPlan(reg.name, reg.strategy, nbytes=pending.nbytes))
+                    refs.append(ray.put(pending))
+                    metrics_for_run(self.run).snapshot_pause(time.perf_counter() - t_pause, state=reg.name)
+                    continue
                 flat = capture(prov.fn(), reg.name, reg.allow_pickle)
                 parts.append(PartPlan(reg.name, reg.strategy, nbytes=flat.nbytes))
                 refs.append(ray.put(flat))
                 metrics_for_run(self.run).snapshot_pause(time.perf_counter() - t_pause, state=reg.name)
         for reg in self._registry.values():
             prov = reg.provider
-            if isinstance(prov, ActorProvider):
+            if isinstance(prov, ActorProvider) and reg.overlap:
+                parts.append(PartPlan(reg.name, reg.strategy))
+                refs.append(prov.handle.__ray_call__.options(name=f"ray_ckpt.snapshot:{self.run}/{reg.name}").remote(
+                    snapshot_overlapped_in_actor, prov.get, reg.name, reg.allow_pickle, prov.attribute, self.run,
+                    mailbox_name(self.run), self.config.overlap_check, self.config.prefault_needed))
+            elif isinstance(prov, ActorProvider):
                 parts.append(PartPlan(reg.name, reg.strategy))
                 refs.append(prov.handle.__ray_call__.options(name=f"ray_ckpt.snapshot:{self.run}/{reg.name}").remote(
                     snapshot_in_actor, prov.get, reg.name, reg.allow_pickle, self.config.prefault_object_store,
-                    prov.attribute, self.run))
+                    prov.attribute, self.run, self.config.prefault_needed))
         self._saves += 1
         # remote_every counts this engine's saves, in call order: the coordinator runs concurrent calls
         # in any order, so the turn is decided here
@@ -436,9 +472,35 @@ class CheckpointEngine:
                                             self._saves % self.config.remote_every == 0, token=self._token)
         self._last_saved = step
         self._step = max(self._step, step)
-        handle = SaveHandle(self, step, ref, time.perf_counter() - t0)
+        handle = self._last_handle = SaveHandle(self, step, ref, time.perf_counter() - t0)
+        handle._snapshots = {p.name: (r, self._registry[p.name].overlap)
+                             for p, r in zip([p for p in parts if not p.loader], refs)}
         self._in_flight.append(handle)
         return handle
+
+    def publish(self, name: str, to: Iterable[Any], method: str, handle: Optional[SaveHandle] = None
+                ) -> List[ray.ObjectRef]:
+        """Hand the snapshot of state ``name`` (of ``handle``, default: this engine's latest save) to
+        each actor of ``to``: ``actor.<method>(state)`` runs with the state read from the object
+        store — the bytes the save already holds, mapped zero-copy by an actor on the same node — so
+        the learner does not copy its weights a second time for the broadcast. Returns at once with
+        the calls' ObjectRefs (``ray.get`` them to wait); a rollout actor's own calls are ordered
+        with the driver's as usual. Works for overlapped states too (the actor waits for the copy)."""
+        self._check_open()
+        if not isinstance(method, str) or not method.isidentifier():
+            raise InvalidArgumentError(f"publish: method must be a method name, got {method!r}")
+        handle = handle or self._last_handle
+        if handle is None:
+            raise InvalidArgumentError(f"publish({name!r}): no save of this engine to publish yet")
+        entry = handle._snapshots.get(name)
+        if entry is None:
+            raise InvalidArgumentError(f"publish: the save of step {handle.step} has no snapshot of state {name!r} "
+                                       f"(it has: {', '.join(sorted(handle._snapshots)) or 'none'})")
+        actors = list(to)
+        for a in actors:
+            if not isinstance(a, ray.actor.ActorHandle):
+                raise InvalidArgumentError(f"publish: 'to' must hold actor handles, got {type(a).__name__}")
+        return [a.__ray_call__.remote(receive_in_actor, method, [entry[0]]) for a in actors]
 
     def wait_all(self, timeout: Optional[float] = None) -> List[SaveResult]:
         """Wait for every save of this engine still in flight."""

@@ -12,7 +12,7 @@ import dataclasses
 import threading
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import ray
 
@@ -74,6 +74,7 @@ class SaveHandle:
         self._remote_ref = None
         self.submit_seconds = submit_s  # how long save() took to return
         self.skipped = skipped
+        self._snapshots: Dict[str, Tuple[ray.ObjectRef, bool]] = {}  # state -> (snapshot ref, overlapped)
 
     def _ack_failed(self) -> bool:
         """Whether a rank's push was rejected (only once its ack arrived; never blocks)."""
@@ -163,6 +164,35 @@ class SaveHandle:
         if self._rank_zero_only:  # a replica rank's push: rank 0's copy is the one stored
             d = dataclasses.replace(d, rank_zero_only=True)
         return d.result()
+
+    # ------------------------------------------------------------------ the snapshot's bytes, for broadcasting
+    def refs(self, name: str, timeout: Optional[float] = 60.0) -> List[ray.ObjectRef]:
+        """The ObjectRefs of state ``name``'s snapshot in Ray's object store (one per part), to hand
+        to rollout actors instead of copying the weights a second time: a consumer on the same node
+        maps the same bytes (zero-copy); ``rc.state_from_snapshot(ref)`` turns one into the state.
+
+        For an overlapped state this waits (up to ``timeout``) for its background copy, and raises
+        SaveError if that copy failed. The refs stay valid while someone holds them, whatever
+        becomes of the version (they are the step's bytes, not the committed files)."""
+        entry = self._snapshots.get(name)
+        if entry is None:
+            raise InvalidArgumentError(
+                f"save of step {self.step} has no snapshot of state {name!r} taken by the driver"
+                + (f" (it has: {', '.join(sorted(self._snapshots))})" if self._snapshots else
+                   " (a skipped save, or only states pushed by ranks)"))
+        ref, overlapped = entry
+        if not overlapped:
+            return [ref]
+        from .snapshot import pending_refs
+
+        try:
+            pending = ray.get(ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise SaveError(f"the snapshot of state {name!r} (step {self.step}) did not start within {timeout}s "
+                            f"(its provider is busy)") from None
+        except ray.exceptions.RayError as exc:
+            raise SaveError(f"the snapshot of state {name!r} (step {self.step}) failed: {one_line(exc)[:300]}") from None
+        return pending_refs(pending, 600.0 if timeout is None else timeout)
 
     # ------------------------------------------------------------------ concurrent.futures.Future style
     def result(self, timeout: Optional[float] = None) -> SaveResult:

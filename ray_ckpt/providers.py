@@ -31,6 +31,7 @@ class Registration:
     world_size: Optional[int] = None  # set: a state pushed by ranks with submit()
     rank_providers: Optional[List[ActorProvider]] = None  # pushed state: rank r restores into [r]
     replicated: bool = False
+    overlap: bool = False  # the snapshot's copy overlaps the provider's next step (see overlap.py)
 
 
 def resolve(name: str, provider: Any, strategy: Strategy, loader: Optional[Callable[..., Any]]) -> Provider:

@@ -8,15 +8,23 @@ as flat numpy views (one memcpy into the object store, no pickling of tensor dat
 """
 from __future__ import annotations
 
+import asyncio
+import os
 import time
+import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import ray
 
 from .checkpoint_io import decode_files, read_files
 from .errors import IntegrityError, RestoreError, one_line
 from .formats.manifest import FileEntry
-from .formats.tree import Flat, flatten
-from .object_store import start_prefault
+from .formats.tree import Flat, Pieces, flatten, pieces_of
+from .object_store import prefault_needed, start_prefault, state_nbytes
+from .overlap import OverlapCopier, candidates, install_hooks, process_copier, process_hooks
 from .protocol import StagedState
 from .storage.tier import Tier
 
@@ -133,6 +141,19 @@ class HostStaging:
         for stream in self.streams.values():
             stream.synchronize()
 
+    def record_events(self) -> List[Any]:
+        """Overlapped snapshots: one CUDA event per side stream, marking the end of this snapshot's
+        device->host copies (waited for by the copy thread and by fences, not here)."""
+        import sys
+
+        torch = sys.modules.get("torch")
+        events = []
+        for stream in self.streams.values():
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            events.append(ev)
+        return events
+
 
 def capture(state: Any, name: str, allow_pickle: bool = False, staging: Optional[HostStaging] = None) -> Flat:
     flat = flatten(state, state_name=name, allow_pickle=allow_pickle, to_host=staging)
@@ -142,7 +163,7 @@ def capture(state: Any, name: str, allow_pickle: bool = False, staging: Optional
 
 
 def snapshot_in_actor(actor: Any, getter: str, name: str, allow_pickle: bool, prefault: bool = False,
-                      attribute: Optional[str] = None, run: Optional[str] = None) -> Flat:
+                      attribute: Optional[str] = None, run: Optional[str] = None, needed: bool = False) -> Flat:
     """Runs in the provider actor: call its getter and flatten (CPU tensor memory is not copied
     here; Ray copies it once into the object store when this returns; device tensors go through
     the actor's reused pinned staging buffers). ``prefault``: make sure this process maps the
@@ -152,11 +173,270 @@ def snapshot_in_actor(actor: Any, getter: str, name: str, allow_pickle: bool, pr
     t0 = time.perf_counter()
     staging = actor.__dict__.setdefault("_ray_ckpt_host_staging", HostStaging())
     flat = capture(_actor_get(actor, getter, attribute, name), name, allow_pickle, staging)
+    if needed and not prefault:  # a restarted actor is a new process: its next saves find the pages mapped
+        prefault_needed(flat.nbytes, name)
     if run:  # the capture in the actor (Ray's copy of the result into the object store follows it)
         from .metrics import for_run
 
         for_run(run).snapshot_pause(time.perf_counter() - t0, state=name)
     return flat
+
+
+# ---------------------------------------------------------------------------- overlapped snapshots
+MAILBOX_NAMESPACE = "ray_ckpt"
+
+
+def mailbox_name(run: str) -> str:
+    return f"ray_ckpt.mailbox.{run}"
+
+
+@dataclass(frozen=True)
+class PendingSnapshot:
+    """What an overlapped snapshot call returns at once: where its bytes will be announced.
+
+    The copy runs on a background thread of the provider's process (``overlap.OverlapCopier``), which
+    puts the state into the object store and sends the ObjectRef (or the reason it failed) to the
+    run's :class:`SnapshotMailbox` under ``key``; :func:`resolve_snapshot` waits for it there.
+    ``actor_id`` / ``pid``: the process that holds the copy, so a reader notices when it died."""
+
+    name: str
+    key: str
+    mailbox: str
+    actor_id: Optional[str]
+    pid: int
+    nbytes: int
+
+
+@ray.remote(num_cpus=0)
+class SnapshotMailbox:
+    """Where overlapped snapshots announce their ObjectRefs (one small async actor per run).
+
+    An entry is kept until a writer took it and a newer snapshot of the same state arrived (the
+    newest stays for ``SaveHandle.refs`` / ``engine.publish``); refs travel inside lists, so the
+    bytes never pass through this actor: it only borrows the references."""
+
+    def __init__(self, untaken_cap: int = 16):
+        self.slots: Dict[str, tuple] = {}  # key -> (name, refs, error)
+        self.events: Dict[str, asyncio.Event] = {}
+        self.taken: set = set()
+        self.order: Dict[str, List[str]] = {}  # state name -> its keys, oldest first
+        self.cap = untaken_cap
+
+    def _event(self, key: str) -> "asyncio.Event":
+        ev = self.events.get(key)
+        if ev is None:
+            ev = self.events[key] = asyncio.Event()
+        return ev
+
+    async def put(self, key: str, name: str, refs: List[Any], error: Optional[str] = None) -> None:
+        self.slots[key] = (name, refs, error)
+        keys = self.order.setdefault(name, [])
+        keys.append(key)
+        self._event(key).set()
+        self._evict(name)
+
+    def _evict(self, name: str) -> None:
+        keys = self.order.get(name, [])
+        older = keys[:-1]
+        drop = [k for k in older if k in self.taken] + [k for k in older if k not in self.taken][:-self.cap]
+        for k in set(drop):
+            keys.remove(k)
+            self.slots.pop(k, None)
+            self.events.pop(k, None)
+            self.taken.discard(k)
+
+    async def get(self, key: str, timeout: float, take: bool = False) -> Optional[tuple]:
+        """(refs, error) of ``key`` once announced, or None after ``timeout`` seconds."""
+        if key not in self.slots:
+            try:
+                await asyncio.wait_for(self._event(key).wait(), timeout)
+            except asyncio.TimeoutError:
+                return None
+        slot = self.slots.get(key)
+        if slot is None:
+            return ([], f"snapshot {key} is no longer held (superseded)")
+        if take:
+            self.taken.add(key)
+            self._evict(slot[0])
+        return slot[1], slot[2]
+
+
+_MAILBOXES: Dict[str, Any] = {}
+
+
+def _mailbox(name: str, wait_s: float = 10.0) -> Any:
+    """The run's mailbox by name (ValueError if it is not there within ``wait_s``)."""
+    mb = _MAILBOXES.get(name)
+    deadline = time.monotonic() + wait_s
+    while mb is None:
+        try:
+            mb = _MAILBOXES[name] = ray.get_actor(name, namespace=MAILBOX_NAMESPACE)
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    return mb
+
+
+def open_mailbox(run: str, timeout: float = 120.0) -> Any:
+    """Get or create the run's mailbox (owned by the calling driver's job), started before this
+    returns so that every process of the cluster finds it by name."""
+    name = mailbox_name(run)
+    mb = _MAILBOXES.get(name)
+    if mb is None:
+        mb = SnapshotMailbox.options(name=name, namespace=MAILBOX_NAMESPACE, get_if_exists=True,
+                                     max_restarts=0).remote()
+        ray.get(mb.__ray_ready__.remote(), timeout=timeout)
+        _MAILBOXES[name] = mb
+    return mb
+
+
+def _deliver(job: Any) -> None:
+    refs = [job.result] if job.error is None and job.result is not None else []
+    _mailbox(job.dest).put.remote(job.key, job.name, refs, job.error)
+
+
+def _readback(result: Any) -> List[Any]:
+    flat = ray.get(result)
+    return [np.concatenate(pieces_of(a)) if isinstance(a, Pieces) else a for a in flat.arrays]
+
+
+def _copier() -> OverlapCopier:
+    return process_copier(lambda: OverlapCopier(put=ray.put, deliver=_deliver, readback=_readback))
+
+
+def snapshot_overlapped(owner: Any, get: Callable[[], Any], name: str, allow_pickle: bool, mailbox: str,
+                        check: bool, run: Optional[str] = None, actor_id: Optional[str] = None,
+                        needed: bool = True) -> PendingSnapshot:
+    """Capture ``get()`` as views, queue its copy on this process's copy thread, return at once.
+
+    ``owner``: the object whose attributes hold the learner's model and optimizers (the actor, or
+    the registered object itself): their torch hooks are installed here (once per object)."""
+    t0 = time.perf_counter()
+    copier = _copier()
+    copier.fence(name)  # the previous copy of this state is done (staging buffers are reused)
+    staging = _staging_of(owner, actor_id is not None)
+    flat = flatten(get(), state_name=name, allow_pickle=allow_pickle, to_host=staging)
+    events = staging.record_events() if staging.streams else []
+    if needed:
+        prefault_needed(flat.nbytes, name)
+    install_hooks(copier, candidates(owner), process_hooks())
+    key = f"{name}/{uuid.uuid4().hex}"
+    copier.start(name, key, flat, check=check, cuda_events=events, dest=mailbox)
+    if run:
+        from .metrics import for_run
+
+        for_run(run).snapshot_pause(time.perf_counter() - t0, state=name)
+    return PendingSnapshot(name, key, mailbox, actor_id, os.getpid(), flat.nbytes)
+
+
+_OWNER_STAGING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _staging_of(owner: Any, in_actor: bool = False) -> HostStaging:
+    if in_actor:  # the actor's attribute, as snapshot_in_actor keeps it
+        return owner.__dict__.setdefault("_ray_ckpt_host_staging", HostStaging())
+    try:
+        return _OWNER_STAGING.setdefault(owner, HostStaging())
+    except TypeError:
+        return HostStaging()
+
+
+def snapshot_overlapped_in_actor(actor: Any, getter: str, name: str, allow_pickle: bool, attribute: Optional[str],
+                                 run: str, mailbox: str, check: bool, needed: bool = True) -> PendingSnapshot:
+    """Runs in the provider actor through ``__ray_call__`` (see :func:`snapshot_overlapped`)."""
+    actor_id = ray.get_runtime_context().get_actor_id()
+    return snapshot_overlapped(actor, lambda: _actor_get(actor, getter, attribute, name), name, allow_pickle,
+                               mailbox, check, run, actor_id, needed)
+
+
+def _provider_gone(p: PendingSnapshot) -> Optional[str]:
+    """Why the process holding ``p``'s copy is gone (None while it runs)."""
+    if p.actor_id is None:
+        return None
+    try:
+        from ray._private.state import actors
+
+        info = actors(p.actor_id) or {}
+    except Exception:  # the actor table is not reachable: keep waiting (bounded by the caller)
+        return None
+    if info.get("State") not in ("ALIVE", None) or (info.get("Pid") and info["Pid"] != p.pid):
+        return (f"its provider actor died or was restarted (state {info.get('State')}, pid {p.pid} -> "
+                f"{info.get('Pid')}) while the overlapped snapshot was being copied")
+    return None
+
+
+def resolve_snapshot(obj: Any, timeout: float = 600.0, take: bool = True) -> Any:
+    """What a snapshot ref held, as the writer needs it: a Flat as it is; a :class:`PendingSnapshot`
+    is waited for (its copy announced in the run's mailbox) and fetched — or SaveError naming the
+    state when the copy failed, the debug check found it torn, or its process died."""
+    if not isinstance(obj, PendingSnapshot):
+        return obj
+    refs = pending_refs(obj, timeout, take)
+    return ray.get(refs[0])
+
+
+def pending_refs(p: PendingSnapshot, timeout: float = 600.0, take: bool = False) -> List[Any]:
+    """The ObjectRefs an overlapped snapshot's copy produced (waits for the copy)."""
+    from .errors import SaveError
+
+    try:
+        mb = _mailbox(p.mailbox)
+    except ValueError:
+        raise SaveError(f"snapshot of state {p.name!r}: its run's mailbox {p.mailbox!r} is gone") from None
+    deadline = time.monotonic() + timeout
+    ans = mb.get.remote(p.key, timeout, take)
+    while not ray.wait([ans], timeout=0.5)[0]:
+        why = _provider_gone(p)
+        if why:
+            raise SaveError(f"snapshot of state {p.name!r}: {why}; this version fails")
+        if time.monotonic() > deadline + 5:
+            break
+    slot = ray.get(ans) if ray.wait([ans], timeout=0)[0] else None
+    if slot is None:
+        raise SaveError(f"snapshot of state {p.name!r}: its overlapped copy was not announced within {timeout:g}s"
+                        + (f" ({_provider_gone(p)})" if _provider_gone(p) else ""))
+    refs, error = slot
+    if error:
+        raise SaveError(f"snapshot of state {p.name!r}: {error}")
+    return refs
+
+
+def state_from_snapshot(snapshot: Any) -> Any:
+    """A snapshot as its state: ``snapshot`` is an ObjectRef from ``SaveHandle.refs(name)`` (or what
+    it holds). Tensors are read-only views of the object store's bytes (zero-copy on the node that
+    holds them): ``model.load_state_dict(state)`` copies them into the model."""
+    import warnings
+
+    from .formats.tree import unflatten
+
+    if isinstance(snapshot, ray.ObjectRef):
+        snapshot = ray.get(snapshot)
+    if isinstance(snapshot, PendingSnapshot):
+        snapshot = ray.get(pending_refs(snapshot)[0])
+    if not isinstance(snapshot, Flat):
+        raise TypeError(f"state_from_snapshot: expected a snapshot ObjectRef, got {type(snapshot).__name__}")
+    arrays = [np.concatenate(pieces_of(a)) if isinstance(a, Pieces) else a for a in snapshot.arrays]
+    with warnings.catch_warnings():  # torch warns that the object store's buffers are read-only
+        warnings.simplefilter("ignore", UserWarning)
+        return unflatten(snapshot.structure, arrays, snapshot.tables)
+
+
+def receive_in_actor(actor: Any, method: str, refs: List[Any]) -> Any:
+    """Runs in a consumer (rollout) actor through ``__ray_call__`` (``engine.publish``): the
+    snapshot's state, straight from the object store, handed to ``actor.<method>(state)``."""
+    return getattr(actor, method)(state_from_snapshot(refs[0]))
+
+
+def prefault_needed_in_actor(actor: Any, getter: str, attribute: Optional[str], name: str) -> int:
+    """Runs in a provider actor at ``register``: map the object-store pages its first saves of
+    state ``name`` will use (its size counted without copying anything), in the background."""
+    try:
+        nbytes = state_nbytes(_actor_get(actor, getter, attribute, name))
+    except Exception:  # not ready to give its state yet: its first snapshot maps the pages instead
+        return 0
+    prefault_needed(nbytes, name)
+    return nbytes
 
 
 def read_state(tiers: Sequence[Tier], files: List[FileEntry], name: str, allow_pickle: bool = False):

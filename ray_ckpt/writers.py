@@ -24,6 +24,7 @@ from .errors import CheckpointError, IntegrityError, SaveError, UnsupportedTypeE
 from .formats.manifest import FileEntry
 from .formats.tree import Flat
 from .protocol import WrittenPart
+from .snapshot import PendingSnapshot, resolve_snapshot
 from .storage.durable_batch import DurableBatch
 from .storage.tier import RateLimit, Tier
 
@@ -165,6 +166,8 @@ class WriterActor:
         flats: List[Any] = []
         try:
             flats = ray.get(refs)  # one call for the batch; per part below only if one of them failed
+            if any(isinstance(f, PendingSnapshot) for f in flats):
+                raise ray.exceptions.RayError("overlapped snapshots are resolved one by one")
         except ray.exceptions.RayError:
             flats = []
             for (name, rank), ref in zip(keys, refs):
@@ -180,7 +183,7 @@ class WriterActor:
     @staticmethod
     def _snapshot(name: str, rank: int, ref: Any) -> Any:
         try:
-            return ray.get(ref)
+            return resolve_snapshot(ray.get(ref))  # an overlapped snapshot: waits for its copy
         except ray.exceptions.RayTaskError as exc:  # the snapshot itself failed in the provider
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             error = UnsupportedTypeError if isinstance(cause, UnsupportedTypeError) else SaveError

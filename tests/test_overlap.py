@@ -1,0 +1,325 @@
+"""Overlapped snapshots (issue 17): the copy into the object store runs while the learner trains on,
+fenced by torch's own hooks; a debug check catches a mutation without a fence; a learner killed
+mid-copy fails its version loudly and the next one commits; rollout actors fed by a save's refs see
+the learner's weights of that step bit for bit.
+
+The first tests need no Ray: the copier is a plain object (``ray_ckpt/overlap.py``)."""
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+import ray_ckpt as rc
+from ray_ckpt.formats.tree import flatten
+from ray_ckpt.overlap import HookSet, OverlapCopier, install_hooks
+
+pytestmark = pytest.mark.timeout(180)
+
+
+# ------------------------------------------------------------------ the copier alone (no Ray)
+class SlowStore:
+    """A real copy (numpy) that the test releases: copies are in flight exactly as long as the test says."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.delivered = []
+
+    def put(self, flat):
+        self.release.wait(10)
+        return [a.copy() for a in flat.arrays]
+
+    def deliver(self, job):
+        self.delivered.append((job.key, job.result, job.error))
+
+
+def test_a_fence_waits_only_for_the_copy_of_the_tensors_about_to_change():
+    store = SlowStore()
+    copier = OverlapCopier(store.put, store.deliver, readback=lambda r: r)
+    model = torch.nn.Linear(64, 64)
+    other = torch.zeros(1000)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    install_hooks(copier, [opt, model], HookSet())
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    job = copier.start("policy", "k1", flatten(model.state_dict(), state_name="policy"), check=True)
+    assert copier.fence(tensors=[other]) == 0.0  # unrelated memory: no wait
+    stepped = threading.Event()
+
+    def step():
+        model(torch.ones(1, 64)).sum().backward()
+        opt.step()  # the step pre-hook fences: waits for the copy of the parameters
+        stepped.set()
+
+    t = threading.Thread(target=step)
+    t.start()
+    assert not stepped.wait(0.3), "the optimizer step ran while its parameters were being copied"
+    store.release.set()
+    assert stepped.wait(10)
+    t.join()
+    assert job.error is None  # the debug check saw the copy and its source agree
+    key, copied, error = store.delivered[0]
+    assert (key, error) == ("k1", None)
+    assert copied[0].tobytes() == want["weight"].numpy().tobytes()  # the values of the saved step
+    assert copied[1].tobytes() == want["bias"].numpy().tobytes()
+    assert not torch.equal(model.weight, want["weight"])  # the step did happen, after the copy
+
+
+def test_the_debug_check_fails_a_copy_whose_source_changed_without_a_fence():
+    store = SlowStore()
+    copier = OverlapCopier(store.put, store.deliver, readback=lambda r: r)
+    buf = torch.zeros(4096)
+    job = copier.start("replay", "k2", flatten({"buf": buf}, state_name="replay"), check=True)
+    buf.add_(1)  # no fence
+    store.release.set()
+    assert job.done.wait(10)
+    assert job.error is not None and "'replay'" in job.error and "buf" in job.error and "rc.fence" in job.error
+    # with the fence, the same change is safe
+    store2 = SlowStore()
+    copier2 = OverlapCopier(store2.put, store2.deliver, readback=lambda r: r)
+    job2 = copier2.start("replay", "k3", flatten({"buf": buf}, state_name="replay"), check=True)
+    threading.Timer(0.2, store2.release.set).start()
+    assert copier2.fence("replay", timeout=10) > 0  # what rc.fence("replay") does in this process
+    buf.add_(1)
+    assert job2.done.is_set() and job2.error is None
+
+
+# ------------------------------------------------------------------ real Ray actors
+class BigLearner:
+    """A learner whose state takes tens of ms to copy, so that its next steps run during the copy."""
+
+    def __init__(self, seed=0, width=2048, bn=True, replay_mb=4):
+        torch.manual_seed(seed)
+        layers = [torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width)]
+        if bn:
+            layers.insert(1, torch.nn.BatchNorm1d(width))
+        self.model = torch.nn.Sequential(*layers)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-3)
+        self.gen = torch.Generator().manual_seed(seed + 1)
+        self.replay = torch.zeros(replay_mb << 18)
+        self.steps = 0
+
+    def train(self, n=1):
+        for _ in range(n):
+            x = torch.randn(16, self.model[0].in_features, generator=self.gen)
+            loss = self.model(x).pow(2).mean()
+            self.opt.zero_grad()
+            loss.backward()
+            self.opt.step()
+            self.steps += 1
+        return self.steps
+
+    def mutate_until_copied(self, seconds=10.0):
+        """Change the 'replay' tensor in place, without a fence, until its copy is done."""
+        from ray_ckpt.overlap import process_copier
+
+        copier = process_copier()
+        was_copying = bool(copier.pending())
+        deadline = time.time() + seconds
+        while time.time() < deadline:
+            self.replay.add_(1)
+            if not copier.pending():
+                break
+        return was_copying
+
+    def fence_waits(self):
+        from ray_ckpt.overlap import process_copier
+
+        c = process_copier()
+        return len(c.fence_waits) if c else 0
+
+    def ckpt_get_state(self, name):
+        if name == "policy":
+            return self.model.state_dict()
+        if name == "optimizer":
+            return self.opt.state_dict()
+        if name == "replay":
+            return {"replay": self.replay}
+        raise KeyError(name)
+
+    def ckpt_set_state(self, name, state):
+        if name == "policy":
+            self.model.load_state_dict(state)
+        elif name == "optimizer":
+            self.opt.load_state_dict(state)
+        elif name == "replay":
+            self.replay.copy_(state["replay"])
+
+    def snapshot(self):
+        out = {f"p.{k}": v.clone() for k, v in self.model.state_dict().items()}
+        for pid, st in self.opt.state_dict()["state"].items():
+            for k, v in st.items():
+                out[f"o.{pid}.{k}"] = v.clone()
+        return out
+
+    def exit_now(self):
+        os._exit(1)
+
+    def pid(self):
+        return os.getpid()
+
+
+def _actor(cls, **kw):
+    opts = {"num_cpus": 0.1}
+    opts.update(kw)
+    return ray.remote(**opts)(cls)
+
+
+ray.cloudpickle.register_pickle_by_value(__import__(__name__))
+
+LEAN = {"critical_writers": 1, "best_effort_writers": 0}
+
+
+def test_restore_after_a_save_that_overlapped_many_optimizer_steps_is_bit_equal(engine_factory):
+    eng = engine_factory(overlap=True, **LEAN)
+    learner = _actor(BigLearner).remote()
+    eng.register("policy", learner)
+    eng.register("optimizer", learner)
+    ray.get(learner.train.remote(3))
+    want = ray.get(learner.snapshot.remote())
+    h = eng.save(3)
+    ray.get(learner.train.remote(20))  # queued right behind the snapshot: runs during its copy
+    assert h.wait(120).version == 3
+    assert ray.get(learner.fence_waits.remote()) >= 1, "no step had to wait: the copy did not overlap"
+    assert eng.restore(step=3).states["policy"].status == "restored"
+    got = ray.get(learner.snapshot.remote())
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_a_mutation_without_a_fence_is_caught_by_the_debug_check(engine_factory):
+    eng = engine_factory(overlap=True, overlap_check=True, **LEAN)
+    learner = _actor(BigLearner).remote(width=16, bn=False, replay_mb=96)
+    eng.register("replay", learner)
+    h = eng.save(1)
+    assert ray.get(learner.mutate_until_copied.remote()), "the copy was over before the mutation began"
+    with pytest.raises(rc.SaveError, match=r"'replay' changed in place while its overlapped snapshot"):
+        h.wait(60)
+    assert not eng.list_checkpoints()
+
+
+def test_a_learner_killed_mid_copy_fails_that_version_loudly_and_the_next_commits(engine_factory):
+    eng = engine_factory(overlap=True, **LEAN)
+    learner = _actor(BigLearner, max_restarts=1, max_task_retries=0).remote(bn=False)
+    eng.register("policy", learner)
+    eng.register("optimizer", learner)
+    ray.get(learner.train.remote(1))
+    old_pid = ray.get(learner.pid.remote())
+    h = eng.save(1)
+    learner.exit_now.remote()  # runs right after the snapshot returned: its copy is in flight
+    with pytest.raises(rc.SaveError, match=r"'(policy|optimizer)'"):
+        h.wait(120)
+    deadline = time.time() + 60
+    while True:  # the restarted learner answers from a new process
+        try:
+            if ray.get(learner.pid.remote(), timeout=10) != old_pid:
+                break
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        assert time.time() < deadline
+        time.sleep(0.2)
+    ray.get(learner.train.remote(2))
+    want = ray.get(learner.snapshot.remote())
+    assert eng.save(2).wait(120).version == 2
+    assert [m.version for m in eng.list_checkpoints()] == [2]
+    ray.get(learner.train.remote(1))
+    eng.restore(step=2)
+    got = ray.get(learner.snapshot.remote())
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+class Rollout:
+    """A rollout actor that receives the policy's weights as the learner's snapshot."""
+
+    def __init__(self):
+        self.policy = None
+        self.zero_copy = None
+
+    def set_weights(self, state):
+        from ray_ckpt.object_store import store_regions
+
+        regions = store_regions()
+        t = state["0.weight"]
+        self.zero_copy = any(lo <= t.data_ptr() < hi for lo, hi in regions)  # the store's own pages
+        self.policy = {k: v.clone() for k, v in state.items()}
+        return len(state)
+
+    def weights(self):
+        return self.policy, self.zero_copy
+
+
+def test_rollout_actors_fed_by_a_saves_refs_see_the_weights_of_that_step_bit_for_bit(engine_factory):
+    eng = engine_factory(overlap=True, **LEAN)
+    learner = _actor(BigLearner).remote(width=512, bn=False)
+    rollouts = [_actor(Rollout).remote() for _ in range(2)]
+    eng.register("policy", learner)  # overlapped
+    eng.register("optimizer", learner, overlap=False)  # the synchronous path hands out refs the same way
+    ray.get(learner.train.remote(2))
+    want = ray.get(learner.snapshot.remote())
+    h = eng.save(2)
+    calls = eng.publish("policy", to=rollouts, method="set_weights")
+    ray.get(learner.train.remote(5))  # the learner moves on; the published weights are step 2's
+    assert ray.get(calls, timeout=60) == [len([k for k in want if k.startswith("p.")])] * 2
+    for r in rollouts:
+        got, zero_copy = ray.get(r.weights.remote())
+        assert zero_copy, "the rollout actor did not read the snapshot's pages in place"
+        assert all(torch.equal(got[k[2:]], want[k]) for k in want if k.startswith("p."))
+    opt_state = rc.state_from_snapshot(h.refs("optimizer")[0])
+    assert all(torch.equal(opt_state["state"][int(k.split(".")[1])][k.split(".")[2]], want[k])
+               for k in want if k.startswith("o."))
+    pol = rc.state_from_snapshot(h.refs("policy")[0])
+    assert all(torch.equal(pol[k[2:]], want[k]) for k in want if k.startswith("p."))
+    with pytest.raises(rc.InvalidArgumentError, match="no snapshot of state 'replay'"):
+        h.refs("replay")
+    assert h.wait(120).version == 2
+
+
+def _store_residency(actor, wait_s=30.0):
+    """Runs in a provider: its needed-pages prefault status and the resident bytes of its store mapping."""
+    from ray_ckpt.object_store import prefix_status, store_regions
+
+    deadline = time.time() + wait_s
+    while prefix_status().running and time.time() < deadline:
+        time.sleep(0.05)
+    (lo, hi), = sorted(store_regions(), key=lambda r: r[1] - r[0])[-1:]
+    rss, found = None, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                found = int(head.split("-")[0], 16) == lo
+            elif found and head == "Rss:":
+                rss = int(line.split()[1]) * 1024
+                break
+    st = prefix_status()
+    return {"target": st.target, "done": st.done, "error": st.error, "resident": rss, "size": hi - lo}
+
+
+class Plain:
+    def __init__(self, mb):
+        self.t = torch.randn(mb << 18)
+
+    def ckpt_get_state(self, name):
+        return {"t": self.t}
+
+    def ckpt_set_state(self, name, state):
+        self.t.copy_(state["t"])
+
+
+def test_a_provider_maps_only_the_pages_its_first_saves_use_ahead_of_the_first_save(engine_factory):
+    eng = engine_factory(**LEAN)  # prefault_needed=True is the default; no overlap needed
+    learner = _actor(Plain).remote(32)
+    eng.register("policy", learner)
+    before = ray.get(learner.__ray_call__.remote(_store_residency))
+    if before["error"]:
+        pytest.skip(before["error"])
+    state = 32 << 20
+    assert before["target"] == 64 * (1 << 20) + 2 * state and before["done"] == before["target"]
+    assert before["resident"] >= before["target"]
+    assert before["resident"] < before["size"] // 2  # not the whole store
+    eng.save(1).wait(60)
+    eng.save(2).wait(60)
+    after = ray.get(learner.__ray_call__.remote(_store_residency))
+    # the two saves' copies landed in the pages mapped ahead (the mapping did not grow by a snapshot)
+    assert after["resident"] - before["resident"] < state // 2, (before, after)
