@@ -2,9 +2,13 @@
 
 1. ``plan``   (no Ray, no I/O): which registered state comes from which files of the manifest, into
    which provider; what is missing, rebuilt by a loader or skipped. A rank-local state saved by N
-   ranks and restored into M != N rank providers is refused here, before any actor is touched.
+   ranks and restored into M != N rank providers is refused here, before any actor is touched; a
+   sharded (DTensor) state goes to any number of rank providers.
 2. ``stage``  every state is read from its tiers and verified against the manifest's checksums
-   where it will live: inside its provider actor (held there, not applied) or in this process.
+   where it will live: inside its provider actor (held there, not applied) or in this process. A
+   sharded state is staged with ``load_into`` semantics: the provider's current state (its
+   ``ckpt_get_state``: DTensors on its own mesh) is copied and the copy filled with this rank's
+   shards, so the provider reshards and its live state is untouched until ``apply``.
 3. ``verify`` the staged outcomes become the per-state reports; with ``strict`` a CRITICAL or
    RELOADABLE state that did not verify fails the whole restore and every staged state is dropped,
    so a failed restore changes nothing.
@@ -20,10 +24,11 @@ import ray
 
 from .checkpoint_io import rank_files
 from .errors import IntegrityError, RestoreError, one_line
-from .formats.manifest import FileEntry, Manifest
+from .formats.manifest import FileEntry, Manifest, StateEntry
 from .protocol import StagedState
 from .providers import Registration
-from .snapshot import ActorProvider, apply_in_actor, discard_in_actor, read_state, stage_in_actor, tiers_of
+from .snapshot import (_STAGED, ActorProvider, _actor_get, apply_in_actor, discard_in_actor, read_state,
+                       stage_in_actor, tiers_of)
 from .types import StateReport, Strategy
 
 StageKey = Tuple[str, Optional[int]]  # (state, rank) — rank None: the state's single provider
@@ -36,6 +41,7 @@ class ActorRead:
     provider: ActorProvider
     files: List[FileEntry]
     allow_pickle: bool
+    sharded: Optional[StateEntry] = None  # a DTensor state: staged with load_into semantics
 
 
 @dataclass
@@ -93,8 +99,13 @@ def plan(manifest: Manifest, registry: Mapping[str, Registration], names: Sequen
 def _plan_ranks(p: RestorePlan, reg: Registration, entry: Any) -> None:
     name, m = reg.name, p.manifest
     if not reg.rank_providers:
-        p.reports[name] = StateReport("skipped", None, False, f"pushed state: each rank loads its part with "
-                                      f"engine.load({name!r}, step={m.step}, rank=r)")
+        how = f"engine.load_into({name!r}, state, step={m.step}, rank=r) (any world size)" \
+            if entry.shards is not None else f"engine.load({name!r}, step={m.step}, rank=r)"
+        p.reports[name] = StateReport("skipped", None, False, f"pushed state: each rank loads its part with {how}")
+        return
+    if entry.shards is not None:  # resharding-capable: any number of rank providers
+        for r, prov in enumerate(reg.rank_providers):
+            p.actor_reads.append(ActorRead(name, r, prov, [], reg.allow_pickle, sharded=entry))
         return
     saved = len(entry.files)
     if not entry.replicated and saved != len(reg.rank_providers):
@@ -110,6 +121,11 @@ def stage(p: RestorePlan, config: Any) -> Staged:
     """Stage 2: read and verify every planned state where it will be applied (not applied yet)."""
     s = Staged(p)
     for a in p.actor_reads:
+        if a.sharded is not None:
+            s.in_actors[(a.name, a.rank)] = a.provider.handle.__ray_call__.remote(
+                stage_sharded_in_actor, a.name, config, a.sharded, a.allow_pickle, a.provider.get,
+                a.provider.attribute)
+            continue
         s.in_actors[(a.name, a.rank)] = a.provider.handle.__ray_call__.remote(
             stage_in_actor, a.name, config, a.files, a.allow_pickle)
     for r in p.local_reads:
@@ -120,6 +136,41 @@ def stage(p: RestorePlan, config: Any) -> Staged:
         except (IntegrityError, RestoreError, OSError) as exc:
             s.reports[r.name] = StateReport("missing", None, False, one_line(exc))
     return s
+
+
+def _copy_tensors(state: Any) -> Any:
+    """New containers and cloned tensors (DTensors stay DTensors on their mesh); other leaves shared."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if isinstance(state, dict):
+        return {k: _copy_tensors(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_copy_tensors(v) for v in state]
+    if isinstance(state, tuple):
+        return tuple(_copy_tensors(v) for v in state)
+    if torch is not None and isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    return state
+
+
+def stage_sharded_in_actor(actor: Any, name: str, config: Any, entry: StateEntry, allow_pickle: bool,
+                           getter: str, attribute: Optional[str]) -> StagedState:
+    """Runs in a rank provider actor: a copy of its current state (the layout to fill: DTensors on
+    this rank's mesh, any world size) is filled from the sharded state ``entry`` -- only the byte
+    ranges of this rank's shards, each piece verified -- and held until every state verified.
+    Keys, shapes and dtypes are checked against the checkpoint (strict); a mismatch fails the
+    state, naming it. The provider's state must already hold every key (an optimizer's moments:
+    ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` creates them)."""
+    from .sharded_io import load_into_state
+
+    try:
+        target = _copy_tensors(_actor_get(actor, getter, attribute, name))
+        rep = load_into_state(tiers_of(config), entry, name, target, strict=True, allow_pickle=allow_pickle)
+    except (IntegrityError, RestoreError, OSError) as exc:
+        return StagedState(False, None, one_line(exc))
+    actor.__dict__.setdefault(_STAGED, {})[name] = target
+    return StagedState(True, rep.tier, rep.detail, rep.bytes)
 
 
 def verify(s: Staged, registry: Mapping[str, Registration], strict: bool, run: str) -> Dict[str, StateReport]:

@@ -134,23 +134,37 @@ class Rank:
         return {"steps": {k: float(v["step"]) for k, v in sd["state"].items()},
                 "groups": [dict(g) for g in sd["param_groups"]]}
 
-    def restore(self, step: int) -> dict:
-        """Fill a fresh FSDP2 model and AdamW from the checkpoint with load_into, on this world size."""
-        # AdamW's state (moments, step) exists after a first step: take one that changes nothing
-        for g in self.opt.param_groups:
-            g["lr"] = 0.0
-            for p in g["params"]:
-                p.grad = torch.zeros_like(p)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+    def _init_optim(self) -> None:
+        """AdamW's state (moments, step) exists after a first step: take one that changes nothing."""
+        if not self.opt.state:
+            for g in self.opt.param_groups:
+                g["lr"] = 0.0
+                for p in g["params"]:
+                    p.grad = torch.zeros_like(p)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
         for g in self.opt.param_groups:
             g["lr"], g["weight_decay"] = 0.5, 0.0  # both to be restored from the checkpoint
+
+    def restore(self, step: int) -> dict:
+        """Fill a fresh FSDP2 model and AdamW from the checkpoint with load_into, on this world size."""
+        self._init_optim()
         msd, osd = self.model.state_dict(), self.opt.state_dict()
         reports = [self.engine.load_into("model", msd, step=step, rank=self.rank),
                    self.engine.load_into("optim", osd, step=step, rank=self.rank)]
         self.opt.load_state_dict(osd)
         return {"status": [r.status for r in reports], "tier": [r.tier for r in reports],
                 "verified": all(r.verified for r in reports), "bytes": [r.bytes for r in reports]}
+
+    # -- a rank provider for engine.restore()
+    def ckpt_get_state(self, name: str):
+        if name == "model":
+            return self.model.state_dict()
+        self._init_optim()
+        return self.opt.state_dict()
+
+    def ckpt_set_state(self, name: str, state) -> None:
+        (self.model if name == "model" else self.opt).load_state_dict(state)
 
     # -- 2-D mesh (FSDP x TP) -> 1-D mesh
     def push_2d(self, run: str, step: int) -> int:
@@ -175,6 +189,27 @@ class Rank:
         rep = rc.CheckpointEngine.connect(run).load_into("mesh2d", state, step=step, rank=self.rank)
         full = {k: v.full_tensor() for k, v in state.items() if k != "step"}
         return {"status": rep.status, "step": state["step"], "full": full}
+
+    def strided(self, run: str, step: int) -> list:
+        """A _StridedShard DTensor (FSDP2 over a module TP-sharded on the same dim) cannot be saved
+        nor filled: both errors name the placement."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        t = DTensor.from_local(torch.zeros(2, 4), mesh, [_StridedShard(0, split_factor=2), Shard(0)],
+                               shape=torch.Size([6, 4]), stride=(4, 1))
+        eng = rc.CheckpointEngine.connect(run)
+        errors = []
+        for call in (lambda: eng.submit(step, "mesh2d", {"w_both_dim0": t, "step": step}, rank=self.rank),
+                     lambda: eng.load_into("mesh2d", {"w_both_dim0": t}, step=7, rank=self.rank, strict=False)):
+            try:
+                call()
+                errors.append(None)
+            except rc.CheckpointError as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+        return errors
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +309,41 @@ def test_2d_mesh_restores_onto_1d_mesh(pool, tmp_path):
                 assert same_bits(o["full"][k], full_2d(k)), k
         full = eng.load("mesh2d", step=7, rank=None)
         assert full["step"] == 7 and all(same_bits(full[k], full_2d(k)) for k in MESH2D)
+
+        ranks = group(pool, 4)
+        errors = ray.get([r.strided.remote(run, 8) for r in ranks], timeout=60)
+        leave(ranks)
+        for save_error, load_error in errors:
+            assert save_error and "w_both_dim0" in save_error and "_StridedShard" in save_error, save_error
+            assert load_error and load_error.startswith("RestoreError") and "w_both_dim0" in load_error \
+                and "_StridedShard" in load_error, load_error
+        assert [m.version for m in eng.list_checkpoints()] == [7]
         print(f"2-D mesh of 4 -> 1-D mesh of 2: {time.perf_counter() - t0:.2f} s")
     finally:
         eng.shutdown()
+
+
+def test_restore_with_rank_providers_reshards(pool, saved):
+    """engine.restore() with 3 rank providers of a state saved by 4: each provider's own state
+    (its ckpt_get_state: DTensors on its mesh) is filled with load_into semantics, then handed to
+    its ckpt_set_state."""
+    eng = pool["engine"]
+    ranks = group(pool, 3)
+    ray.get([r.build.remote(4242) for r in ranks], timeout=60)
+    for name in ("model", "optim"):
+        eng.register(name, ranks, world_size=3, replace=True)
+    try:
+        report = eng.restore(step=STEP)
+    finally:
+        for name in ("model", "optim"):
+            eng.register(name, world_size=4, replace=True)
+    got = ray.get([r.full.remote() for r in ranks], timeout=60)[0]
+    plain = ray.get(ranks[0].optim_plain.remote())
+    leave(ranks)
+    for name in ("model", "optim"):
+        st = report.states[name]
+        assert st.status == "restored" and st.tier == "local" and st.verified, st
+    assert got.keys() == saved["want"].keys()
+    for k, v in saved["want"].items():
+        assert same_bits(got[k], v), k
+    assert plain == saved["plain"]

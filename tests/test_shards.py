@@ -542,7 +542,8 @@ def _save_2x2(rank, world, tmp):
     from ray_ckpt.errors import UnsupportedTypeError
 
     partial = DTensor.from_local(torch.ones(2), mesh, [Partial(), Partial()])
-    with pytest.raises(UnsupportedTypeError, match=r"\['p'\] \(DTensor placement P\(sum\)"):
+    with pytest.raises(UnsupportedTypeError,
+                       match=r"DTensor at \['p'\]: placement Partial \(P\(sum\)\) is not supported"):
         flatten({"p": partial})
     if not leaves["rs"].stored:
         with pytest.raises(RestoreError, match=r"rs is a replicated DTensor chunk stored in the part of rank"):

@@ -245,7 +245,9 @@ def dtensor_chunk(t: Any) -> Tuple[List[int], List[int]]:
 
     for p in t.placements:
         if type(p) not in (Shard, Replicate):
-            raise ValueError(f"placement {p} (only Shard and Replicate are stored; redistribute first)")
+            raise ValueError(f"placement {type(p).__name__} ({p}) is not supported: only Shard and Replicate "
+                             f"chunks are boxes of the global tensor (FSDP2 over a module tensor-parallel-sharded "
+                             f"on the same dim gives _StridedShard); redistribute to Shard / Replicate first")
     if t.device_mesh.get_coordinate() is None:  # this rank is not in the mesh: it holds nothing
         return [0] * len(t.shape), [0] * len(t.shape)
     shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
@@ -342,7 +344,7 @@ def flatten(state: Any, *, state_name: str = "state", allow_pickle: bool = False
             try:
                 node = _dtensor_layout(obj)
             except ValueError as exc:
-                raise unsupported(obj, path, f"DTensor {exc}") from None
+                raise UnsupportedTypeError(f"state {state_name!r}: DTensor at {_path_str(path)}: {exc}") from None
             # one writer per distinct chunk: the rank at coordinate 0 on every Replicate mesh dim
             writes = node["c"] is not None and all(
                 c == 0 for c, p in zip(node["c"], node["p"]) if not p.startswith("S("))
