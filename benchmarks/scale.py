@@ -6,7 +6,10 @@ processes as they share nodes), for each (ranks, states, tensor size) of the swe
 - cpu_ms/part   coordinator CPU seconds (its process, all threads) from before the first push to
                 the commit, divided by the number of parts
 - manifest      manifest.json bytes, and the median time to parse it (Manifest.from_json)
-- list_ms       list_checkpoints() latency (median / max) from the driver while the pushes arrive
+- list_ms       list_checkpoints() latency (median / 90th percentile / max) from the driver while
+                the pushes arrive and until the commit
+- store_mb      object-store peak in use during the version (cluster total minus
+                ray.available_resources()["object_store_memory"], polled with the list calls)
 - load_ms       engine.load() of one rank's part of every state (the manifest fetched once per call)
 
     python benchmarks/scale.py --ranks 64,256,1024 --states 2 --kb 1 --hosts 4
@@ -83,20 +86,23 @@ def one(ranks: int, states: int, kb: int, hosts: int, base: str, timeout: float)
                   for h in range(hosts) if h * per < ranks]
         ray.get([a.__ray_ready__.remote() for a in actors])
         cpu0 = ray.get(coord.cpu_seconds.remote())
+        store_total = ray.cluster_resources().get("object_store_memory", 0.0)
+        peak = [0.0]
+
+        def poll(refs):  # list_checkpoints() latency and object-store use until ``refs`` are ready
+            while len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
+                t = time.perf_counter()
+                eng.list_checkpoints()
+                lat.append(time.perf_counter() - t)
+                peak[0] = max(peak[0], store_total - ray.available_resources().get("object_store_memory", store_total))
+                time.sleep(0.05)
+
         pushes = [a.push.remote(1) for a in actors]
         lat = []
-        while len(ray.wait(pushes, num_returns=len(pushes), timeout=0)[0]) < len(pushes):
-            t = time.perf_counter()
-            eng.list_checkpoints()
-            lat.append(time.perf_counter() - t)
-            time.sleep(0.05)
+        poll(pushes)
         spans = ray.get(pushes)
         waits = [a.wait.remote(timeout) for a in actors]
-        while len(ray.wait(waits, num_returns=len(waits), timeout=0)[0]) < len(waits):  # and until the commit
-            t = time.perf_counter()
-            eng.list_checkpoints()
-            lat.append(time.perf_counter() - t)
-            time.sleep(0.05)
+        poll(waits)  # and until the commit
         committed_at = min(ray.get(waits))
         cpu1 = ray.get(coord.cpu_seconds.remote())
         first_push, last_push = min(s[0] for s in spans), max(s[1] for s in spans)
@@ -121,7 +127,9 @@ def one(ranks: int, states: int, kb: int, hosts: int, base: str, timeout: float)
                 "total_s": committed_at - first_push, "cpu_ms_part": 1000 * (cpu1 - cpu0) / (ranks * states),
                 "manifest_kb": len(raw) / 1024, "parse_ms": 1000 * statistics.median(parse),
                 "list_p50_ms": 1000 * statistics.median(lat) if lat else float("nan"),
+                "list_p90_ms": 1000 * sorted(lat)[int(0.9 * (len(lat) - 1))] if lat else float("nan"),
                 "list_max_ms": 1000 * max(lat) if lat else float("nan"), "list_n": len(lat),
+                "store_mb": peak[0] / 2**20,
                 "load_ms": 1000 * load_s}
     finally:
         eng.shutdown(timeout=120)
@@ -131,7 +139,8 @@ def one(ranks: int, states: int, kb: int, hosts: int, base: str, timeout: float)
 COLS = [("ranks", "{:>6}"), ("states", "{:>6}"), ("parts", "{:>6}"), ("kb", "{:>5}"), ("push_s", "{:>7.2f}"),
         ("commit_s", "{:>8.2f}"), ("total_s", "{:>7.2f}"), ("cpu_ms_part", "{:>11.3f}"),
         ("manifest_kb", "{:>11.0f}"), ("parse_ms", "{:>8.1f}"), ("list_p50_ms", "{:>11.1f}"),
-        ("list_max_ms", "{:>11.1f}"), ("list_n", "{:>6}"), ("load_ms", "{:>7.1f}")]
+        ("list_p90_ms", "{:>11.1f}"), ("list_max_ms", "{:>11.1f}"), ("list_n", "{:>6}"), ("store_mb", "{:>8.1f}"),
+        ("load_ms", "{:>7.1f}")]
 
 
 def row(r: dict) -> str:
