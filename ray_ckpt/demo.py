@@ -67,9 +67,20 @@ class RolloutWorker:
         self.env = CartPole(self.rng)
         self.policy = make_policy()
 
+    def set_policy(self, state):
+        """The policy as the learner's last save holds it (engine.publish): read in place from the
+        object store, no second copy made by the learner."""
+        self.policy.load_state_dict(state)
+
+    def set_norm(self, state):
+        self.published_norm = (np.array(state["mean"]), np.array(state["var"]))
+
     def sample(self, weights_and_norm, episodes: int = 8, horizon: int = 200):
-        weights, (mean, var) = weights_and_norm
-        self.policy.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
+        if weights_and_norm is None:  # set by set_policy / set_norm from the last save
+            mean, var = self.published_norm
+        else:
+            weights, (mean, var) = weights_and_norm
+            self.policy.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
         obs = self.env.reset(episodes)
         alive = np.ones(episodes, bool)
         traj_obs, traj_act, traj_alive = [], [], []
@@ -190,19 +201,27 @@ def train(run: str, root: str, steps: int, save_every: int, kill_at=None, seed: 
     engine.register("replay", learner, strategy=rc.Strategy.BEST_EFFORT)
     for i, w in enumerate(workers):
         engine.register(f"rollout{i}", w, strategy=rc.Strategy.CRITICAL)
-    stats = {"save_ms": [], "bytes": 0, "saves": 0, "restore_s": None, "report": None}
+    stats = {"save_ms": [], "bytes": 0, "saves": 0, "restore_s": None, "report": None, "published": 0}
     handles = []
     step = 0
+    published = False
     while step < steps:
         step += 1
-        weights = learner.weights.remote()
+        # after a save, the rollout workers already hold its policy (engine.publish): the learner
+        # does not copy its weights out a second time for them
+        weights = None if published else learner.weights.remote()
         batches = [w.sample.remote(weights) for w in workers]
         ret = learner.train.remote(batches)
+        published = False
         if step % save_every == 0:
             t0 = time.perf_counter()
             handles.append(engine.save(step))
             stats["save_ms"].append((time.perf_counter() - t0) * 1e3)
             stats["saves"] += 1
+            engine.publish("policy", to=workers, method="set_policy")
+            engine.publish("obs_norm", to=workers, method="set_norm")
+            published = True
+            stats["published"] += 1
         if not quiet and step % 5 == 0:
             print(f"  step {step:3d}  mean episode length {ray.get(ret):6.1f}")
         if kill_at is not None and step == kill_at:
@@ -222,6 +241,7 @@ def train(run: str, root: str, steps: int, save_every: int, kill_at=None, seed: 
             stats["report"] = report
             step = report.step
             kill_at = None
+            published = False  # a restarted rollout worker holds no published policy
             if not quiet:
                 print(f"  restored version {report.version} (step {report.step}) in {stats['restore_s']:.3f}s: "
                       + ", ".join(f"{n}={r.status}/{r.tier}" for n, r in sorted(report.states.items())))
@@ -258,6 +278,7 @@ def main(argv=None, prog: str = "ray-ckpt demo") -> int:
     rows = [("steps", str(args.steps)), ("saves", str(st["saves"])),
             ("median save() call", f"{statistics.median(st['save_ms']):.2f} ms"),
             ("bytes written", f"{st['bytes']:,}"),
+            ("weights sent from saves", f"{st['published']} of {args.steps} steps"),
             ("restore time", f"{st['restore_s']:.3f} s" if st["restore_s"] is not None else "-"),
             ("bit-identical", "yes" if same else "no")]
     print()

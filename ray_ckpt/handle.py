@@ -173,7 +173,8 @@ class SaveHandle:
 
         For an overlapped state this waits (up to ``timeout``) for its background copy, and raises
         SaveError if that copy failed. The refs stay valid while someone holds them, whatever
-        becomes of the version (they are the step's bytes, not the committed files)."""
+        becomes of the version (they are the step's bytes, not the committed files); ask for them
+        before the next save of the state (an overlapped state's run keeps only its newest refs)."""
         entry = self._snapshots.get(name)
         if entry is None:
             raise InvalidArgumentError(
