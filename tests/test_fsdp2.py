@@ -171,12 +171,23 @@ class Rank:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import distribute_tensor
 
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         state = {k: distribute_tensor(full_2d(k), mesh, [_placement(p) for p in pl])
                  for k, (_, pl, _) in MESH2D.items()}
         state["step"] = step
+        # a real FSDP x TP layer: row-wise tensor parallel (Shard(1)) on tp, then fully_shard on dp
+        torch.manual_seed(5)
+        layer = parallelize_module(torch.nn.Linear(7, 9, bias=False), mesh["tp"], RowwiseParallel())
+        fully_shard(layer, mesh=mesh["dp"])
+        state["fsdp_tp"] = layer.state_dict()
+        placements = [str(p) for p in state["fsdp_tp"]["weight"].placements]
+        full = state["fsdp_tp"]["weight"].full_tensor()
         self.engine2d = rc.CheckpointEngine.connect(run)  # a run of its own: a version holds every state
-        return self.engine2d.submit(step, "mesh2d", state, rank=self.rank).wait(timeout=60).version
+        version = self.engine2d.submit(step, "mesh2d", state, rank=self.rank).wait(timeout=60).version
+        return {"version": version, "placements": placements, "fsdp_tp": full}
 
     def restore_1d(self, run: str, step: int) -> dict:
         from torch.distributed.device_mesh import init_device_mesh
@@ -186,8 +197,13 @@ class Rank:
         state = {k: distribute_tensor(torch.zeros(shape), mesh, [_placement(p)])
                  for k, (shape, _, p) in MESH2D.items()}
         state["step"] = -1
+        from torch.distributed.fsdp import fully_shard
+
+        layer = fully_shard(torch.nn.Linear(7, 9, bias=False), mesh=mesh)  # plain FSDP2 on the 1-D mesh
+        state["fsdp_tp"] = layer.state_dict()
         rep = rc.CheckpointEngine.connect(run).load_into("mesh2d", state, step=step, rank=self.rank)
-        full = {k: v.full_tensor() for k, v in state.items() if k != "step"}
+        full = {k: v.full_tensor() for k, v in state.items() if k not in ("step", "fsdp_tp")}
+        full["fsdp_tp"] = layer.weight.full_tensor()
         return {"status": rep.status, "step": state["step"], "full": full}
 
     def strided(self, run: str, step: int) -> list:
@@ -288,8 +304,12 @@ def test_2d_mesh_restores_onto_1d_mesh(pool, tmp_path):
         eng.register("mesh2d", world_size=4)
         t0 = time.perf_counter()
         ranks = group(pool, 4)
-        assert ray.get([r.push_2d.remote(run, 7) for r in ranks], timeout=90) == [7] * 4
+        pushed = ray.get([r.push_2d.remote(run, 7) for r in ranks], timeout=90)
         leave(ranks)
+        assert [p["version"] for p in pushed] == [7] * 4
+        assert pushed[0]["placements"] == ["S(0)", "S(1)"]  # FSDP x TP row-wise
+        fsdp_tp = pushed[0]["fsdp_tp"]
+        assert fsdp_tp.shape == (9, 7) and fsdp_tp.abs().sum() > 0
 
         idx = ShardIndex.from_json(read_manifest(Tier(str(tmp_path / "local" / run)), 7).states["mesh2d"].shards)
         w = idx["w_rowwise"]
@@ -307,7 +327,9 @@ def test_2d_mesh_restores_onto_1d_mesh(pool, tmp_path):
             assert o["status"] == "restored" and o["step"] == 7
             for k in MESH2D:
                 assert same_bits(o["full"][k], full_2d(k)), k
+            assert same_bits(o["full"]["fsdp_tp"], fsdp_tp)
         full = eng.load("mesh2d", step=7, rank=None)
+        assert same_bits(full["fsdp_tp"]["weight"], fsdp_tp)
         assert full["step"] == 7 and all(same_bits(full[k], full_2d(k)) for k in MESH2D)
 
         ranks = group(pool, 4)

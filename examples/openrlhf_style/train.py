@@ -316,6 +316,7 @@ def train(run: str, local_dir: str, remote_uri: Optional[str], steps: int, save_
         engine.register(name, world_size=world)
 
     st = {"save_ms": [], "open_ms": [], "submit_ms": [], "versions": {}, "restore_s": None, "restored": None,
+          "regroup_s": None,
           "worlds": [world], "restored_identical": None, "mismatched": []}
     saved_full: Dict[int, object] = {}     # step -> the group's full state when it saved (a ref until resolved)
     handles: List[rc.SaveHandle] = []      # saves not yet recorded
@@ -377,6 +378,10 @@ def train(run: str, local_dir: str, remote_uri: Optional[str], steps: int, save_
                 ray.kill(r, no_restart=True)
             t0 = time.perf_counter()
             ranks = start_group(run, resume_world, seed + 1)  # fresh weights: all of them come from the checkpoint
+            st["regroup_s"] = time.perf_counter() - t0
+            print(f"  new group of {resume_world} ranks started (processes, gloo, FSDP2 model) in "
+                  f"{st['regroup_s']:.1f} s")
+            t0 = time.perf_counter()
             report = engine.restore()  # reference + dataloader; pushed states are the ranks' to load
             per_rank = ray.get([r.load_checkpoint.remote(report.step) for r in ranks], timeout=120)
             st["restore_s"] = time.perf_counter() - t0
@@ -497,7 +502,8 @@ def main(argv=None) -> int:
         rows.append((f"bytes written v{v}", f"{info['bytes']:,} ({info['policy_ranks']} ranks, {where})"))
     rep = st["restored"]
     same = st["restored_identical"]
-    rows += [("restore", f"v{rep.version} in {st['restore_s']:.3f} s" if rep else "-"),
+    rows += [("new group started", f"{st['regroup_s']:.1f} s" if rep else "-"),
+             ("restore (restore() + load_into)", f"v{rep.version} in {st['restore_s']:.3f} s" if rep else "-"),
              ("restored = saved, bit for bit", "-" if same is None else "yes" if same else "no")]
     print()
     kw = max(len(k) for k, _ in rows)
