@@ -42,20 +42,21 @@ def main() -> int:
         say("cluster of 3 nodes up")
         a, b = node_a.node_id, node_b.node_id
 
+        # both actors and the engine start side by side (each is a process to start: seconds)
         reference = remote(Learner).remote(seed=11, hidden=8192)
-        ray.get(reference.train.remote(5))
-        expected = ray.get(reference.snapshot.remote())
-
         # a state over 100 KB lives in the object store of the learner's node (smaller ones are inlined
         # into the owner's memory, and any writer is as close to them as another)
         learner = remote(Learner, max_restarts=1, resources={"learner_slot": 1},
                          scheduling_strategy=NodeAffinitySchedulingStrategy(a, soft=True)).remote(seed=11, hidden=8192)
-        assert ray.get(learner.node.remote()) == a
+        trained = reference.train.remote(5)
         # one critical writer per node and no best-effort pool (nothing best-effort is registered):
         # every writer is a process to start, and each node's pool is what this scenario is about
         engine = rc.CheckpointEngine.create("multinode", local_dir=os.path.join(root, "local", "{node_id}"),
                                             remote_uri="file://" + os.path.join(root, "remote"),
                                             critical_writers=1, best_effort_writers=0)
+        ray.get(trained)
+        expected = ray.get(reference.snapshot.remote())
+        assert ray.get(learner.node.remote()) == a
         for name in ("policy", "optimizer", "rng"):
             engine.register(name, learner)
         ray.get(learner.train.remote(2))

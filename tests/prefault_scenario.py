@@ -53,9 +53,9 @@ class Learner:
 
 
 def run(prefault: bool, root: str) -> dict:
+    learner = Learner.remote()  # first: its process starts while the engine's do
     eng = rc.CheckpointEngine.create(f"prefault{int(prefault)}", local_dir=root, critical_writers=1,
                                      best_effort_writers=0, critical_cpus=0.1, prefault_object_store=prefault)
-    learner = Learner.remote()
     eng.register("policy", learner)
     before = ray.get(learner.__ray_call__.remote(resident, 60 if prefault else 0), timeout=90)
     saved = ray.get(learner.get.remote())

@@ -43,12 +43,12 @@ def wait_restarted(actor, old_pid, timeout=60):
 
 
 def test_exact_resume_after_killed_learner(engine_factory):
-    ref = remote(Learner).remote(seed=1)
-    ray.get(ref.train.remote(6))
-    expected = ray.get(ref.snapshot.remote())
-
+    ref = remote(Learner).remote(seed=1)  # the uninterrupted run; starts while the engine does
+    trained = ref.train.remote(6)
     learner = remote(Learner, max_restarts=1).remote(seed=1)
     eng = engine_factory(keep_last=2, **LEAN)
+    ray.get(trained)
+    expected = ray.get(ref.snapshot.remote())
     register_learner(eng, learner)
     for step in (1, 2, 3):
         ray.get(learner.train.remote())
