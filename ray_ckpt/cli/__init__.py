@@ -3,8 +3,10 @@
     ray-ckpt ls      URI [--json]
     ray-ckpt show    URI VERSION [--json] [--max-leaves N]
     ray-ckpt verify  URI [VERSION | --all] [--progress | --no-progress] [--json]
-    ray-ckpt gc      URI --keep-last N [--keep-every K] [--keep-best METRIC:max|min:N] [--partial] [--dry-run] [--json]
-    ray-ckpt export  URI VERSION --state NAME --to DIR [--rank R] [--force] [--json]
+    ray-ckpt gc      URI --keep-last N [--keep-every K] [--keep-best METRIC:max|min:N] [--partial] [--dry-run]
+                     [--progress | --no-progress] [--json]
+    ray-ckpt export  URI VERSION --state NAME --to DIR|FILE.safetensors [--rank R] [--max-shard-size SIZE]
+                     [--force] [--progress | --no-progress] [--json]
     ray-ckpt demo    [ARGS...]
 
 URI is a run's root on either tier: the directory or prefix that directly holds the version

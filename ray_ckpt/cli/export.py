@@ -1,6 +1,7 @@
 """``ray-ckpt export URI [VERSION] --state NAME --to DIR|FILE.safetensors [--rank R] [--max-shard-size SIZE]
-[--force] [--json]``: verify one state's part, then write it as plain safetensors (its tensor leaves)
-+ JSON (its structure and other leaves) + Arrow IPC files (its tables), all or nothing.
+[--force] [--progress | --no-progress] [--json]``: verify one state's part, then write it as plain
+safetensors (its tensor leaves) + JSON (its structure and other leaves) + Arrow IPC files (its
+tables), all or nothing.
 
 A sharded (DTensor) state is exported as its full tensors, assembled from every rank's chunks
 (unless ``--rank`` asks for one rank's local part). ``--to FILE.safetensors`` writes the tensors
@@ -21,6 +22,7 @@ from ..formats.manifest import Manifest, StateEntry
 from ..storage import layout
 from ..storage.local_files import local_atomic
 from .common import EXIT_OK, CliError, UsageError, add_json_flag, human, non_negative_int, print_json, say
+from .progress import AUTO_BYTES, Progress, add_progress_flags, wanted
 from .run_view import Run, command_parser, add_version_argument
 
 
@@ -111,14 +113,23 @@ def _check_arguments(args: argparse.Namespace) -> Tuple[Path, Path, Path]:
     return out_dir, st_path, json_path
 
 
-def _read_state(run: Run, m: Manifest, name: str, rank: int) -> Tuple[StateEntry, List[Any], Any]:
-    """(entry, its files, the decoded state): every file verified (size and checksum) on the way."""
+def _read_state(run: Run, m: Manifest, name: str, rank: int, show: Optional[bool] = None
+                ) -> Tuple[StateEntry, List[Any], Any]:
+    """(entry, its files, the decoded state): every file verified (size and checksum) on the way,
+    with progress per file read (``show``: None = from ``AUTO_BYTES`` on)."""
     entry = _stored_entry(m, name)
     files = rank_files(entry, name, rank)
+    total = sum(f.size for f in files)
+    progress = Progress(total, total >= AUTO_BYTES if show is None else show, "export: reading")
+    bufs: List[Any] = []
     try:
-        bufs, _tier, _problems = read_files([run.tier], files)
+        for f in files:
+            bufs += read_files([run.tier], [f])[0]
+            progress.add(f.size)
     except CheckpointError as exc:
         raise CliError(f"cannot export state {name!r} of version {m.version}: {one_line(exc)}") from None
+    finally:
+        progress.finish()
     try:
         return entry, files, decode_files(files, bufs, name=name, as_numpy=False)
     except CheckpointError as exc:
@@ -206,11 +217,12 @@ def _run_file(args: argparse.Namespace) -> int:
         source, what = [f.path for f in entry.all_files()], "full tensors merged from every rank's chunks"
     else:
         rank = 0 if args.rank is None else args.rank
-        entry, files, state = _read_state(run_, m, name, rank)
-        from ..formats.shards import iter_tensor_leaves
-        from ..formats.tree import leaf_key
+        entry, files, state = _read_state(run_, m, name, rank, args.progress)
+        from ..formats.tree import flatten
 
-        tensors = {leaf_key(p): t for p, t in iter_tensor_leaves(state)}
+        flat = flatten(state, state_name=name)  # torch and numpy array leaves, named by key path
+        typed = [(info["name"], _to_torch(arr, info)) for arr, info in zip(flat.arrays, flat.leaf_info)]
+        tensors = {k: t for k, (t, has_dtype) in typed if has_dtype}
         source, what, nread = [f.path for f in files], f"rank {rank}'s part", sum(f.size for f in files)
     tensors = {k: t.contiguous() for k, t in tensors.items()}
     plan = _plan_shards(tensors, stem, args.max_shard_size)
@@ -223,10 +235,13 @@ def _run_file(args: argparse.Namespace) -> int:
             "ray_ckpt.state": name}
     out_dir.mkdir(parents=True, exist_ok=True)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
+    progress = Progress(total, wanted(args, total >= AUTO_BYTES and len(plan) > 1), "export: writing")
     with contextlib.ExitStack() as stack:  # all files appear together, or none
+        stack.callback(progress.finish)
         for fname, keys in plan:
             tmp = stack.enter_context(local_atomic(str(out_dir / fname)))
             save_file({k: tensors[k] for k in keys}, tmp, metadata=meta)
+            progress.add(sum(tensors[k].numel() * tensors[k].element_size() for k in keys))
         if len(plan) > 1:
             tmp = stack.enter_context(local_atomic(str(outputs[-1])))
             index = {"metadata": {"total_size": total, **meta},
@@ -270,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
         files = entry.all_files()
     else:
         rank = 0 if args.rank is None else args.rank
-        entry, files, state = _read_state(run, m, name, rank)
+        entry, files, state = _read_state(run, m, name, rank, args.progress)
     flat = flatten(state, state_name=name)
     tensors, typed = {}, {}
     for i, (arr, info) in enumerate(zip(flat.arrays, flat.leaf_info)):
@@ -334,4 +349,5 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="with --to FILE.safetensors: split into Hugging Face shards of at most SIZE "
                         "(e.g. 5GB) with FILE.safetensors.index.json")
     s.add_argument("--force", action="store_true", help="overwrite existing output files")
+    add_progress_flags(s, auto="from 256 MiB on")
     add_json_flag(s)

@@ -1,5 +1,5 @@
 """``ray-ckpt gc URI --keep-last N [--keep-every K] [--keep-best METRIC:max|min:N] [--partial]
-[--dry-run] [--json]``: delete the committed versions a retention rule does not keep (the engine's
+[--dry-run] [--progress | --no-progress] [--json]``: delete the committed versions a retention rule does not keep (the engine's
 rules), never a file that a kept version refers to."""
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from ..storage import layout
 from ..storage.retention import RetentionPolicy, VersionInfo, plan_deletions
 from .common import (EXIT_OK, CliError, UsageError, add_json_flag, human, plural, positive_int, print_json, say,
                      vlist, warn)
+from .progress import Progress, add_progress_flags, wanted
 from .run_view import Run, command_parser, dir_files
+
+PROGRESS_AUTO_DIRS = 20  # gc shows progress by itself from this many directories to delete on
 
 _vdir = layout.version_dir
 
@@ -46,6 +49,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                         "version refers to any more are deleted without this flag")
     s.add_argument("--dry-run", "-n", action="store_true", help="print what would be deleted; delete nothing")
     s.add_argument("--verbose", "-v", action="store_true", help="list every file")
+    add_progress_flags(s, auto=f"from {PROGRESS_AUTO_DIRS} directories to delete on")
     add_json_flag(s)
 
 
@@ -131,17 +135,23 @@ def run(args: argparse.Namespace) -> int:
     if text:
         say(f"keeping {plural(len(plan.kept), 'version')}: {vlist(plan.kept)} (newest: {plan.newest})")
     n_versions = 0
+    # deleting from S3 is a few requests per file: hundreds of versions take minutes
+    progress = Progress(len(plan.targets), not dry and wanted(args, len(plan.targets) >= PROGRESS_AUTO_DIRS),
+                        "gc", unit="directories")
     try:
         for v, label, kind in plan.targets:
             d = _delete(run, plan, v, dry, n_versions)
             n_versions += kind == "version"
             doc["deleted"].append({"version": v, "kind": kind, **d})
-            if text:
+            progress.add()
+            if text and not (progress.enabled and progress.tty):  # a line per target would tear the bar
                 _print_target(f"{verb} {label}", d, args.verbose)
     except CliError as exc:
         if not text:  # what was deleted before the failure
             print_json({**doc, "error": str(exc)})
         raise
+    finally:
+        progress.finish()
     totals = {"versions_deleted": n_versions, "directories_deleted": len(doc["deleted"]) - n_versions,
               "files_deleted": sum(len(d["files"]) for d in doc["deleted"]),
               "bytes_deleted": sum(d["bytes"] for d in doc["deleted"])}

@@ -3,9 +3,6 @@ file the manifest(s) list and check its size and checksum (exit status 1 if anyt
 from __future__ import annotations
 
 import argparse
-import sys
-import threading
-import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import pyarrow.fs as pafs
@@ -17,9 +14,9 @@ from ..formats.manifest import FileEntry, Manifest
 from ..storage import layout
 from ..storage.tier import VERIFY_THREADS, Tier
 from .common import EXIT_OK, CliError, add_json_flag, human, plural, print_json, rank_order, say
+from .progress import AUTO_BYTES, Progress, add_progress_flags
 from .run_view import Run, command_parser, add_version_argument
 
-PROGRESS_AUTO_BYTES = 256 << 20  # verify shows progress by itself from this many bytes on
 
 
 SUMMARY = "re-read files and check sizes and checksums"
@@ -32,60 +29,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     g = s.add_mutually_exclusive_group()
     add_version_argument(g, "verify")
     g.add_argument("--all", action="store_true", help="verify every committed version")
-    pg = s.add_mutually_exclusive_group()
-    pg.add_argument("--progress", dest="progress", action="store_true", default=None,
-                    help="always show progress on stderr (default: only from 256 MiB on)")
-    pg.add_argument("--no-progress", dest="progress", action="store_false", help="never show progress")
+    add_progress_flags(s, auto="only from 256 MiB on")
     add_json_flag(s)
-
-
-class Progress:
-    """'verify: 1.2 GiB / 3.4 GiB (35%)' on stderr: rewritten in place on a terminal, one line per
-    10% otherwise. Plain text, no dependency."""
-
-    def __init__(self, total: int, enabled: bool, label: str = "verify"):
-        self.total, self.enabled, self.label = total, enabled and total > 0, label
-        self.done = 0
-        self.tty = sys.stderr.isatty()
-        self._last_t = 0.0
-        self._last_decile = -1
-        self._lock = threading.Lock()
-        self._t0 = time.monotonic()
-
-    def _rate_eta(self) -> str:
-        """', 180 MiB/s, 12s left' once a rate can be told (after a quarter of a second)."""
-        elapsed = time.monotonic() - self._t0
-        if elapsed < 0.25 or not self.done:
-            return ""
-        rate = self.done / elapsed
-        left = max(0.0, (self.total - self.done) / rate)
-        return f", {human(int(rate))}/s, {left:.0f}s left"
-
-    def add(self, n: int) -> None:
-        with self._lock:  # called from the threads hashing a file's blocks
-            self._add(n)
-
-    def _add(self, n: int) -> None:
-        self.done += n
-        if not self.enabled:
-            return
-        pct = int(100 * self.done / self.total) if self.total else 100
-        line = f"{self.label}: {human(self.done)} / {human(self.total)} ({pct}%){self._rate_eta()}"
-        if self.tty:
-            now = time.monotonic()
-            if now - self._last_t >= 0.2 or self.done >= self.total:
-                self._last_t = now
-                sys.stderr.write(f"\r{line}   ")
-                sys.stderr.flush()
-        elif pct // 10 > self._last_decile:
-            self._last_decile = pct // 10
-            sys.stderr.write(f"{line}\n")
-            sys.stderr.flush()
-
-    def finish(self) -> None:
-        if self.enabled and self.tty:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
 
 
 # ---------------------------------------------------------------- checking files
@@ -142,8 +87,8 @@ def check_files(tier: Tier, manifests: Dict[int, Manifest], progress_flag: Optio
             if (seen.size, seen.checksum) != (f.size, f.checksum):
                 conflicts[f.path] = ("CONFLICT", f"manifests disagree about its size or checksum (see version {v})")
     total = sum(f.size for f in unique.values())
-    enabled = (progress_flag is True) or (progress_flag is None and total >= PROGRESS_AUTO_BYTES)
-    progress = Progress(total, enabled)
+    enabled = (progress_flag is True) or (progress_flag is None and total >= AUTO_BYTES)
+    progress = Progress(total, enabled, "verify")
     results: Dict[str, Optional[Tuple[str, str]]] = {}
     try:
         for path, f in unique.items():
