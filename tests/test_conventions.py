@@ -68,8 +68,9 @@ def test_stateful_objects_register_as_they_are_and_restore_bit_exact(engine_fact
 
 def test_actor_method_saves_an_actor_attribute_through_its_state_dict(engine_factory):
     learner = remote(Learner).remote(seed=4)
-    ray.get(learner.train.remote(3))
+    trained = learner.train.remote(3)  # the learner starts while the engine does
     eng = engine_factory(remote_uri=None, **LEAN)
+    ray.get(trained)
     eng.register("model", rc.actor_method(learner, "model"))
     eng.register("optimizer", rc.actor_method(learner, "opt"))
     assert eng.save(1).result(timeout=60).states == ("model", "optimizer")
@@ -83,10 +84,10 @@ def test_actor_method_saves_an_actor_attribute_through_its_state_dict(engine_fac
 
 
 def test_save_handle_is_a_future_and_awaitable(engine_factory):
-    learner = remote(Learner).remote(seed=5)
+    learner, weird = remote(Learner).remote(seed=5), remote(Weird).remote()  # start while the engine does
     eng = engine_factory(remote_uri=None, critical_writers=1)
     eng.register("policy", learner)
-    eng.register("replay", remote(Weird).remote(), strategy=rc.Strategy.BEST_EFFORT)
+    eng.register("replay", weird, strategy=rc.Strategy.BEST_EFFORT)
     h = eng.save(1)
     called = threading.Event()
     h.add_done_callback(lambda handle: called.set())

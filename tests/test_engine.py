@@ -304,10 +304,10 @@ def test_reloadable_state_is_stored_once(engine_factory, tmp_path, run_name):
 
 
 def test_best_effort_failure_is_reported_not_fatal(engine_factory):
-    learner = remote(Learner).remote(seed=8)
+    learner, weird = remote(Learner).remote(seed=8), remote(Weird).remote()  # start while the engine does
     eng = engine_factory()
     eng.register("policy", learner)
-    eng.register("replay", remote(Weird).remote(), strategy=rc.Strategy.BEST_EFFORT)
+    eng.register("replay", weird, strategy=rc.Strategy.BEST_EFFORT)
     h = eng.save(1)
     assert h.wait(timeout=60).version == 1                      # the commit does not wait for it
     h.wait(timeout=60, best_effort=True)                        # this does: written or reported

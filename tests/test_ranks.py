@@ -60,8 +60,8 @@ def wait_until(pred, timeout=60):
 
 
 def test_version_commits_when_every_rank_pushed_and_restores_per_rank(engine_factory, run_name):
-    eng = engine_factory(**LEAN)
     ranks = [Rank.remote(run_name, r) for r in range(2)]
+    eng = engine_factory(**LEAN)
     eng.register("shard", ranks, world_size=2)
     assert ray.get(ranks[0].train_and_submit.remote(1)) < 2.0  # returns before rank 1 pushed: never waits for the commit
     wait_until(lambda: 1 in eng.status()["in_flight"])
@@ -84,8 +84,8 @@ def test_version_commits_when_every_rank_pushed_and_restores_per_rank(engine_fac
 def test_pushed_versions_take_their_upload_turns_by_the_ranks_count(engine_factory, run_name, tmp_path):
     """remote_every=2 with pushed states: the ranks' 2nd and 4th pushes (steps 20 and 40) are
     uploaded, whatever order the versions commit in."""
-    eng = engine_factory(remote_every=2, keep_last=10, remote_keep_last=10, best_effort_writers=0)
     ranks = [Rank.remote(run_name, r) for r in range(2)]
+    eng = engine_factory(remote_every=2, keep_last=10, remote_keep_last=10, best_effort_writers=0)
     eng.register("shard", ranks, world_size=2)
     for step in (10, 20, 30, 40):
         ray.get([r.train_and_submit.remote(step) for r in ranks])
@@ -97,8 +97,8 @@ def test_pushed_versions_take_their_upload_turns_by_the_ranks_count(engine_facto
 
 
 def test_ranks_at_different_steps_fail_the_version(engine_factory, run_name):
-    eng = engine_factory(**LEAN)
     ranks = [Rank.remote(run_name, r) for r in range(2)]
+    eng = engine_factory(**LEAN)
     eng.register("shard", world_size=2)
     ray.get(ranks[0].train_and_submit.remote(2))
     wait_until(lambda: 2 in eng.status()["in_flight"])  # the coordinator runs calls from two callers in any order
@@ -111,8 +111,8 @@ def test_ranks_at_different_steps_fail_the_version(engine_factory, run_name):
 
 
 def test_missing_rank_times_out_loudly_without_blocking_later_versions(engine_factory, run_name, tmp_path):
-    eng = engine_factory(rank_timeout_s=2.0, **LEAN)
     ranks = [Rank.remote(run_name, r) for r in range(2)]
+    eng = engine_factory(rank_timeout_s=2.0, **LEAN)
     eng.register("shard", world_size=2)
     ray.get(ranks[0].train_and_submit.remote(5))   # rank 1 is silent (hung, or lost)
     status, msg = ray.get(ranks[0].wait_saved.remote(5, timeout=30))
