@@ -262,7 +262,7 @@ class CheckpointEngine:
         its ranks open by pushing first then waits for the driver's save instead of committing
         without it, so ``h = engine.save(step)`` then the ranks' ``submit(step, ...)`` needs no
         wait for the open in between, in whichever order the calls arrive."""
-        if self._owner:
+        if self._owner and any(r.world_size is not None for r in self._registry.values()):  # ranks push
             names = [n for n, r in self._registry.items() if r.world_size is None]
             self._call(lambda c: c.expect_driver.remote(names), "the driver-side states")
 
@@ -299,6 +299,7 @@ class CheckpointEngine:
                    f"declaring {name!r}")
         self._registry[name] = Registration(name, None, strat, bool(allow_pickle), world_size, handles,
                                             bool(replicated))
+        self._expect_driver()
         # ranks push from their own processes: submit() starts their prefault
 
     def submit(self, step: int, name: str, state: Any, rank: int = 0, *,
