@@ -31,7 +31,7 @@ from .ownership import DEFAULT_LEASE_S, claim
 from .protocol import Declaration, PartPlan
 from .providers import Registration, rank_provider, resolve
 from .snapshot import (ActorProvider, CallableProvider, capture, mailbox_name, open_mailbox, read_state,
-                       prefault_needed_in_actor, receive_in_actor, snapshot_in_actor, snapshot_overlapped, snapshot_overlapped_in_actor,
+                       prefault_needed_in_actor, receive_in_actor, snapshot_in_actor, stateful_methods, snapshot_overlapped, snapshot_overlapped_in_actor,
                        tiers_of)
 from .storage.layout import validate_name
 from .types import CheckpointMeta, OnBusy, RestoreReport, SaveResult, StateReport, Strategy
@@ -273,9 +273,9 @@ class CheckpointEngine:
         if not self.config.prefault_object_store:
             if self.config.prefault_needed and name is not None:  # only the pages its first saves use
                 if isinstance(prov, ActorProvider):
-                    prov.handle.__ray_call__.remote(prefault_needed_in_actor, prov.get, prov.attribute, name)
-                elif prov.fn is not None:
-                    try:
+                    prov.handle.__ray_call__.remote(prefault_needed_in_actor, prov.attribute, name)
+                elif prov.fn is not None and stateful_methods(getattr(prov.fn, "__self__", None)):
+                    try:  # a torch Stateful object's state_dict() has no side effects
                         prefault_needed(state_nbytes(prov.fn()), name)
                     except Exception:  # not ready yet: nothing mapped ahead
                         pass

@@ -158,7 +158,9 @@ def prefault_needed(nbytes: int, name: str, copies: int = 2) -> PrefixStatus:
         if _thread is not None or _needed.get(name, -1) >= nbytes:
             return _prefix
         _needed[name] = nbytes
-        _prefix.target = max(_prefix.target, PREFIX_MARGIN + copies * sum(_needed.values()))
+        # "__actor__": an actor's whole holding, measured at register; named states: their snapshots
+        states = sum(v for k, v in _needed.items() if k != "__actor__")
+        _prefix.target = max(_prefix.target, PREFIX_MARGIN + copies * max(states, _needed.get("__actor__", 0)))
         if not _prefix.running and _prefix.done < _prefix.target:
             _prefix.running = True
             threading.Thread(target=_populate_prefix, name="ray_ckpt-prefault-needed", daemon=True).start()

@@ -428,14 +428,53 @@ def receive_in_actor(actor: Any, method: str, refs: List[Any]) -> Any:
     return getattr(actor, method)(state_from_snapshot(refs[0]))
 
 
-def prefault_needed_in_actor(actor: Any, getter: str, attribute: Optional[str], name: str) -> int:
-    """Runs in a provider actor at ``register``: map the object-store pages its first saves of
-    state ``name`` will use (its size counted without copying anything), in the background."""
+def actor_tensor_bytes(actor: Any) -> int:
+    """Bytes of the tensors and arrays an actor holds (its modules' parameters and buffers, its
+    optimizers' state, tensors and arrays among its attributes), each memory block counted once:
+    an upper bound of what its states' snapshots put in the store, found without calling its getter
+    (which may have side effects)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    seen, total = set(), 0
+
+    def add(x: Any) -> None:
+        nonlocal total
+        if torch is not None and isinstance(x, torch.Tensor):
+            key, n = (x.data_ptr(), x.numel() * x.element_size())
+        elif isinstance(x, np.ndarray):
+            key, n = (x.__array_interface__["data"][0], x.nbytes)
+        else:
+            return
+        if n and key not in seen:
+            seen.add(key)
+            total += n
+
+    for obj in candidates(actor):
+        if torch is not None and isinstance(obj, torch.nn.Module):
+            for t in obj.state_dict().values():
+                add(t)
+        elif torch is not None and isinstance(obj, torch.optim.Optimizer):
+            for st in obj.state.values():
+                for v in (st.values() if isinstance(st, dict) else ()):
+                    add(v)
+        else:
+            add(obj)
+    return total
+
+
+def prefault_needed_in_actor(actor: Any, attribute: Optional[str], name: str) -> int:
+    """Runs in a provider actor at ``register``: map the object-store pages its first saves will
+    use (sized from what the actor holds, without calling its getter), in the background."""
     try:
-        nbytes = state_nbytes(_actor_get(actor, getter, attribute, name))
-    except Exception:  # not ready to give its state yet: its first snapshot maps the pages instead
+        if attribute is not None:  # a torch Stateful attribute: its state_dict() has no side effects
+            nbytes = state_nbytes(getattr(actor, attribute).state_dict())
+            key = name
+        else:
+            nbytes, key = actor_tensor_bytes(actor), "__actor__"  # every state of this actor at once
+    except Exception:  # its first snapshot maps the pages instead
         return 0
-    prefault_needed(nbytes, name)
+    prefault_needed(nbytes, key)
     return nbytes
 
 
