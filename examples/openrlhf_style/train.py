@@ -285,19 +285,6 @@ def start_group(run: str, world: int, seed: int) -> list:
     return ranks
 
 
-def wait_opened(engine: rc.CheckpointEngine, handle: rc.SaveHandle, timeout: float = 60.0) -> None:
-    """Wait until the coordinator has opened the version of ``handle`` (usually one round trip).
-
-    A version is opened by whichever call reaches the coordinator first; the driver's save() must
-    be that one, or it is refused. Ray orders calls per caller, not across callers, so the ranks
-    (other callers) are told to submit only once the version is known to be open."""
-    deadline = time.monotonic() + timeout
-    while handle.step not in engine.status()["in_flight"] and not handle.done():
-        if time.monotonic() > deadline:
-            raise rc.SaveError(f"version {handle.step} was not opened within {timeout}s")
-        time.sleep(0.001)
-
-
 def train(run: str, local_dir: str, remote_uri: Optional[str], steps: int, save_every: int,
           kill_at: Optional[int] = None, seed: int = 0, world: int = 2, resume_world: int = 3):
     engine = rc.CheckpointEngine.create(run, local_dir=local_dir, remote_uri=remote_uri, keep_last=3,
@@ -315,7 +302,7 @@ def train(run: str, local_dir: str, remote_uri: Optional[str], steps: int, save_
     for name in ("policy", "optim"):
         engine.register(name, world_size=world)
 
-    st = {"save_ms": [], "open_ms": [], "submit_ms": [], "versions": {}, "restore_s": None, "restored": None,
+    st = {"save_ms": [], "submit_ms": [], "versions": {}, "restore_s": None, "restored": None,
           "regroup_s": None,
           "worlds": [world], "restored_identical": None, "mismatched": []}
     saved_full: Dict[int, object] = {}     # step -> the group's full state when it saved (a ref until resolved)
@@ -353,11 +340,8 @@ def train(run: str, local_dir: str, remote_uri: Optional[str], steps: int, save_
             r.update.remote(len(batches), *batches, *ref_logp)
         if step % save_every == 0:
             t0 = time.perf_counter()
-            h = engine.save(step)                        # reference + dataloader; opens version `step`
-            t1 = time.perf_counter()
-            wait_opened(engine, h)
-            st["save_ms"].append((t1 - t0) * 1e3)
-            st["open_ms"].append((time.perf_counter() - t1) * 1e3)
+            h = engine.save(step)  # reference + dataloader; opens version `step` (or joins it: no wait)
+            st["save_ms"].append((time.perf_counter() - t0) * 1e3)
             handles.append(h)
             saved_full[step] = [r.full_state.remote() for r in ranks][0]  # what this version must hold
             submit_refs += [r.save_checkpoint.remote(step) for r in ranks]  # ranks push their shards
@@ -494,7 +478,6 @@ def main(argv=None) -> int:
     rows = [("steps", str(st["steps_done"])), ("learner ranks", " -> ".join(map(str, st["worlds"]))),
             ("saves", str(len(st["save_ms"]))),
             ("median save() call (driver)", f"{statistics.median(st['save_ms']):.2f} ms"),
-            ("median wait for version open", f"{statistics.median(st['open_ms']):.2f} ms"),
             ("median submit() call (rank)", f"{statistics.median(st['submit_ms']):.2f} ms")]
     for v, info in sorted(versions.items()):
         where = "reference written" if info["reference_path"].startswith(f"v{v:012d}/") else \
@@ -519,7 +502,7 @@ def main(argv=None) -> int:
     RESULTS.clear()
     RESULTS.update(restored_identical=same, mismatched=st["mismatched"], versions=versions,
                    reference_once=ref_once, worlds=st["worlds"], steps_done=st["steps_done"],
-                   restored_version=rep.version if rep else None, save_ms=st["save_ms"], open_ms=st["open_ms"],
+                   restored_version=rep.version if rep else None, save_ms=st["save_ms"],
                    submit_ms=st["submit_ms"], restore_s=st["restore_s"])
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)
