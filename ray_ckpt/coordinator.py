@@ -63,6 +63,7 @@ DECLARED = "declared_states.json"  # pushed-state declarations, so a restarted c
 BATCH_WINDOW_S = 0.005
 BATCH_PARTS = 128  # parts per writer call at most (spread over the pool's writers)
 SWITCH_INTERVAL_S = 0.0005
+UPLOAD_FILES_PER_CALL = 16  # files per writer upload call: the grain of upload_progress
 DRIVER_STATES = "driver_states.json"  # the states the driver's save() brings (Catalogue.expect_driver)
 
 
@@ -157,6 +158,7 @@ class CheckpointCoordinator:
                 self.metrics.last_committed(tier, found[max(found)].created_at)
         self.background: Set[asyncio.Future] = set()  # writes (with commit and retention), uploads
         self._outbox: Dict[int, List[Tuple[Any, Any, int]]] = {}  # version -> parts gathered for a batch
+        self.upload_bytes: Dict[int, Tuple[int, int]] = {}  # version -> (uploaded, to upload): upload_progress
         # the run's fencing token (see ownership.py): the creating engine sets it; a coordinator
         # Ray restarted takes it from the owner record if that record is its own job's
         self.owner_token: Optional[int] = None
@@ -647,8 +649,9 @@ class CheckpointCoordinator:
                 if self.uploads.should_stop(version, manifest):  # e.g. a re-sync queued behind a failure
                     return
                 files = self.uploads.files_to_upload(manifest)
+                self._note_upload(version, 0, sum(f.size for f in files))
                 try:
-                    await self._copy_files(files)
+                    await self._copy_files(files, version)
                     self.uploads.files_uploaded(files)
                     taken_over = await asyncio.to_thread(self._fence, self.remote)
                     if taken_over:
@@ -668,6 +671,7 @@ class CheckpointCoordinator:
                     backoff = min(backoff * 2, 30.0)
                     continue
                 uploaded = self.uploads.succeeded(version, manifest, files)
+                self._note_upload(version, self.upload_bytes[version][1], self.upload_bytes[version][1])
                 self.metrics.committed("remote", time.perf_counter() - self.accepted_at.get(version, 0.0), uploaded)
                 fut = self._remote_future(version)
                 if not fut.done():
@@ -676,13 +680,32 @@ class CheckpointCoordinator:
         await self._apply_remote_retention()
         await self._apply_retention()  # a local version held back for its upload may go now
 
-    async def _copy_files(self, files: List[Any]) -> None:
-        """Each file is uploaded by a writer on the node whose local tier holds it."""
+    async def _copy_files(self, files: List[Any], version: Optional[int] = None) -> None:
+        """Each file is uploaded by a writer on the node whose local tier holds it, in calls of at
+        most ``UPLOAD_FILES_PER_CALL`` files, so that ``upload_progress`` moves as they end."""
         by_node: Dict[str, list] = {}
         for f in files:
             by_node.setdefault(self.file_nodes.get(f.path, self.node_id), []).append(f)
-        await asyncio.gather(*[self.pools.least_busy(self.pools.critical_on(node)).upload.remote(fs)
-                               for node, fs in by_node.items()])
+
+        async def one(node: str, fs: List[Any]) -> None:
+            await self.pools.least_busy(self.pools.critical_on(node)).upload.remote(fs)
+            if version in self.upload_bytes:
+                done, total = self.upload_bytes[version]
+                self._note_upload(version, done + sum(f.size for f in fs), total)
+
+        await asyncio.gather(*[one(node, fs[i:i + UPLOAD_FILES_PER_CALL]) for node, fs in by_node.items()
+                               for i in range(0, len(fs), UPLOAD_FILES_PER_CALL)])
+
+    def _note_upload(self, version: int, done: int, total: int) -> None:
+        self.upload_bytes[version] = (done, total)
+        while len(self.upload_bytes) > 64:  # bookkeeping for the waits of recent versions only
+            del self.upload_bytes[min(self.upload_bytes)]
+
+    @ray.method(concurrency_group="queries")
+    def upload_progress(self, version: int) -> Optional[Tuple[int, int]]:
+        """(bytes uploaded, bytes to upload) of ``version``'s current upload attempt, or None
+        before it starts (``SaveHandle.wait(durability="remote", progress=True)`` shows it)."""
+        return self.upload_bytes.get(version)
 
     async def _give_up_upload(self, version: int, msg: str) -> None:
         """Remove what the attempts left on the remote tier (never listed: no manifest), then fail

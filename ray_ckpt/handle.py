@@ -113,11 +113,13 @@ class SaveHandle:
         return bool(ready)
 
     def wait(self, timeout: Optional[float] = None, durability: str = "local",
-             best_effort: bool = False) -> SaveResult:
+             best_effort: bool = False, progress: bool = False) -> SaveResult:
         """Block until the version is committed on the ``durability`` tier ("local" or "remote").
 
         ``best_effort=True`` also waits for the version's best-effort parts to be written or
-        reported missing (a commit never waits for them)."""
+        reported missing (a commit never waits for them). ``progress=True`` with
+        ``durability="remote"`` shows the upload on stderr as it goes (``version 100 upload:
+        1.2 GiB / 3.4 GiB (35%), 80 MiB/s, 27s left``), as the CLI shows its long work."""
         if self.skipped:
             return SaveResult(None, self.step, 0, "skipped")
         if durability not in ("local", "remote"):
@@ -138,6 +140,11 @@ class SaveHandle:
             if self._ack is not None:  # a rejected push raises its own error, not the version's
                 t0 = time.monotonic()
                 ray.get(self._ack, timeout=timeout)
+                if timeout is not None:
+                    timeout = max(0.0, timeout - (time.monotonic() - t0))
+            if progress and durability == "remote":
+                t0 = time.monotonic()
+                _show_upload(coord, self.version, ref, timeout)
                 if timeout is not None:
                     timeout = max(0.0, timeout - (time.monotonic() - t0))
             d = ray.get(ref, timeout=timeout)
@@ -231,3 +238,30 @@ class SaveHandle:
         import asyncio
 
         return asyncio.get_event_loop().run_in_executor(None, self.wait).__await__()
+
+
+def _show_upload(coord: Any, version: int, ref: Any, timeout: Optional[float], every: float = 1.0) -> None:
+    """Show the upload of ``version`` (``coordinator.upload_progress``) until ``ref`` (its remote
+    wait) is ready or ``timeout`` passes; the caller then takes the result or the timeout error."""
+    from .progress import Progress
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    bar: Optional[Progress] = None
+    while True:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, _ = ray.wait([ref], timeout=every if left is None else min(every, left))
+        try:
+            now = ray.get(coord.upload_progress.remote(version), timeout=10)
+        except Exception:  # the coordinator is busy or gone: the wait itself reports that
+            now = None
+        if now is not None and now[1] > 0:
+            if bar is None or bar.total != now[1]:  # a retried attempt starts over
+                if bar is not None:
+                    bar.finish()
+                bar = Progress(now[1], True, f"version {version} upload")
+            if now[0] > bar.done:
+                bar.add(now[0] - bar.done)
+        if ready or left == 0.0:
+            break
+    if bar is not None:
+        bar.finish()

@@ -9,6 +9,8 @@ import json
 import sys
 from typing import Any, Callable, List, Optional, Sequence
 
+from ..progress import human  # noqa: F401  (the commands import it from here)
+
 PROG = "ray-ckpt"
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -54,19 +56,6 @@ def print_json(doc: Any) -> None:
 
 
 # ---------------------------------------------------------------- formatting
-def human(n: Optional[int]) -> str:
-    if n is None:
-        return "-"
-    if n < 1024:
-        return f"{n} B"
-    x = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        x /= 1024.0
-        if x < 1024 or unit == "PiB":
-            return f"{x:.1f} {unit}"
-    return f"{n} B"  # pragma: no cover
-
-
 def iso_time(ts: Optional[float]) -> str:
     if ts is None:
         return "-"
