@@ -31,6 +31,7 @@ That path cannot run on the build machine (no GPU): it is written, not measured.
 from __future__ import annotations
 
 import bisect
+import logging
 import os
 import queue
 import threading
@@ -40,6 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 CHECK_ENV = "RAY_CKPT_OVERLAP_CHECK"
+
+log = logging.getLogger("ray_ckpt.overlap")
 
 
 def check_enabled() -> bool:
@@ -150,8 +153,8 @@ class OverlapCopier:
                 job.done.set()
             try:
                 self.deliver(job)
-            except Exception:  # the receiving side reports a snapshot that never arrives
-                pass
+            except Exception as exc:  # the writer waiting for it fails the version; say why here too
+                log.error("state %r: the finished copy could not be announced to its writer: %s", job.name, exc)
             job.flat = None  # the views into the live state are not kept past the copy
             job.result = None  # the receiver holds the copy now
 
