@@ -236,7 +236,7 @@ class Catalogue:
     @staticmethod
     def _shard_part(pv: PendingVersion, name: str, rank: int, record: Optional[dict]) -> None:
         """Collect a written part's shard record; once every part of a state with DTensors is
-        written, build its index (``formats.shards.index_of``). Ranks that disagree on a tensor,
+        written, build its index (``formats.shard_index.index_of``). Ranks that disagree on a tensor,
         chunks that do not tile it, or a rank without the DTensors the others have fail the
         version (a best-effort state is reported missing instead): it could not be restored."""
         recs = pv.shard_records.setdefault(name, {})
@@ -251,7 +251,7 @@ class Catalogue:
             if plain:
                 raise SaveError(f"ranks {plain} pushed no DTensor leaves while ranks "
                                 f"{sorted(r for r in recs if r not in plain)} did")
-            from .formats.shards import index_of
+            from .formats.shard_index import index_of
 
             index = index_of(recs[r] for r in sorted(recs)).to_json()
             index["heads"] = {str(r): recs[r]["head"] for r in sorted(recs)[:1]}  # rank 0's header

@@ -75,22 +75,22 @@ def shard_record(flat: Flat, rel: str, piece_size: Optional[int] = None) -> Opti
     """The shard record of a part written as the safetensors file ``rel`` (``write_flat``), or None
     when the part has no DTensor leaf.
 
-    It is ``formats.shards.part_record`` (every stored DTensor chunk: its box in the global tensor,
+    It is ``formats.shard_index.part_record`` (every stored DTensor chunk: its box in the global tensor,
     its byte offset in ``rel``, xxh3-128 digests per piece) plus ``"head"``: the file's header
     length and digest and, for every other array of the part (non-sharded tensors such as AdamW's
     ``step``), its offset, size and digest. With these a reader of another layout reads only the
     header and the byte ranges it needs, each verified, never the whole file. The offsets come from
     the same header ``write_flat`` writes (serialisation is deterministic): nothing is read back."""
-    from .formats import shards
+    from .formats import shard_index
     from .formats.tree import pieces_of, walk_sharded
 
     sharded = {node["DT"] for _, node in walk_sharded(flat.structure)}
     if not sharded:
         return None
     head, _order = safetensors_io._header(flat)
-    offsets = shards.safetensors_array_offsets(head)
+    offsets = shard_index.safetensors_array_offsets(head)
     kw = {} if piece_size is None else {"piece_size": piece_size}
-    rec = shards.part_record(flat, rel, offsets, **kw)
+    rec = shard_index.part_record(flat, rel, offsets, **kw)
     plain = []
     for i, arr in enumerate(flat.arrays):
         if i in sharded:

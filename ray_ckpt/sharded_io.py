@@ -24,7 +24,7 @@ import xxhash
 from .checkpoint_io import decode_files, rank_files, read_files
 from .errors import IntegrityError, RestoreError, one_line
 from .formats import safetensors_io
-from .formats.manifest import FileEntry, StateEntry
+from .formats.manifest import StateEntry
 from .formats.tree import leaf_key, unflatten, walk_sharded
 from .storage.tier import Tier
 from .types import StateReport
@@ -89,7 +89,7 @@ def _digest_check(want: str, what: str) -> Callable[[Any], None]:
 
 
 def index_of_entry(entry: StateEntry, name: str) -> Any:
-    from .formats.shards import ShardIndex
+    from .formats.shard_index import ShardIndex
 
     try:
         return ShardIndex.from_json(entry.shards)

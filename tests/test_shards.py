@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from ray_ckpt.errors import IntegrityError, RestoreError
-from ray_ckpt.formats import shards
-from ray_ckpt.formats.shards import (ChunkMeta, PieceHasher, ShardedTensorMeta, ShardIndex, StoredChunk,
-                                     assemble_full, box_ranges, index_of, load_chunk, load_into_tensor,
-                                     piece_digests, pieces_for_range, plan_bytes, plan_reads, verify_pieces)
+from ray_ckpt.formats import shard_index, shards
+from ray_ckpt.formats.pieces import PieceHasher, piece_digests, pieces_for_range, verify_pieces
+from ray_ckpt.formats.shard_index import ChunkMeta, ShardedTensorMeta, ShardIndex, StoredChunk, index_of
+from ray_ckpt.formats.shards import (assemble_full, box_ranges, load_chunk, load_into_tensor, plan_bytes,
+                                     plan_reads)
 from ray_ckpt.formats.tree import flatten, sharded_leaves, unflatten
 
 MiB = 1 << 20
@@ -311,7 +312,7 @@ def test_safetensors_array_offsets():
     flat = flatten({"a": torch.arange(5, dtype=torch.int16), "b": torch.randn(3, 2, dtype=torch.float64),
                     "c": np.arange(4, dtype=np.uint8)})
     blob = b"".join(bytes(memoryview(p).cast("B")) for p in safetensors_io.segments(flat))
-    offs = shards.safetensors_array_offsets(blob)
+    offs = shard_index.safetensors_array_offsets(blob)
     for off, arr in zip(offs, flat.arrays):
         assert blob[off: off + arr.nbytes] == arr.tobytes()
 
@@ -389,7 +390,7 @@ def _write_part(tmp, rank, state):
             offsets.append(pos)
             f.write(arr.tobytes())
             pos += arr.nbytes
-    rec = shards.part_record(flat, f"rank{rank}", offsets, piece_size=256)
+    rec = shard_index.part_record(flat, f"rank{rank}", offsets, piece_size=256)
     with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
         json.dump(rec, f)
     with open(os.path.join(tmp, f"rank{rank}.structure.json"), "w") as f:
@@ -443,8 +444,8 @@ def _restore_fsdp(rank, world, tmp, nsaved):
     model = _fsdp(_mlp(12345), mesh)  # other values
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train_step(model, opt, 7)  # creates the moments to fill
-    index = shards.index_of(json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(nsaved))
-    index = shards.ShardIndex.from_json(index.dumps())
+    index = shard_index.index_of(json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(nsaved))
+    index = shard_index.ShardIndex.from_json(index.dumps())
     counter = {}
     read = shards.file_reader({f"rank{r}": os.path.join(tmp, f"rank{r}.bin") for r in range(nsaved)}, counter)
     target = {"model": model.state_dict(), "optim": opt.state_dict()}

@@ -58,7 +58,7 @@ class StateEntry:
     content_hash: Optional[str] = None  # RELOADABLE: digest of rank 0's files
     detail: str = ""
     replicated: bool = False
-    # a sharded (DTensor) state: its shard index (``formats.shards.ShardIndex.to_json()``: every
+    # a sharded (DTensor) state: its shard index (``formats.shard_index.ShardIndex.to_json()``: every
     # tensor's global shape, dtype and stored chunks with per-piece digests) plus ``"heads"``, where
     # rank 0's file keeps its header and non-sharded leaves; None (absent from the JSON) otherwise
     shards: Optional[Dict[str, Any]] = None

@@ -190,7 +190,7 @@ class Tier:
     def read_range(self, rel: str, begin: int, end: int) -> Any:
         """Bytes ``[begin, end)`` of ``rel`` in fresh writable memory: one ranged read (locally a
         ``pread`` of the regular file reached without following links; on an object store a ranged
-        GET). Not verified here: the caller checks them against per-piece digests (``formats.shards``).
+        GET). Not verified here: the caller checks them against per-piece digests (``formats.pieces``).
         Raises FileNotFoundError, IntegrityError (a short read: the file is shorter than ``end``;
         locally a link or special file in its place) or the filesystem's OSError."""
         if begin < 0 or end < begin:
