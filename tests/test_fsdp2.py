@@ -14,7 +14,6 @@ so the actors' start-up (Python, torch) is paid once for every world size:
 """
 from __future__ import annotations
 
-import socket
 import sys
 import time
 
@@ -22,34 +21,18 @@ import pytest
 import ray
 import torch
 
+import gloo_util
 import ray_ckpt as rc
+from gloo_util import free_port, mlp, same_bits
 
 pytestmark = pytest.mark.timeout(180)
 
 # tests/ is not importable in Ray workers: ship this module's actor and helpers by value
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+ray.cloudpickle.register_pickle_by_value(gloo_util)
 
 POOL = 8
 STEP = 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and \
-        a.reshape(-1).view(torch.uint8).numpy().tobytes() == b.reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def mlp(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    # rows 10, 7, 5: uneven on 3, 4 and 8 ranks; a bias of 5 leaves empty chunks on 4 and 8 ranks
-    return torch.nn.Sequential(torch.nn.Linear(12, 10), torch.nn.ReLU(), torch.nn.Linear(10, 7),
-                               torch.nn.ReLU(), torch.nn.Linear(7, 5))
-
 
 # the 2-D mesh state: key -> (global shape, placements on the 2 x 2 (dp, tp) mesh, on the 1-D mesh of 2)
 MESH2D = {"w_rowwise": ((9, 7), ("S0", "S1"), "S0"),    # FSDP x TP row-wise: uneven on both dims

@@ -5,19 +5,20 @@ driver assembles full tensors with ``engine.load(name, rank=None)`` and fills pl
 ``load_into`` (strict key / shape / dtype errors); a corrupt local piece is read from the remote
 tier; plain per-rank parts refuse another world size before anything changes; one rank of an 8-way
 restore reads about its own share (same code path as load_into, without Ray); export and show.
-Restores into FSDP2 models on other world sizes (2, 3, 8) and the 2-D mesh: tests/test_fsdp2.py."""
+Restores into FSDP2 models on other world sizes (2, 3, 8) and the 2-D mesh: tests/test_fsdp2.py. Helpers both use: tests/gloo_util.py."""
 from __future__ import annotations
 
 import json
 import re
-import socket
 import time
 
 import pytest
 import ray
 import torch
 
+import gloo_util
 import ray_ckpt as rc
+from gloo_util import free_port, mlp, same_bits
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,27 +26,10 @@ pytestmark = pytest.mark.timeout(300)
 import sys as _sys  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(_sys.modules[__name__])
+ray.cloudpickle.register_pickle_by_value(gloo_util)
 
 MiB = 1 << 20
 BIG_ROWS = 16384  # "big": a [16384, 1024] float32 DTensor, 64 MiB: 16 MiB per saving rank, 8 MiB per rank of 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and \
-        a.reshape(-1).view(torch.uint8).numpy().tobytes() == b.reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def _mlp(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    # rows 10, 7, 5: uneven on 2, 3 and 4 ranks; a bias of 5 leaves an empty chunk on 4 ranks
-    return torch.nn.Sequential(torch.nn.Linear(12, 10), torch.nn.ReLU(), torch.nn.Linear(10, 7),
-                               torch.nn.ReLU(), torch.nn.Linear(7, 5))
 
 
 @ray.remote(num_cpus=0.1)
@@ -59,7 +43,7 @@ class FsdpRank:
         self.run, self.rank, self.world = run, rank, world
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         self.mesh = init_device_mesh("cpu", (world,))
-        self.model = _mlp(seed)
+        self.model = mlp(seed)
         for layer in self.model:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=self.mesh)

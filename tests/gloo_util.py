@@ -1,0 +1,30 @@
+"""What the sharded-state tests (test_sharded.py, test_fsdp2.py) share: a free port for a gloo group's
+rendezvous, a bit-exact tensor comparison, and the small MLP their FSDP2 ranks train.
+
+tests/ is not importable in Ray workers: a test module that ships these into rank actors registers
+this module by value too (``ray.cloudpickle.register_pickle_by_value(gloo_util)``)."""
+from __future__ import annotations
+
+import socket
+
+import torch
+
+
+def free_port() -> int:
+    """A port nobody listens on now, for ``init_process_group(init_method="tcp://127.0.0.1:PORT")``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bytes (NaN payloads and -0.0 included, unlike ``torch.equal``)."""
+    return a.shape == b.shape and a.dtype == b.dtype and \
+        a.reshape(-1).view(torch.uint8).numpy().tobytes() == b.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def mlp(seed: int) -> torch.nn.Module:
+    """Rows 10, 7, 5: uneven on 2, 3, 4 and 8 ranks; a bias of 5 leaves empty chunks on 4 and 8 ranks."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 10), torch.nn.ReLU(), torch.nn.Linear(10, 7),
+                               torch.nn.ReLU(), torch.nn.Linear(7, 5))
