@@ -18,7 +18,7 @@ from ..checkpoint_io import read_manifest
 from ..formats.manifest import Manifest
 from ..storage import layout
 from ..storage.filesystems import redact_uri, s3_hint
-from ..storage.local_files import open_regular
+from ..storage.confined import open_regular
 from ..storage.tier import Tier
 from .common import CliError, UsageError, plural, vlist
 

@@ -1,5 +1,5 @@
 """Where bytes go: tiers over pyarrow.fs (``tier``), filesystems from URIs (``filesystems``), local-disk
-primitives (``local_files``), the path layout, retention. Knows nothing of Ray."""
+primitives (``local_files``, ``confined``), the path layout, retention. Knows nothing of Ray."""
 from .layout import validate_name, version_dir
 from .retention import RetentionPolicy
 from .tier import Tier

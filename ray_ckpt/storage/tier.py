@@ -10,7 +10,7 @@ Odd or hostile local storage: a local tier never follows a symbolic link below i
 itself may be one), never enters a linked directory, reads only regular files (a link, FIFO,
 socket or device in a checkpoint file's place is an IntegrityError naming it, never a hang), and
 deletes links themselves, never their targets: nothing outside the run root is read, written or
-deleted (see ``local_files.open_regular``, ``list_under``, ``unlink_under``).
+deleted (see ``confined.open_regular``, ``list_under``, ``unlink_under``).
 """
 from __future__ import annotations
 
@@ -25,10 +25,11 @@ import pyarrow.fs as pafs
 from ..errors import CheckpointError, IntegrityError, one_line
 from ..formats.checksum import HashingSink, combine, digest
 from .filesystems import OBJECT_STORES, redact_uri, resolve_filesystem, s3_hint, scrub
-from .layout import MANIFEST, parse_version_dir, version_dir
-from .local_files import (TMP_MARK, NotOurs, RateLimit, WholeWrites, hash_file, host_buffer, kind_of, list_under,
-                          local_atomic, lstat_under, make_dirs_under, map_fd, open_regular, prune_under,
-                          unlink_under, write_chunks, write_direct)
+from .layout import MANIFEST, parse_version_dir
+from .confined import (NotOurs, kind_of, list_under, lstat_under, make_dirs_under, open_regular, prune_under,
+                       unlink_under)
+from .local_files import (TMP_MARK, RateLimit, WholeWrites, hash_file, host_buffer, local_atomic, map_fd,
+                          write_chunks, write_direct)
 
 _COPY_CHUNK = 16 << 20
 VERIFY_THREADS = 4  # threads hashing one large file being restored (I/O-bound: more reads in flight)
