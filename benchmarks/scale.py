@@ -86,6 +86,7 @@ def one(ranks: int, states: int, kb: int, hosts: int, base: str, timeout: float)
                   for h in range(hosts) if h * per < ranks]
         ray.get([a.__ray_ready__.remote() for a in actors])
         cpu0 = ray.get(coord.cpu_seconds.remote())
+        counts0 = ray.get(coord.call_counts.remote())
         store_total = ray.cluster_resources().get("object_store_memory", 0.0)
         peak = [0.0]
 
@@ -105,6 +106,7 @@ def one(ranks: int, states: int, kb: int, hosts: int, base: str, timeout: float)
         poll(waits)  # and until the commit
         committed_at = min(ray.get(waits))
         cpu1 = ray.get(coord.cpu_seconds.remote())
+        counts = {k: v - counts0.get(k, 0) for k, v in ray.get(coord.call_counts.remote()).items()}
         first_push, last_push = min(s[0] for s in spans), max(s[1] for s in spans)
         path = os.path.join(base, run, version_dir(1), "manifest.json")
         raw = open(path, "rb").read()
@@ -130,6 +132,8 @@ def one(ranks: int, states: int, kb: int, hosts: int, base: str, timeout: float)
                 "list_p90_ms": 1000 * sorted(lat)[int(0.9 * (len(lat) - 1))] if lat else float("nan"),
                 "list_max_ms": 1000 * max(lat) if lat else float("nan"), "list_n": len(lat),
                 "store_mb": peak[0] / 2**20,
+                "in_calls": counts["submit_calls"], "parts_per_in": counts["pushed_parts"] / max(1, counts["submit_calls"]),
+                "parts_per_write": counts["written_parts"] / max(1, counts["write_calls"]),
                 "load_ms": 1000 * load_s}
     finally:
         eng.shutdown(timeout=120)
@@ -140,7 +144,7 @@ COLS = [("ranks", "{:>6}"), ("states", "{:>6}"), ("parts", "{:>6}"), ("kb", "{:>
         ("commit_s", "{:>8.2f}"), ("total_s", "{:>7.2f}"), ("cpu_ms_part", "{:>11.3f}"),
         ("manifest_kb", "{:>11.0f}"), ("parse_ms", "{:>8.1f}"), ("list_p50_ms", "{:>11.1f}"),
         ("list_p90_ms", "{:>11.1f}"), ("list_max_ms", "{:>11.1f}"), ("list_n", "{:>6}"), ("store_mb", "{:>8.1f}"),
-        ("load_ms", "{:>7.1f}")]
+        ("load_ms", "{:>7.1f}"), ("in_calls", "{:>8}"), ("parts_per_in", "{:>12.1f}"), ("parts_per_write", "{:>15.1f}")]
 
 
 def row(r: dict) -> str:

@@ -9,7 +9,8 @@ catalogue and upload plan from the manifests of both tiers.
 A version's life, in call order:
 
 1. **open** — ``save()`` (the driver's parts, refs still inside lists, never resolved here) or a
-   rank's first ``submit()``: ``Catalogue.begin`` / ``accept_push``; ``UploadPlan.opened`` notes
+   rank's first pushed part (``submit_parts``: the parts one engine pushed for the version within a
+   few ms, in one call): ``Catalogue.begin`` / ``accept_push``; ``UploadPlan.opened`` notes
    whether the engine counted it as an upload turn. A rank that never pushes fails the version
    after ``rank_timeout_s`` (``_deadline``).
 2. **parts dispatched** — ``_dispatch``: each snapshot ref goes to the least busy writer of the node
@@ -19,7 +20,7 @@ A version's life, in call order:
 4. **manifest** — ``_progress``: once every critical part is written the manifest is written to
    the local tier, last and atomically: it is the commit marker.
 5. **committed** — the version's commit future resolves with a :class:`~ray_ckpt.protocol.SaveOutcome`
-   (the driver's ``save()`` call returns it; a rank's ``submit()`` returned a ``SubmitAck`` at once,
+   (the driver's ``save()`` call returns it; a rank's ``submit_parts()`` returned at once,
    and its handle learns of the commit through ``wait()``, one call per version per process);
    best-effort parts that land later rewrite the manifest. A failed version's files are removed
    before its handle raises.
@@ -49,6 +50,8 @@ from .lease import ray_identity, read_owner
 from .metrics import Metrics
 from .ownership import fence_error
 from .protocol import CoordinatorStatus, Declaration, PartPlan, SaveOutcome, SubmitAck, VersionStatus
+from .push_batch import PushedPart, SubmitBatchResult
+from .storage.durable_batch import remove_temporaries
 from .storage.tier import Tier
 from .types import Strategy
 from .upload_plan import UploadPlan
@@ -120,6 +123,7 @@ class CheckpointCoordinator:
         self.catalogue = Catalogue(config.run, committed)
         self.catalogue.signing_key = key
         self._remove_partial(self.local, partial, self.catalogue.kept_paths(set()))
+        self._remove_temporaries_at_start()
         self._load_declarations()
         self._load_driver_states()
         remote_committed: Dict[int, Manifest] = {}
@@ -150,6 +154,7 @@ class CheckpointCoordinator:
         self.unsupported: Set[int] = set()  # failed versions whose cause was an unsupported object
         self.commits = 0
         self.failures = 0
+        self.counts: Dict[str, int] = {"pushed_parts": 0, "submit_calls": 0, "written_parts": 0, "write_calls": 0}
         self.last_error: Optional[str] = None
         self.started_at = time.time()
         self.metrics = Metrics(config.run)
@@ -197,6 +202,19 @@ class CheckpointCoordinator:
                 self.catalogue.expect_driver(json.loads(bytes(self.local.read_bytes(DRIVER_STATES))))
         except (CheckpointError, IntegrityError, ValueError, OSError, TypeError) as exc:
             log.error("ignoring %s: %s", DRIVER_STATES, one_line(exc))
+
+    def _remove_temporaries_at_start(self) -> None:
+        """``*.tmp-*`` files a writer killed mid-batch left in committed versions (its restarted
+        self redid the batch under other names; the previous coordinator stopped before sweeping
+        them at the version's end): nothing writes into a committed version now."""
+        for v in list(self.catalogue.committed):
+            try:
+                removed = remove_temporaries(self.local, v)
+            except Exception as exc:  # only garbage: never a reason not to start
+                log.warning("version %d: cannot remove temporary files: %s", v, one_line(exc))
+                continue
+            if removed:
+                log.warning("version %d: removed %d temporary file(s) a killed writer left", v, len(removed))
 
     @staticmethod
     def _remove_partial(tier: Optional[Tier], partial: List[int], keep: Set[str]) -> None:
@@ -291,6 +309,13 @@ class CheckpointCoordinator:
         """CPU time this coordinator process has used (all threads), for benchmarks/scale.py."""
         return time.process_time()
 
+    @ray.method(concurrency_group="queries")
+    def call_counts(self) -> Dict[str, int]:
+        """Calls in and out since start (benchmarks/scale.py reports parts per call): pushed parts
+        and the ``submit_parts`` calls that brought them, parts sent to writers in batches and the
+        ``write_parts`` calls that took them."""
+        return dict(self.counts)
+
     def writers(self) -> Dict[str, Any]:
         w = self.pools
         return {"critical": list(w.critical), "best_effort": list(w.best_effort),
@@ -374,6 +399,8 @@ class CheckpointCoordinator:
     async def _write_chunk(self, version: int, writer: Any, chunk: List[Tuple[Any, Any, int]]) -> None:
         size = sum(s for _, _, s in chunk)
         self.pools.add_queued(writer, size, len(chunk))
+        self.counts["write_calls"] += 1
+        self.counts["written_parts"] += len(chunk)
         try:
             try:
                 results = await writer.write_parts.remote(version, [(p.name, p.rank) for p, _, _ in chunk],
@@ -419,32 +446,55 @@ class CheckpointCoordinator:
 
     async def submit(self, step: int, name: str, rank: int, refs: List[Any], nbytes: int = 0,
                      upload: bool = False, after: int = -1) -> SubmitAck:
-        """A rank's part of ``name`` at ``step``: accepted and sent to a writer, then this returns
-        at once with a :class:`SubmitAck` (a bad push raises here). It never waits for the commit:
-        thousands of ranks push each version, and a call that waited would hold one of the actor's
-        concurrency slots until the parts that complete the version — queued behind it — arrived.
-        The rank's handle learns of the commit through :meth:`wait` (one call per version and
-        process, see ``engine._shared_wait``). ``upload``: as in :meth:`save`, counted by the rank
-        (the part that opens a version decides). ``after``: the step this rank pushed before (see
-        ``Catalogue.barrier_violations``). Nothing in it awaits: it holds no slot beyond its own run."""
+        """One rank's part of ``name`` at ``step`` (a bad push raises here); ``submit_parts`` is the
+        form engines use, many parts per call. Kept for callers of one part."""
         self._resume_uploads()
-        version = step
+        return self._accept_push(step, PushedPart(name, rank, refs[0] if refs else None, nbytes, upload, after))
+
+    async def submit_parts(self, step: int, parts: List[PushedPart]) -> SubmitBatchResult:
+        """Ranks' parts of ``step`` pushed by one engine within a short window (``push_batch.py``):
+        one call for a host process's ranks instead of one per part, recorded in one pass.
+        Each part is accepted and sent to a writer, then this returns at once: it never waits for
+        the commit (thousands of ranks push each version, and a call that waited would hold one of
+        the actor's concurrency slots until the parts that complete the version arrived). A part
+        refused (pushed twice, rank out of range here, version committed) is named in the result
+        with the error its own call would have raised; the others go on. The ranks' handles learn
+        of the commit through :meth:`wait` (one call per version and process). Nothing in it
+        awaits: it holds no slot beyond its own run."""
+        self._resume_uploads()
+        self.counts["submit_calls"] += 1
+        self.counts["pushed_parts"] += len(parts)
+        rejected: Dict[int, str] = {}
+        for i, part in enumerate(parts):
+            try:
+                self._accept_push(step, part)
+            except Exception as exc:  # that rank's handle raises it; the batch's other parts go on
+                rejected[i] = one_line(exc)
+        return SubmitBatchResult(step, rejected)
+
+    def _accept_push(self, step: int, part: PushedPart) -> SubmitAck:
+        """A rank's part: open the version if it is the first, check the barrier (``after``: the
+        step this rank pushed before, see ``Catalogue.barrier_violations``), dispatch it.
+        ``upload``: as in :meth:`save`, counted by the rank (the part that opens a version decides)."""
+        version, name, rank = step, part.name, part.rank
         d = self.catalogue.declared.get(name)
         if d is not None and d.replicated and rank != 0:
             return SubmitAck(version, rank_zero_only=True)  # DDP replicas: rank 0's copy is stored
+        if part.ref is None:
+            raise SaveError(f"state {name!r} rank {rank}: the push of version {version} carries no snapshot")
         is_new = version not in self.catalogue.pending
         self.catalogue.accept_push(version, step, name, rank)
         if is_new:
-            self._opened(version, upload)
+            self._opened(version, part.upload)
             self._watch_pushed(version)
-        for v in self.catalogue.barrier_violations(version, name, rank, after):
+        for v in self.catalogue.barrier_violations(version, name, rank, part.after):
             pv = self.catalogue.pending[v]
             self.catalogue.fail(v, f"ranks disagree on the step: state {name!r} rank {rank} submitted step "
                                    f"{step} while version {v} (step {pv.step}) still awaits its part")
             log.error("version %d: %s", v, pv.error)
             self.last_error = f"version {v}: {pv.error}"
             self._in_background(self._progress(v))
-        self._dispatch(version, name, rank, refs[0], nbytes)
+        self._dispatch(version, name, rank, part.ref, part.nbytes)
         return SubmitAck(version)
 
     def _watch_pushed(self, version: int) -> None:
@@ -583,6 +633,7 @@ class CheckpointCoordinator:
         self.catalogue.finish(version)
         if not pv.error:
             self.unsupported.discard(version)
+            self._in_background(self._sweep_temporaries(version))
         settled = self.settled_futures.get(version)
         if settled is not None and not settled.done():
             settled.set_result(True)
@@ -611,6 +662,20 @@ class CheckpointCoordinator:
                       self.settled_futures, self.remote_locks, self.manifest_revision):
                 d.pop(v, None)
             self.uploads.bytes.pop(v, None)
+
+    async def _sweep_temporaries(self, version: int) -> None:
+        """Every part of ``version`` ended: remove the ``*.tmp-*`` files a writer killed mid-batch
+        left in it (one call to a writer of each node that holds its files)."""
+        nodes = list(self.pools.critical_by_node)
+        results = await asyncio.gather(*[self.pools.critical_on(n)[0].remove_temporaries.remote(version)
+                                         for n in nodes], return_exceptions=True)
+        for node, r in zip(nodes, results):
+            if isinstance(r, Exception):
+                log.warning("version %d: removing temporary files on node %s failed: %s", version, node[:12],
+                            one_line(r))
+            elif r:
+                log.warning("version %d: removed %d temporary file(s) a killed writer left on node %s",
+                            version, len(r), node[:12])
 
     async def _delete_everywhere(self, version: int, keep: Set[str], referenced: List[str]) -> None:
         """Delete a version from every node's local tier (each node's local tier is its own disk)."""

@@ -29,6 +29,7 @@ from .metrics import for_run as metrics_for_run
 from .object_store import prefault_in_actor, prefault_needed, start_prefault, state_nbytes
 from .ownership import DEFAULT_LEASE_S, claim
 from .protocol import Declaration, PartPlan
+from .push_batch import PushedPart, Pusher
 from .providers import Registration, rank_provider, resolve
 from .snapshot import (ActorProvider, CallableProvider, capture, mailbox_name, open_mailbox, read_state,
                        prefault_needed_in_actor, receive_in_actor, snapshot_in_actor, stateful_methods, snapshot_overlapped, snapshot_overlapped_in_actor,
@@ -51,7 +52,8 @@ class CheckpointEngine:
         self._last_pushed: Dict[tuple, int] = {}
         self._saves = 0  # save() calls sent; every remote_every-th is uploaded
         self._pushes: Dict[tuple, int] = {}  # submit() calls sent per (state, rank), likewise
-        self._push_waits: Dict[int, Any] = {}  # version -> its shared commit ref, while this engine's pushes wait
+        # this engine's pushes, batched per version into one coordinator call (push_batch.py)
+        self._pusher = Pusher(lambda: self._coordinator, lambda c, v: _shared_wait(c, v, fresh=True))
         self._owner = False  # set by create()
         self._closed = False  # set by shutdown()
         self._token: Optional[int] = None  # the run's fencing token this (creating) engine holds
@@ -176,6 +178,7 @@ class CheckpointEngine:
         if self._closed:
             return
         self._closed = True
+        self._pusher.close()  # parts pushed within the last window reach the coordinator first
         if not (self._owner if stop_coordinator is None else bool(stop_coordinator)):
             if self._lease is not None:
                 self._lease.stop(release_record=False)
@@ -340,45 +343,48 @@ class CheckpointEngine:
         if step <= last:
             raise InvalidSaveError(f"state {name!r} rank {rank}: step {step} is not after its last submitted "
                                    f"step {last}; steps must increase")
-        busy = [v for v in self._pushes_in_flight() if v != step]
+        # backpressure is judged when this engine starts a version: pushes for one in flight always go
+        new_version = step not in self._pusher.commits and step not in self._pusher.pending_versions()
+        busy = [v for v in self._pushes_in_flight() if v != step] if new_version else []
         if len(busy) >= self.config.max_in_flight and policy is not OnBusy.QUEUE:
             if policy is OnBusy.SKIP:
                 return SaveHandle(self, step, None, time.perf_counter() - t0, skipped=True)
-            ray.wait([self._push_waits[v] for v in busy], num_returns=len(busy) - self.config.max_in_flight + 1)
+            self._pusher.send_all()  # the versions it waits for must have reached the coordinator
+            waits = self._pusher.commits
+            refs = [waits[v] for v in busy if v in waits]
+            ray.wait(refs, num_returns=max(0, min(len(refs), len(busy) - self.config.max_in_flight + 1)))
             self._pushes_in_flight()
         rank_zero_only = decl.replicated and rank != 0
-        if rank_zero_only:
-            ref = None  # replicas: rank 0's copy is stored; this rank's handle follows the version
-        else:
+        ref, nbytes = None, 0
+        if not rank_zero_only:  # replicas: rank 0's copy is stored; this rank's handle follows the version
             if self.config.prefault_object_store:
                 start_prefault()  # once per process; this rank's later copies land in mapped pages
             flat = capture(state, name, decl.allow_pickle)
-            ref = ray.put(flat)
+            ref, nbytes = ray.put(flat), flat.nbytes
         pushes = self._pushes[(name, rank)] = self._pushes.get((name, rank), 0) + 1
-        ack = self._coordinator.submit.remote(step, name, rank, [ref] if ref is not None else [], 0,
-                                              pushes % self.config.remote_every == 0, last)
+        # joins this engine's open batch of the version: one coordinator call per batch (push_batch.py)
+        slot = self._pusher.add(step, PushedPart(name, rank, ref, nbytes, pushes % self.config.remote_every == 0,
+                                                 last))
         self._last_pushed[(name, rank)] = step
-        commit = self._push_waits.get(step)
-        if commit is None:  # this engine's first push of the version: a new attempt, if it ran before
-            commit = self._push_waits[step] = _shared_wait(self._coordinator, step, fresh=True)
-        handle = SaveHandle(self, step, commit, time.perf_counter() - t0, ack=ack, rank_zero_only=rank_zero_only)
+        handle = SaveHandle(self, step, None, time.perf_counter() - t0, push=slot, rank_zero_only=rank_zero_only)
         self._in_flight.append(handle)
         return handle
 
     def _pushes_in_flight(self) -> List[int]:
-        """This engine's pushed versions not yet committed or failed; forgets the others' handles.
-        One ``ray.wait`` over at most ``max_in_flight`` + 1 refs: O(1) per submit, however many
-        ranks this engine pushes for."""
-        if not self._push_waits:
-            return []
-        refs = list(self._push_waits.values())
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        if ready:
-            ended = {v for v, r in self._push_waits.items() if r in ready}
-            for v in ended:
-                del self._push_waits[v]
-            self._in_flight = [h for h in self._in_flight if h._ack is None or h.version not in ended]
-        return sorted(self._push_waits)
+        """This engine's pushed versions not yet committed or failed (those with parts not sent yet
+        included); forgets the others' handles. One ``ray.wait`` over at most ``max_in_flight`` + 1
+        refs: O(1) per submit, however many ranks this engine pushes for."""
+        waits = self._pusher.commits
+        if waits:
+            versions = list(waits)
+            refs = [waits[v] for v in versions]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            if ready:
+                ended = {v for v, r in zip(versions, refs) if r in ready}
+                for v in ended:
+                    waits.pop(v, None)
+                self._in_flight = [h for h in self._in_flight if h._push is None or h.version not in ended]
+        return sorted(set(waits) | set(self._pusher.pending_versions()))
 
     def unregister(self, name: str) -> None:
         reg = self._registry.pop(name, None)

@@ -21,6 +21,7 @@ from .types import SaveResult
 
 if TYPE_CHECKING:  # the engine imports this module
     from .engine import CheckpointEngine
+    from .push_batch import PushSlot
 
 _WAITS: "OrderedDict[tuple, ray.ObjectRef]" = OrderedDict()  # see _shared_wait
 _WAITS_LOCK = threading.Lock()
@@ -57,31 +58,43 @@ class SaveHandle:
     ``add_done_callback(fn)``, and ``await handle`` in asyncio code; ``wait()`` is the form that
     also waits for the remote tier (``durability="remote"``) or for best-effort parts.
 
-    A rank's handle (``submit()``) holds two refs: ``_ack``, the coordinator's answer that the part
-    was accepted (a rejected push raises from it), and ``_ref``, the version's commit, shared with
-    every other handle of this process waiting on the same version (``_shared_wait``)."""
+    A rank's handle (``submit()``) holds its place in a batch of pushed parts (``_push``, see
+    ``push_batch.py``): the coordinator's answer for the batch (a refused part raises its own
+    error) and ``_ref``, the version's commit, shared with every other handle of this process
+    waiting on the same version (``_shared_wait``). Asking for either sends the batch if it is
+    still open."""
 
     def __init__(self, engine: "CheckpointEngine", step: int, ref: Optional[ray.ObjectRef],
-                 submit_s: float, skipped: bool = False, ack: Optional[ray.ObjectRef] = None,
+                 submit_s: float, skipped: bool = False, push: Optional["PushSlot"] = None,
                  rank_zero_only: bool = False):
         self._engine = engine
         self._coordinator = engine._coordinator  # the one this save went to
         self.step = step
         self.version: Optional[int] = None if skipped else step
-        self._ref = ref
-        self._ack = ack
+        self._commit_ref = ref
+        self._push = push
         self._rank_zero_only = rank_zero_only
         self._remote_ref = None
         self.submit_seconds = submit_s  # how long save() took to return
         self.skipped = skipped
         self._snapshots: Dict[str, Tuple[ray.ObjectRef, bool]] = {}  # state -> (snapshot ref, overlapped)
 
+    @property
+    def _ref(self) -> Optional[ray.ObjectRef]:
+        """The version's commit (a pushed part's: its batch sent first if still open)."""
+        if self._push is not None:
+            try:
+                return self._push.commit_ref()
+            except SaveError:  # the batch could not be sent: its ack says so
+                return self._push.batch.ack
+        return self._commit_ref
+
     def _ack_failed(self) -> bool:
         """Whether a rank's push was rejected (only once its ack arrived; never blocks)."""
-        if self._ack is None or not ray.wait([self._ack], timeout=0)[0]:
+        if self._push is None or not self._push.ready():
             return False
         try:
-            ray.get(self._ack, timeout=0)
+            self._push.check(0)
         except Exception:
             return True
         return False
@@ -102,13 +115,13 @@ class SaveHandle:
 
     def done(self) -> bool:
         """True once the local commit finished (or failed, or the push was rejected); never blocks."""
-        if self._ref is None:
-            return True
-        if self._ack is not None:
-            if not ray.wait([self._ack], timeout=0)[0]:
+        if self._push is not None:
+            if not self._push.ready():
                 return False
             if self._ack_failed():
                 return True
+        if self._ref is None:
+            return True
         ready, _ = ray.wait([self._ref], timeout=0)
         return bool(ready)
 
@@ -125,7 +138,7 @@ class SaveHandle:
         if durability not in ("local", "remote"):
             raise InvalidArgumentError(f"durability must be 'local' or 'remote', got {durability!r}")
         coord = self._engine._coordinator
-        pushed = self._ack is not None
+        pushed = self._push is not None
         if best_effort:
             ref = _shared_wait(coord, self.version, durability, True, pushed) if pushed else \
                 coord.wait.remote(self.version, durability, True)
@@ -137,9 +150,9 @@ class SaveHandle:
                     coord.wait.remote(self.version, "remote")
             ref = self._remote_ref
         try:
-            if self._ack is not None:  # a rejected push raises its own error, not the version's
+            if self._push is not None:  # a rejected push raises its own error, not the version's
                 t0 = time.monotonic()
-                ray.get(self._ack, timeout=timeout)
+                self._push.check(timeout)
                 if timeout is not None:
                     timeout = max(0.0, timeout - (time.monotonic() - t0))
             if progress and durability == "remote":
@@ -226,8 +239,8 @@ class SaveHandle:
         import threading
 
         def watch():
-            if self._ack is not None:
-                ray.wait([self._ack], num_returns=1, timeout=None)
+            if self._push is not None:
+                self._push.wait_answered()
             if not self._ack_failed():
                 ray.wait([self._ref], num_returns=1, timeout=None)
             fn(self)

@@ -25,7 +25,7 @@ from .formats.manifest import FileEntry
 from .formats.tree import Flat
 from .protocol import WrittenPart
 from .snapshot import PendingSnapshot, resolve_snapshot
-from .storage.durable_batch import DurableBatch
+from .storage.durable_batch import DurableBatch, remove_temporaries
 from .storage.tier import RateLimit, Tier
 
 log = logging.getLogger("ray_ckpt.writers")
@@ -194,6 +194,11 @@ class WriterActor:
     def delete_version(self, version: int, keep_paths: set, referenced: List[str]) -> List[str]:
         """Retention on this node's local tier (each node's local tier is its own disk)."""
         return delete_version(self.writer.local, version, keep_paths, referenced)
+
+    def remove_temporaries(self, version: int) -> List[str]:
+        """The ``*.tmp-*`` files a killed writer left in ``version`` on this node (see
+        ``durable_batch.remove_temporaries``)."""
+        return remove_temporaries(self.writer.local, version)
 
     @ray.method(concurrency_group="upload", max_task_retries=0)  # the coordinator retries uploads itself
     def upload(self, files: List[FileEntry]) -> int:

@@ -12,7 +12,7 @@ import pytest
 from ray_ckpt.checkpoint_io import decode_files, read_files
 from ray_ckpt.errors import SaveError
 from ray_ckpt.formats.tree import flatten
-from ray_ckpt.storage.durable_batch import DurableBatch
+from ray_ckpt.storage.durable_batch import DurableBatch, remove_temporaries
 from ray_ckpt.storage.local_files import TMP_MARK
 from ray_ckpt.storage.tier import Tier
 from ray_ckpt.writers import PartWriter
@@ -90,6 +90,9 @@ def test_a_writer_killed_mid_batch_never_leaves_a_partial_file_under_a_final_nam
         rank = int(rel.rsplit("rank", 1)[1].split(".")[0])
         want = PartWriter(Tier(str(tmp_path / "ref"), "local")).write_parts(1, [parts[rank]])[0]
         assert (tmp_path / rel).read_bytes() == (tmp_path / "ref" / want.files[0].path).read_bytes()
+    removed = remove_temporaries(tier, 1)  # what the coordinator runs once the version's parts ended
+    assert sorted(removed) == sorted(p for p in left if TMP_MARK in p)
+    assert [p for p in _listing(tmp_path) if not p.startswith("ref/")] == sorted(finals)  # whole files stay
     out = PartWriter(tier).write_parts(1, parts)  # the retry (or the next version) goes through
     assert all(not isinstance(o, BaseException) for o in out)
     for r in (0, 199, 399):
@@ -145,6 +148,11 @@ def test_a_writer_actor_killed_mid_batch_commits_nothing_partial_and_the_next_ve
     else:
         for r in (0, world // 2, world - 1):
             assert np.array_equal(eng.load("s", step=1, rank=r)["w"], np.full(n, r + 1000, np.float32))
+        # the killed writer's temporary files are removed once every part of the version ended
+        deadline = time.monotonic() + 60
+        while [p for p in vdir.rglob(f"*{TMP_MARK}*")]:
+            assert time.monotonic() < deadline, f"temporary files left: {list(vdir.rglob(f'*{TMP_MARK}*'))[:3]}"
+            time.sleep(0.1)
     assert ray.get(host.push.remote(2, world, 256), timeout=120) == world
     assert 2 in [m.version for m in _listed(eng, 2, 120)], outcome
     for r in (0, world - 1):

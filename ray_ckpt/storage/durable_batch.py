@@ -152,6 +152,18 @@ class DurableBatch:
                 os.unlink(tmp)
 
 
+def remove_temporaries(tier: Any, version: int) -> List[str]:
+    """Remove the ``*.tmp-*`` files left in ``version``'s directory by a writer killed mid-batch
+    (a restarted writer redoes the batch under new names, so a committed version may hold the dead
+    one's). Call it only when no writer writes into that version any more: once every part of it
+    has ended, or at a coordinator's start for its committed versions. Returns the paths removed."""
+    from . import layout
+
+    removed = [rel for rel in tier.list_files(layout.version_dir(version))
+               if TMP_MARK in rel.rsplit("/", 1)[-1] and tier.delete_file(rel)]
+    return removed
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
