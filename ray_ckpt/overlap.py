@@ -50,6 +50,37 @@ def check_enabled() -> bool:
     return os.environ.get(CHECK_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+NICE_ENV = "RAY_CKPT_OVERLAP_NICE"
+DEFAULT_NICE = 10
+
+
+def copy_nice() -> int:
+    """How much lower than the learner's the copy thread's CPU priority is (``RAY_CKPT_OVERLAP_NICE``,
+    default 10; 0 keeps the learner's)."""
+    try:
+        return max(0, min(19, int(os.environ.get(NICE_ENV, DEFAULT_NICE))))
+    except ValueError:
+        return DEFAULT_NICE
+
+
+def _yield_cpu(nice: int) -> None:
+    """Lower the calling thread's CPU priority by ``nice`` (Linux: per thread, inherited by the
+    threads it starts).
+
+    Why: ``ray.put`` copies a large buffer with 6 threads of its own (Ray's ``parallel_memcopy``),
+    started by the calling thread. At the learner's priority, on a machine with few cores, those 6
+    threads take the learner's core for the length of the copy (CFS shares a core by thread); the
+    step then slows by what the copy costs, which is the pause overlap exists to remove. With a
+    lower priority they use the cores the learner leaves idle, and the learner keeps its own."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as exc:  # not permitted here: the copy keeps the learner's priority
+        log.info("ray_ckpt: the overlapped copy thread keeps its priority (%s)", exc)
+
+
 def _ranges_of(arrays: Iterable[Any]) -> List[Tuple[int, int]]:
     """Sorted, merged host address ranges [lo, hi) of numpy arrays (views of the state's memory)."""
     spans = []
@@ -88,8 +119,10 @@ class CopyJob:
     result: Any = None  # what put() returned (an ObjectRef in Ray)
     error: Optional[str] = None
     dest: Any = None  # where deliver() sends the result (the run's mailbox, in Ray)
-    started: float = field(default_factory=time.perf_counter)
+    started: float = field(default_factory=time.perf_counter)  # queued (the snapshot call)
+    began: float = 0.0  # the copy thread took it
     copy_s: float = 0.0
+    faults: int = 0  # minor page faults of this process during the copy (untouched store pages)
 
     def overlaps(self, lo: int, hi: int) -> bool:
         i = bisect.bisect_right(self.ranges, (hi, hi)) - 1  # last range starting before hi
@@ -104,7 +137,7 @@ class OverlapCopier:
     failed (``job.error``). Jobs run one at a time, in order, on one daemon thread."""
 
     def __init__(self, put: Callable[[Any], Any], deliver: Callable[[CopyJob], None],
-                 readback: Optional[Callable[[Any], List[Any]]] = None):
+                 readback: Optional[Callable[[Any], List[Any]]] = None, nice: Optional[int] = None):
         self.put = put
         self.deliver = deliver
         self.readback = readback
@@ -113,7 +146,20 @@ class OverlapCopier:
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self.busy = 0  # pending jobs: the hooks' fast path reads it without a lock
+        self.nice = copy_nice() if nice is None else nice
         self.fence_waits: List[float] = []  # seconds each fence that had to wait waited (last 1000)
+        # (state, queued at, copy began at, copy seconds, page faults, bytes) of the last 1000 copies
+        self.history: List[Tuple[str, float, float, float, int, int]] = []
+
+    def warm(self) -> None:
+        """Start the copy thread now (at register) rather than at the first snapshot."""
+        with self._lock:
+            self._ensure_thread()
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="ray_ckpt-overlap-copy", daemon=True)
+            self._thread.start()
 
     # ---------------------------------------------------------------- starting copies
     def start(self, name: str, key: str, flat: Any, *, check: Optional[bool] = None,
@@ -134,13 +180,12 @@ class OverlapCopier:
         with self._lock:
             self._jobs[name] = job
             self.busy += 1
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="ray_ckpt-overlap-copy", daemon=True)
-                self._thread.start()
+            self._ensure_thread()
         self._queue.put(job)
         return job
 
     def _run(self) -> None:
+        _yield_cpu(self.nice)
         while True:
             job = self._queue.get()
             try:
@@ -159,11 +204,15 @@ class OverlapCopier:
             job.result = None  # the receiver holds the copy now
 
     def _copy(self, job: CopyJob) -> None:
-        t0 = time.perf_counter()
+        t0 = job.began = time.perf_counter()
+        f0 = _minflt()
         for ev in job.cuda_events:
             ev.synchronize()  # device->host copies into the pinned staging buffers have landed
         job.result = self.put(job.flat)
         job.copy_s = time.perf_counter() - t0
+        job.faults = _minflt() - f0
+        self.history.append((job.name, job.started, job.began, job.copy_s, job.faults, job.flat.nbytes))
+        del self.history[:-1000]
         if job.before is not None:
             job.error = self._verify(job)
 
@@ -217,6 +266,12 @@ class OverlapCopier:
         self.fence_waits.append(waited)
         del self.fence_waits[:-1000]
         return waited
+
+
+def _minflt() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _tensor_spans(tensors: Iterable[Any]) -> Tuple[List[Tuple[int, int]], bool]:

@@ -197,12 +197,13 @@ class PendingSnapshot:
     The copy runs on a background thread of the provider's process (``overlap.OverlapCopier``), which
     puts the state into the object store and sends the ObjectRef (or the reason it failed) to the
     run's :class:`SnapshotMailbox` under ``key``; :func:`resolve_snapshot` waits for it there.
-    ``actor_id`` / ``pid``: the process that holds the copy, so a reader notices when it died."""
+    ``actor`` / ``pid``: the provider actor's handle and the process that holds the copy, so a reader
+    notices when it died or was restarted (None for an in-process state)."""
 
     name: str
     key: str
     mailbox: str
-    actor_id: Optional[str]
+    actor: Any
     pid: int
     nbytes: int
 
@@ -278,22 +279,70 @@ def _mailbox(name: str, wait_s: float = 10.0) -> Any:
     return mb
 
 
+def _spawn_mailbox(coordinator: Any, name: str) -> Any:
+    """Runs in the run's coordinator (``__ray_call__``): the mailbox is created by, so owned by, the
+    coordinator's process, and Ray stops it with that process (``engine.shutdown()``)."""
+    return SnapshotMailbox.options(name=name, namespace=MAILBOX_NAMESPACE, get_if_exists=True,
+                                   max_restarts=0).remote()
+
+
 def open_mailbox(run: str, timeout: float = 120.0) -> Any:
-    """Get or create the run's mailbox (owned by the calling driver's job), started before this
-    returns so that every process of the cluster finds it by name."""
+    """Get or create the run's mailbox, started before this returns so that every process of the
+    cluster finds it by name.
+
+    Why it is created inside the run's coordinator: an actor is stopped with the process that owns
+    it, so the mailbox ends with the coordinator, at ``engine.shutdown()`` (or if the coordinator
+    dies, when the saves in flight fail anyway; the next snapshot's announcement opens a new one).
+    Without a coordinator (a tool, a test) the caller owns it."""
+    from .coordinator import NAMESPACE, actor_name
+
     name = mailbox_name(run)
-    mb = _MAILBOXES.get(name)
+    _MAILBOXES.pop(name, None)  # a handle kept from a run of the same name that was shut down
+    try:
+        coordinator = ray.get_actor(actor_name(run), namespace=NAMESPACE)
+    except ValueError:
+        coordinator = None
+    mb = None
+    if coordinator is not None:
+        try:
+            mb = ray.get(coordinator.__ray_call__.remote(_spawn_mailbox, name), timeout=timeout)
+        except ray.exceptions.RayError:  # the coordinator is going away: the caller owns the mailbox
+            mb = None
     if mb is None:
-        mb = SnapshotMailbox.options(name=name, namespace=MAILBOX_NAMESPACE, get_if_exists=True,
-                                     max_restarts=0).remote()
-        ray.get(mb.__ray_ready__.remote(), timeout=timeout)
-        _MAILBOXES[name] = mb
+        mb = _spawn_mailbox(None, name)
+    ray.get(mb.__ray_ready__.remote(), timeout=timeout)
+    _MAILBOXES[name] = mb
     return mb
 
 
-def _deliver(job: Any) -> None:
+def close_mailbox(run: str) -> None:
+    """Stop the run's mailbox (it also ends with the coordinator that owns it)."""
+    name = mailbox_name(run)
+    mb = _MAILBOXES.pop(name, None)
+    try:
+        ray.kill(mb or ray.get_actor(name, namespace=MAILBOX_NAMESPACE), no_restart=True)
+    except (ValueError, ray.exceptions.RayError):
+        pass
+
+
+def _run_of(mailbox: str) -> str:
+    return mailbox[len(mailbox_name("")):]
+
+
+def _deliver(job: Any, timeout: float = 60.0) -> None:
+    """Announce a finished (or failed) copy in the run's mailbox, and wait until it is there: an
+    announcement sent to a mailbox that is gone (its coordinator restarted) is sent again to a new
+    one, once; a failure is raised (the copy thread logs it; the writer's wait fails the version)."""
     refs = [job.result] if job.error is None and job.result is not None else []
-    _mailbox(job.dest).put.remote(job.key, job.name, refs, job.error)
+    for attempt in (1, 2):
+        try:
+            ray.get(_mailbox(job.dest).put.remote(job.key, job.name, refs, job.error), timeout=timeout)
+            return
+        except (ray.exceptions.RayActorError, ValueError):
+            _MAILBOXES.pop(job.dest, None)
+            if attempt == 2:
+                raise
+            open_mailbox(_run_of(job.dest), timeout)
 
 
 def _readback(result: Any) -> List[Any]:
@@ -306,7 +355,7 @@ def _copier() -> OverlapCopier:
 
 
 def snapshot_overlapped(owner: Any, get: Callable[[], Any], name: str, allow_pickle: bool, mailbox: str,
-                        check: bool, run: Optional[str] = None, actor_id: Optional[str] = None,
+                        check: bool, run: Optional[str] = None, actor: Any = None,
                         needed: bool = True) -> PendingSnapshot:
     """Capture ``get()`` as views, queue its copy on this process's copy thread, return at once.
 
@@ -315,7 +364,7 @@ def snapshot_overlapped(owner: Any, get: Callable[[], Any], name: str, allow_pic
     t0 = time.perf_counter()
     copier = _copier()
     copier.fence(name)  # the previous copy of this state is done (staging buffers are reused)
-    staging = _staging_of(owner, actor_id is not None)
+    staging = _staging_of(owner, actor is not None)
     flat = flatten(get(), state_name=name, allow_pickle=allow_pickle, to_host=staging)
     events = staging.record_events() if staging.streams else []
     if needed:
@@ -327,7 +376,7 @@ def snapshot_overlapped(owner: Any, get: Callable[[], Any], name: str, allow_pic
         from .metrics import for_run
 
         for_run(run).snapshot_pause(time.perf_counter() - t0, state=name)
-    return PendingSnapshot(name, key, mailbox, actor_id, os.getpid(), flat.nbytes)
+    return PendingSnapshot(name, key, mailbox, actor, os.getpid(), flat.nbytes)
 
 
 _OWNER_STAGING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -345,25 +394,47 @@ def _staging_of(owner: Any, in_actor: bool = False) -> HostStaging:
 def snapshot_overlapped_in_actor(actor: Any, getter: str, name: str, allow_pickle: bool, attribute: Optional[str],
                                  run: str, mailbox: str, check: bool, needed: bool = True) -> PendingSnapshot:
     """Runs in the provider actor through ``__ray_call__`` (see :func:`snapshot_overlapped`)."""
-    actor_id = ray.get_runtime_context().get_actor_id()
+    me = ray.get_runtime_context().current_actor
     return snapshot_overlapped(actor, lambda: _actor_get(actor, getter, attribute, name), name, allow_pickle,
-                               mailbox, check, run, actor_id, needed)
+                               mailbox, check, run, me, needed)
 
 
-def _provider_gone(p: PendingSnapshot) -> Optional[str]:
-    """Why the process holding ``p``'s copy is gone (None while it runs)."""
-    if p.actor_id is None:
+def _pid_in_actor(actor: Any) -> int:
+    return os.getpid()
+
+
+class _Liveness:
+    """Whether the provider holding a pending copy still runs, by public API only: a tiny call to
+    the provider actor (its pid, at most every ``every_s``) fails once the actor died, or answers
+    another pid once Ray restarted it. The call waits its turn behind the actor's work, which is
+    harmless: it only has to fail (or answer) before the writer gives up."""
+
+    def __init__(self, p: PendingSnapshot, every_s: float = 2.0):
+        self.p, self.every_s = p, every_s
+        self.ping = None
+        self.sent = 0.0
+
+    def why_gone(self) -> Optional[str]:
+        p = self.p
+        if p.actor is None:
+            return None
+        if self.ping is None:
+            if time.monotonic() - self.sent < self.every_s:
+                return None
+            self.ping, self.sent = p.actor.__ray_call__.remote(_pid_in_actor), time.monotonic()
+        if not ray.wait([self.ping], timeout=0)[0]:
+            return None
+        ping, self.ping = self.ping, None
+        try:
+            pid = ray.get(ping)
+        except ray.exceptions.RayActorError as exc:
+            return f"its provider actor died ({type(exc).__name__}) while the overlapped snapshot was being copied"
+        except ray.exceptions.RayError:  # not an answer about the actor: ask again later
+            return None
+        if pid != p.pid:
+            return (f"its provider actor was restarted (pid {p.pid} -> {pid}) while the overlapped snapshot "
+                    f"was being copied")
         return None
-    try:
-        from ray._private.state import actors
-
-        info = actors(p.actor_id) or {}
-    except Exception:  # the actor table is not reachable: keep waiting (bounded by the caller)
-        return None
-    if info.get("State") not in ("ALIVE", None) or (info.get("Pid") and info["Pid"] != p.pid):
-        return (f"its provider actor died or was restarted (state {info.get('State')}, pid {p.pid} -> "
-                f"{info.get('Pid')}) while the overlapped snapshot was being copied")
-    return None
 
 
 def resolve_snapshot(obj: Any, timeout: float = 600.0, take: bool = True) -> Any:
@@ -386,16 +457,23 @@ def pending_refs(p: PendingSnapshot, timeout: float = 600.0, take: bool = False)
         raise SaveError(f"snapshot of state {p.name!r}: its run's mailbox {p.mailbox!r} is gone") from None
     deadline = time.monotonic() + timeout
     ans = mb.get.remote(p.key, timeout, take)
+    alive = _Liveness(p, every_s=0.0)  # first look at once, then every 2 s
     while not ray.wait([ans], timeout=0.5)[0]:
-        why = _provider_gone(p)
+        why = alive.why_gone()
+        alive.every_s = 2.0
         if why:
             raise SaveError(f"snapshot of state {p.name!r}: {why}; this version fails")
         if time.monotonic() > deadline + 5:
             break
-    slot = ray.get(ans) if ray.wait([ans], timeout=0)[0] else None
+    try:
+        slot = ray.get(ans) if ray.wait([ans], timeout=0)[0] else None
+    except ray.exceptions.RayActorError:
+        raise SaveError(f"snapshot of state {p.name!r}: its run's mailbox stopped (the run was shut down or its "
+                        f"coordinator restarted) before the overlapped copy was announced") from None
     if slot is None:
+        why = alive.why_gone()
         raise SaveError(f"snapshot of state {p.name!r}: its overlapped copy was not announced within {timeout:g}s"
-                        + (f" ({_provider_gone(p)})" if _provider_gone(p) else ""))
+                        + (f" ({why})" if why else ""))
     refs, error = slot
     if error:
         raise SaveError(f"snapshot of state {p.name!r}: {error}")
@@ -463,9 +541,25 @@ def actor_tensor_bytes(actor: Any) -> int:
     return total
 
 
-def prefault_needed_in_actor(actor: Any, attribute: Optional[str], name: str) -> int:
+def prepare_overlap(owner: Any) -> None:
+    """Everything an overlapped snapshot sets up once per process, done ahead of the first save (at
+    ``register``), so that the first snapshot call costs what the tenth does: this process's copier
+    and its copy thread, and the torch hooks (optimizer step pre-hooks, BatchNorm forward
+    pre-hooks) on the objects ``owner`` holds."""
+    copier = _copier()
+    copier.warm()
+    install_hooks(copier, candidates(owner), process_hooks())
+
+
+def prefault_needed_in_actor(actor: Any, attribute: Optional[str], name: str, overlap: bool = False) -> int:
     """Runs in a provider actor at ``register``: map the object-store pages its first saves will
-    use (sized from what the actor holds, without calling its getter), in the background."""
+    use (sized from what the actor holds, without calling its getter), in the background; with
+    ``overlap``, also set up the overlapped copy (:func:`prepare_overlap`)."""
+    if overlap:
+        try:
+            prepare_overlap(actor)
+        except Exception:  # the first snapshot sets it up instead
+            pass
     try:
         if attribute is not None:  # a torch Stateful attribute: its state_dict() has no side effects
             nbytes = state_nbytes(getattr(actor, attribute).state_dict())

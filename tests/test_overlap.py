@@ -86,6 +86,51 @@ def test_the_debug_check_fails_a_copy_whose_source_changed_without_a_fence():
     assert job2.done.is_set() and job2.error is None
 
 
+def _nice_of(tid):
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
+def test_the_copy_and_the_threads_it_starts_run_below_the_learners_cpu_priority():
+    """Ray's put copies with 6 threads of its own, started by the copy thread: they must leave the
+    learner's core to the learner (a lower priority, inherited from the copy thread)."""
+    seen = {}
+
+    def put(flat):
+        seen["copy"] = _nice_of(threading.get_native_id())
+        t = threading.Thread(target=lambda: seen.setdefault("started_by_copy", _nice_of(threading.get_native_id())))
+        t.start()
+        t.join()
+        return [a.copy() for a in flat.arrays]
+
+    copier = OverlapCopier(put, lambda job: None, nice=10)
+    learner = _nice_of(threading.get_native_id())
+    job = copier.start("s", "k", flatten({"t": torch.zeros(8)}, state_name="s"))
+    assert job.done.wait(10) and job.error is None
+    assert seen == {"copy": min(19, learner + 10), "started_by_copy": min(19, learner + 10)}
+    assert _nice_of(threading.get_native_id()) == learner  # the learner's own thread is untouched
+
+
+def test_prepare_overlap_sets_up_the_copy_thread_and_the_hooks_before_the_first_snapshot():
+    from ray_ckpt import overlap, snapshot
+
+    class Owner:
+        def __init__(self):
+            self.model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    owner = Owner()
+    snapshot.prepare_overlap(owner)
+    copier = overlap.process_copier()
+    assert copier._thread is not None and copier._thread.is_alive()
+    hooks = overlap.process_hooks()
+    assert owner.opt in hooks and owner.model[1] in hooks
+    assert owner.opt._optimizer_step_pre_hooks and owner.model[1]._forward_pre_hooks
+    n = len(hooks.handles)
+    snapshot.prepare_overlap(owner)  # idempotent: no second hook
+    assert len(hooks.handles) == n
+
+
 # ------------------------------------------------------------------ real Ray actors
 class BigLearner:
     """A learner whose state takes tens of ms to copy, so that its next steps run during the copy."""
@@ -330,3 +375,28 @@ def test_a_provider_maps_only_the_pages_its_first_saves_use_ahead_of_the_first_s
     after = ray.get(learner.__ray_call__.remote(_store_residency))
     # the two saves' copies landed in the pages mapped ahead (the mapping did not grow by a snapshot)
     assert after["resident"] - before["resident"] < state // 2, (before, after)
+
+
+def test_the_runs_mailbox_stops_with_engine_shutdown_and_a_new_engine_of_the_run_saves_again(engine_factory,
+                                                                                            run_name):
+    from ray_ckpt.snapshot import MAILBOX_NAMESPACE, mailbox_name
+
+    learner = _actor(Plain).remote(1)
+    for attempt in range(2):  # the second engine of the same run opens a new mailbox
+        eng = engine_factory(overlap=True, **LEAN)
+        eng.register("policy", learner)
+        want = ray.get(learner.__ray_call__.remote(lambda a: a.t.clone()))
+        h = eng.save(attempt + 1)
+        assert h.wait(60).version == attempt + 1
+        got = rc.state_from_snapshot(h.refs("policy")[0])
+        assert torch.equal(got["t"], want)
+        ray.get_actor(mailbox_name(run_name), namespace=MAILBOX_NAMESPACE)  # it runs while the engine does
+        eng.shutdown()
+        deadline = time.time() + 30
+        while True:  # the mailbox ends with the coordinator that owns it (bounded wait)
+            try:
+                ray.get_actor(mailbox_name(run_name), namespace=MAILBOX_NAMESPACE)
+            except ValueError:
+                break
+            assert time.time() < deadline, "the run's mailbox was still running 30 s after engine.shutdown()"
+            time.sleep(0.1)
