@@ -4,23 +4,32 @@ time to durable, side by side in one run: ray_ckpt with overlap, ray_ckpt withou
 does) and ``torch.save`` (blocking), for a learner whose step is longer than one copy of its state
 and one whose step is shorter; and the first save of a fresh learner against its tenth.
 
-    python benchmarks/overlap.py [--configs 512:200,64:20] [--steps 16] [--every-s 0.5] [--dir DIR]
+    python benchmarks/overlap.py [--configs 512:200,512:1000,64:20] [--steps 16] [--every-s 0.5] [--dir DIR]
 
 The learner is a Ray actor with a model-like state (parameters + Adam's two moments, ``MB`` in all,
-in 8 tensors per kind) and a real ``torch.optim.Adam``; a step is ``STEP_MS`` of compute (a matmul
-loop, one thread) followed by ``opt.step()``. The driver queues the steps (and a save every
-``--every-s`` seconds of step time) ahead, so the learner is never idle waiting for the driver.
+in 8 tensors per kind) and a real ``torch.optim.Adam``; a step is ``STEP_MS`` of forward/backward
+compute (a matmul loop, one thread) followed by ``opt.step()``, which takes what it takes (Adam over
+512 MB of state: 250-450 ms on the build VM). The fence of an overlapped save is the optimizer's
+step pre-hook, so the copy has the ``STEP_MS`` of compute to finish in. (Until 2026-11-30 the
+compute was ``STEP_MS`` minus the optimizer step's time, which for 512 MB was no compute at all:
+the fence came right after the snapshot and waited for the whole copy.) The driver queues the steps
+(and a save every ``--every-s`` seconds of measured step time, at least one step apart) ahead, so
+the learner is never idle waiting for the driver.
 
 Columns (per configuration and contender):
   lost ms      the learner's time lost per save: (wall time of the run - the same steps' wall time
                without checkpointing) / saves; it includes the CPU the writers take from the
                learner on a small machine, not only the snapshot
-  in-learner   measured inside the learner, per save: ray_ckpt overlap=on: the fences' waits;
+  in-learner   measured inside the learner, per save: ray_ckpt overlap=on: the snapshot call
+               (views + queueing the copy) + the fences' waits (the learner's whole pause);
                DCP: the async_save call (its staging wait before opt.step is in "lost");
                torch.save: the call (+fsync)
   x memcpy     lost ms over one memcpy of the state (copy_ into a preallocated, touched tensor)
   steps/s      steps per second of the run, and as a fraction of the run without checkpointing
   durable s    median of save() until the version is committed (files fsynced, manifest written)
+  copy ms      ray_ckpt overlap=on: median time of the background copy into the object store
+               (the fence waits only if it is longer than the step's compute)
+  writer cpu   CPU seconds per save of the checkpoint writer processes (ray_ckpt rows)
 """
 from __future__ import annotations
 
@@ -86,10 +95,12 @@ class Learner:
         c = process_copier()
         if c is not None:
             c.fence_waits.clear()
+            c.history.clear()
+            c.call_s.clear()
 
     def step(self, baseline_fence=None):
         t0 = time.perf_counter()
-        deadline = t0 + self.step_ms / 1e3 - self.opt_s_estimate()
+        deadline = t0 + self.step_ms / 1e3  # forward/backward: STEP_MS of compute before the optimizer step
         while time.perf_counter() < deadline:  # forward/backward stand-in: compute, GIL released
             self.a @ self.a
         if self.dcp is not None:  # DCP's rule: staging must be complete before the state changes
@@ -153,7 +164,9 @@ class Learner:
 
         c = process_copier()
         waits = list(c.fence_waits) if c is not None else []
-        out = {"times": self.times, "fence": waits, "snap": self.snapshot_s}
+        copies = list(c.history) if c is not None else []
+        calls = list(c.call_s) if c is not None else []
+        out = {"times": self.times, "fence": waits, "snap": self.snapshot_s, "copies": copies, "calls": calls}
         self.snapshot_s = []
         return out
 
@@ -176,19 +189,38 @@ def run_loop(learner, steps, every, on_save):
     return times[-1][1] - times[0][0], saves, st
 
 
+def _cpu_by(pattern):
+    """CPU seconds used so far by the processes whose command line contains ``pattern``."""
+    total = 0.0
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                if pattern not in f.read():
+                    continue
+            with open(f"/proc/{p}/stat") as f:
+                st = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(st[11]) + int(st[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def bench_config(mb, step_ms, steps, every_s, root, first_vs_tenth):
     learner = Learner.remote(mb, step_ms)
     info = ray.get(learner.info.remote())
     ray.get(learner.calibrate.remote())
-    every = max(1, round(every_s * 1e3 / step_ms))
     rows = []
     base_wall, _, _ = run_loop(learner, steps, 0, None)
     base_rate = steps / base_wall
+    every = max(1, round(every_s * base_rate))
     memcpy_ms = info["memcpy_s"] * 1e3
 
-    def row(name, wall, nsaves, inner_ms, durable):
+    def row(name, wall, nsaves, inner_ms, durable, copy_ms=None, writer_cpu=None):
         pause = max(0.0, (wall - base_wall) * 1e3 / max(nsaves, 1))
-        rows.append((name, pause, inner_ms, pause / memcpy_ms, steps / wall, steps / wall / base_rate, durable))
+        rows.append((name, pause, inner_ms, pause / memcpy_ms, steps / wall, steps / wall / base_rate, durable,
+                     copy_ms, writer_cpu))
 
     for overlap in (True, False):
         run = f"ov{'1' if overlap else '0'}{mb}x{int(time.time() * 1e3) % 10**8}"
@@ -204,14 +236,18 @@ def bench_config(mb, step_ms, steps, every_s, root, first_vs_tenth):
             h = eng.save(i, on_busy="queue")
             handles.append(h)
             return h
+        cpu0 = _cpu_by(b"WriterActor")
         wall, _, st = run_loop(learner, steps, every, save)
         for h in handles:
             h.wait(300)
-        inner = sum(st["fence"]) * 1e3 / max(len(handles), 1)  # fence waits in the learner, per save
+        writer_cpu = (_cpu_by(b"WriterActor") - cpu0) / max(len(handles), 1)
+        # in the learner, per save: the snapshot call + the fences' waits
+        inner = (sum(st["fence"]) + sum(st["calls"])) * 1e3 / max(len(handles), 1)
+        copies = [c[3] * 1e3 for c in st["copies"][-len(handles):]] if overlap else []
         # time to durable: save() call to commit, measured by waiting on each handle in turn
         durable_s = _durable_one(eng, learner, steps + 1)
         row(f"ray_ckpt overlap={'on' if overlap else 'off'}", wall, len(handles),
-            inner if overlap else None, durable_s)
+            inner if overlap else None, durable_s, statistics.median(copies) if copies else None, writer_cpu)
         eng.shutdown()
         shutil.rmtree(os.path.join(root, run), ignore_errors=True)
         ray.get(learner.reset.remote())
@@ -254,7 +290,7 @@ def _durable_one(eng, learner, step):
     return time.perf_counter() - t
 
 
-def first_vs_tenth(mb, root, overlap):
+def first_vs_tenth(mb, root, overlap, prepare=False):
     """A fresh learner (new process) saves 10 times, idle between saves: each save's learner pause
     (the snapshot call, measured by a no-op call queued behind it) — the first against the tenth."""
     learner = Learner.remote(mb, 10)
@@ -263,6 +299,10 @@ def first_vs_tenth(mb, root, overlap):
     eng = rc.CheckpointEngine.create(run, local_dir=os.path.join(root, run), critical_writers=1,
                                      best_effort_writers=0, overlap=overlap)
     eng.register("state", learner)
+    if prepare:  # what register() does with the proposed engine line (copy thread and hooks set up ahead)
+        from ray_ckpt.snapshot import prefault_needed_in_actor
+
+        ray.get(learner.__ray_call__.remote(prefault_needed_in_actor, None, "state", True))
     time.sleep(2.0)  # register() maps the needed pages in the background
     pauses = []
     for i in range(1, 11):
@@ -290,7 +330,7 @@ def table(header, rows):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", default="512:200,64:20", help="MB:step_ms,...")
+    ap.add_argument("--configs", default="512:200,512:1000,64:20", help="MB:step_ms,...")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--every-s", type=float, default=0.5)
     ap.add_argument("--first-mb", type=int, default=256)
@@ -304,16 +344,19 @@ def main():
         mb, step_ms = (int(x) for x in spec.split(":"))
         steps = args.steps if step_ms >= 100 else args.steps * 5
         rows, memcpy_ms, base_rate, every = bench_config(mb, step_ms, steps, args.every_s, root, None)
-        print(f"\n{mb} MB state, {step_ms} ms step, a save every {every} steps, {steps} steps; one memcpy "
-              f"{memcpy_ms:.1f} ms; no checkpointing {base_rate:.2f} steps/s")
+        print(f"\n{mb} MB state, {step_ms} ms compute + opt.step, a save every {every} steps, {steps} steps; "
+              f"one memcpy {memcpy_ms:.1f} ms; no checkpointing {base_rate:.2f} steps/s")
         fmt = [(n, f"{p:.1f}", "-" if i is None else f"{i:.1f}", f"{x:.2f}", f"{r:.2f}", f"{f:.3f}",
-                "-" if d is None else f"{d:.2f}") for n, p, i, x, r, f, d in rows]
+                "-" if d is None else f"{d:.2f}", "-" if c is None else f"{c:.0f}", "-" if w is None else f"{w:.2f}")
+               for n, p, i, x, r, f, d, c, w in rows]
         print(table(["contender", "lost ms/save", "in-learner ms/save", "x memcpy", "steps/s", "vs none",
-                     "durable s"], fmt))
-    for overlap in (False, True):
-        p = first_vs_tenth(args.first_mb, root, overlap)
-        print(f"\nfresh learner, {args.first_mb} MB, overlap={'on' if overlap else 'off'}: pause per save ms "
-              + " ".join(f"{x:.0f}" for x in p) + f"; first/tenth = {p[0] / p[-1]:.2f}")
+                     "durable s", "copy ms", "writer cpu s/save"], fmt))
+    for overlap, prepare in ((False, False), (True, False), (True, True)):
+        p = first_vs_tenth(args.first_mb, root, overlap, prepare)
+        label = "on, set up at register" if prepare else ("on" if overlap else "off")
+        print(f"\nfresh learner, {args.first_mb} MB, overlap={label}: pause per save ms "
+              + " ".join(f"{x:.0f}" for x in p) + f"; first/tenth = {p[0] / p[-1]:.2f}; "
+              f"first/median(2-10) = {p[0] / statistics.median(p[1:]):.2f}")
     ray.shutdown()
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)

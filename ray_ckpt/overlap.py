@@ -150,6 +150,7 @@ class OverlapCopier:
         self.fence_waits: List[float] = []  # seconds each fence that had to wait waited (last 1000)
         # (state, queued at, copy began at, copy seconds, page faults, bytes) of the last 1000 copies
         self.history: List[Tuple[str, float, float, float, int, int]] = []
+        self.call_s: List[float] = []  # seconds each overlapped snapshot call took (last 1000)
 
     def warm(self) -> None:
         """Start the copy thread now (at register) rather than at the first snapshot."""
