@@ -13,9 +13,13 @@ from test_ranks import Rank, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
+# one critical writer, no best-effort pool: nothing best-effort is registered here, and every writer
+# is a process to start (seconds on a 2-core machine)
+LEAN = {"critical_writers": 1, "best_effort_writers": 0}
+
 
 def test_ranks_that_push_first_wait_for_the_drivers_save(engine_factory, run_name):
-    eng = engine_factory()
+    eng = engine_factory(**LEAN)
     ranks = [Rank.remote(run_name, r) for r in range(2)]
     table = {"step": torch.arange(4)}
     eng.register("driver_table", lambda: table, loader=lambda s: None)
@@ -40,7 +44,7 @@ def test_ranks_that_push_first_wait_for_the_drivers_save(engine_factory, run_nam
 
 
 def test_a_drivers_save_that_never_comes_fails_the_version_naming_it(engine_factory, run_name):
-    eng = engine_factory(rank_timeout_s=2.0)
+    eng = engine_factory(rank_timeout_s=2.0, **LEAN)
     ranks = [Rank.remote(run_name, r) for r in range(2)]
     eng.register("driver_table", lambda: {"x": torch.ones(2)})
     eng.register("shard", ranks, world_size=2)
@@ -54,7 +58,7 @@ def test_a_drivers_save_that_never_comes_fails_the_version_naming_it(engine_fact
 
 
 def test_a_run_of_pushed_states_only_gets_one_handle_for_the_whole_version(engine_factory, run_name):
-    eng = engine_factory()
+    eng = engine_factory(**LEAN)
     ranks = [Rank.remote(run_name, r) for r in range(2)]
     eng.register("shard", ranks, world_size=2)
     h = eng.save(1)  # nothing of its own: opens the version (or joins it) and waits for every rank

@@ -58,7 +58,7 @@ def test_wrong_input_is_a_clear_error():
 
 def test_an_actors_random_streams_resume_exactly_after_restore(engine_factory):
     actor = ray.remote(num_cpus=0.1)(Sampler).remote()
-    eng = engine_factory(remote_uri=None)
+    eng = engine_factory(remote_uri=None, critical_writers=1, best_effort_writers=0)  # one writer process: one state
     eng.register("rng", actor)
     ray.get(actor.draw.remote())
     eng.save(1).wait(timeout=60)
