@@ -13,9 +13,9 @@ A version's life, in call order:
    few ms, in one call): ``Catalogue.begin`` / ``accept_push``; ``UploadPlan.opened`` notes
    whether the engine counted it as an upload turn. A rank that never pushes fails the version
    after ``rank_timeout_s`` (``_deadline``).
-2. **parts dispatched** — ``_dispatch``: each snapshot ref goes to the least busy writer of the node
-   that holds it (critical) or of the best-effort pool.
-3. **written** — ``_track``: the writer's :class:`~ray_ckpt.protocol.WrittenPart` (or its error)
+2. **parts dispatched** — ``WriteDispatch`` (``write_dispatch.py``): snapshot refs go in batches to
+   the writers of the node that holds them (critical) or of the best-effort pool.
+3. **written** — ``_record``: the writer's :class:`~ray_ckpt.protocol.WrittenPart` (or its error)
    goes to ``Catalogue.part_written`` / ``part_failed``.
 4. **manifest** — ``_progress``: once every critical part is written the manifest is written to
    the local tier, last and atomically: it is the commit marker.
@@ -24,7 +24,7 @@ A version's life, in call order:
    and its handle learns of the commit through ``wait()``, one call per version per process);
    best-effort parts that land later rewrite the manifest. A failed version's files are removed
    before its handle raises.
-6. **uploaded** — ``_upload``: if the upload plan says it is this version's turn, writers copy its
+6. **uploaded** — ``Uploader`` (``uploader.py``): if the upload plan says it is this version's turn, writers copy its
    files (verified while streaming) and the remote manifest is written last.
 7. **retained** — ``_apply_retention`` / ``_apply_remote_retention``: the policies of each tier
    delete what they no longer keep (files another version refers to stay).
@@ -53,28 +53,16 @@ from .protocol import CoordinatorStatus, Declaration, PartPlan, SaveOutcome, Sub
 from .push_batch import PushedPart, SubmitBatchResult
 from .storage.durable_batch import remove_temporaries
 from .storage.tier import Tier
-from .types import Strategy
 from .upload_plan import UploadPlan
+from .uploader import Uploader, root_cause
+from .write_dispatch import WriteDispatch
 from .writers import WriterPools
 
 log = logging.getLogger("ray_ckpt.coordinator")
 NAMESPACE = "ray_ckpt"
 DECLARED = "declared_states.json"  # pushed-state declarations, so a restarted coordinator knows them
-# Parts that arrive together (thousands of ranks' pushes) go to writers in batches: one writer call
-# and one durable sync per batch instead of per part (issue 15: a Ray call per part was the
-# coordinator's largest cost). A part waits at most BATCH_WINDOW_S for others to join it.
-BATCH_WINDOW_S = 0.005
-BATCH_PARTS = 128  # parts per writer call at most (spread over the pool's writers)
-SWITCH_INTERVAL_S = 0.0005
-UPLOAD_FILES_PER_CALL = 16  # files per writer upload call: the grain of upload_progress
+SWITCH_INTERVAL_S = 0.0005  # the GIL switch interval of the coordinator's process (see __init__)
 DRIVER_STATES = "driver_states.json"  # the states the driver's save() brings (Catalogue.expect_driver)
-
-
-def _root_cause(exc: BaseException) -> BaseException:
-    """A provider's or writer's error comes wrapped once per Ray task it crossed."""
-    while getattr(exc, "cause", None) is not None and exc.cause is not exc:
-        exc = exc.cause
-    return exc
 
 
 def actor_name(run: str) -> str:
@@ -145,16 +133,14 @@ class CheckpointCoordinator:
         self.node_id = self.pools.node_id
         self.file_nodes: Dict[str, str] = {}  # local file path -> node whose local tier holds it
         self.commit_futures: Dict[int, asyncio.Future] = {}
-        self.remote_futures: Dict[int, asyncio.Future] = {}
         self.settled_futures: Dict[int, asyncio.Future] = {}  # every part, best-effort too, is done
         self.version_locks: Dict[int, asyncio.Lock] = {}
-        self.remote_locks: Dict[int, asyncio.Lock] = {}  # one upload sequence per version at a time
         self.accepted_at: Dict[int, float] = {}
         self.manifest_revision: Dict[int, int] = {}  # version -> PendingVersion.revision its manifest shows
         self.unsupported: Set[int] = set()  # failed versions whose cause was an unsupported object
         self.commits = 0
         self.failures = 0
-        self.counts: Dict[str, int] = {"pushed_parts": 0, "submit_calls": 0, "written_parts": 0, "write_calls": 0}
+        self.counts: Dict[str, int] = {"pushed_parts": 0, "submit_calls": 0}
         self.last_error: Optional[str] = None
         self.started_at = time.time()
         self.metrics = Metrics(config.run)
@@ -162,8 +148,11 @@ class CheckpointCoordinator:
             if found:  # a restarted coordinator: "no checkpoint in N minutes" alerts see the real age
                 self.metrics.last_committed(tier, found[max(found)].created_at)
         self.background: Set[asyncio.Future] = set()  # writes (with commit and retention), uploads
-        self._outbox: Dict[int, List[Tuple[Any, Any, int]]] = {}  # version -> parts gathered for a batch
-        self.upload_bytes: Dict[int, Tuple[int, int]] = {}  # version -> (uploaded, to upload): upload_progress
+        self.writes = WriteDispatch(self.pools, self.catalogue, config.compression, self._record, self._progress,
+                                    self._in_background)
+        self.uploader = Uploader(config.run, self.remote, self.uploads, self.catalogue, self.pools, self.file_nodes,
+                                 self.metrics, self._fence, outcome_of, self.accepted_at, self._in_background,
+                                 self._after_upload, self._set_error)
         # the run's fencing token (see ownership.py): the creating engine sets it; a coordinator
         # Ray restarted takes it from the owner record if that record is its own job's
         self.owner_token: Optional[int] = None
@@ -314,7 +303,7 @@ class CheckpointCoordinator:
         """Calls in and out since start (benchmarks/scale.py reports parts per call): pushed parts
         and the ``submit_parts`` calls that brought them, parts sent to writers in batches and the
         ``write_parts`` calls that took them."""
-        return dict(self.counts)
+        return {**self.counts, **self.writes.counts}
 
     def writers(self) -> Dict[str, Any]:
         w = self.pools
@@ -347,7 +336,7 @@ class CheckpointCoordinator:
         if len(stored) != len(refs):
             self.catalogue.fail(version, "internal: parts and refs differ in number")
         for p, ref in zip(stored, refs):
-            self._dispatch(version, p.name, p.rank, ref, p.nbytes)
+            self.writes.dispatch(version, p.name, p.rank, ref, p.nbytes)
         self._watch_pushed(version)
         await self._progress(version)
         outcome = await self.commit_futures[version]
@@ -361,73 +350,6 @@ class CheckpointCoordinator:
         self.version_locks[version] = asyncio.Lock()
         self.accepted_at[version] = time.perf_counter()
         self.metrics.set_in_flight(len(self.catalogue.pending))
-
-    def _dispatch(self, version: int, name: str, rank: int, ref: Any, size: int) -> None:
-        """Send one part's snapshot ref (inside a list: not resolved here) to a writer: gathered
-        with the version's other parts arriving within ``BATCH_WINDOW_S`` (``_write_batch``). A
-        RELOADABLE part goes alone: the writer first looks its content up among stored ones."""
-        part = self.catalogue.pending[version].parts[(name, rank)]
-        part.submitted = True
-        if part.strategy is Strategy.RELOADABLE:
-            self._in_background(self._write(version, part, ref, size))
-            return
-        box = self._outbox.setdefault(version, [])
-        box.append((part, ref, size))
-        if len(box) == 1:  # the first part of a batch starts its flush
-            self._in_background(self._write_batch(version))
-
-    async def _write_batch(self, version: int) -> None:
-        """Send the parts gathered for ``version``: best-effort ones to the best-effort pool,
-        critical ones to the critical pool of the node that holds each snapshot (node affinity),
-        each group spread over its pool's writers in calls of at most ``BATCH_PARTS`` parts."""
-        await asyncio.sleep(BATCH_WINDOW_S)
-        items = self._outbox.pop(version, [])
-        if not items:
-            return
-        anywhere = [it for it in items if it[0].strategy is Strategy.BEST_EFFORT and self.pools.best_effort]
-        placed = [it for it in items if not (it[0].strategy is Strategy.BEST_EFFORT and self.pools.best_effort)]
-        groups = [(self.pools.best_effort, anywhere)] if anywhere else []
-        if placed:
-            by_node: Dict[Optional[str], list] = {}
-            for it, node in zip(placed, await self.pools.locate_many([ref for _, ref, _ in placed])):
-                by_node.setdefault(node, []).append(it)
-            groups += [(self.pools.critical_on(node), its) for node, its in by_node.items()]
-        # each chunk moves the version on when it ends: a critical chunk never waits for a best-effort one
-        await asyncio.gather(*[self._write_chunk(version, writer, chunk)
-                               for pool, its in groups for writer, chunk in self.pools.spread(pool, its, BATCH_PARTS)])
-
-    async def _write_chunk(self, version: int, writer: Any, chunk: List[Tuple[Any, Any, int]]) -> None:
-        size = sum(s for _, _, s in chunk)
-        self.pools.add_queued(writer, size, len(chunk))
-        self.counts["write_calls"] += 1
-        self.counts["written_parts"] += len(chunk)
-        try:
-            try:
-                results = await writer.write_parts.remote(version, [(p.name, p.rank) for p, _, _ in chunk],
-                                                          [ref for _, ref, _ in chunk], compression=self.cfg.compression)
-            except Exception as exc:  # the writer died or the call failed: every part of the chunk failed
-                results = [exc] * len(chunk)
-            for (p, _, _), result in zip(chunk, results):
-                self._record(version, p.name, p.rank, result)
-        finally:
-            self.pools.add_queued(writer, -size, -len(chunk))
-        await self._progress(version)
-
-    async def _write(self, version: int, part: Any, ref: Any, size: int) -> None:
-        if part.strategy is Strategy.BEST_EFFORT and self.pools.best_effort:
-            pool = self.pools.best_effort  # may run anywhere: reads the snapshot over the network if needed
-        else:
-            pool = self.pools.critical_on(await self.pools.locate(ref))  # node affinity: a shared-memory read
-        writer = self.pools.least_busy(pool)
-        self.pools.add_queued(writer, size)
-        reuse = self.catalogue.reuse_for(part) if part.strategy is Strategy.RELOADABLE else None
-        obj = writer.write_part.remote(version, part.name, part.rank, [ref], reuse=reuse,
-                                       compression=self.cfg.compression)
-        try:
-            await self._track(version, part.name, part.rank, obj)
-        finally:
-            self.pools.add_queued(writer, -size)
-        await self._progress(version)
 
     # ------------------------------------------------------------------ pushed states (ranks)
     def declare(self, name: str, strategy: str, world_size: int, replicated: bool = False,
@@ -494,7 +416,7 @@ class CheckpointCoordinator:
             log.error("version %d: %s", v, pv.error)
             self.last_error = f"version {v}: {pv.error}"
             self._in_background(self._progress(v))
-        self._dispatch(version, name, rank, part.ref, part.nbytes)
+        self.writes.dispatch(version, name, rank, part.ref, part.nbytes)
         return SubmitAck(version)
 
     def _watch_pushed(self, version: int) -> None:
@@ -534,13 +456,6 @@ class CheckpointCoordinator:
         await self._progress(version)
 
     # ------------------------------------------------------------------ 3: written
-    async def _track(self, version: int, name: str, rank: int, obj: Any) -> None:
-        try:
-            result = await obj
-        except Exception as exc:
-            result = exc
-        self._record(version, name, rank, result)
-
     def _record(self, version: int, name: str, rank: int, result: Any) -> None:
         """A part's WrittenPart, or the error that stopped it, into the catalogue."""
         if not isinstance(result, BaseException):
@@ -550,7 +465,7 @@ class CheckpointCoordinator:
             self.catalogue.part_written(version, name, rank, result)
         else:  # reaches the handle through the commit future
             exc = result
-            if isinstance(_root_cause(exc), UnsupportedTypeError):
+            if isinstance(root_cause(exc), UnsupportedTypeError):
                 self.unsupported.add(version)  # the handle raises the same class as an in-process save
             msg = one_line(getattr(exc, "cause", None) or exc)
             log.error("version %d: state %r rank %d failed: %s", version, name, rank, msg)
@@ -583,7 +498,7 @@ class CheckpointCoordinator:
                     self._fail_handle(version, pv, fut)
         else:
             if self.uploads.needs_resync(version, self.catalogue.committed.get(version)):
-                self._in_background(self._upload(version))  # best-effort parts landed since
+                self.uploader.start(version)  # best-effort parts landed since
             await self._apply_retention()
 
     async def _commit(self, version: int, pv: PendingVersion, fut: asyncio.Future) -> None:
@@ -606,7 +521,7 @@ class CheckpointCoordinator:
         self.metrics.committed("local", time.perf_counter() - self.accepted_at.get(version, 0.0), written)
         fut.set_result(outcome_of(manifest, "local", written + len(manifest.to_json()),
                                   stages=dict(pv.stages(), manifest_s=time.perf_counter() - t_commit)))
-        self._plan_upload(version)
+        self.uploader.on_commit(version)
 
     async def _add_late_parts(self, version: int, pv: PendingVersion) -> None:
         """Best-effort parts that landed after the commit (or while its manifest was being written)
@@ -655,12 +570,13 @@ class CheckpointCoordinator:
     def _prune_bookkeeping(self, keep: int = 32) -> None:
         """Forget futures and locks of old, finished versions (wait() answers those from the catalogue)."""
         for v in sorted(self.commit_futures)[:-keep]:
-            remote = self.remote_futures.get(v)
+            remote = self.uploader.futures.get(v)
             if v in self.catalogue.pending or v in self.uploads.uploading or (remote is not None and not remote.done()):
                 continue
-            for d in (self.commit_futures, self.remote_futures, self.version_locks, self.accepted_at,
-                      self.settled_futures, self.remote_locks, self.manifest_revision):
+            for d in (self.commit_futures, self.version_locks, self.accepted_at, self.settled_futures,
+                      self.manifest_revision):
                 d.pop(v, None)
+            self.uploader.forget(v)
             self.uploads.bytes.pop(v, None)
 
     async def _sweep_temporaries(self, version: int) -> None:
@@ -689,108 +605,22 @@ class CheckpointCoordinator:
             if path not in keep:
                 self.file_nodes.pop(path, None)
 
-    # ------------------------------------------------------------------ 6: uploaded
-    def _remote_future(self, version: int) -> asyncio.Future:
-        return self.remote_futures.setdefault(version, asyncio.get_running_loop().create_future())
-
-    def _plan_upload(self, version: int) -> None:
-        """Upload ``version`` (just committed) if its turn has come (see UploadPlan.on_commit)."""
-        if self.remote is None:
-            return
-        fut = self._remote_future(version)
-        why_not = self.uploads.on_commit(version)
-        if why_not is not None:
-            fut.set_exception(SaveError(why_not))
-            return
-        self._in_background(self._upload(version))
-
-    async def _upload(self, version: int) -> None:
-        """Upload ``version`` until it is on the remote tier or cannot be (its local copy is bad);
-        transient errors retry with backoff (up to 30 s apart)."""
-        backoff = 0.5
-        async with self.remote_locks.setdefault(version, asyncio.Lock()):
-            while True:
-                manifest = self.catalogue.committed.get(version)
-                if self.uploads.should_stop(version, manifest):  # e.g. a re-sync queued behind a failure
-                    return
-                files = self.uploads.files_to_upload(manifest)
-                self._note_upload(version, 0, sum(f.size for f in files))
-                try:
-                    await self._copy_files(files, version)
-                    self.uploads.files_uploaded(files)
-                    taken_over = await asyncio.to_thread(self._fence, self.remote)
-                    if taken_over:
-                        raise IntegrityError(taken_over)  # no retry helps: given up like a bad local copy
-                    await asyncio.to_thread(write_manifest, self.remote, manifest)
-                except Exception as exc:
-                    msg = one_line(getattr(exc, "cause", None) or exc)
-                    permanent = isinstance(_root_cause(exc), IntegrityError)  # the local copy is bad: no retry helps
-                    self.uploads.failed(version, msg, permanent)
-                    self.last_error = f"version {version} upload: {msg}"
-                    self.metrics.failed("upload")
-                    if permanent:
-                        await self._give_up_upload(version, msg)
-                        break
-                    log.warning("version %d: remote upload failed, retrying in %.1fs: %s", version, backoff, msg)
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 30.0)
-                    continue
-                uploaded = self.uploads.succeeded(version, manifest, files)
-                self._note_upload(version, self.upload_bytes[version][1], self.upload_bytes[version][1])
-                self.metrics.committed("remote", time.perf_counter() - self.accepted_at.get(version, 0.0), uploaded)
-                fut = self._remote_future(version)
-                if not fut.done():
-                    fut.set_result(outcome_of(manifest, "remote", self.uploads.bytes.get(version, 0)))
-                break
-        await self._apply_remote_retention()
-        await self._apply_retention()  # a local version held back for its upload may go now
-
-    async def _copy_files(self, files: List[Any], version: Optional[int] = None) -> None:
-        """Each file is uploaded by a writer on the node whose local tier holds it, in calls of at
-        most ``UPLOAD_FILES_PER_CALL`` files, so that ``upload_progress`` moves as they end."""
-        by_node: Dict[str, list] = {}
-        for f in files:
-            by_node.setdefault(self.file_nodes.get(f.path, self.node_id), []).append(f)
-
-        async def one(node: str, fs: List[Any]) -> None:
-            await self.pools.least_busy(self.pools.critical_on(node)).upload.remote(fs)
-            if version in self.upload_bytes:
-                done, total = self.upload_bytes[version]
-                self._note_upload(version, done + sum(f.size for f in fs), total)
-
-        await asyncio.gather(*[one(node, fs[i:i + UPLOAD_FILES_PER_CALL]) for node, fs in by_node.items()
-                               for i in range(0, len(fs), UPLOAD_FILES_PER_CALL)])
-
-    def _note_upload(self, version: int, done: int, total: int) -> None:
-        self.upload_bytes[version] = (done, total)
-        while len(self.upload_bytes) > 64:  # bookkeeping for the waits of recent versions only
-            del self.upload_bytes[min(self.upload_bytes)]
-
+    # ------------------------------------------------------------------ 6: uploaded (uploader.py)
     @ray.method(concurrency_group="queries")
     def upload_progress(self, version: int) -> Optional[Tuple[int, int]]:
         """(bytes uploaded, bytes to upload) of ``version``'s current upload attempt, or None
         before it starts (``SaveHandle.wait(durability="remote", progress=True)`` shows it)."""
-        return self.upload_bytes.get(version)
-
-    async def _give_up_upload(self, version: int, msg: str) -> None:
-        """Remove what the attempts left on the remote tier (never listed: no manifest), then fail
-        the remote handle."""
-        log.error("version %d: not uploaded, its local copy cannot be: %s", version, msg)
-        try:
-            kept = {p for m in self.uploads.committed.values() for p in m.referenced_paths()}
-            await asyncio.to_thread(delete_version, self.remote, version, kept, [])
-        except Exception as cleanup:
-            log.warning("version %d: removing its partial upload failed: %s", version, one_line(cleanup))
-        fut = self._remote_future(version)
-        if not fut.done():
-            fut.set_exception(SaveError(f"version {version} of run {self.cfg.run!r} cannot be uploaded: {msg}"))
+        return self.uploader.progress(version)
 
     def _resume_uploads(self) -> None:
-        """Start the uploads found undone at start-up (needs the event loop: first async call)."""
-        for v in self.uploads.take_resume():
-            log.warning("version %d: committed locally but not uploaded before a restart; uploading it now", v)
-            self._remote_future(v)
-            self._in_background(self._upload(v))
+        self.uploader.resume()
+
+    async def _after_upload(self) -> None:
+        await self._apply_remote_retention()
+        await self._apply_retention()  # a local version held back for its upload may go now
+
+    def _set_error(self, msg: str) -> None:
+        self.last_error = msg
 
     # ------------------------------------------------------------------ waiting
     async def wait(self, version: int, durability: str = "local", best_effort: bool = False,
@@ -818,15 +648,15 @@ class CheckpointCoordinator:
                 return outcome
             if self.remote is None:
                 raise SaveError(f"run {self.cfg.run!r} has no remote tier (remote_uri was not given)")
-            return await self._remote_future(version)
+            return await self.uploader.future(version)
         if version in self.catalogue.failed:
             raise SaveError(f"version {version} of run {self.cfg.run!r} failed: {self.catalogue.failed[version]}")
         if version in self.catalogue.committed and durability == "local":
             return outcome_of(self.catalogue.committed[version], "local")
         if version in self.uploads.committed:
             return outcome_of(self.uploads.committed[version], durability)
-        if version in self.remote_futures and version in self.catalogue.committed:  # resumed upload
-            return await self.remote_futures[version]
+        if version in self.uploader.futures and version in self.catalogue.committed:  # resumed upload
+            return await self.uploader.futures[version]
         raise SaveError(f"version {version} is unknown to the coordinator of run {self.cfg.run!r} "
                         f"(it may have restarted while the save was in flight)")
 

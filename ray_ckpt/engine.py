@@ -309,10 +309,14 @@ class CheckpointEngine:
                on_busy: Union[OnBusy, str] = OnBusy.WAIT) -> SaveHandle:
         """Push this rank's part of a declared state for ``step`` (from inside a rank actor).
 
-        Returns once the coordinator accepted the part (a bad push raises here: an undeclared state,
-        a rank out of range, a part pushed twice), with a handle; the version commits when every
-        declared rank has pushed. One engine may push for many ranks (a host process of several
-        ranks): their handles share one wait call per version.
+        Returns at once with a handle (a bad push raises here: an undeclared state, a rank out of
+        range, a step not after this rank's last); the version commits when every declared rank
+        has pushed. One engine may push for many ranks (a host process of several ranks): the parts
+        it pushes for a version within a few ms travel to the coordinator in ONE call
+        (``push_batch.py``; sent at once when a handle is waited on, and by ``shutdown()``), and
+        their handles share one wait call per version. What only the coordinator can refuse (a part
+        another process already pushed, a version already committed) fails that part's handle
+        alone, when it is waited on, with the coordinator's message.
 
         Backpressure: at most ``max_in_flight`` of this engine's versions are in flight (pushes
         for a version already in flight always go). ``on_busy``: "wait" (block until the oldest

@@ -9,10 +9,12 @@ coordinator's largest cost, and the queries (``list_checkpoints()``) waited behi
 *open batch* of its version (:class:`PushBatch`). A batch is sent as ONE
 ``coordinator.submit_parts(version, parts)`` call when the first of:
 
-- no part joined it for ``PUSH_IDLE_S`` (the pushing loop paused: a rank actor pushing its two
-  states sends them in one call right after its second ``submit()``), or ``PUSH_WINDOW_S`` passed
-  since its first part (a host pushing hundreds of ranks sends a batch every window); a small
-  background thread per engine, the *flusher*, sends it;
+- ``PUSH_WINDOW_S`` passed since its first part AND this engine's previous call was answered (a
+  small background thread per engine, the *flusher*, sends it). At most one call is in flight per
+  engine: while the coordinator works on one, the next batch grows, so the number of calls adapts
+  to how busy the coordinator is (a host pushing hundreds of ranks to a busy coordinator sends
+  tens of parts per call; a rank actor pushing its two states sends them in one). The previous
+  answer is awaited at most ``PUSH_MAX_WAIT_S``;
 - it holds ``PUSH_BATCH_MAX`` parts;
 - a handle needs its answer (``wait()``, ``result()``, ``done()``) or the engine's backpressure
   needs its commit, or the engine shuts down (:meth:`Pusher.send_all`).
@@ -35,8 +37,8 @@ import ray
 
 from .errors import SaveError
 
-PUSH_IDLE_S = 0.003    # a batch no part joined for this long is sent
-PUSH_WINDOW_S = 0.05   # a batch waits at most this long for more parts of its version
+PUSH_WINDOW_S = 0.005   # a batch waits this long for more parts of its version ...
+PUSH_MAX_WAIT_S = 1.0   # ... and for the answer to this engine's previous call, at most this long
 PUSH_BATCH_MAX = 4096  # parts per submit_parts call at most
 
 
@@ -69,7 +71,7 @@ class PushBatch:
     def __init__(self, version: int):
         self.version = version
         self.parts: List[PushedPart] = []
-        self.opened_at = self.last_at = time.monotonic()
+        self.opened_at = time.monotonic()
         self.sent = False
         self.ack: Optional[ray.ObjectRef] = None      # the call's SubmitBatchResult
         self.commit: Optional[ray.ObjectRef] = None   # the version's shared wait (see handle._shared_wait)
@@ -125,10 +127,12 @@ class Pusher:
     """An engine's open batches and the flusher thread that sends them (started at the first push)."""
 
     def __init__(self, coordinator: Callable[[], Any], shared_wait: Callable[[Any, int], ray.ObjectRef],
-                 window_s: float = PUSH_WINDOW_S, idle_s: float = PUSH_IDLE_S, max_parts: int = PUSH_BATCH_MAX):
+                 window_s: float = PUSH_WINDOW_S, max_wait_s: float = PUSH_MAX_WAIT_S,
+                 max_parts: int = PUSH_BATCH_MAX):
         self._coordinator = coordinator  # the engine's current coordinator handle (it may be revived)
         self._shared_wait = shared_wait
-        self.window_s, self.idle_s, self.max_parts = window_s, idle_s, max_parts
+        self.window_s, self.max_wait_s, self.max_parts = window_s, max_wait_s, max_parts
+        self._last_ack: Optional[ray.ObjectRef] = None  # this engine's latest submit_parts call
         self.calls = 0  # submit_parts calls made (benchmarks/scale.py reports parts per call)
         self._open: Dict[int, PushBatch] = {}
         self._cond = threading.Condition()
@@ -148,7 +152,6 @@ class Pusher:
                     self._thread.start()
                 self._cond.notify()  # a new batch: the flusher times its window (not woken per part)
             batch.parts.append(part)
-            batch.last_at = time.monotonic()
             slot = PushSlot(self, batch, len(batch.parts) - 1)
             full = len(batch.parts) >= self.max_parts
         if full:
@@ -171,7 +174,7 @@ class Pusher:
     def _send(self, batch: PushBatch) -> None:
         coord = self._coordinator()
         try:
-            batch.ack = coord.submit_parts.remote(batch.version, batch.parts)
+            batch.ack = self._last_ack = coord.submit_parts.remote(batch.version, batch.parts)
             self.calls += 1
             commit = self.commits.get(batch.version)
             if commit is None:  # this engine's first push of the version: a new attempt, if it ran before
@@ -189,11 +192,17 @@ class Pusher:
                     self._cond.wait()
                 if self._closed and not self._open:
                     return
-                due = min(min(b.opened_at + self.window_s, b.last_at + self.idle_s) for b in self._open.values())
+                due = min(b.opened_at for b in self._open.values()) + self.window_s
                 left = due - time.monotonic()
                 if left > 0:
                     self._cond.wait(left)
                     continue
+            previous = self._last_ack
+            if previous is not None:  # parts gather while the coordinator works on the previous call
+                try:
+                    ray.wait([previous], timeout=self.max_wait_s)
+                except Exception:  # Ray shutting down: send anyway, the call reports it
+                    pass
             self.send_all()
 
     def close(self) -> None:
