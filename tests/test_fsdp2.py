@@ -216,7 +216,9 @@ def pool(ray_session, tmp_path_factory):
     t0 = time.perf_counter()
     tmp = tmp_path_factory.mktemp("fsdp2")
     run = "fsdp2-e2e"
-    eng = rc.CheckpointEngine.create(run, local_dir=str(tmp / "local"), remote_uri=f"file://{tmp / 'remote'}")
+    # no best-effort pool: nothing best-effort is registered, and a writer is a process to start
+    eng = rc.CheckpointEngine.create(run, local_dir=str(tmp / "local"), remote_uri=f"file://{tmp / 'remote'}",
+                                     best_effort_writers=0)
     for name in ("model", "optim"):
         eng.register(name, world_size=4)
     actors = [Rank.remote(run) for _ in range(POOL)]
@@ -282,7 +284,7 @@ def test_2d_mesh_restores_onto_1d_mesh(pool, tmp_path):
     from ray_ckpt.storage.tier import Tier
 
     run = "fsdp2-mesh2d"
-    eng = rc.CheckpointEngine.create(run, local_dir=str(tmp_path / "local"))
+    eng = rc.CheckpointEngine.create(run, local_dir=str(tmp_path / "local"), best_effort_writers=0)
     try:
         eng.register("mesh2d", world_size=4)
         t0 = time.perf_counter()

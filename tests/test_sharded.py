@@ -109,7 +109,9 @@ def saved(ray_session, tmp_path_factory):
     """4 FSDP2 ranks, 3 AdamW steps, model / optim / big pushed at step 3 (committed on both tiers)."""
     tmp = tmp_path_factory.mktemp("sharded")
     run = "sharded-e2e"
-    eng = rc.CheckpointEngine.create(run, local_dir=str(tmp / "local"), remote_uri=f"file://{tmp / 'remote'}")
+    # no best-effort pool: nothing best-effort is registered, and a writer is a process to start
+    eng = rc.CheckpointEngine.create(run, local_dir=str(tmp / "local"), remote_uri=f"file://{tmp / 'remote'}",
+                                     best_effort_writers=0)
     for name in ("model", "optim", "big"):
         eng.register(name, world_size=4)
     ranks = _group(run, 4, big=True)
@@ -229,7 +231,8 @@ def test_eight_way_rank_reads_about_its_share(saved):
 
 
 def test_plain_per_rank_parts_refuse_another_world_size(saved, tmp_path, ray_session):
-    eng = rc.CheckpointEngine.create("plain-ranks", local_dir=str(tmp_path / "l"))
+    eng = rc.CheckpointEngine.create("plain-ranks", local_dir=str(tmp_path / "l"), critical_writers=1,
+                                     best_effort_writers=0)  # two small parts: one writer process
     try:
         eng.register("shard", world_size=2)
         parts = [{"w": torch.full((4, 4), float(r)), "step": 1} for r in range(2)]
