@@ -90,8 +90,8 @@ def test_1200_ranks_two_states_from_four_hosts_commit_and_load_per_rank(engine_f
     commit_s = time.monotonic() - t0
     assert results == [("ok", [1])] * n_hosts, results
     # it answers throughout (before issue 15 it stopped answering: 60 s timeouts). The issue's goal
-    # of < 1 s is NOT met on this 2-core VM: the latency grows with the submits queued at the
-    # coordinator (see benchmarks/RESULTS.md, scale.py), hence only a bound that catches a hang
+    # of < 1 s is met by benchmarks/scale.py (worst 0.06-0.97 s up to 32,768 parts, pushes batched
+    # per engine); a test shares the 2-core VM with other runs, hence only a bound that catches a hang
     assert max(latencies) < 30.0, f"list_checkpoints() latencies during the pushes: {sorted(latencies)}"
     metas = eng.list_checkpoints()
     assert [m.version for m in metas] == [1] and set(metas[0].states) == set(STATES)
