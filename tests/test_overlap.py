@@ -377,6 +377,17 @@ def test_a_provider_maps_only_the_pages_its_first_saves_use_ahead_of_the_first_s
     after = ray.get(learner.__ray_call__.remote(_store_residency))
     # the two saves' copies landed in the pages mapped ahead (the mapping did not grow by a snapshot)
     assert after["resident"] - before["resident"] < state // 2, (before, after)
+    # a copy that met untouched pages maps two more snapshots' bytes beyond what is mapped
+    grown = ray.get(learner.__ray_call__.remote(_grow_and_wait, state))
+    assert grown["target"] == after["done"] + 2 * state and grown["done"] == grown["target"], (after, grown)
+    assert grown["resident"] - after["resident"] >= 2 * state - (1 << 20)
+
+
+def _grow_and_wait(actor, nbytes):
+    from ray_ckpt.object_store import grow_needed
+
+    grow_needed(nbytes)
+    return _store_residency(actor)
 
 
 def test_the_runs_mailbox_stops_with_engine_shutdown_and_a_new_engine_of_the_run_saves_again(engine_factory,
