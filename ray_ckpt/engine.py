@@ -276,7 +276,8 @@ class CheckpointEngine:
         if not self.config.prefault_object_store:
             if self.config.prefault_needed and name is not None:  # only the pages its first saves use
                 if isinstance(prov, ActorProvider):
-                    prov.handle.__ray_call__.remote(prefault_needed_in_actor, prov.attribute, name)
+                    prov.handle.__ray_call__.remote(prefault_needed_in_actor, prov.attribute, name,
+                                                    getattr(self._registry.get(name), "overlap", False))
                 elif prov.fn is not None and stateful_methods(getattr(prov.fn, "__self__", None)):
                     try:  # a torch Stateful object's state_dict() has no side effects
                         prefault_needed(state_nbytes(prov.fn()), name)
