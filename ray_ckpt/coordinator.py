@@ -61,6 +61,7 @@ from .writers import WriterPools
 log = logging.getLogger("ray_ckpt.coordinator")
 NAMESPACE = "ray_ckpt"
 DECLARED = "declared_states.json"  # pushed-state declarations, so a restarted coordinator knows them
+SWEEP_TIMEOUT_S = 60.0  # removing a finished version's temporary files (a writer busy with later batches)
 SWITCH_INTERVAL_S = 0.0005  # the GIL switch interval of the coordinator's process (see __init__)
 DRIVER_STATES = "driver_states.json"  # the states the driver's save() brings (Catalogue.expect_driver)
 
@@ -148,6 +149,7 @@ class CheckpointCoordinator:
             if found:  # a restarted coordinator: "no checkpoint in N minutes" alerts see the real age
                 self.metrics.last_committed(tier, found[max(found)].created_at)
         self.background: Set[asyncio.Future] = set()  # writes (with commit and retention), uploads
+        self._sweeps: Set[asyncio.Future] = set()  # removals of killed writers' temporary files
         self.writes = WriteDispatch(self.pools, self.catalogue, config.compression, self._record, self._progress,
                                     self._in_background)
         self.uploader = Uploader(config.run, self.remote, self.uploads, self.catalogue, self.pools, self.file_nodes,
@@ -548,7 +550,9 @@ class CheckpointCoordinator:
         self.catalogue.finish(version)
         if not pv.error:
             self.unsupported.discard(version)
-            self._in_background(self._sweep_temporaries(version))
+            sweep = asyncio.ensure_future(self._sweep_temporaries(version))  # garbage only: quiesce does not wait
+            self._sweeps.add(sweep)
+            sweep.add_done_callback(self._sweeps.discard)
         settled = self.settled_futures.get(version)
         if settled is not None and not settled.done():
             settled.set_result(True)
@@ -582,9 +586,14 @@ class CheckpointCoordinator:
     async def _sweep_temporaries(self, version: int) -> None:
         """Every part of ``version`` ended: remove the ``*.tmp-*`` files a writer killed mid-batch
         left in it (one call to a writer of each node that holds its files)."""
-        nodes = list(self.pools.critical_by_node)
-        results = await asyncio.gather(*[self.pools.critical_on(n)[0].remove_temporaries.remote(version)
-                                         for n in nodes], return_exceptions=True)
+        alive = await asyncio.to_thread(self.pools._alive_nodes)
+        nodes = [n for n in self.pools.critical_by_node if n in alive]  # a lost node's writer would not answer
+        calls = [self.pools.critical_on(n)[0].remove_temporaries.remote(version) for n in nodes]
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), SWEEP_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.warning("version %d: removing temporary files did not end within %gs", version, SWEEP_TIMEOUT_S)
+            return
         for node, r in zip(nodes, results):
             if isinstance(r, Exception):
                 log.warning("version %d: removing temporary files on node %s failed: %s", version, node[:12],
