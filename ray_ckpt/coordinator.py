@@ -49,7 +49,8 @@ from .formats.manifest import Manifest, chain_suspects
 from .lease import ray_identity, read_owner
 from .metrics import Metrics
 from .ownership import fence_error
-from .protocol import CoordinatorStatus, Declaration, PartPlan, SaveOutcome, SubmitAck, VersionStatus
+from .protocol import (CoordinatorStatus, Declaration, PartPlan, SaveOutcome, StoredState, SubmitAck,
+                       VersionStatus)
 from .push_batch import PushedPart, SubmitBatchResult
 from .storage.durable_batch import remove_temporaries
 from .storage.tier import Tier
@@ -262,6 +263,15 @@ class CheckpointCoordinator:
         """Versions found in storage but not trusted (and not committed on another tier): why."""
         return {v: why for v, why in self.skipped.items()
                 if v not in self.catalogue.committed and v not in self.uploads.committed}
+
+    @ray.method(concurrency_group="queries")
+    def stored_state(self, name: str, version: int = -1, step: Optional[int] = None) -> Optional[StoredState]:
+        """State ``name`` of ``version`` (or of the version at ``step``) without the other states'
+        entries (see :class:`StoredState`); None when no such version is committed."""
+        m = self.manifest(version, step)
+        if m is None:
+            return None
+        return StoredState(m.version, m.step, tuple(sorted(m.states)), m.states.get(name))
 
     @ray.method(concurrency_group="queries")
     def manifests(self) -> List[Manifest]:

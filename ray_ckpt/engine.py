@@ -555,23 +555,23 @@ class CheckpointEngine:
             raise InvalidArgumentError(f"load: step must be a step number or -1 (the latest), got {step!r}")
         if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
             raise InvalidArgumentError(f"load: rank must be a non-negative integer or None, got {rank!r}")
-        m, entry, allow_pickle = self._stored_state(name, step, allow_pickle)
+        version, entry, allow_pickle = self._stored_state(name, step, allow_pickle)
         if rank is None and entry.shards is not None:  # the full tensors of a sharded state
             try:
                 return sharded_io.load_full(tiers_of(self.config), entry, name, bool(allow_pickle))[0]
             except IntegrityError as exc:
-                raise RestoreError(f"state {name!r} of version {m.version}: {exc}") from None
+                raise RestoreError(f"state {name!r} of version {version}: {exc}") from None
         if rank is None:
             if len(entry.files) > 1 and not entry.replicated:
                 raise InvalidArgumentError(
-                    f"load({name!r}, rank=None): state {name!r} of version {m.version} holds {len(entry.files)} "
+                    f"load({name!r}, rank=None): state {name!r} of version {version} holds {len(entry.files)} "
                     f"rank-local parts of plain tensors (no DTensors), which cannot be assembled into full "
                     f"tensors; load one rank's part with rank=r")
             rank = 0
         try:
             state, _tier, _ = read_state(tiers_of(self.config), rank_files(entry, name, rank), name, allow_pickle)
         except (IntegrityError, OSError) as exc:
-            raise RestoreError(f"state {name!r} of version {m.version}: {one_line(exc)}") from None
+            raise RestoreError(f"state {name!r} of version {version}: {one_line(exc)}") from None
         return state
 
     def load_into(self, name: str, state: Any, step: int = -1, rank: int = 0, *, strict: bool = True,
@@ -606,27 +606,32 @@ class CheckpointEngine:
             dist = getattr(sys.modules.get("torch"), "distributed", None)
             if dist is not None and dist.is_available() and dist.is_initialized():
                 world_size = dist.get_world_size()
-        m, entry, allow_pickle = self._stored_state(name, step, allow_pickle)
+        version, entry, allow_pickle = self._stored_state(name, step, allow_pickle)
         tiers = tiers_of(self.config)
         if entry.shards is not None:
             return sharded_io.load_into_state(tiers, entry, name, state, strict=strict, allow_pickle=allow_pickle)
-        sharded_io.check_world_size(entry, name, m.version, world_size)
+        sharded_io.check_world_size(entry, name, version, world_size)
         return sharded_io.load_rank_local_into(tiers, entry, name, state, rank, strict=strict,
                                                allow_pickle=allow_pickle)
 
     def _stored_state(self, name: str, step: int, allow_pickle: Optional[bool]):
-        """(manifest, its entry of ``name``, allow_pickle) for a load: RestoreError unless stored."""
-        m = self._manifest_at(step)
-        entry = m.states.get(name)
+        """(version, the entry of ``name``, allow_pickle) for a load: RestoreError unless stored.
+        Fetches that one state's entry, not the whole manifest (``coordinator.stored_state``)."""
+        found = self._call(lambda c: c.stored_state.remote(name, -1, None if step == -1 else step),
+                           "a manifest", error=RestoreError)
+        if found is None:
+            what = "" if step == -1 else f" at step {step}"
+            raise RestoreError(f"run {self.run!r} has no committed checkpoint{what}")
+        entry = found.entry
         if entry is None:
-            raise RestoreError(f"version {m.version} of run {self.run!r} has no state {name!r} "
-                               f"(it has: {', '.join(sorted(m.states))})")
+            raise RestoreError(f"version {found.version} of run {self.run!r} has no state {name!r} "
+                               f"(it has: {', '.join(found.names)})")
         if entry.status != "stored":
-            raise RestoreError(f"state {name!r} of version {m.version} is {entry.status}: {entry.detail}")
+            raise RestoreError(f"state {name!r} of version {found.version} is {entry.status}: {entry.detail}")
         if allow_pickle is None:
             reg = self._registry.get(name)
             allow_pickle = bool(reg and reg.allow_pickle)
-        return m, entry, allow_pickle
+        return found.version, entry, allow_pickle
 
     def _manifest_at(self, step: int) -> Manifest:
         return self._manifest(-1) if step == -1 else self._manifest(step=step)

@@ -12,6 +12,7 @@ spelled out at the top of ``coordinator.py``.
     coordinator --SubmitAck-->         engine         submit(): a rank's part accepted (not committed)
     coordinator --SaveOutcome-->       engine         a version's outcome on one tier (-> SaveResult)
     coordinator --CoordinatorStatus--> engine         status()
+    coordinator --StoredState-->       engine         load() / load_into(): one state's manifest entry
     provider    --StagedState-->       engine         restore(): a state read and verified in the actor
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
-from .formats.manifest import FileEntry
+from .formats.manifest import FileEntry, StateEntry
 from .types import SaveResult, Strategy
 
 
@@ -166,3 +167,20 @@ class StagedState:
     tier: Optional[str] = None
     detail: str = ""
     bytes: int = 0
+
+
+@dataclass(frozen=True)
+class StoredState:
+    """One state of a committed version, as ``load`` / ``load_into`` need it: the version, its step,
+    the names of all its states (for a clear error) and the one entry asked for (None if absent).
+
+    Why not the whole manifest: a version pushed by thousands of ranks has a manifest of megabytes
+    (~176 bytes per part); a rank loading its states one by one would fetch and parse all of it once
+    per state. This carries one state's entry: a process loading every state of a version moves
+    about one manifest's bytes in all."""
+
+    version: int
+    step: int
+    names: Tuple[str, ...]
+    entry: Optional[StateEntry]
+

@@ -119,6 +119,13 @@ def test_interrupted_write_is_never_listed_nor_restored(engine_factory, tmp_path
     assert report.version == 2 and report.states["reference"].status == "restored"
     with pytest.raises(rc.RestoreError, match="no committed checkpoint at step 5"):
         eng2.restore(step=5)
+    # load() fetches one state's entry (coordinator.stored_state), and says what else the version has
+    want = ray.get(frozen.ckpt_get_state.remote("reference"))["w"]
+    assert torch.equal(torch.as_tensor(eng2.load("reference", step=2)["w"]), want)
+    with pytest.raises(rc.RestoreError, match=r"version 2 of run .* has no state 'nope' \(it has: .*reference"):
+        eng2.load("nope", step=2)
+    with pytest.raises(rc.RestoreError, match="no committed checkpoint at step 5"):
+        eng2.load("reference", step=5)
 
 
 def test_coordinator_killed_and_recreated_with_catalogue(engine_factory, run_name):
