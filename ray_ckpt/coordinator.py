@@ -99,6 +99,11 @@ class CheckpointCoordinator:
         self.local = config.local_tier()
         self.remote = config.remote_tier()
         self.local.check_writable()  # the remote tier is checked by create(): it may be down at a restart
+        # the writers' processes start while the tiers are scanned below (Ray starts them in the
+        # background; engine.create() waits for them with ready()); owned by this actor, they go
+        # with it if anything below raises
+        self.pools = WriterPools(config)
+        self.node_id = self.pools.node_id
         key = config.signing_key
         committed, partial, bad = scan(self.local, key)
         for problem in bad:
@@ -131,8 +136,6 @@ class CheckpointCoordinator:
         self.uploads = UploadPlan(config.remote_every, self.remote is not None, remote_committed,
                                   self.catalogue.committed)
         self._remove_partial(self.remote, remote_partial, self.uploads.paths)
-        self.pools = WriterPools(config)
-        self.node_id = self.pools.node_id
         self.file_nodes: Dict[str, str] = {}  # local file path -> node whose local tier holds it
         self.commit_futures: Dict[int, asyncio.Future] = {}
         self.settled_futures: Dict[int, asyncio.Future] = {}  # every part, best-effort too, is done
