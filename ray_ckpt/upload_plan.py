@@ -12,7 +12,7 @@ version to commit (``owed``): the remote tier never waits ``remote_every`` more 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Set, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Set, Tuple, Union
 
 from .formats.manifest import FileEntry, Manifest
 from .storage.retention import RetentionPolicy, VersionInfo, plan_deletions
@@ -29,7 +29,7 @@ class RemoteDeletion:
 
 class UploadPlan:
     def __init__(self, every: int, enabled: bool, remote_committed: Optional[Mapping[int, Manifest]] = None,
-                 local_committed: Iterable[int] = ()):
+                 local_committed: Union[Iterable[int], Mapping[int, Manifest]] = ()):
         self.every = every
         self.enabled = enabled
         self.committed: Dict[int, Manifest] = dict(remote_committed or {})  # on the remote tier now
@@ -45,6 +45,12 @@ class UploadPlan:
         newest_remote = max(self.committed, default=0)
         newer = sorted(v for v in local_committed if v > newest_remote)
         self.resume: List[int] = [newer[-1]] if enabled and len(newer) >= every else []
+        # ... and re-syncs a remote copy whose manifest is older than the local one: best-effort parts
+        # that joined the local manifest after the upload, whose re-sync its predecessor never made
+        if enabled and isinstance(local_committed, Mapping):
+            stale = [v for v, m in local_committed.items()
+                     if v in self.committed and m.to_json() != self.committed[v].to_json()]
+            self.resume = sorted(set(self.resume) | set(stale))
         self.uploading.update(self.resume)
 
     # ------------------------------------------------------------------ turns

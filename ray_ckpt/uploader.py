@@ -75,7 +75,11 @@ class Uploader:
     def resume(self) -> None:
         """Start the uploads found undone at start-up (needs the event loop: first async call)."""
         for v in self.plan.take_resume():
-            log.warning("version %d: committed locally but not uploaded before a restart; uploading it now", v)
+            if v in self.plan.committed:
+                log.warning("version %d: its remote copy lacks parts its local manifest gained before a restart "
+                            "(late best-effort parts); uploading them now", v)
+            else:
+                log.warning("version %d: committed locally but not uploaded before a restart; uploading it now", v)
             self.future(v)
             self.start(v)
 

@@ -63,6 +63,17 @@ def test_a_restarted_plan_owes_the_newest_local_version_when_enough_are_newer():
     assert UploadPlan(1, False, {}, local_committed=[1, 2]).resume == []         # no remote tier
 
 
+def test_a_restarted_plan_resyncs_a_remote_copy_older_than_the_local_one():
+    """A best-effort part that joined version 1's local manifest after its upload, and a coordinator
+    restarted before the re-sync: the new plan uploads version 1 again (its new file only)."""
+    remote = {1: _manifest(1), 2: _manifest(2)}
+    local = {1: _manifest(1, files=("policy", "replay")), 2: _manifest(2)}
+    plan = UploadPlan(5, True, remote, local_committed=local)
+    assert plan.take_resume() == [1] and 1 in plan.uploading
+    assert [f.path for f in plan.files_to_upload(local[1])] == ["v000000000001/replay/rank0.safetensors"]
+    assert UploadPlan(5, True, remote, local_committed=dict(remote)).resume == []  # the same: nothing owed
+
+
 def test_remote_retention_keeps_shared_files_and_uploads_in_progress():
     shared = "v000000000001/ref/rank0.safetensors"
     plan = UploadPlan(1, True, {v: _manifest(v, shared=shared) for v in (1, 2, 3)})
