@@ -12,7 +12,7 @@ A version's life, in call order:
    rank's first pushed part (``submit_parts``: the parts one engine pushed for the version within a
    few ms, in one call): ``Catalogue.begin`` / ``accept_push``; ``UploadPlan.opened`` notes
    whether the engine counted it as an upload turn. A rank that never pushes fails the version
-   after ``rank_timeout_s`` (``_deadline``).
+   after ``rank_timeout_s`` (``_deadline``, ``rank_deadline.py``).
 2. **parts dispatched** — ``WriteDispatch`` (``write_dispatch.py``): snapshot refs go in batches to
    the writers of the node that holds them (critical) or of the best-effort pool.
 3. **written** — ``_record``: the writer's :class:`~ray_ckpt.protocol.WrittenPart` (or its error)
@@ -21,13 +21,18 @@ A version's life, in call order:
    the local tier, last and atomically: it is the commit marker.
 5. **committed** — the version's commit future resolves with a :class:`~ray_ckpt.protocol.SaveOutcome`
    (the driver's ``save()`` call returns it; a rank's ``submit_parts()`` returned at once,
-   and its handle learns of the commit through ``wait()``, one call per version per process);
+   and its handle learns of the commit through ``wait()``, one call per version per process,
+   answered by ``waits.py``);
    best-effort parts that land later rewrite the manifest. A failed version's files are removed
    before its handle raises.
 6. **uploaded** — ``Uploader`` (``uploader.py``): if the upload plan says it is this version's turn, writers copy its
    files (verified while streaming) and the remote manifest is written last.
-7. **retained** — ``_apply_retention`` / ``_apply_remote_retention``: the policies of each tier
-   delete what they no longer keep (files another version refers to stay).
+7. **retained** — ``Deletions`` (``deletions.py``): the policies of each tier delete what they
+   no longer keep (files another version refers to stay); ``rewind`` and a failed version's files
+   go the same way.
+
+Start-up (``recovery.py``) rebuilds the catalogue and upload plan from both tiers; the read-only
+calls (``coordinator_queries.py``) answer on their own thread.
 """
 from __future__ import annotations
 
@@ -41,52 +46,33 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import ray
 
-from .catalogue import Catalogue, PendingVersion, meta_of
-from .checkpoint_io import delete_version, scan, write_manifest
+from .catalogue import PendingVersion
+from .checkpoint_io import write_manifest
 from .config import EngineConfig
-from .errors import CheckpointError, IntegrityError, SaveError, UnsupportedTypeError, one_line
-from .formats.manifest import Manifest, chain_suspects
+from .coordinator_queries import CoordinatorQueries
+from .deletions import Deletions
+from .errors import SaveError, UnsupportedTypeError, one_line
+from .formats.manifest import Manifest
 from .lease import ray_identity, read_owner
 from .metrics import Metrics
 from .ownership import fence_error
-from .protocol import (CoordinatorStatus, Declaration, PartPlan, SaveOutcome, StoredState, SubmitAck,
-                       VersionStatus)
+from .protocol import CoordinatorStatus, Declaration, PartPlan, SaveOutcome, StoredState, SubmitAck
 from .push_batch import PushedPart, SubmitBatchResult
-from .storage.durable_batch import remove_temporaries
+from .rank_deadline import expire_missing
+from .recovery import DECLARED, DRIVER_STATES, recover
 from .storage.tier import Tier
-from .upload_plan import UploadPlan
 from .uploader import Uploader, root_cause
 from .write_dispatch import WriteDispatch
+from .waits import VersionWaits, outcome_of
 from .writers import WriterPools
 
 log = logging.getLogger("ray_ckpt.coordinator")
 NAMESPACE = "ray_ckpt"
-DECLARED = "declared_states.json"  # pushed-state declarations, so a restarted coordinator knows them
-SWEEP_TIMEOUT_S = 60.0  # removing a finished version's temporary files (a writer busy with later batches)
 SWITCH_INTERVAL_S = 0.0005  # the GIL switch interval of the coordinator's process (see __init__)
-DRIVER_STATES = "driver_states.json"  # the states the driver's save() brings (Catalogue.expect_driver)
 
 
 def actor_name(run: str) -> str:
     return f"ray_ckpt.coordinator.{run}"
-
-
-def _problems_by_version(problems: List[str]) -> Dict[int, str]:
-    """scan()'s problems ("version N: why") by version."""
-    out: Dict[int, str] = {}
-    for p in problems:
-        head, _, why = p.partition(": ")
-        if head.startswith("version ") and head[8:].isdigit():
-            out[int(head[8:])] = why
-    return out
-
-
-def outcome_of(m: Manifest, durability: str, bytes_written: Optional[int] = None, **extra: Any) -> SaveOutcome:
-    """A committed manifest as the outcome a handle returns."""
-    missing = tuple(sorted(n for n, e in m.states.items() if e.status == "missing"))
-    pending = tuple(sorted(n for n, e in m.states.items() if e.status == "pending"))
-    return SaveOutcome(m.version, m.step, durability, m.bytes if bytes_written is None else bytes_written,
-                       tuple(sorted(m.states)), missing=missing, pending=pending, **extra)
 
 
 class CheckpointCoordinator:
@@ -104,38 +90,9 @@ class CheckpointCoordinator:
         # with it if anything below raises
         self.pools = WriterPools(config)
         self.node_id = self.pools.node_id
-        key = config.signing_key
-        committed, partial, bad = scan(self.local, key)
-        for problem in bad:
-            log.warning("ignoring %s", problem)
-        # versions found but not trusted (unreadable, mis-signed, or off the manifest chain): listed
-        # by status() and by a restore that goes past them, never restored
-        self.skipped: Dict[int, str] = _problems_by_version(bad)
-        for v, why in chain_suspects(committed).items():
-            log.error("version %d is not trusted: %s", v, why)
-            self.skipped[v] = why
-            committed.pop(v, None)
-        self.catalogue = Catalogue(config.run, committed)
-        self.catalogue.signing_key = key
-        self._remove_partial(self.local, partial, self.catalogue.kept_paths(set()))
-        self._remove_temporaries_at_start()
-        self._load_declarations()
-        self._load_driver_states()
-        remote_committed: Dict[int, Manifest] = {}
-        remote_partial: List[int] = []
-        if self.remote is not None:
-            try:
-                remote_committed, remote_partial, remote_bad = scan(self.remote, key)
-                for v, why in _problems_by_version(remote_bad).items():
-                    self.skipped.setdefault(v, f"remote tier: {why}")
-                for v, why in chain_suspects(remote_committed).items():
-                    self.skipped.setdefault(v, f"remote tier: {why}")
-                    remote_committed.pop(v, None)
-            except Exception as exc:  # remote down at (re)start: local checkpointing goes on
-                log.warning("cannot list the remote tier %s: %s", self.remote.display, self.remote.scrub(one_line(exc)))
-        self.uploads = UploadPlan(config.remote_every, self.remote is not None, remote_committed,
-                                  self.catalogue.committed)
-        self._remove_partial(self.remote, remote_partial, self.uploads.paths)
+        found = recover(config, self.local, self.remote)  # recovery.py: both tiers' manifests, cleaned
+        self.catalogue, self.uploads, self.skipped = found.catalogue, found.uploads, found.skipped
+        self.queries = CoordinatorQueries(config.run, self.catalogue, self.uploads, self.skipped, self.pools)
         self.file_nodes: Dict[str, str] = {}  # local file path -> node whose local tier holds it
         self.commit_futures: Dict[int, asyncio.Future] = {}
         self.settled_futures: Dict[int, asyncio.Future] = {}  # every part, best-effort too, is done
@@ -159,6 +116,10 @@ class CheckpointCoordinator:
         self.uploader = Uploader(config.run, self.remote, self.uploads, self.catalogue, self.pools, self.file_nodes,
                                  self.metrics, self._fence, outcome_of, self.accepted_at, self._in_background,
                                  self._after_upload, self._set_error)
+        self.waits = VersionWaits(config.run, self.remote, config.rank_timeout_s, self.catalogue, self.uploads,
+                                  self.uploader, self.commit_futures, self.settled_futures)
+        self.deletions = Deletions(config, self.local, self.remote, self.catalogue, self.uploads, self.pools,
+                                   self.file_nodes)
         # the run's fencing token (see ownership.py): the creating engine sets it; a coordinator
         # Ray restarted takes it from the owner record if that record is its own job's
         self.owner_token: Optional[int] = None
@@ -174,139 +135,42 @@ class CheckpointCoordinator:
         """Why this coordinator must not commit on ``tier`` now: another job took the run over."""
         return fence_error(read_owner([tier]), self.owner_token, self.cfg.run)
 
-    def _load_declarations(self) -> None:
-        try:
-            if not self.local.exists(DECLARED):
-                return
-            declared = json.loads(bytes(self.local.read_bytes(DECLARED)))
-            if not isinstance(declared, dict):
-                raise ValueError("not a JSON object")
-        except (IntegrityError, ValueError, OSError) as exc:  # a link, a FIFO, garbage: not ours to follow
-            log.error("ignoring %s: %s", DECLARED, one_line(exc))
-            return
-        for name, d in declared.items():
-            try:
-                decl = Declaration.from_json(name, d)
-                self.catalogue.declare(name, decl.strategy, decl.world_size, decl.replicated, decl.allow_pickle)
-            except (CheckpointError, ValueError, KeyError, TypeError) as exc:
-                log.warning("ignoring the declaration of %r in %s: %s", name, DECLARED, one_line(exc))
 
-    def _load_driver_states(self) -> None:
-        try:
-            if self.local.exists(DRIVER_STATES):
-                self.catalogue.expect_driver(json.loads(bytes(self.local.read_bytes(DRIVER_STATES))))
-        except (CheckpointError, IntegrityError, ValueError, OSError, TypeError) as exc:
-            log.error("ignoring %s: %s", DRIVER_STATES, one_line(exc))
-
-    def _remove_temporaries_at_start(self) -> None:
-        """``*.tmp-*`` files a writer killed mid-batch left in committed versions (its restarted
-        self redid the batch under other names; the previous coordinator stopped before sweeping
-        them at the version's end): nothing writes into a committed version now."""
-        for v in list(self.catalogue.committed):
-            try:
-                removed = remove_temporaries(self.local, v)
-            except Exception as exc:  # only garbage: never a reason not to start
-                log.warning("version %d: cannot remove temporary files: %s", v, one_line(exc))
-                continue
-            if removed:
-                log.warning("version %d: removed %d temporary file(s) a killed writer left", v, len(removed))
-
-    @staticmethod
-    def _remove_partial(tier: Optional[Tier], partial: List[int], keep: Set[str]) -> None:
-        """Version directories without a manifest at start-up are saves (local tier) or uploads
-        (remote tier) that were in flight when the previous coordinator stopped (its writers stop
-        with it): never listed, only taking space. Removed before this coordinator accepts a save
-        that could write the same version again; files committed versions refer to (``keep``: a
-        RELOADABLE state stored once) stay."""
-        for v in partial:
-            try:
-                removed = delete_version(tier, v, keep, [])
-            except Exception as exc:  # e.g. the remote tier down at a restart: they are only garbage
-                log.warning("version %d: cannot remove its partial files on the %s tier: %s", v, tier.name,
-                            one_line(exc))
-                continue
-            if removed:
-                log.warning("version %d was not finished on the %s tier before the coordinator stopped; "
-                            "removed its %d partial file(s)", v, tier.name, len(removed))
-
-    # ------------------------------------------------------------------ queries
+    # ------------------------------------------------------------------ queries (coordinator_queries.py)
     # Queries run in their own concurrency group (QUERIES): their own thread and event loop, so that
-    # they answer within milliseconds while thousands of ranks' submit() calls queue on the main
-    # loop (issue 15). They only read, and copy a dict (one C-level step under the GIL) before
-    # iterating it in Python, since the main loop may change it meanwhile.
+    # they answer within milliseconds while thousands of ranks' submit() calls queue on the main loop.
     @ray.method(concurrency_group="queries")
     def config(self) -> EngineConfig:
         return self.cfg
 
     @ray.method(concurrency_group="queries")
     def last_version(self) -> int:
-        return max([self.catalogue.last_version] + list(self.uploads.committed))
+        return self.queries.last_version()
 
     @ray.method(concurrency_group="queries")
     def list(self) -> list:
-        local, remote = dict(self.catalogue.committed), dict(self.uploads.committed)
-        out = []
-        for v in sorted(set(local) | set(remote)):
-            tiers = tuple(t for t, d in (("local", local), ("remote", remote)) if v in d)
-            out.append(meta_of(local.get(v) or remote[v], tiers))
-        return out
+        return self.queries.list()
 
     @ray.method(concurrency_group="queries")
     def manifest(self, version: int = -1, step: Optional[int] = None) -> Optional[Manifest]:
         """The manifest of ``version`` (-1: latest committed), or of the version at ``step``."""
-        allv = {**self.uploads.committed, **self.catalogue.committed}
-        if step is not None:
-            allv = {v: m for v, m in allv.items() if m.step == step}
-            return allv[max(allv)] if allv else None
-        if version == -1:
-            return allv[max(allv)] if allv else None
-        return allv.get(version)
+        return self.queries.manifest(version, step)
 
     def skipped_versions(self) -> Dict[int, str]:
-        """Versions found in storage but not trusted (and not committed on another tier): why."""
-        return {v: why for v, why in self.skipped.items()
-                if v not in self.catalogue.committed and v not in self.uploads.committed}
+        return self.queries.skipped_versions()
 
     @ray.method(concurrency_group="queries")
     def stored_state(self, name: str, version: int = -1, step: Optional[int] = None) -> Optional[StoredState]:
-        """State ``name`` of ``version`` (or of the version at ``step``) without the other states'
-        entries (see :class:`StoredState`); None when no such version is committed."""
-        m = self.manifest(version, step)
-        if m is None:
-            return None
-        return StoredState(m.version, m.step, tuple(sorted(m.states)), m.states.get(name))
+        return self.queries.stored_state(name, version, step)
 
     @ray.method(concurrency_group="queries")
     def manifests(self) -> List[Manifest]:
-        """Every committed manifest, newest first (a restore that falls back walks them)."""
-        allv = {**self.uploads.committed, **self.catalogue.committed}
-        return [allv[v] for v in sorted(allv, reverse=True)]
+        return self.queries.manifests()
 
     @ray.method(concurrency_group="queries")
     def status(self) -> CoordinatorStatus:
-        for attempt in range(5):  # a driver's save merging parts into a version meanwhile: read again
-            try:
-                return self._status()
-            except RuntimeError:  # "dictionary changed size during iteration"
-                if attempt == 4:
-                    raise
-                time.sleep(0.01)
-
-    def _status(self) -> CoordinatorStatus:
-        in_flight = {v: pv.status() for v, pv in list(self.catalogue.pending.items())}
-        for v in list(self.uploads.uploading):
-            upload = self.uploads.upload_state(v)
-            in_flight[v] = dataclasses.replace(in_flight[v], upload=upload) if v in in_flight else \
-                VersionStatus(v, None, "committed", upload=upload)
-        return CoordinatorStatus(
-            run=self.cfg.run, in_flight=tuple(in_flight[v] for v in sorted(in_flight)),
-            queued_bytes_critical=self.pools.queued_bytes(self.pools.critical),
-            queued_bytes_best_effort=self.pools.queued_bytes(self.pools.best_effort),
-            committed=len(self.catalogue.committed), remote_committed=len(self.uploads.committed),
-            commits=self.commits, failures=self.failures, last_error=self.last_error,
-            started_at=self.started_at, node=self.node_id,
-            writer_nodes={n[:12]: len(p) for n, p in self.pools.critical_by_node.items()},
-            upload_owed=self.uploads.owed, skipped_versions=self.skipped_versions())
+        return self.queries.status(commits=self.commits, failures=self.failures, last_error=self.last_error,
+                                   started_at=self.started_at, node=self.node_id)
 
     @ray.method(concurrency_group="queries")
     def cpu_seconds(self) -> float:
@@ -443,30 +307,12 @@ class CheckpointCoordinator:
         """A rank that never submits fails its version loudly after rank_timeout_s (a best-effort
         part is reported missing instead); later versions are not blocked."""
         await asyncio.sleep(self.cfg.rank_timeout_s)
-        pv = self.catalogue.pending.get(version)
-        if pv is None or not pv.missing_submits():
+        expired = expire_missing(self.catalogue, version, self.cfg.rank_timeout_s)  # rank_deadline.py
+        if expired is None:
             return
-        missing = [p for p in pv.parts.values() if not p.submitted]
-        driver = sorted(p.name for p in missing if p.placeholder)
-        critical = [p for p in missing if p.blocks_commit and not p.placeholder]
-        named = sorted(critical or [p for p in missing if not p.placeholder], key=lambda p: (p.name, p.rank))
-        shown = ", ".join(f"{p.name!r} rank {p.rank}" for p in named[:8])
-        more = f"+{len(named) - 8} more; " if len(named) > 8 else ""
-        what = "; ".join(
-            ([f"ranks did not push within rank_timeout_s={self.cfg.rank_timeout_s:g}s: {shown} "
-              f"({more}{len(named)} of {len(pv.parts)} parts)"] if named else [])
-            + ([f"the driver's save(step={pv.step}) did not arrive within rank_timeout_s="
-                f"{self.cfg.rank_timeout_s:g}s (driver-side states {driver}: a version its ranks open "
-                f"commits only with them)"] if driver else []))
-        critical = critical or [p for p in missing if p.placeholder]
+        what, fails = expired
         log.error("version %d: %s", version, what)
-        failed_before = pv.error
-        why = f"no part arrived within rank_timeout_s={self.cfg.rank_timeout_s:g}s"
-        for p in missing:
-            p.submitted = True
-            self.catalogue.part_failed(version, p.name, p.rank, why)
-        if critical and not failed_before:  # the error names the missing ranks, not the last part failed
-            pv.error = what
+        if fails:
             self.last_error = f"version {version}: {what}"
         await self._progress(version)
 
@@ -507,14 +353,14 @@ class CheckpointCoordinator:
             self._finish(version, pv)
         if pv.error:  # never listed: remove what its parts wrote, then fail the handle (if not yet)
             try:
-                await self._delete_everywhere(version, self.catalogue.kept_paths(set()), [])
+                await self.deletions.everywhere(version, self.catalogue.kept_paths(set()), [])
             finally:
                 if not fut.done():
                     self._fail_handle(version, pv, fut)
         else:
             if self.uploads.needs_resync(version, self.catalogue.committed.get(version)):
                 self.uploader.start(version)  # best-effort parts landed since
-            await self._apply_retention()
+            await self.deletions.apply_retention()
 
     async def _commit(self, version: int, pv: PendingVersion, fut: asyncio.Future) -> None:
         revision = pv.revision
@@ -563,7 +409,7 @@ class CheckpointCoordinator:
         self.catalogue.finish(version)
         if not pv.error:
             self.unsupported.discard(version)
-            sweep = asyncio.ensure_future(self._sweep_temporaries(version))  # garbage only: quiesce does not wait
+            sweep = asyncio.ensure_future(self.deletions.sweep_temporaries(version))  # garbage only: quiesce does not wait
             self._sweeps.add(sweep)
             sweep.add_done_callback(self._sweeps.discard)
         settled = self.settled_futures.get(version)
@@ -596,36 +442,6 @@ class CheckpointCoordinator:
             self.uploader.forget(v)
             self.uploads.bytes.pop(v, None)
 
-    async def _sweep_temporaries(self, version: int) -> None:
-        """Every part of ``version`` ended: remove the ``*.tmp-*`` files a writer killed mid-batch
-        left in it (one call to a writer of each node that holds its files)."""
-        alive = await asyncio.to_thread(self.pools._alive_nodes)
-        nodes = [n for n in self.pools.critical_by_node if n in alive]  # a lost node's writer would not answer
-        calls = [self.pools.critical_on(n)[0].remove_temporaries.remote(version) for n in nodes]
-        try:
-            results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), SWEEP_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            log.warning("version %d: removing temporary files did not end within %gs", version, SWEEP_TIMEOUT_S)
-            return
-        for node, r in zip(nodes, results):
-            if isinstance(r, Exception):
-                log.warning("version %d: removing temporary files on node %s failed: %s", version, node[:12],
-                            one_line(r))
-            elif r:
-                log.warning("version %d: removed %d temporary file(s) a killed writer left on node %s",
-                            version, len(r), node[:12])
-
-    async def _delete_everywhere(self, version: int, keep: Set[str], referenced: List[str]) -> None:
-        """Delete a version from every node's local tier (each node's local tier is its own disk)."""
-        await asyncio.to_thread(delete_version, self.local, version, keep, referenced)
-        results = await asyncio.gather(*[w.delete_version.remote(version, keep, referenced)
-                                         for w in self.pools.other_nodes()], return_exceptions=True)
-        for r in results:
-            if isinstance(r, Exception):
-                log.warning("version %d: deleting on another node failed: %s", version, one_line(r))
-        for path in [p for p in self.file_nodes if p.startswith(f"v{version:012d}/") or p in referenced]:
-            if path not in keep:
-                self.file_nodes.pop(path, None)
 
     # ------------------------------------------------------------------ 6: uploaded (uploader.py)
     @ray.method(concurrency_group="queries")
@@ -638,13 +454,13 @@ class CheckpointCoordinator:
         self.uploader.resume()
 
     async def _after_upload(self) -> None:
-        await self._apply_remote_retention()
-        await self._apply_retention()  # a local version held back for its upload may go now
+        await self.deletions.apply_remote_retention()
+        await self.deletions.apply_retention()  # a local version held back for its upload may go now
 
     def _set_error(self, msg: str) -> None:
         self.last_error = msg
 
-    # ------------------------------------------------------------------ waiting
+    # ------------------------------------------------------------------ waiting (waits.py)
     async def wait(self, version: int, durability: str = "local", best_effort: bool = False,
                    pushed: bool = False) -> SaveOutcome:
         """The outcome once ``version`` is committed on the ``durability`` tier; with
@@ -653,92 +469,17 @@ class CheckpointCoordinator:
         whose version may open only when another rank pushes (a replica rank's push does not
         open it): an unknown version is waited for up to ``rank_timeout_s``, not 30 s."""
         self._resume_uploads()
-        if durability not in ("local", "remote"):
-            raise SaveError(f"durability must be 'local' or 'remote', got {durability!r}")
-        if best_effort:
-            return await self._wait_settled(version, durability)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + (max(30.0, self.cfg.rank_timeout_s) if pushed else 30.0)
-        # an async actor may run this call before the save() submitted just before it: wait a little
-        while (version not in self.commit_futures and version not in self.catalogue.committed
-               and version not in self.uploads.committed and version not in self.catalogue.failed
-               and loop.time() < deadline):
-            await asyncio.sleep(0.02)
-        if version in self.commit_futures:
-            outcome = await self.commit_futures[version]
-            if durability == "local":
-                return outcome
-            if self.remote is None:
-                raise SaveError(f"run {self.cfg.run!r} has no remote tier (remote_uri was not given)")
-            return await self.uploader.future(version)
-        if version in self.catalogue.failed:
-            raise SaveError(f"version {version} of run {self.cfg.run!r} failed: {self.catalogue.failed[version]}")
-        if version in self.catalogue.committed and durability == "local":
-            return outcome_of(self.catalogue.committed[version], "local")
-        if version in self.uploads.committed:
-            return outcome_of(self.uploads.committed[version], durability)
-        if version in self.uploader.futures and version in self.catalogue.committed:  # resumed upload
-            return await self.uploader.futures[version]
-        raise SaveError(f"version {version} is unknown to the coordinator of run {self.cfg.run!r} "
-                        f"(it may have restarted while the save was in flight)")
-
-    async def _wait_settled(self, version: int, durability: str) -> SaveOutcome:
-        await self.wait(version, "local")
-        settled = self.settled_futures.get(version)
-        if settled is not None:
-            await settled
-        if durability == "local":
-            m = self.catalogue.committed.get(version)
-            outcome = await self.wait(version, "local")
-            return outcome if m is None else outcome_of(m, "local", outcome.bytes_written,
-                                                        seconds=outcome.seconds, stages=outcome.stages)
-        # a manifest updated by late best-effort parts is uploaded again: wait for that copy
-        while self.uploads.needs_resync(version, self.catalogue.committed.get(version)):
-            await asyncio.sleep(0.05)
-        return await self.wait(version, "remote")
+        return await self.waits.wait(version, durability, best_effort, pushed)
 
     def remote_error(self, version: int) -> Optional[str]:
         return self.uploads.errors.get(version)
 
-    # ------------------------------------------------------------------ rewind
+    # ------------------------------------------------------------------ rewind (deletions.py)
     async def rewind(self, version: int) -> List[int]:
         """Delete every committed version after ``version`` from both tiers, so that training can
         go on from ``version`` with the same step numbers (a roll-back after divergence). Refused
         while saves are in flight. Returns the versions deleted."""
-        busy = sorted(v for v in self.catalogue.pending if v > version)
-        if busy:
-            raise SaveError(f"cannot rewind run {self.cfg.run!r} to version {version}: versions {busy} are "
-                            f"still being written; wait for their handles first")
-        newer_local = sorted(v for v in self.catalogue.committed if v > version)
-        keep = self.catalogue.kept_paths(set(newer_local))
-        for v in newer_local:
-            referenced = self.catalogue.committed[v].referenced_paths()
-            self.catalogue.forget(v)
-            await self._delete_everywhere(v, keep, referenced)
-        newer_remote = self.uploads.plan_rewind(version)
-        for d in newer_remote:
-            await asyncio.to_thread(delete_version, self.remote, d.version, set(d.keep), list(d.referenced))
-        gone = sorted(set(newer_local) | {d.version for d in newer_remote})
-        if gone:
-            log.warning("rewind to version %d deleted versions %s", version, gone)
-        return gone
-
-    # ------------------------------------------------------------------ 7: retained
-    async def _apply_retention(self) -> None:
-        doomed = self.catalogue.plan_retention(self.cfg.local_policy(), protect=self.uploads.uploading)
-        if not doomed:
-            return
-        keep = self.catalogue.kept_paths(set(doomed))
-        referenced = {v: self.catalogue.committed[v].referenced_paths() for v in doomed}
-        for v in doomed:
-            self.catalogue.forget(v)
-        for v in doomed:
-            await self._delete_everywhere(v, keep, referenced[v])
-            log.info("retention: deleted version %d from the local tier", v)
-
-    async def _apply_remote_retention(self) -> None:
-        for d in self.uploads.plan_retention(self.cfg.remote_policy(), self.catalogue.committed):
-            await asyncio.to_thread(delete_version, self.remote, d.version, set(d.keep), list(d.referenced))
+        return await self.deletions.rewind(version)
 
     # ------------------------------------------------------------------ lifetime
     def _in_background(self, coro: Any) -> asyncio.Future:

@@ -3,6 +3,12 @@
 The driver submits each provider's snapshot itself (so Ray's per-caller ordering places it right
 after that actor's training call for the same step) and passes the resulting ObjectRefs, inside a
 list, to the coordinator: the driver never touches the bytes of an actor's state.
+
+This module holds the public API and what ties it together (the run's coordinator, its owner
+lease, the registry, step counters, backpressure); the work behind it lives beside it:
+``snapshot_calls.py`` (which process captures each state, prefault, publish), ``reading.py``
+(load, load_into, restore), ``push_batch.py`` (ranks' pushes), ``coordinator_client.py``
+(starting and calling the coordinator).
 """
 from __future__ import annotations
 
@@ -14,30 +20,27 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import ray
 
-from . import restore as stages
-from . import sharded_io
-from .checkpoint_io import rank_files
 from .config import EngineConfig
 from .coordinator import NAMESPACE, actor_name
 from .coordinator_client import _ask, _open_coordinator
-from .handle import SaveHandle, _shared_wait
-from .errors import (CheckpointError, IntegrityError, InvalidArgumentError, InvalidSaveError, RestoreError,
-                     one_line)
+from .errors import CheckpointError, InvalidArgumentError, InvalidSaveError, one_line
 from .formats.manifest import Manifest
-from .lease import OwnerLease, job_alive, ray_identity, read_owner, write_owner
-from .metrics import for_run as metrics_for_run
-from .object_store import prefault_in_actor, prefault_needed, start_prefault, state_nbytes
-from .ownership import DEFAULT_LEASE_S, claim
-from .protocol import Declaration, PartPlan
-from .push_batch import PushedPart, Pusher
+from .handle import SaveHandle, _shared_wait
+from .lease import OwnerLease
+from .object_store import start_prefault
+from .ownership import DEFAULT_LEASE_S
+from .protocol import Declaration
 from .providers import Registration, rank_provider, resolve
-from .snapshot import (ActorProvider, CallableProvider, capture, mailbox_name, open_mailbox, read_state,
-                       prefault_needed_in_actor, receive_in_actor, snapshot_in_actor, stateful_methods, snapshot_overlapped, snapshot_overlapped_in_actor,
-                       tiers_of)
+from .push_batch import PushedPart, Pusher
+from .reading import StateReader
+from .run_lifetime import start_run, stop_run
+from .snapshot import capture, open_mailbox
+from .snapshot_calls import prefault, publish_calls, take_snapshots
 from .storage.layout import validate_name
 from .types import CheckpointMeta, OnBusy, RestoreReport, SaveResult, StateReport, Strategy
 
 log = logging.getLogger("ray_ckpt")
+
 
 class CheckpointEngine:
     """Get one with :meth:`create` (driver) or :meth:`connect` (any process of the cluster)."""
@@ -59,6 +62,7 @@ class CheckpointEngine:
         self._token: Optional[int] = None  # the run's fencing token this (creating) engine holds
         self._lease: Optional[OwnerLease] = None
         self._last_handle: Optional[SaveHandle] = None  # the latest save(), for publish()
+        self._reader = StateReader(config.run, config, self._call, self._registry)  # load / load_into / restore
         last = _ask(config.run, coordinator.last_version.remote(), "the last version")
         self._last_saved = last
         self._step = max(last, 0)
@@ -88,37 +92,14 @@ class CheckpointEngine:
             raise InvalidArgumentError(f"CheckpointEngine.create: {exc}") from None
         except ValueError as exc:
             raise InvalidArgumentError(str(exc)) from None
-        # fail fast, in the caller, on tiers that cannot be written (bad path, wrong credentials)
-        config.local_tier().check_writable()
-        if config.remote_uri:
-            config.remote_tier().check_writable()
-        if not isinstance(owner_lease_s, (int, float)) or isinstance(owner_lease_s, bool) or owner_lease_s <= 0:
-            raise InvalidArgumentError(f"owner_lease_s must be a number of seconds > 0, got {owner_lease_s!r}")
-        if not ray.is_initialized():
-            ray.init()
-        tiers = [config.local_tier()] + ([config.remote_tier()] if config.remote_uri else [])
-        cluster, job = ray_identity()
-        record = claim(read_owner(tiers), cluster, job, takeover=bool(takeover), run=run,
-                       lease_s=float(owner_lease_s), job_alive=job_alive)
-        write_owner(tiers, record)
-        try:
-            coord, existing = _open_coordinator(config, startup_timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise CheckpointError(f"the coordinator of run {run!r} or its writers did not start within "
-                                  f"{startup_timeout}s (are there enough CPUs for critical_cpus / "
-                                  f"best_effort_cpus?)") from None
-        except ray.exceptions.RayActorError as exc:
-            raise CheckpointError(f"the coordinator of run {run!r} could not start: "
-                                  f"{one_line(exc)[:500]}") from None
-        if (existing.local_dir, existing.remote_uri) != (config.local_dir, config.remote_uri):
-            raise InvalidArgumentError(
-                f"run {run!r} already has a coordinator with local_dir={existing.local_dir!r}, "
-                f"remote_uri={existing.remote_uri!r}; connect() to it or shut it down first")
-        engine = cls(coord, existing)
+        started = start_run(config, takeover=takeover, owner_lease_s=owner_lease_s,
+                            startup_timeout=startup_timeout)  # run_lifetime.py
+        record = started.record
+        engine = cls(started.coordinator, started.config)
         engine._owner = True  # the driver's engine brings the coordinator back if it is killed for good
         engine._token = record.token
         engine._call(lambda c: c.set_owner.remote(record.token), "the owner token")
-        engine._lease = OwnerLease(tiers, record, run)
+        engine._lease = OwnerLease(started.tiers, record, run)
         return engine
 
     def _call(self, method: Callable[[Any], Any], what: str, timeout: float = 60.0,
@@ -183,35 +164,8 @@ class CheckpointEngine:
             if self._lease is not None:
                 self._lease.stop(release_record=False)
             return
-        deadline = time.monotonic() + timeout
-        # this engine's saves first: the coordinator may not have started one that was just called
-        # (it runs concurrent calls in any order), so quiesce() alone could miss it
         refs = [h._ref for h in self._in_flight if h._ref is not None and not h.done()]
-        if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=timeout)
-        try:
-            left = max(0.0, deadline - time.monotonic())
-            unfinished = ray.get(self._coordinator.quiesce.remote(left), timeout=left + 30)
-        except ray.exceptions.RayError as exc:  # already gone, or stuck (GetTimeoutError)
-            unfinished = [f"the coordinator did not answer ({one_line(exc)[:200]})"]
-        if unfinished:
-            log.warning("shutting down run %r with work unfinished after %.0fs: %s", self.run, timeout,
-                        "; ".join(unfinished))
-        ray.kill(self._coordinator, no_restart=True)
-        if self._lease is not None:  # the run is free for another job at once
-            self._lease.stop(release_record=True)
-        # ray.kill only asks: wait (bounded) until the coordinator is gone, so that nothing of this
-        # run still runs when shutdown() returns and a new engine of the same run starts afresh
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                ray.get(self._coordinator.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-                return
-            except ray.exceptions.GetTimeoutError:
-                break
-            time.sleep(0.05)
-        log.warning("the coordinator of run %r had not stopped 30s after shutdown()", self.run)
+        stop_run(self._coordinator, self.run, refs, timeout, self._lease)  # run_lifetime.py
 
     def _check_open(self) -> None:
         if self._closed:
@@ -257,7 +211,7 @@ class CheckpointEngine:
         if overlapped:
             open_mailbox(self.run)  # where the background copies announce their refs
         self._registry[name] = Registration(name, prov, strat, bool(allow_pickle), overlap=overlapped)
-        self._prefault(prov, name)
+        prefault(self.config, prov, name, overlapped)  # snapshot_calls.py
         self._expect_driver()
 
     def _expect_driver(self) -> None:
@@ -268,26 +222,6 @@ class CheckpointEngine:
         if self._owner and any(r.world_size is not None for r in self._registry.values()):  # ranks push
             names = [n for n, r in self._registry.items() if r.world_size is None]
             self._call(lambda c: c.expect_driver.remote(names), "the driver-side states")
-
-    def _prefault(self, prov: Union[ActorProvider, CallableProvider], name: Optional[str] = None) -> None:
-        """With ``prefault_object_store``: the process that will copy this state's snapshots into the
-        object store (the provider actor; this one for an in-process callable) maps it now, in the
-        background."""
-        if not self.config.prefault_object_store:
-            if self.config.prefault_needed and name is not None:  # only the pages its first saves use
-                if isinstance(prov, ActorProvider):
-                    prov.handle.__ray_call__.remote(prefault_needed_in_actor, prov.attribute, name,
-                                                    getattr(self._registry.get(name), "overlap", False))
-                elif prov.fn is not None and stateful_methods(getattr(prov.fn, "__self__", None)):
-                    try:  # a torch Stateful object's state_dict() has no side effects
-                        prefault_needed(state_nbytes(prov.fn()), name)
-                    except Exception:  # not ready yet: nothing mapped ahead
-                        pass
-            return
-        if isinstance(prov, ActorProvider):
-            prov.handle.__ray_call__.remote(prefault_in_actor)  # returns at once; no answer needed
-        elif prov.fn is not None:
-            start_prefault()
 
     def _register_pushed(self, name, provider, strat, world_size, replicated, allow_pickle) -> None:
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
@@ -441,42 +375,7 @@ class CheckpointEngine:
                 ray.wait([h._ref for h in self._in_flight], num_returns=len(self._in_flight)
                          - self.config.max_in_flight + 1)
                 self._in_flight = [h for h in self._in_flight if not h.done()]
-        parts: List[PartPlan] = []
-        refs: List[ray.ObjectRef] = []
-        # in-process states first: an unsupported object raises here, before anything is submitted
-        for reg in self._registry.values():
-            prov = reg.provider
-            if reg.world_size is not None:
-                continue  # pushed by its ranks; the coordinator expects those parts itself
-            if isinstance(prov, CallableProvider):
-                if prov.fn is None:
-                    parts.append(PartPlan(reg.name, reg.strategy, loader=True))
-                    continue
-                t_pause = time.perf_counter()
-                if reg.overlap:  # the copy runs on this process's copy thread; fences guard the state
-                    pending = snapshot_overlapped(getattr(prov.fn, "__self__", prov.fn), prov.fn, reg.name,
-                                                  reg.allow_pickle, mailbox_name(self.run), self.config.overlap_check,
-                                                  needed=self.config.prefault_needed)
-                    parts.append(PartPlan(reg.name, reg.strategy, nbytes=pending.nbytes))
-                    refs.append(ray.put(pending))
-                    metrics_for_run(self.run).snapshot_pause(time.perf_counter() - t_pause, state=reg.name)
-                    continue
-                flat = capture(prov.fn(), reg.name, reg.allow_pickle)
-                parts.append(PartPlan(reg.name, reg.strategy, nbytes=flat.nbytes))
-                refs.append(ray.put(flat))
-                metrics_for_run(self.run).snapshot_pause(time.perf_counter() - t_pause, state=reg.name)
-        for reg in self._registry.values():
-            prov = reg.provider
-            if isinstance(prov, ActorProvider) and reg.overlap:
-                parts.append(PartPlan(reg.name, reg.strategy))
-                refs.append(prov.handle.__ray_call__.options(name=f"ray_ckpt.snapshot:{self.run}/{reg.name}").remote(
-                    snapshot_overlapped_in_actor, prov.get, reg.name, reg.allow_pickle, prov.attribute, self.run,
-                    mailbox_name(self.run), self.config.overlap_check, self.config.prefault_needed))
-            elif isinstance(prov, ActorProvider):
-                parts.append(PartPlan(reg.name, reg.strategy))
-                refs.append(prov.handle.__ray_call__.options(name=f"ray_ckpt.snapshot:{self.run}/{reg.name}").remote(
-                    snapshot_in_actor, prov.get, reg.name, reg.allow_pickle, self.config.prefault_object_store,
-                    prov.attribute, self.run, self.config.prefault_needed))
+        parts, refs = take_snapshots(self._registry, self.run, self.config)  # snapshot_calls.py
         self._saves += 1
         # remote_every counts this engine's saves, in call order: the coordinator runs concurrent calls
         # in any order, so the turn is decided here
@@ -499,20 +398,7 @@ class CheckpointEngine:
         the calls' ObjectRefs (``ray.get`` them to wait); a rollout actor's own calls are ordered
         with the driver's as usual. Works for overlapped states too (the actor waits for the copy)."""
         self._check_open()
-        if not isinstance(method, str) or not method.isidentifier():
-            raise InvalidArgumentError(f"publish: method must be a method name, got {method!r}")
-        handle = handle or self._last_handle
-        if handle is None:
-            raise InvalidArgumentError(f"publish({name!r}): no save of this engine to publish yet")
-        entry = handle._snapshots.get(name)
-        if entry is None:
-            raise InvalidArgumentError(f"publish: the save of step {handle.step} has no snapshot of state {name!r} "
-                                       f"(it has: {', '.join(sorted(handle._snapshots)) or 'none'})")
-        actors = list(to)
-        for a in actors:
-            if not isinstance(a, ray.actor.ActorHandle):
-                raise InvalidArgumentError(f"publish: 'to' must hold actor handles, got {type(a).__name__}")
-        return [a.__ray_call__.remote(receive_in_actor, method, [entry[0]]) for a in actors]
+        return publish_calls(handle or self._last_handle, name, to, method)
 
     def wait_all(self, timeout: Optional[float] = None) -> List[SaveResult]:
         """Wait for every save of this engine still in flight."""
@@ -525,12 +411,7 @@ class CheckpointEngine:
         return self._call(lambda c: c.list.remote(), "the list of checkpoints")
 
     def _manifest(self, version: int = -1, step: Optional[int] = None) -> Manifest:
-        m = self._call(lambda c: c.manifest.remote(version, step), "a manifest", error=RestoreError)
-        if m is None:
-            what = "" if version == -1 and step is None else (
-                f" at step {step}" if step is not None else f" with version {version}")
-            raise RestoreError(f"run {self.run!r} has no committed checkpoint{what}")
-        return m
+        return self._reader.manifest(version, step)
 
     def load(self, name: Any = None, step: Any = -1, rank: Optional[int] = 0, *, version: Optional[int] = None,
              allow_pickle: Optional[bool] = None) -> Any:
@@ -547,32 +428,7 @@ class CheckpointEngine:
             name, step = step, name
         if version is not None:
             step = version
-        if not isinstance(name, str) or not name:
-            raise InvalidArgumentError(f"load: the state's name is required, e.g. engine.load('policy', step=-1); "
-                                       f"got {name!r}")
-        validate_name(name, "state name")
-        if not isinstance(step, int) or isinstance(step, bool) or step < -1:
-            raise InvalidArgumentError(f"load: step must be a step number or -1 (the latest), got {step!r}")
-        if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
-            raise InvalidArgumentError(f"load: rank must be a non-negative integer or None, got {rank!r}")
-        version, entry, allow_pickle = self._stored_state(name, step, allow_pickle)
-        if rank is None and entry.shards is not None:  # the full tensors of a sharded state
-            try:
-                return sharded_io.load_full(tiers_of(self.config), entry, name, bool(allow_pickle))[0]
-            except IntegrityError as exc:
-                raise RestoreError(f"state {name!r} of version {version}: {exc}") from None
-        if rank is None:
-            if len(entry.files) > 1 and not entry.replicated:
-                raise InvalidArgumentError(
-                    f"load({name!r}, rank=None): state {name!r} of version {version} holds {len(entry.files)} "
-                    f"rank-local parts of plain tensors (no DTensors), which cannot be assembled into full "
-                    f"tensors; load one rank's part with rank=r")
-            rank = 0
-        try:
-            state, _tier, _ = read_state(tiers_of(self.config), rank_files(entry, name, rank), name, allow_pickle)
-        except (IntegrityError, OSError) as exc:
-            raise RestoreError(f"state {name!r} of version {version}: {one_line(exc)}") from None
-        return state
+        return self._reader.load(name, step, rank, allow_pickle)
 
     def load_into(self, name: str, state: Any, step: int = -1, rank: int = 0, *, strict: bool = True,
                   world_size: Optional[int] = None, allow_pickle: Optional[bool] = None) -> StateReport:
@@ -593,48 +449,7 @@ class CheckpointEngine:
         a RestoreError naming it; ``strict=False`` skips keys missing on either side and names them
         in the report's detail. Only tensors and scalars are filled: call ``load_state_dict`` after
         it for objects that keep state elsewhere."""
-        if not isinstance(name, str) or not name:
-            raise InvalidArgumentError(f"load_into: the state's name is required, got {name!r}")
-        validate_name(name, "state name")
-        if not isinstance(step, int) or isinstance(step, bool) or step < -1:
-            raise InvalidArgumentError(f"load_into: step must be a step number or -1 (the latest), got {step!r}")
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-            raise InvalidArgumentError(f"load_into: rank must be a non-negative integer, got {rank!r}")
-        if world_size is None:
-            import sys
-
-            dist = getattr(sys.modules.get("torch"), "distributed", None)
-            if dist is not None and dist.is_available() and dist.is_initialized():
-                world_size = dist.get_world_size()
-        version, entry, allow_pickle = self._stored_state(name, step, allow_pickle)
-        tiers = tiers_of(self.config)
-        if entry.shards is not None:
-            return sharded_io.load_into_state(tiers, entry, name, state, strict=strict, allow_pickle=allow_pickle)
-        sharded_io.check_world_size(entry, name, version, world_size)
-        return sharded_io.load_rank_local_into(tiers, entry, name, state, rank, strict=strict,
-                                               allow_pickle=allow_pickle)
-
-    def _stored_state(self, name: str, step: int, allow_pickle: Optional[bool]):
-        """(version, the entry of ``name``, allow_pickle) for a load: RestoreError unless stored.
-        Fetches that one state's entry, not the whole manifest (``coordinator.stored_state``)."""
-        found = self._call(lambda c: c.stored_state.remote(name, -1, None if step == -1 else step),
-                           "a manifest", error=RestoreError)
-        if found is None:
-            what = "" if step == -1 else f" at step {step}"
-            raise RestoreError(f"run {self.run!r} has no committed checkpoint{what}")
-        entry = found.entry
-        if entry is None:
-            raise RestoreError(f"version {found.version} of run {self.run!r} has no state {name!r} "
-                               f"(it has: {', '.join(found.names)})")
-        if entry.status != "stored":
-            raise RestoreError(f"state {name!r} of version {found.version} is {entry.status}: {entry.detail}")
-        if allow_pickle is None:
-            reg = self._registry.get(name)
-            allow_pickle = bool(reg and reg.allow_pickle)
-        return found.version, entry, allow_pickle
-
-    def _manifest_at(self, step: int) -> Manifest:
-        return self._manifest(-1) if step == -1 else self._manifest(step=step)
+        return self._reader.load_into(name, state, step, rank, strict, world_size, allow_pickle)
 
     def restore(self, step: int = -1, strict: bool = True, names: Optional[Iterable[str]] = None,
                 rewind: bool = False, fallback: bool = False) -> RestoreReport:
@@ -651,49 +466,10 @@ class CheckpointEngine:
         Versions are steps, so after restoring an older version, saves must go past the newest
         one. ``rewind=True`` instead deletes every version newer than the restored one (after the
         restore succeeded), and training goes on from it with the same step numbers."""
-        t0 = time.perf_counter()
-        wanted = list(self._registry) if names is None else list(names)
-        for n in wanted:
-            if n not in self._registry:
-                raise InvalidArgumentError(f"state {n!r} is not registered")
-        if fallback and step != -1:
-            raise InvalidArgumentError("restore(fallback=True) goes back from the latest version; it takes "
-                                       f"step=-1, not step={step}")
-        candidates = self._call(lambda c: c.manifests.remote(), "the manifests", error=RestoreError) \
-            if fallback else [self._manifest_at(step)]
-        if not candidates:
-            raise RestoreError(f"run {self.run!r} has no committed checkpoint")
-        skipped: Dict[int, str] = {}
-        for i, m in enumerate(candidates):
-            try:
-                plan = stages.plan(m, self._registry, wanted)
-                staged = stages.stage(plan, self.config)
-                reports = stages.verify(staged, self._registry, strict, self.run)
-            except RestoreError as exc:
-                if not fallback or i == len(candidates) - 1:
-                    if skipped:
-                        raise RestoreError(f"{exc}; newer versions skipped: "
-                                           + "; ".join(f"{v}: {why}" for v, why in skipped.items())) from None
-                    raise
-                skipped[m.version] = one_line(exc)
-                log.warning("restore(fallback=True): version %d does not verify, trying an older one: %s",
-                            m.version, one_line(exc))
-                continue
-            break
-        stages.apply(staged, reports, self._registry, self.run)
-        # newer versions found in storage but not trusted (unreadable, mis-signed, off the chain)
-        untrusted = self._call(lambda c: c.skipped_versions.remote(), "the skipped versions", error=RestoreError)
-        skipped.update({v: why for v, why in untrusted.items() if v > m.version and v not in skipped})
-        rewound: List[int] = []
-        if rewind:
-            rewound = self._call(lambda c: c.rewind.remote(m.version), "rewind", 300, RestoreError)
-            self._last_saved = m.step
-        else:
-            self._last_saved = max(self._last_saved, m.step)
-        self._step = m.step
-        seconds = time.perf_counter() - t0
-        metrics_for_run(self.run).restored(seconds)
-        return RestoreReport(m.version, m.step, reports, seconds, tuple(rewound), skipped)
+        report = self._reader.restore(step, strict, names, rewind, fallback)  # reading.py
+        self._last_saved = report.step if rewind else max(self._last_saved, report.step)
+        self._step = report.step
+        return report
 
     def status(self) -> Dict[str, Any]:
         """Saves in flight with each part's stage, queued bytes per pool, the last error."""

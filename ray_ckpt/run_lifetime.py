@@ -1,0 +1,104 @@
+"""Starting and stopping a run's coordinator, from the engine that owns the run.
+
+``CheckpointEngine.create()`` and ``shutdown()`` are short in what they promise (get-or-create the
+coordinator and its writers, owned by this job; stop it with nothing of the run still running) and
+long in how: the writable-tier checks, the owner record (``ownership.py``, ``lease.py``), Ray's
+start-up errors turned into ours, a coordinator of the same name with other tiers, and on the way
+out the bounded waits for in-flight work and for the actor to be gone. That "how" is here, in the
+order it happens, so the engine module keeps to the API.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+import ray
+
+from .config import EngineConfig
+from .coordinator_client import _open_coordinator
+from .errors import CheckpointError, InvalidArgumentError, one_line
+from .lease import OwnerLease, job_alive, ray_identity, read_owner, write_owner
+from .ownership import OwnerRecord, claim
+from .storage.tier import Tier
+
+log = logging.getLogger("ray_ckpt")
+STOP_WAIT_S = 30.0  # how long shutdown() waits for a killed coordinator to be gone
+
+
+@dataclass
+class StartedRun:
+    """A coordinator that answers, with its writers started, and this job's claim on the run."""
+
+    coordinator: Any
+    config: EngineConfig  # the configuration the coordinator runs with
+    record: OwnerRecord   # the owner record this job wrote (its fencing token)
+    tiers: List[Tier]     # where the owner record lives (renewed by the engine's OwnerLease)
+
+
+def start_run(config: EngineConfig, *, takeover: bool, owner_lease_s: float, startup_timeout: float) -> StartedRun:
+    """Check the tiers, claim the run for this job, get-or-create its coordinator and wait for it
+    and its writers. Raises InvalidArgumentError / OwnershipError / CheckpointError naming why."""
+    run = config.run
+    # fail fast, in the caller, on tiers that cannot be written (bad path, wrong credentials)
+    config.local_tier().check_writable()
+    if config.remote_uri:
+        config.remote_tier().check_writable()
+    if not isinstance(owner_lease_s, (int, float)) or isinstance(owner_lease_s, bool) or owner_lease_s <= 0:
+        raise InvalidArgumentError(f"owner_lease_s must be a number of seconds > 0, got {owner_lease_s!r}")
+    if not ray.is_initialized():
+        ray.init()
+    tiers = [config.local_tier()] + ([config.remote_tier()] if config.remote_uri else [])
+    cluster, job = ray_identity()
+    record = claim(read_owner(tiers), cluster, job, takeover=bool(takeover), run=run,
+                   lease_s=float(owner_lease_s), job_alive=job_alive)
+    write_owner(tiers, record)
+    try:
+        coord, existing = _open_coordinator(config, startup_timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise CheckpointError(f"the coordinator of run {run!r} or its writers did not start within "
+                              f"{startup_timeout}s (are there enough CPUs for critical_cpus / "
+                              f"best_effort_cpus?)") from None
+    except ray.exceptions.RayActorError as exc:
+        raise CheckpointError(f"the coordinator of run {run!r} could not start: "
+                              f"{one_line(exc)[:500]}") from None
+    if (existing.local_dir, existing.remote_uri) != (config.local_dir, config.remote_uri):
+        raise InvalidArgumentError(
+            f"run {run!r} already has a coordinator with local_dir={existing.local_dir!r}, "
+            f"remote_uri={existing.remote_uri!r}; connect() to it or shut it down first")
+    return StartedRun(coord, existing, record, tiers)
+
+
+def stop_run(coordinator: Any, run: str, in_flight: List[Any], timeout: float,
+                     lease: Optional[OwnerLease]) -> None:
+    """Wait (at most ``timeout``) for the engine's saves (``in_flight``: their refs) and the
+    coordinator's work in progress, kill it, free the run, and wait (bounded) until it is gone."""
+    deadline = time.monotonic() + timeout
+    # this engine's saves first: the coordinator may not have started one that was just called
+    # (it runs concurrent calls in any order), so quiesce() alone could miss it
+    if in_flight:
+        ray.wait(in_flight, num_returns=len(in_flight), timeout=timeout)
+    try:
+        left = max(0.0, deadline - time.monotonic())
+        unfinished = ray.get(coordinator.quiesce.remote(left), timeout=left + 30)
+    except ray.exceptions.RayError as exc:  # already gone, or stuck (GetTimeoutError)
+        unfinished = [f"the coordinator did not answer ({one_line(exc)[:200]})"]
+    if unfinished:
+        log.warning("shutting down run %r with work unfinished after %.0fs: %s", run, timeout,
+                    "; ".join(unfinished))
+    ray.kill(coordinator, no_restart=True)
+    if lease is not None:  # the run is free for another job at once
+        lease.stop(release_record=True)
+    # ray.kill only asks: wait (bounded) until the coordinator is gone, so that nothing of this
+    # run still runs when shutdown() returns and a new engine of the same run starts afresh
+    deadline = time.monotonic() + STOP_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            ray.get(coordinator.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            return
+        except ray.exceptions.GetTimeoutError:
+            break
+        time.sleep(0.05)
+    log.warning("the coordinator of run %r had not stopped 30s after shutdown()", run)
