@@ -108,13 +108,16 @@ class Metrics:
         self._do(self.restore_latency.observe, seconds)
 
 
-_driver_metrics: Optional[Metrics] = None
+_run_metrics: "dict[str, Metrics]" = {}
 
 
 def for_run(run: str) -> Metrics:
-    """This process's Metrics of ``run`` (made once per run and process: the driver's restores,
-    an actor's snapshot pauses)."""
-    global _driver_metrics
-    if _driver_metrics is None or _driver_metrics.run != run:
-        _driver_metrics = Metrics(run)
-    return _driver_metrics
+    """This process's Metrics of ``run``, made once per run and process (the driver's restores, an
+    actor's snapshot pauses). Making them registers 8 metrics with Ray, about 10 ms: ``register()``
+    calls this in the provider's process so that the first save's pause does not carry it."""
+    m = _run_metrics.get(run)
+    if m is None:
+        if len(_run_metrics) >= 64:  # a long-lived process that served many runs: forget the oldest
+            _run_metrics.pop(next(iter(_run_metrics)))
+        m = _run_metrics[run] = Metrics(run)
+    return m

@@ -565,10 +565,23 @@ def prepare_overlap(owner: Any) -> None:
     install_hooks(copier, candidates(owner), process_hooks())
 
 
-def prefault_needed_in_actor(actor: Any, attribute: Optional[str], name: str, overlap: bool = False) -> int:
+def prepare_in_actor(actor: Any, run: str) -> None:
+    """Runs in a provider actor at ``register``: make the run's metrics in this process now. The
+    first snapshot would otherwise make them (about 10 ms of Ray metric registration) before its
+    call returns, and the learner's first pause was 2x its tenth (``benchmarks/overlap.py``)."""
+    from .metrics import for_run
+
+    for_run(run)
+
+
+def prefault_needed_in_actor(actor: Any, attribute: Optional[str], name: str, overlap: bool = False,
+                             run: Optional[str] = None) -> int:
     """Runs in a provider actor at ``register``: map the object-store pages its first saves will
     use (sized from what the actor holds, without calling its getter), in the background; with
-    ``overlap``, also set up the overlapped copy (:func:`prepare_overlap`)."""
+    ``overlap``, also set up the overlapped copy (:func:`prepare_overlap`); with ``run``, what
+    :func:`prepare_in_actor` does."""
+    if run is not None:
+        prepare_in_actor(actor, run)
     if overlap:
         try:
             prepare_overlap(actor)

@@ -22,8 +22,8 @@ from .object_store import prefault_in_actor, prefault_needed, start_prefault, st
 from .protocol import PartPlan
 from .providers import Registration
 from .snapshot import (ActorProvider, CallableProvider, capture, mailbox_name, prefault_needed_in_actor,
-                       receive_in_actor, snapshot_in_actor, snapshot_overlapped, snapshot_overlapped_in_actor,
-                       stateful_methods)
+                       prepare_in_actor, receive_in_actor, snapshot_in_actor, snapshot_overlapped,
+                       snapshot_overlapped_in_actor, stateful_methods)
 
 
 def take_snapshots(registry: Mapping[str, Registration], run: str, config: EngineConfig
@@ -73,11 +73,17 @@ def prefault(config: EngineConfig, prov: Union[ActorProvider, CallableProvider],
              overlap: bool = False) -> None:
     """With ``prefault_object_store``: the process that will copy this state's snapshots into the
     object store (the provider actor; this one for an in-process callable) maps it now, in the
-    background. With ``prefault_needed`` only the pages its first saves use."""
+    background. With ``prefault_needed`` only the pages its first saves use. Either way, the run's
+    metrics are made in that process now rather than in its first save's pause."""
+    if isinstance(prov, ActorProvider):
+        if config.prefault_object_store or not config.prefault_needed or name is None:
+            prov.handle.__ray_call__.remote(prepare_in_actor, config.run)
+    else:
+        metrics_for_run(config.run)
     if not config.prefault_object_store:
         if config.prefault_needed and name is not None:
             if isinstance(prov, ActorProvider):
-                prov.handle.__ray_call__.remote(prefault_needed_in_actor, prov.attribute, name, overlap)
+                prov.handle.__ray_call__.remote(prefault_needed_in_actor, prov.attribute, name, overlap, config.run)
             elif prov.fn is not None and stateful_methods(getattr(prov.fn, "__self__", None)):
                 try:  # a torch Stateful object's state_dict() has no side effects
                     prefault_needed(state_nbytes(prov.fn()), name)

@@ -60,3 +60,25 @@ def test_status_shows_in_flight_saves_and_pools(engine_factory):
         eng.save(2)
     st = eng.status()
     assert st["commits"] == 1 and st["in_flight"] == {}
+
+    # register() makes the run's metrics in the provider's process (about 10 ms of Ray metric
+    # registration that the first save's pause carried before: benchmarks/overlap.py first vs tenth)
+    import ray
+
+    @ray.remote(num_cpus=0.1)
+    class Holder:
+        def ckpt_get_state(self, name):
+            return {"w": torch.zeros(4)}
+
+        def ckpt_set_state(self, name, state):
+            pass
+
+    def made(actor, run):
+        from ray_ckpt import metrics as m
+        return run in m._run_metrics
+
+    holder = Holder.remote()
+    assert not ray.get(holder.__ray_call__.remote(made, eng.config.run), timeout=60)
+    eng.register("held", holder)
+    assert ray.get(holder.__ray_call__.remote(made, eng.config.run), timeout=60)  # queued behind register's call
+    ray.kill(holder)
