@@ -81,16 +81,20 @@ class CheckpointCoordinator:
         # event loop) that take turns holding the GIL: at Python's default 5 ms per turn a query
         # waited behind thousands of pushes' turns; 0.5 ms keeps list/status quick (issue 15)
         sys.setswitchinterval(SWITCH_INTERVAL_S)
+        self.init_times = {"init": time.time()}  # wall clock of start-up steps (benchmarks/create_cost.py)
         self.cfg = config
         self.local = config.local_tier()
         self.remote = config.remote_tier()
         self.local.check_writable()  # the remote tier is checked by create(): it may be down at a restart
         # the writers' processes start while the tiers are scanned below (Ray starts them in the
-        # background; engine.create() waits for them with ready()); owned by this actor, they go
-        # with it if anything below raises
+        # background, in the idle processes create() prestarted for them, see run_lifetime.py;
+        # engine.create() waits for them with ready()); owned by this actor, they go with it if
+        # anything below raises
         self.pools = WriterPools(config)
         self.node_id = self.pools.node_id
+        self.init_times["pools"] = time.time()
         found = recover(config, self.local, self.remote)  # recovery.py: both tiers' manifests, cleaned
+        self.init_times["recovered"] = time.time()
         self.catalogue, self.uploads, self.skipped = found.catalogue, found.uploads, found.skipped
         self.queries = CoordinatorQueries(config.run, self.catalogue, self.uploads, self.skipped, self.pools)
         self.file_nodes: Dict[str, str] = {}  # local file path -> node whose local tier holds it

@@ -16,8 +16,10 @@ from typing import Any, List, Optional
 
 import ray
 
+from . import writers
 from .config import EngineConfig
-from .coordinator_client import _open_coordinator
+from .coordinator import NAMESPACE, actor_name
+from .coordinator_client import _coordinator_placement, _open_coordinator
 from .errors import CheckpointError, InvalidArgumentError, one_line
 from .lease import OwnerLease, job_alive, ray_identity, read_owner, write_owner
 from .ownership import OwnerRecord, claim
@@ -25,6 +27,7 @@ from .storage.tier import Tier
 
 log = logging.getLogger("ray_ckpt")
 STOP_WAIT_S = 30.0  # how long shutdown() waits for a killed coordinator to be gone
+_PRELOAD = ray.remote(num_cpus=0, max_retries=0)(writers.preload)  # see prestart_writer_processes
 
 
 @dataclass
@@ -54,6 +57,7 @@ def start_run(config: EngineConfig, *, takeover: bool, owner_lease_s: float, sta
     record = claim(read_owner(tiers), cluster, job, takeover=bool(takeover), run=run,
                    lease_s=float(owner_lease_s), job_alive=job_alive)
     write_owner(tiers, record)
+    prestart_writer_processes(config)
     try:
         coord, existing = _open_coordinator(config, startup_timeout)
     except ray.exceptions.GetTimeoutError:
@@ -68,6 +72,26 @@ def start_run(config: EngineConfig, *, takeover: bool, owner_lease_s: float, sta
             f"run {run!r} already has a coordinator with local_dir={existing.local_dir!r}, "
             f"remote_uri={existing.remote_uri!r}; connect() to it or shut it down first")
     return StartedRun(coord, existing, record, tiers)
+
+
+def prestart_writer_processes(config: EngineConfig) -> None:
+    """Start the worker processes a new coordinator's writers will take, while the coordinator's
+    own process starts: one no-op task per writer (``writers.preload``), placed like the
+    coordinator, each leaving an idle worker process that has imported the writers' modules.
+
+    Why: the coordinator creates its writers (it owns them: they live and die with it) only once
+    its own process is up, so their process starts used to queue behind it; a create() spent most
+    of its ~4 s starting processes one after the other (``benchmarks/create_cost.py``). Nothing
+    depends on these tasks: if Ray gives the writers other processes, or none of these is needed
+    (the coordinator exists already: nothing is started then), only their start-up was spent."""
+    try:
+        ray.get_actor(actor_name(config.run), namespace=NAMESPACE)
+        return  # get-or-create will get it: its writers are running
+    except ValueError:
+        pass
+    preload = _PRELOAD.options(**_coordinator_placement())
+    for _ in range(config.critical_writers + config.best_effort_writers):
+        preload.remote()  # fire and forget: its result, None, is never read
 
 
 def stop_run(coordinator: Any, run: str, in_flight: List[Any], timeout: float,

@@ -365,3 +365,8 @@ class WriterPools:
         except Exception as exc:  # a failed snapshot has no location: the writer reports its error
             log.info("no location for a snapshot (%s); writing it from this node", one_line(exc))
             return None
+
+
+def preload() -> None:
+    """Does nothing. Run as a Ray task, it has an idle worker process import this module (what a
+    writer needs) before a writer actor takes that process: ``run_lifetime.start_run``."""
