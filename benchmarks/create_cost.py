@@ -47,8 +47,8 @@ from ray_ckpt.lease import OwnerLease, job_alive, ray_identity, read_owner, writ
 from ray_ckpt.ownership import claim  # noqa: E402
 
 _TICK = os.sysconf("SC_CLK_TCK")
-with open("/proc/stat") as f:
-    _BOOT = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+with open("/proc/uptime") as f:  # not /proc/stat's btime: whole seconds, up to 1 s early
+    _BOOT = time.time() - float(f.read().split()[0])
 
 
 def _pid_cpu(pid: int) -> float:
