@@ -13,7 +13,9 @@ import os
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+import numpy as np
 
 from ..formats.checksum import BLOCK, CHUNK, block_hasher, combine, map_blocks, num_blocks
 from .confined import open_regular_path
@@ -122,6 +124,59 @@ def _pwrite_all(fd: int, pieces: List[memoryview], offset: int) -> None:
 
 
 _ALIGN = 4096  # O_DIRECT: a multiple of every common logical block size (512, 4096)
+_SUB = 512 << 10  # O_DIRECT chunks are copied and hashed in steps of this size (see write_chunks)
+
+
+class BounceBuffers:
+    """Page-aligned ``CHUNK`` buffers for O_DIRECT writes, kept between writes (at most ``keep``).
+
+    Why kept: a fresh anonymous 8 MiB mapping per write thread per file is 2048 page faults, each
+    zero-filling a page, and an munmap, for every large save: ~4100 of the ~5100 minor faults a
+    critical writer took per 512 MB save (``benchmarks/writer_cpu.py``). Kept, a writer holds
+    ``keep`` x 8 MiB of its own memory between saves. A buffer whose write failed is not kept (a
+    traceback may still view it)."""
+
+    def __init__(self, keep: int = 4):
+        self.keep = keep
+        self._free: List[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> mmap.mmap:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return mmap.mmap(-1, CHUNK)  # page-aligned
+
+    def give(self, buf: mmap.mmap) -> None:
+        with self._lock:
+            if len(self._free) < self.keep:
+                self._free.append(buf)
+                return
+        with contextlib.suppress(BufferError):  # still viewed by its writer: freed with the views
+            buf.close()
+
+
+BOUNCE = BounceBuffers()
+
+
+def _copy_and_hash(buf: mmap.mmap, pieces: List[memoryview], h: Any) -> None:
+    """Copy ``pieces`` one after the other to the start of ``buf`` and hash the copy, ``_SUB``
+    bytes at a time: each step is hashed right after it is copied, while it is still in the
+    core's L2 cache (1 MiB per core on the build VM), instead of reading the whole 8 MiB chunk
+    back from L3 or memory, where a learner streaming its own state evicts it. The bytes hashed
+    are the bytes written. ``numpy.copyto`` releases the GIL while it copies (a memoryview slice
+    assignment holds it), so a writer's threads copy at the same time."""
+    dst = np.frombuffer(buf, dtype=np.uint8)
+    mv = memoryview(buf)
+    at = 0
+    for piece in pieces:
+        src = np.frombuffer(piece, dtype=np.uint8)
+        for j in range(0, len(src), _SUB):
+            step = src[j:j + _SUB]
+            k = at + len(step)
+            np.copyto(dst[at:k], step)
+            h.update(mv[at:k])
+            at = k
 
 
 def write_chunks(fd: int, views: List[memoryview], size: int, threads: int,
@@ -132,46 +187,37 @@ def write_chunks(fd: int, views: List[memoryview], size: int, threads: int,
 
     ``aligned`` (for O_DIRECT, which needs aligned memory, offsets and lengths; the build VM's disk
     wants 512-byte aligned memory and snapshot buffers in the object store are only 64-byte
-    aligned): each chunk is first copied into the thread's own page-aligned buffer and hashed
-    there (the bytes hashed are the bytes written); the file's last chunk is padded to the
-    alignment, so the caller truncates the file to ``size`` afterwards."""
+    aligned): each chunk is first copied into a page-aligned buffer of ``BOUNCE`` and hashed
+    there (``_copy_and_hash``: the bytes hashed are the bytes written); the file's last chunk is
+    padded to the alignment, so the caller truncates the file to ``size`` afterwards."""
     padded = -(-size // _ALIGN) * _ALIGN
-    buffers: Dict[int, mmap.mmap] = {}
     starts = list(itertools.accumulate((len(v) for v in views), initial=0))[:-1]
 
     def block(i: int) -> bytes:
         h = block_hasher()
         end = min(size, (i + 1) * BLOCK)
+        buf = BOUNCE.take() if aligned else None
         for pos in range(i * BLOCK, end, CHUNK):
             n = min(CHUNK, end - pos)
             pieces = _slice(views, starts, pos, pos + n)
-            if aligned:
-                buf = buffers.get(threading.get_ident())
-                if buf is None:
-                    buf = buffers[threading.get_ident()] = mmap.mmap(-1, CHUNK)  # page-aligned
+            if buf is not None:
+                _copy_and_hash(buf, pieces, h)
                 mv = memoryview(buf)
-                at = 0
-                for piece in pieces:
-                    mv[at:at + len(piece)] = piece
-                    at += len(piece)
                 w = min(CHUNK, padded - pos) if n % _ALIGN else n
                 mv[n:w] = bytes(w - n)
-                pieces, out = [mv[:n]], [mv[:w]]
+                out = [mv[:w]]
             else:
                 out = pieces
-            for p in pieces:
-                h.update(p)
+                for p in pieces:
+                    h.update(p)
             if limit is not None:
                 limit.before(n)
             _pwrite_all(fd, out, pos)
+        if buf is not None:
+            BOUNCE.give(buf)  # not reached when the block failed: that buffer is dropped
         return h.digest()
 
-    try:
-        return map_blocks(block, num_blocks(size), threads)
-    finally:
-        for b in buffers.values():
-            with contextlib.suppress(BufferError):  # still viewed by a failed block's traceback:
-                b.close()  # freed with it; the error in flight is the one that matters
+    return map_blocks(block, num_blocks(size), threads)
 
 
 def write_direct(path: str, views: List[memoryview], size: int, threads: int,
