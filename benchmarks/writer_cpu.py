@@ -1,6 +1,6 @@
 """The critical writer's CPU per large save (issue 17): where it goes, user vs system.
 
-    python benchmarks/writer_cpu.py [--mb 512] [--saves 8] [--dir DIR] [--overlap] [--profile /tmp/w.raw]
+    python benchmarks/writer_cpu.py [--mb 512] [--saves 8] [--dir DIR] [--overlap] [--hog] [--profile /tmp/w.raw]
 
 Starts Ray (4 CPUs), one engine with one critical writer and no best-effort pool, and a provider
 actor holding a model-like state of ``--mb`` MB (parameters and Adam's two moments, 8 float32
@@ -10,7 +10,9 @@ writer processes' (command line contains ``WriterActor``) user and system CPU se
 page faults read from ``/proc/<pid>/stat`` before and after, and the median time to durable; and,
 for comparison, what the idle writer (Ray's own threads) uses over the same wall time, watched
 for ``--idle-s`` seconds before the saves. A first, unmeasured save warms the writer (imports,
-first mapping of the object store).
+first mapping of the object store). ``--hog``: an actor copies 256 MB back and forth on one
+thread during the measured saves, taking memory bandwidth and cache as a learner's step would
+(what ``overlap.py``'s writer competes with).
 
 Why a separate script: ``overlap.py`` reports the writer's CPU as one number beside the learner's
 loss; this one holds everything else still so a change in the writer shows up alone, and with
@@ -62,6 +64,32 @@ class Provider:
 
     def where(self):
         return rc.__file__
+
+
+@ray.remote(num_cpus=0.5)
+class Hog:
+    """A learner stand-in for ``--hog``: one thread copying 256 MB back and forth (memory bandwidth
+    and last-level cache taken from the writer, as a training step's optimizer pass does)."""
+
+    def __init__(self):
+        import threading
+
+        self.a, self.b = torch.randn(64 << 20), torch.empty(64 << 20)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        torch.set_num_threads(1)
+        while not self.stop.is_set():
+            self.b.copy_(self.a)
+            self.a.copy_(self.b)
+
+    def start(self):
+        self.thread.start()
+
+    def end(self):
+        self.stop.set()
+        self.thread.join()
 
 
 def writer_stats() -> dict:
@@ -123,6 +151,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="local tier's parent directory (default: a temporary one)")
     ap.add_argument("--overlap", action="store_true", help="register with overlap=True")
     ap.add_argument("--profile", default=None, help="py-spy raw output file; profiles the writer")
+    ap.add_argument("--hog", action="store_true", help="a memory-copying actor runs during the saves")
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--idle-s", type=float, default=4.0,
                     help="seconds the idle writer is watched first (its background CPU over a save's time)")
@@ -150,6 +179,9 @@ def main() -> None:
         time.sleep(args.idle_s)  # the writer's own background CPU (Ray's threads), for comparison
         iu, is_, _ = delta(idle0, writer_stats())
         idle_per_s = (iu + is_) / (time.perf_counter() - t_idle)
+        hog = Hog.remote() if args.hog else None
+        if hog is not None:
+            ray.get(hog.start.remote())
         before = writer_stats()
         durable = []
         for step in range(1, args.saves + 1):
@@ -157,6 +189,8 @@ def main() -> None:
             eng.save(step).wait(300)
             durable.append(time.perf_counter() - t)
         u, s, flt = delta(before, writer_stats())
+        if hog is not None:
+            ray.get(hog.end.remote())
         if prof is not None:
             prof.send_signal(signal.SIGINT)
             try:
@@ -166,7 +200,7 @@ def main() -> None:
         n = args.saves
         print(f"ray_ckpt from {where}")
         print(f"state {size / 2**20:.0f} MiB in one file, {n} saves, writer pids {pids}, "
-              f"overlap={'on' if args.overlap else 'off'}")
+              f"overlap={'on' if args.overlap else 'off'}, hog={'on' if args.hog else 'off'}")
         print(f"{'user s/save':>12} {'sys s/save':>11} {'cpu s/save':>11} {'minflt/save':>12} {'durable s (med)':>16} "
               f"{'idle cpu s/save':>16}")
         print(f"{u / n:12.3f} {s / n:11.3f} {(u + s) / n:11.3f} {flt / n:12.0f} {statistics.median(durable):16.3f} "
