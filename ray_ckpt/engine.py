@@ -34,7 +34,8 @@ from .providers import Registration, rank_provider, resolve
 from .push_batch import PushedPart, Pusher
 from .reading import StateReader
 from .run_lifetime import start_run, stop_run
-from .snapshot import capture, open_mailbox
+from .snapshot import capture
+from .snapshot_mailbox import open_mailbox
 from .snapshot_calls import prefault, publish_calls, take_snapshots
 from .storage.layout import validate_name
 from .types import CheckpointMeta, OnBusy, RestoreReport, SaveResult, StateReport, Strategy

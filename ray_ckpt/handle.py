@@ -204,7 +204,7 @@ class SaveHandle:
         ref, overlapped = entry
         if not overlapped:
             return [ref]
-        from .snapshot import pending_refs
+        from .snapshot_mailbox import pending_refs
 
         try:
             pending = ray.get(ref, timeout=timeout)

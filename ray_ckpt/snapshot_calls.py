@@ -21,9 +21,10 @@ from .metrics import for_run as metrics_for_run
 from .object_store import prefault_in_actor, prefault_needed, start_prefault, state_nbytes
 from .protocol import PartPlan
 from .providers import Registration
-from .snapshot import (ActorProvider, CallableProvider, capture, mailbox_name, prefault_needed_in_actor,
-                       prepare_in_actor, receive_in_actor, snapshot_in_actor, snapshot_overlapped,
-                       snapshot_overlapped_in_actor, stateful_methods)
+from .snapshot import (ActorProvider, CallableProvider, capture, prefault_needed_in_actor, prepare_in_actor,
+                       receive_in_actor, snapshot_in_actor, snapshot_overlapped, snapshot_overlapped_in_actor,
+                       stateful_methods)
+from .snapshot_mailbox import mailbox_name
 
 
 def take_snapshots(registry: Mapping[str, Registration], run: str, config: EngineConfig

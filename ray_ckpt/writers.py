@@ -24,7 +24,7 @@ from .errors import CheckpointError, IntegrityError, SaveError, UnsupportedTypeE
 from .formats.manifest import FileEntry
 from .formats.tree import Flat
 from .protocol import WrittenPart
-from .snapshot import PendingSnapshot, resolve_snapshot
+from .snapshot_mailbox import PendingSnapshot, resolve_snapshot
 from .storage.durable_batch import DurableBatch, remove_temporaries
 from .storage.tier import RateLimit, Tier
 

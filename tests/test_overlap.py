@@ -395,7 +395,7 @@ def _grow_and_wait(actor, nbytes):
 
 def test_the_runs_mailbox_stops_with_engine_shutdown_and_a_new_engine_of_the_run_saves_again(engine_factory,
                                                                                             run_name):
-    from ray_ckpt.snapshot import MAILBOX_NAMESPACE, mailbox_name
+    from ray_ckpt.snapshot_mailbox import MAILBOX_NAMESPACE, mailbox_name
 
     learner = _actor(Plain).remote(1)
     for attempt in range(2):  # the second engine of the same run opens a new mailbox
