@@ -57,6 +57,7 @@ class FsdpRank:
             full = torch.randn(BIG_ROWS, 1024, generator=g)
             self.big = {"w": distribute_tensor(full, self.mesh, [Shard(0)]), "note": "big"}
         self.engine = None
+        self.held = {"w": torch.ones(4, 4), "step": 7}  # its state as a rank provider of "shard"
 
     def train(self, steps: int) -> None:
         for s in range(steps):
@@ -67,12 +68,16 @@ class FsdpRank:
             self.opt.zero_grad()
 
     def push(self, step: int) -> list:
+        """Submit model, optim (and big); rank 0 also waits until the version is on the remote tier."""
         self.engine = self.engine or rc.CheckpointEngine.connect(self.run)
         hs = [self.engine.submit(step, "model", self.model.state_dict(), rank=self.rank),
               self.engine.submit(step, "optim", self.opt.state_dict(), rank=self.rank)]
         if self.big is not None:
             hs.append(self.engine.submit(step, "big", self.big, rank=self.rank))
-        return [h.wait(timeout=120).version for h in hs]
+        versions = [h.wait(timeout=120).version for h in hs]
+        if self.rank == 0:
+            hs[0].wait(timeout=120, durability="remote")
+        return versions
 
     def full(self) -> dict:
         """key -> full tensor of every parameter and both AdamW moments (a collective call)."""
@@ -89,42 +94,46 @@ class FsdpRank:
         import torch.distributed as dist
 
         dist.destroy_process_group()
+        self.model = self.opt = self.big = None
 
+    # -- a plain rank provider (test_plain_per_rank_parts_refuse_another_world_size)
+    def ckpt_get_state(self, name):
+        return self.held
 
-def _group(run, world, **kw):
-    port = free_port()
-    ranks = [FsdpRank.remote(run, r, world, port, **kw) for r in range(world)]
-    ray.get([r.__ray_ready__.remote() for r in ranks])
-    return ranks
+    def ckpt_set_state(self, name, state):
+        self.held = state
 
-
-def _end(ranks):
-    ray.get([r.shutdown.remote() for r in ranks])
-    for r in ranks:
-        ray.kill(r)
+    def get(self):
+        return self.held
 
 
 @pytest.fixture(scope="module")
 def saved(ray_session, tmp_path_factory):
-    """4 FSDP2 ranks, 3 AdamW steps, model / optim / big pushed at step 3 (committed on both tiers)."""
+    """4 FSDP2 ranks, 3 AdamW steps, model / optim / big pushed at step 3 (committed on both tiers).
+
+    The rank actors start first (their processes start while the engine's do) and stay alive, out of
+    their process group, for the module: test_plain_per_rank_parts_refuse_another_world_size uses 3
+    of them as plain rank providers (each actor process costs ~4 CPU-s here: Python, torch)."""
+    t0 = time.perf_counter()
     tmp = tmp_path_factory.mktemp("sharded")
     run = "sharded-e2e"
+    port = free_port()
+    ranks = [FsdpRank.remote(run, r, 4, port, big=True) for r in range(4)]
     # no best-effort pool: nothing best-effort is registered, and a writer is a process to start
     eng = rc.CheckpointEngine.create(run, local_dir=str(tmp / "local"), remote_uri=f"file://{tmp / 'remote'}",
                                      best_effort_writers=0)
     for name in ("model", "optim", "big"):
         eng.register(name, world_size=4)
-    ranks = _group(run, 4, big=True)
-    ray.get([r.train.remote(3) for r in ranks])
-    assert ray.get([r.push.remote(3) for r in ranks]) == [[3, 3, 3]] * 4
-    want = ray.get([r.full.remote() for r in ranks])[0]
-    _end(ranks)
-    deadline = time.time() + 60
-    while not any(m.version == 3 and "remote" in m.tiers for m in eng.list_checkpoints()):
-        assert time.time() < deadline, eng.list_checkpoints()
-        time.sleep(0.1)
-    yield {"engine": eng, "run": run, "tmp": tmp, "want": want}
+    ray.get([r.train.remote(3) for r in ranks], timeout=120)
+    assert ray.get([r.push.remote(3) for r in ranks], timeout=180) == [[3, 3, 3]] * 4
+    want = ray.get([r.full.remote() for r in ranks], timeout=60)[0]
+    ray.get([r.shutdown.remote() for r in ranks], timeout=60)
+    assert any(m.version == 3 and "remote" in m.tiers for m in eng.list_checkpoints()), eng.list_checkpoints()
+    print(f"\n4 FSDP2 ranks started, trained, pushed; committed on both tiers: {time.perf_counter() - t0:.2f} s")
+    yield {"engine": eng, "run": run, "tmp": tmp, "want": want, "ranks": ranks}
     eng.shutdown()
+    for r in ranks:
+        ray.kill(r)
 
 
 def test_manifest_indexes_the_sharded_states(saved):
@@ -247,21 +256,7 @@ def test_plain_per_rank_parts_refuse_another_world_size(saved, tmp_path, ray_ses
         with pytest.raises(rc.InvalidArgumentError, match="rank-local"):
             eng.load("shard", rank=None)
 
-        @ray.remote(num_cpus=0.1)
-        class Holder:
-            def __init__(self):
-                self.s = {"w": torch.ones(4, 4), "step": 7}
-
-            def ckpt_get_state(self, name):
-                return self.s
-
-            def ckpt_set_state(self, name, state):
-                self.s = state
-
-            def get(self):
-                return self.s
-
-        holders = [Holder.remote() for _ in range(3)]
+        holders = saved["ranks"][:3]  # 3 live actors of the module, out of their gloo group, holding w=1, step=7
         eng.register("shard", holders, world_size=3, replace=True)
         with pytest.raises(rc.RestoreError, match=r"saved by 2 ranks.*3 rank providers"):
             eng.restore(step=1)
