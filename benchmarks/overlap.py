@@ -415,7 +415,7 @@ def main():
                for n, p, i, x, r, f, d, c, w in rows]
         print(table(["contender", "lost ms/save", "in-learner ms/save", "x memcpy", "steps/s", "vs none",
                      "durable s", "copy ms", "writer cpu s/save"], fmt))
-    for overlap in (False, True):
+    for overlap in ((False, True) if args.first_learners else ()):
         runs = [first_vs_tenth(args.first_mb, root, overlap) for _ in range(args.first_learners)]
         first, tenth = statistics.median(r[0] for r in runs), statistics.median(r[-1] for r in runs)
         later = statistics.median(x for r in runs for x in r[1:])

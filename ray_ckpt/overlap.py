@@ -51,12 +51,16 @@ def check_enabled() -> bool:
 
 
 NICE_ENV = "RAY_CKPT_OVERLAP_NICE"
-DEFAULT_NICE = 10
+# below the learner (nice 0), above the critical writers (EngineConfig.critical_nice, 5): the
+# learner's next fence waits for this copy, not for the writer, so on a shared core the copy must
+# win. At 10 (below the writers) a 512 MB copy beside a writing writer took 607-913 ms instead of
+# ~180 ms and the fences before opt.step waited for it (benchmarks/overlap.py, RESULTS.md)
+DEFAULT_NICE = 3
 
 
 def copy_nice() -> int:
     """How much lower than the learner's the copy thread's CPU priority is (``RAY_CKPT_OVERLAP_NICE``,
-    default 10; 0 keeps the learner's)."""
+    default 3: below the learner, above the critical writers; 0 keeps the learner's)."""
     try:
         return max(0, min(19, int(os.environ.get(NICE_ENV, DEFAULT_NICE))))
     except ValueError:
