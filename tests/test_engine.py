@@ -1,6 +1,11 @@
-"""The engine end to end on a real local Ray instance (no mocks)."""
+"""The engine end to end on a real local Ray instance (no mocks).
+
+The provider actors (learner, flaky, frozen, weird) are started once for the module and reset at
+each test (``provider``): a fresh actor is a process that imports torch and, at its first
+optimizer, torch._dynamo (~6 CPU-s for a Learner on 2 cores), which was most of these tests' time."""
 import os
 import shutil
+import sys
 import time
 
 import pytest
@@ -11,6 +16,56 @@ import ray_ckpt as rc
 from actors import BigState, Flaky, Frozen, Learner, Replay, Weird, remote
 
 pytestmark = pytest.mark.timeout(240)
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the Fresh* classes below, in the workers
+
+
+class Resettable:
+    """Runs ``__init__`` again in the same process: a test's fresh provider without a process start."""
+
+    def reset(self, *args, **kwargs):
+        self.__init__(*args, **kwargs)
+        return os.getpid()
+
+
+class FreshLearner(Resettable, Learner):
+    pass
+
+
+class FreshFlaky(Resettable, Flaky):
+    pass
+
+
+class FreshFrozen(Resettable, Frozen):
+    pass
+
+
+class FreshWeird(Resettable, Weird):
+    pass
+
+
+@pytest.fixture(scope="module")
+def _providers(ray_session):
+    made = {}
+    yield made
+    for actor in made.values():
+        ray.kill(actor)
+
+
+@pytest.fixture
+def provider(_providers):
+    """``provider(FreshLearner, seed=3)``: the module's actor of that class, as constructed with those
+    arguments (started at its first use, without waiting: it starts while the engine does; reset in
+    place after). Restarted by Ray if a test kills it (max_restarts=-1)."""
+
+    def get(cls, *args, **kwargs):
+        actor = _providers.get(cls)
+        if actor is None:
+            actor = _providers[cls] = remote(cls, max_restarts=-1).remote(*args, **kwargs)
+        else:
+            ray.get(actor.reset.remote(*args, **kwargs), timeout=60)
+        return actor
+
+    return get
 
 # One critical writer and no best-effort pool, for tests that save one version at a time and where
 # the pools' sizes are not the point: every writer is a process to start (seconds on 2 cores).
@@ -42,13 +97,13 @@ def wait_restarted(actor, old_pid, timeout=60):
         time.sleep(0.1)
 
 
-def test_exact_resume_after_killed_learner(engine_factory):
-    ref = remote(Learner).remote(seed=1)  # the uninterrupted run; starts while the engine does
-    trained = ref.train.remote(6)
-    learner = remote(Learner, max_restarts=1).remote(seed=1)
+def test_exact_resume_after_killed_learner(engine_factory, provider):
+    learner = provider(FreshLearner, seed=1)
+    trained = learner.train.remote(6)  # the uninterrupted run (from the same seed); runs while the engine starts
     eng = engine_factory(keep_last=2, **LEAN)
     ray.get(trained)
-    expected = ray.get(ref.snapshot.remote())
+    expected = ray.get(learner.snapshot.remote())
+    ray.get(learner.reset.remote(seed=1))  # the interrupted run, from the same seed again
     register_learner(eng, learner)
     for step in (1, 2, 3):
         ray.get(learner.train.remote())
@@ -68,8 +123,8 @@ def test_exact_resume_after_killed_learner(engine_factory):
     assert equal_snapshots(ray.get(learner.snapshot.remote()), expected), "resumed run differs from uninterrupted"
 
 
-def test_corrupt_local_file_restored_from_remote(engine_factory, tmp_path, run_name):
-    learner = remote(Learner).remote(seed=2)
+def test_corrupt_local_file_restored_from_remote(engine_factory, tmp_path, run_name, provider):
+    learner = provider(FreshLearner, seed=2)
     eng = engine_factory(**LEAN)
     register_learner(eng, learner)
     ray.get(learner.train.remote(2))
@@ -88,11 +143,11 @@ def test_corrupt_local_file_restored_from_remote(engine_factory, tmp_path, run_n
     assert equal_snapshots(ray.get(learner.snapshot.remote()), before)
 
 
-def test_interrupted_write_is_never_listed_nor_restored(engine_factory, tmp_path, run_name):
+def test_interrupted_write_is_never_listed_nor_restored(engine_factory, tmp_path, run_name, provider):
     """A version directory without manifest (a crash mid-write) is never listed nor restored; the
     next coordinator removes it, but not the files committed versions refer to that lie in the
     directory of a version retention deleted (a RELOADABLE state stored once)."""
-    learner, frozen = remote(Learner).remote(seed=3), remote(Frozen).remote()
+    learner, frozen = provider(FreshLearner, seed=3), provider(FreshFrozen)
     eng = engine_factory(keep_last=1, **LEAN)
     register_learner(eng, learner)
     eng.register("reference", frozen, strategy=rc.Strategy.RELOADABLE)
@@ -128,8 +183,8 @@ def test_interrupted_write_is_never_listed_nor_restored(engine_factory, tmp_path
         eng2.load("reference", step=5)
 
 
-def test_coordinator_killed_and_recreated_with_catalogue(engine_factory, run_name):
-    learner = remote(Learner).remote(seed=4)
+def test_coordinator_killed_and_recreated_with_catalogue(engine_factory, run_name, provider):
+    learner = provider(FreshLearner, seed=4)
     eng = engine_factory(**LEAN)
     register_learner(eng, learner)
     for s in (1, 2):
@@ -164,10 +219,10 @@ def _wait_dead(actor, timeout=60):
         time.sleep(0.1)
 
 
-def test_a_coordinator_killed_for_good_is_created_again_by_the_driver(engine_factory, tmp_path, run_name):
+def test_a_coordinator_killed_for_good_is_created_again_by_the_driver(engine_factory, tmp_path, run_name, provider):
     """ray.kill without restart: the driver's engine creates the coordinator again by name (it
     rebuilds its catalogue from storage); the save that found it dead fails loudly, the next works."""
-    learner = remote(Learner).remote(seed=13)
+    learner = provider(FreshLearner, seed=13)
     eng = engine_factory(**LEAN)
     register_learner(eng, learner)
     eng.save(1).wait(timeout=60, durability="remote")
@@ -194,8 +249,8 @@ def test_a_coordinator_killed_for_good_is_created_again_by_the_driver(engine_fac
     assert eng.restore().version == 4
 
 
-def test_bad_inputs_fail_at_the_call_before_any_byte(engine_factory, tmp_path, run_name):
-    learner = remote(Learner).remote(seed=5)
+def test_bad_inputs_fail_at_the_call_before_any_byte(engine_factory, tmp_path, run_name, provider):
+    learner = provider(FreshLearner, seed=5)
     eng = engine_factory(**LEAN)
     for bad in ("../escape", "a/b", "..", "x y", ""):
         with pytest.raises(rc.InvalidArgumentError, match="invalid state name"):
@@ -224,7 +279,7 @@ def test_bad_inputs_fail_at_the_call_before_any_byte(engine_factory, tmp_path, r
     assert sorted(set(os.listdir(tmp_path / "local" / run_name)) - {"owner.json"}) == ["v000000000010"]  # nothing written
     eng.unregister("norm")
     # an actor's unsupported object is found in the actor: the handle fails, naming state and key path
-    eng.register("weird", remote(Weird).remote())
+    eng.register("weird", provider(FreshWeird))
     h = eng.save(12)
     with pytest.raises(rc.UnsupportedTypeError, match=r"weird.*\['bad'\]\['inner'\]"):
         h.wait(timeout=60)  # the same class as the in-process callable's error above
@@ -248,10 +303,10 @@ def test_bad_inputs_fail_at_the_call_before_any_byte(engine_factory, tmp_path, r
         rc.CheckpointEngine.connect("../run")
 
 
-def test_a_provider_that_refuses_its_state_fails_the_restore_by_name(engine_factory):
+def test_a_provider_that_refuses_its_state_fails_the_restore_by_name(engine_factory, provider):
     """A provider whose ckpt_set_state raises: restore raises RestoreError naming that state and
     what was loaded, not a bare Ray error."""
-    flaky, learner = remote(Flaky).remote(), remote(Learner).remote(seed=12)
+    flaky, learner = provider(FreshFlaky), provider(FreshLearner, seed=12)
     eng = engine_factory(**LEAN)
     eng.register("w", flaky)
     eng.register("policy", learner)
@@ -276,8 +331,8 @@ def test_a_provider_that_refuses_its_state_fails_the_restore_by_name(engine_fact
         ray.get(eng._coordinator.__ray_ready__.remote(), timeout=10)
 
 
-def test_retention_keeps_newest_and_never_deletes_early(engine_factory, tmp_path, run_name):
-    learner = remote(Learner).remote(seed=6)
+def test_retention_keeps_newest_and_never_deletes_early(engine_factory, tmp_path, run_name, provider):
+    learner = provider(FreshLearner, seed=6)
     eng = engine_factory(keep_last=2, keep_every=4, **LEAN)
     register_learner(eng, learner)
     for s in range(1, 8):
@@ -293,9 +348,9 @@ def test_retention_keeps_newest_and_never_deletes_early(engine_factory, tmp_path
     assert eng.restore().version == 7
 
 
-def test_reloadable_state_is_stored_once(engine_factory, tmp_path, run_name):
-    frozen = remote(Frozen).remote()
-    learner = remote(Learner).remote(seed=7)
+def test_reloadable_state_is_stored_once(engine_factory, tmp_path, run_name, provider):
+    frozen = provider(FreshFrozen)
+    learner = provider(FreshLearner, seed=7)
     eng = engine_factory(**LEAN)
     eng.register("policy", learner)
     eng.register("reference", frozen, strategy=rc.Strategy.RELOADABLE)
@@ -310,8 +365,8 @@ def test_reloadable_state_is_stored_once(engine_factory, tmp_path, run_name):
     assert eng.load(2, "reference")["w"].shape == (256, 256)
 
 
-def test_best_effort_failure_is_reported_not_fatal(engine_factory):
-    learner, weird = remote(Learner).remote(seed=8), remote(Weird).remote()  # start while the engine does
+def test_best_effort_failure_is_reported_not_fatal(engine_factory, provider):
+    learner, weird = provider(FreshLearner, seed=8), provider(FreshWeird)
     eng = engine_factory()
     eng.register("policy", learner)
     eng.register("replay", weird, strategy=rc.Strategy.BEST_EFFORT)
@@ -371,8 +426,8 @@ def test_writer_killed_mid_write(engine_factory, tmp_path, run_name):
     assert eng.restore().version == 2
 
 
-def test_remote_cadence_and_per_tier_retention(engine_factory, tmp_path, run_name):
-    learner = remote(Learner).remote(seed=9)
+def test_remote_cadence_and_per_tier_retention(engine_factory, tmp_path, run_name, provider):
+    learner = provider(FreshLearner, seed=9)
     eng = engine_factory(remote_every=2, keep_last=1, remote_keep_last=2, **NO_BEST_EFFORT_POOL)
     register_learner(eng, learner)
     handles = [eng.save(s) for s in range(1, 7)]
@@ -401,10 +456,10 @@ def test_remote_cadence_and_per_tier_retention(engine_factory, tmp_path, run_nam
     assert {r.tier for r in eng.restore(step=4).states.values()} == {"remote"}
 
 
-def test_remote_cadence_names_versions_and_a_failed_turn_passes_on(engine_factory, tmp_path, run_name):
+def test_remote_cadence_names_versions_and_a_failed_turn_passes_on(engine_factory, tmp_path, run_name, provider):
     """remote_every=2 uploads versions 2, 4, 6 whatever order they commit in; if version 4 fails,
     version 5 (the next to commit) is uploaded instead, then 6 as planned."""
-    flaky = remote(Flaky).remote()
+    flaky = provider(FreshFlaky)
     eng = engine_factory(remote_every=2, keep_last=10, remote_keep_last=10, **NO_BEST_EFFORT_POOL)
     eng.register("w", flaky)
     # saves in flight together may commit in any order: the uploaded versions stay 2 and 4
@@ -531,8 +586,8 @@ def test_an_fsspec_filesystem_is_a_remote_tier(engine_factory, tmp_path, run_nam
         engine_factory(run=run_name + "x", remote_options={"filesystem": "s3"})
 
 
-def test_restore_with_rewind_continues_from_an_older_version(engine_factory, tmp_path, run_name):
-    learner = remote(Learner).remote(seed=10)
+def test_restore_with_rewind_continues_from_an_older_version(engine_factory, tmp_path, run_name, provider):
+    learner = provider(FreshLearner, seed=10)
     eng = engine_factory(**LEAN)
     register_learner(eng, learner)
     snaps = {}
@@ -639,11 +694,11 @@ def test_a_replay_buffer_is_an_arrow_file_and_restores_exactly(engine_factory, t
     ray.get(fresh.add.remote(10))  # restored arrays are writable
 
 
-def test_shutdown_lets_saves_and_retention_in_flight_finish(engine_factory, tmp_path, run_name):
+def test_shutdown_lets_saves_and_retention_in_flight_finish(engine_factory, tmp_path, run_name, provider):
     """shutdown() right after save() calls that nobody waited for: the saves commit, retention
     ends, and nothing is still writing or deleting once it returns (a user may remove the
     directory next)."""
-    learner = remote(Learner).remote(seed=3)
+    learner = provider(FreshLearner, seed=3)
     eng = engine_factory(keep_last=1, remote_uri=None, **LEAN)
     eng.register("policy", learner)
     for step in (1, 2, 3):
