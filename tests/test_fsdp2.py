@@ -1,19 +1,29 @@
-"""Real FSDP2 through Ray, resharded (issue 14).
+"""Real FSDP2 through Ray, sharded state end to end, resharded (issue 14).
 
 A pool of 8 Ray rank actors (num_cpus=0.1 each) is started once; each test joins some of them in a
 fresh gloo process group on CPU (``init_process_group`` on a free 127.0.0.1 port, destroyed after),
-so the actors' start-up (Python, torch) is paid once for every world size:
+so the actors' start-up (Python, torch: ~4 CPU-s each here) is paid once for every world size and
+every check of this file:
 
-* 4 ranks wrap an MLP with ``fully_shard``, take 3 AdamW steps and push ``model.state_dict()`` and
-  ``optim.state_dict()`` (DTensors as they are) with ``engine.submit(step, name, state, rank=r)``;
-  2, 3 (uneven) and 8 ranks build the same FSDP2 model from another seed and fill it with
-  ``engine.load_into``: every parameter's ``full_tensor()`` and both AdamW moments are bit-equal to
-  the saved ones, the step counters and param groups equal;
+* 4 ranks wrap an MLP with ``fully_shard``, take 3 AdamW steps and push ``model.state_dict()``,
+  ``optim.state_dict()`` and a 64 MiB ``Shard(0)`` DTensor ("big"), DTensors as they are, with
+  ``engine.submit(step, name, state, rank=r)``; 2, 3 (uneven) and 8 ranks build the same FSDP2 model
+  from another seed and fill it with ``engine.load_into``: every parameter's ``full_tensor()`` and
+  both AdamW moments are bit-equal to the saved ones, the step counters and param groups equal;
+  ``engine.restore()`` with 3 rank providers reshards the same way;
 * 4 ranks on a 2 x 2 mesh (FSDP x TP: ``[Shard(0), Shard(1)]`` and friends, uneven sizes) push
-  DTensors; 2 ranks on a 1-D mesh restore them, and the replicated mesh dim is stored once.
+  DTensors; 2 ranks on a 1-D mesh restore them, and the replicated mesh dim is stored once;
+* read from the driver: the manifest indexes every chunk; ``engine.load(name, rank=None)`` assembles
+  full tensors and ``load_into`` fills plain targets (strict key / shape / dtype errors); a corrupt
+  local piece is read from the remote tier; one rank of an 8-way restore reads about its own share;
+  plain per-rank parts refuse another world size before anything changes (3 pool actors as rank
+  providers); export and show. (These were tests/test_sharded.py, which started 4 more rank
+  processes to train and push the same checkpoint.)
 """
 from __future__ import annotations
 
+import json
+import re
 import sys
 import time
 
@@ -25,7 +35,7 @@ import gloo_util
 import ray_ckpt as rc
 from gloo_util import free_port, mlp, same_bits
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
 # tests/ is not importable in Ray workers: ship this module's actor and helpers by value
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -33,6 +43,8 @@ ray.cloudpickle.register_pickle_by_value(gloo_util)
 
 POOL = 8
 STEP = 3
+MiB = 1 << 20
+BIG_ROWS = 16384  # "big": a [16384, 1024] float32 DTensor, 64 MiB: 16 MiB per saving rank, 8 MiB per rank of 8
 
 # the 2-D mesh state: key -> (global shape, placements on the 2 x 2 (dp, tp) mesh, on the 1-D mesh of 2)
 MESH2D = {"w_rowwise": ((9, 7), ("S0", "S1"), "S0"),    # FSDP x TP row-wise: uneven on both dims
@@ -60,7 +72,8 @@ class Rank:
         torch.set_num_threads(1)
         self.run = run
         self.engine = None
-        self.model = self.opt = None
+        self.model = self.opt = self.big = None
+        self.held = {"w": torch.ones(4, 4), "step": 7}  # its state as a plain rank provider of "shard"
 
     def join(self, rank: int, world: int, port: int) -> None:
         import torch.distributed as dist
@@ -74,16 +87,22 @@ class Rank:
     def leave(self) -> None:
         import torch.distributed as dist
 
-        self.model = self.opt = None
+        self.model = self.opt = self.big = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
     # -- FSDP2
-    def build(self, seed: int) -> None:
+    def build(self, seed: int, big: bool = False) -> None:
+        """The FSDP2 MLP and its AdamW; with ``big``, also a 64 MiB Shard(0) DTensor ("big")."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (self.world,))
+        if big:
+            from torch.distributed.tensor import Shard, distribute_tensor
+
+            full = torch.randn(BIG_ROWS, 1024, generator=torch.Generator().manual_seed(7))
+            self.big = {"w": distribute_tensor(full, mesh, [Shard(0)]), "note": "big"}
         self.model = mlp(seed)
         for layer in self.model:
             if isinstance(layer, torch.nn.Linear):
@@ -99,9 +118,15 @@ class Rank:
             self.opt.zero_grad()
 
     def push(self, step: int) -> list:
+        """Submit model, optim (and big); rank 0 also waits until the version is on the remote tier."""
         hs = [self.engine.submit(step, "model", self.model.state_dict(), rank=self.rank),
               self.engine.submit(step, "optim", self.opt.state_dict(), rank=self.rank)]
-        return [h.wait(timeout=60).version for h in hs]
+        if self.big is not None:
+            hs.append(self.engine.submit(step, "big", self.big, rank=self.rank))
+        versions = [h.wait(timeout=120).version for h in hs]
+        if self.rank == 0:
+            hs[0].wait(timeout=120, durability="remote")
+        return versions
 
     def full(self) -> dict:
         """Every parameter's and both AdamW moments' full tensor (a collective: all ranks call it)."""
@@ -141,13 +166,21 @@ class Rank:
 
     # -- a rank provider for engine.restore()
     def ckpt_get_state(self, name: str):
+        if name == "shard":
+            return self.held
         if name == "model":
             return self.model.state_dict()
         self._init_optim()
         return self.opt.state_dict()
 
     def ckpt_set_state(self, name: str, state) -> None:
-        (self.model if name == "model" else self.opt).load_state_dict(state)
+        if name == "shard":
+            self.held = state
+        else:
+            (self.model if name == "model" else self.opt).load_state_dict(state)
+
+    def get_held(self) -> dict:
+        return self.held
 
     # -- 2-D mesh (FSDP x TP) -> 1-D mesh
     def push_2d(self, run: str, step: int) -> int:
@@ -216,13 +249,14 @@ def pool(ray_session, tmp_path_factory):
     t0 = time.perf_counter()
     tmp = tmp_path_factory.mktemp("fsdp2")
     run = "fsdp2-e2e"
-    # no best-effort pool: nothing best-effort is registered, and a writer is a process to start
+    actors = [Rank.remote(run) for _ in range(POOL)]  # first: their processes start while the engine's do
+    # one critical writer, no best-effort pool: the states are a few KiB, nothing best-effort is
+    # registered, and each writer is a process to start
     eng = rc.CheckpointEngine.create(run, local_dir=str(tmp / "local"), remote_uri=f"file://{tmp / 'remote'}",
-                                     best_effort_writers=0)
-    for name in ("model", "optim"):
+                                     critical_writers=1, best_effort_writers=0)
+    for name in ("model", "optim", "big"):
         eng.register(name, world_size=4)
-    actors = [Rank.remote(run) for _ in range(POOL)]
-    ray.get([a.__ray_ready__.remote() for a in actors])
+    ray.get([a.__ray_ready__.remote() for a in actors], timeout=120)
     yield {"engine": eng, "actors": actors, "tmp": tmp, "run": run, "t0": t0}
     for a in actors:
         ray.kill(a)
@@ -243,13 +277,13 @@ def leave(actors) -> None:
 
 @pytest.fixture(scope="module")
 def saved(pool):
-    """4 FSDP2 ranks, 3 AdamW steps, model and optim pushed at step 3."""
+    """4 FSDP2 ranks, 3 AdamW steps, model, optim and big pushed at step 3 (committed on both tiers)."""
     t0 = time.perf_counter()
     ranks = group(pool, 4)
     print(f"\n{POOL} actors ready, 4 joined: {time.perf_counter() - pool['t0']:.2f} s")
-    ray.get([r.build.remote(0) for r in ranks])
+    ray.get([r.build.remote(0, big=True) for r in ranks], timeout=60)
     ray.get([r.train.remote(STEP) for r in ranks], timeout=60)
-    assert ray.get([r.push.remote(STEP) for r in ranks], timeout=90) == [[STEP, STEP]] * 4
+    assert ray.get([r.push.remote(STEP) for r in ranks], timeout=180) == [[STEP] * 3] * 4
     want = ray.get([r.full.remote() for r in ranks], timeout=60)[0]
     plain = ray.get(ranks[0].optim_plain.remote())
     leave(ranks)
@@ -284,7 +318,8 @@ def test_2d_mesh_restores_onto_1d_mesh(pool, tmp_path):
     from ray_ckpt.storage.tier import Tier
 
     run = "fsdp2-mesh2d"
-    eng = rc.CheckpointEngine.create(run, local_dir=str(tmp_path / "local"), best_effort_writers=0)
+    eng = rc.CheckpointEngine.create(run, local_dir=str(tmp_path / "local"), critical_writers=1,
+                                     best_effort_writers=0)
     try:
         eng.register("mesh2d", world_size=4)
         t0 = time.perf_counter()
@@ -354,3 +389,169 @@ def test_restore_with_rank_providers_reshards(pool, saved):
     for k, v in saved["want"].items():
         assert same_bits(got[k], v), k
     assert plain == saved["plain"]
+
+
+# -- the saved checkpoint read from the driver (these were tests/test_sharded.py)
+
+def test_manifest_indexes_the_sharded_states(pool, saved):
+    from ray_ckpt.checkpoint_io import read_manifest
+    from ray_ckpt.formats.shards import ShardIndex
+    from ray_ckpt.storage.tier import Tier
+
+    m = read_manifest(Tier(str(pool["tmp"] / "local" / pool["run"])), 3)
+    for name in ("model", "optim", "big"):
+        e = m.states[name]
+        assert e.shards is not None and sorted(e.files, key=int) == ["0", "1", "2", "3"]
+        idx = ShardIndex.from_json(e.shards)
+        assert e.shards["heads"]["0"]["n"] > 8
+    idx = ShardIndex.from_json(m.states["model"].shards)
+    w = idx["0.weight"]
+    assert w.global_shape == (10, 12) and w.dtype == "float32" and len(w.chunks) == 4
+    assert [c.chunk.sizes[0] for c in idx["4.bias"].chunks] == [2, 2, 1]  # 5 rows on 4 ranks: one empty
+    assert all(c.digests for c in w.chunks)
+    assert "state/0/exp_avg" in ShardIndex.from_json(m.states["optim"].shards)
+    assert "state/0/step" not in ShardIndex.from_json(m.states["optim"].shards)  # a plain tensor
+
+
+def test_load_full_tensors_and_strict_keys(pool, saved):
+    eng = pool["engine"]
+    model = eng.load("model", step=3, rank=None)
+    optim = eng.load("optim", step=3, rank=None)
+    want = saved["want"]
+    for k, v in model.items():
+        assert same_bits(v, want[f"model/{k}"]), k
+    for i, st in optim["state"].items():
+        assert same_bits(st["exp_avg"], want[f"optim/{i}/exp_avg"])
+        assert same_bits(st["exp_avg_sq"], want[f"optim/{i}/exp_avg_sq"])
+        assert float(st["step"]) == 3.0
+    assert optim["param_groups"][0]["lr"] == 1e-2
+    # load_into a plain (non-distributed) target: full tensors, in place
+    target = {k: torch.zeros_like(v) for k, v in model.items()}
+    rep = eng.load_into("model", target, step=3)
+    assert rep.status == "restored" and all(same_bits(target[k], model[k]) for k in model)
+    # a key that does not match: named; strict=False skips it and says so
+    bad = {**{k: torch.zeros_like(v) for k, v in model.items()}, "extra.weight": torch.zeros(2)}
+    with pytest.raises(rc.RestoreError, match="extra.weight"):
+        eng.load_into("model", bad, step=3)
+    assert all(not v.any() for v in bad.values())  # nothing changed
+    rep = eng.load_into("model", bad, step=3, strict=False)
+    assert "extra.weight" in rep.detail and same_bits(bad["0.weight"], model["0.weight"])
+    wrong = {k: torch.zeros_like(v) for k, v in model.items()}
+    wrong["2.weight"] = torch.zeros(7, 11)
+    with pytest.raises(rc.RestoreError, match=r"2\.weight.*\[7, 11\].*\[7, 10\]"):
+        eng.load_into("model", wrong, step=3)
+    assert not wrong["0.weight"].any()
+    wrong["2.weight"] = torch.zeros(7, 10, dtype=torch.float64)
+    with pytest.raises(rc.RestoreError, match="float64"):
+        eng.load_into("model", wrong, step=3)
+
+
+def test_corrupt_local_piece_falls_back_to_remote(pool, saved):
+    from ray_ckpt.checkpoint_io import read_manifest
+    from ray_ckpt.formats.shards import ShardIndex
+    from ray_ckpt.storage.tier import Tier
+
+    eng = pool["engine"]
+    root = pool["tmp"] / "local" / pool["run"]
+    m = read_manifest(Tier(str(root)), 3)
+    c = ShardIndex.from_json(m.states["big"].shards)["w"].chunks[1]
+    path = root / c.file
+    data = bytearray(path.read_bytes())
+    original = bytes(data)
+    data[c.offset + 3 * MiB + 5] ^= 0xFF  # one byte in piece 3 of rank 1's chunk
+    path.write_bytes(bytes(data))
+    try:
+        target = {"w": torch.zeros(BIG_ROWS, 1024), "note": ""}
+        rep = eng.load_into("big", target, step=3)
+        assert rep.tier == "remote" and "checksum mismatch in piece 3" in rep.detail
+        full = torch.randn(BIG_ROWS, 1024, generator=torch.Generator().manual_seed(7))
+        assert same_bits(target["w"], full) and target["note"] == "big"
+        assert same_bits(eng.load("big", step=3, rank=None)["w"], full)
+        # 4 x 16 MiB chunks, each read as one range; only the failed range (one chunk) is read again
+        assert 80 * MiB <= rep.bytes < 81 * MiB
+    finally:
+        path.write_bytes(original)
+
+
+def test_eight_way_rank_reads_about_its_share(pool, saved):
+    """One rank of an 8-way Shard(0) restore of "big" (saved by 4 ranks): its box is filled
+    through the same RangeReader and load path as load_into, reading <= 1.25x its own bytes."""
+    from ray_ckpt.checkpoint_io import read_manifest
+    from ray_ckpt.formats.shards import load_chunk
+    from ray_ckpt.sharded_io import RangeReader, index_of_entry, read_head
+    from ray_ckpt.storage.tier import Tier
+
+    tier = Tier(str(pool["tmp"] / "local" / pool["run"]))
+    entry = read_manifest(tier, 3).states["big"]
+    meta = index_of_entry(entry, "big")["w"]
+    full = torch.randn(BIG_ROWS, 1024, generator=torch.Generator().manual_seed(7))
+    rows = BIG_ROWS // 8
+    for k in (0, 3, 5):
+        reader = RangeReader([tier], entry, "big")
+        read_head(entry, "big", reader, [tier])  # what load_into reads first: header + plain leaves
+        local = torch.empty(rows, 1024)
+        load_chunk(local, meta, [k * rows, 0], [rows, 1024], reader)
+        own = local.numel() * 4
+        assert same_bits(local, full[k * rows:(k + 1) * rows])
+        assert own >= 1 * MiB and reader.bytes <= 1.25 * own, (k, reader.bytes, own)
+
+
+def test_plain_per_rank_parts_refuse_another_world_size(pool, tmp_path):
+    eng = rc.CheckpointEngine.create("plain-ranks", local_dir=str(tmp_path / "l"), critical_writers=1,
+                                     best_effort_writers=0)  # two small parts: one writer process
+    try:
+        eng.register("shard", world_size=2)
+        parts = [{"w": torch.full((4, 4), float(r)), "step": 1} for r in range(2)]
+        hs = [eng.submit(1, "shard", parts[r], rank=r) for r in range(2)]
+        [h.wait(timeout=60) for h in hs]
+        state = {"w": torch.zeros(4, 4), "step": 0}
+        with pytest.raises(rc.RestoreError, match=r"saved by 2 ranks.*world size 2 != 3"):
+            eng.load_into("shard", state, rank=0, world_size=3)
+        assert not state["w"].any() and state["step"] == 0  # nothing changed
+        rep = eng.load_into("shard", state, rank=1, world_size=2)
+        assert rep.status == "restored" and torch.equal(state["w"], parts[1]["w"]) and state["step"] == 1
+        with pytest.raises(rc.InvalidArgumentError, match="rank-local"):
+            eng.load("shard", rank=None)
+
+        holders = pool["actors"][:3]  # 3 rank actors of the pool, in no process group, holding w=1, step=7
+        eng.register("shard", holders, world_size=3, replace=True)
+        with pytest.raises(rc.RestoreError, match=r"saved by 2 ranks.*3 rank providers"):
+            eng.restore(step=1)
+        for h in ray.get([h.get_held.remote() for h in holders]):
+            assert torch.equal(h["w"], torch.ones(4, 4)) and h["step"] == 7
+    finally:
+        eng.shutdown()
+
+
+def test_cli_exports_full_tensors_and_shows_dtensor_leaves(pool, saved, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from ray_ckpt.cli.main import main
+
+    root = pool["tmp"] / "local" / pool["run"]
+    want = saved["want"]
+    out = tmp_path / "model.safetensors"
+    assert main(["export", str(root), "3", "--state", "model", "--to", str(out)]) == 0
+    got = load_file(str(out))
+    assert sorted(got) == sorted(k[len("model/"):] for k in want if k.startswith("model/"))
+    for k, v in got.items():
+        assert same_bits(v, want[f"model/{k}"]), k
+    # Hugging Face's sharded layout past --max-shard-size
+    assert main(["export", str(root), "3", "--state", "optim", "--to", str(tmp_path / "hf" / "optim.safetensors"),
+                 "--max-shard-size", "1KB"]) == 0
+    index = json.loads((tmp_path / "hf" / "optim.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and all(f.startswith("optim-0000") for f in files)
+    merged = {}
+    for f in files:
+        merged.update(load_file(str(tmp_path / "hf" / f)))
+    assert set(merged) == set(index["weight_map"])
+    assert same_bits(merged["state/0/exp_avg"], want["optim/0/exp_avg"])
+    assert float(merged["state/0/step"]) == 3.0
+    capsys.readouterr()
+    assert main(["show", str(root), "3"]) == 0
+    text = capsys.readouterr().out
+    assert "sharded: 6 DTensor leaves" in text
+    assert re.search(r"0\.weight\s+float32\s+\[10, 12\]\s+4 chunks in 4 files", text), text
+    assert re.search(r"4\.bias\s+float32\s+\[5\]\s+3 chunks in 3 files", text), text
+    assert "(dtensor chunk)" in text
