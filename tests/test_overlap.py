@@ -135,13 +135,14 @@ def test_prepare_overlap_sets_up_the_copy_thread_and_the_hooks_before_the_first_
 class BigLearner:
     """A learner whose state takes tens of ms to copy, so that its next steps run during the copy."""
 
-    def __init__(self, seed=0, width=2048, bn=True, replay_mb=4):
+    def __init__(self, seed=0, width=2048, bn=True, replay_mb=4, optimizer=True):
         torch.manual_seed(seed)
         layers = [torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width)]
         if bn:
             layers.insert(1, torch.nn.BatchNorm1d(width))
         self.model = torch.nn.Sequential(*layers)
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-3)
+        # optimizer=False where no step runs: a process's first optimizer imports torch._dynamo (~2.5 CPU-s)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-3) if optimizer else None
         self.gen = torch.Generator().manual_seed(seed + 1)
         self.replay = torch.zeros(replay_mb << 18)
         self.steps = 0
@@ -224,8 +225,8 @@ LEAN = {"critical_writers": 1, "best_effort_writers": 0}
 
 
 def test_restore_after_a_save_that_overlapped_many_optimizer_steps_is_bit_equal(engine_factory):
+    learner = _actor(BigLearner).remote()  # starts while the engine does
     eng = engine_factory(overlap=True, **LEAN)
-    learner = _actor(BigLearner).remote()
     eng.register("policy", learner)
     eng.register("optimizer", learner)
     ray.get(learner.train.remote(3))
@@ -244,8 +245,8 @@ def test_restore_after_a_save_that_overlapped_many_optimizer_steps_is_bit_equal(
 
 
 def test_a_mutation_without_a_fence_is_caught_by_the_debug_check(engine_factory):
+    learner = _actor(BigLearner).remote(width=16, bn=False, replay_mb=96, optimizer=False)
     eng = engine_factory(overlap=True, overlap_check=True, **LEAN)
-    learner = _actor(BigLearner).remote(width=16, bn=False, replay_mb=96)
     eng.register("replay", learner)
     h = eng.save(1)
     assert ray.get(learner.mutate_until_copied.remote()), "the copy was over before the mutation began"
@@ -255,8 +256,8 @@ def test_a_mutation_without_a_fence_is_caught_by_the_debug_check(engine_factory)
 
 
 def test_a_learner_killed_mid_copy_fails_that_version_loudly_and_the_next_commits(engine_factory):
-    eng = engine_factory(overlap=True, **LEAN)
     learner = _actor(BigLearner, max_restarts=1, max_task_retries=0).remote(bn=False)
+    eng = engine_factory(overlap=True, **LEAN)
     eng.register("policy", learner)
     eng.register("optimizer", learner)
     ray.get(learner.train.remote(1))
@@ -305,9 +306,9 @@ class Rollout:
 
 
 def test_rollout_actors_fed_by_a_saves_refs_see_the_weights_of_that_step_bit_for_bit(engine_factory):
-    eng = engine_factory(overlap=True, **LEAN)
     learner = _actor(BigLearner).remote(width=512, bn=False)
     rollouts = [_actor(Rollout).remote() for _ in range(2)]
+    eng = engine_factory(overlap=True, **LEAN)
     eng.register("policy", learner)  # overlapped
     eng.register("optimizer", learner, overlap=False)  # the synchronous path hands out refs the same way
     ray.get(learner.train.remote(2))
@@ -363,8 +364,8 @@ class Plain:
 
 
 def test_a_provider_maps_only_the_pages_its_first_saves_use_ahead_of_the_first_save(engine_factory):
-    eng = engine_factory(**LEAN)  # prefault_needed=True is the default; no overlap needed
     learner = _actor(Plain).remote(32)
+    eng = engine_factory(**LEAN)  # prefault_needed=True is the default; no overlap needed
     eng.register("policy", learner)
     before = ray.get(learner.__ray_call__.remote(_store_residency))
     if before["error"]:
