@@ -43,6 +43,10 @@ class FreshWeird(Resettable, Weird):
     pass
 
 
+class FreshBigState(Resettable, BigState):
+    pass
+
+
 @pytest.fixture(scope="module")
 def _providers(ray_session):
     made = {}
@@ -250,7 +254,7 @@ def test_a_coordinator_killed_for_good_is_created_again_by_the_driver(engine_fac
 
 
 def test_bad_inputs_fail_at_the_call_before_any_byte(engine_factory, tmp_path, run_name, provider):
-    learner = provider(FreshLearner, seed=5)
+    learner, weird = provider(FreshLearner, seed=5), provider(FreshWeird)
     eng = engine_factory(**LEAN)
     for bad in ("../escape", "a/b", "..", "x y", ""):
         with pytest.raises(rc.InvalidArgumentError, match="invalid state name"):
@@ -279,7 +283,7 @@ def test_bad_inputs_fail_at_the_call_before_any_byte(engine_factory, tmp_path, r
     assert sorted(set(os.listdir(tmp_path / "local" / run_name)) - {"owner.json"}) == ["v000000000010"]  # nothing written
     eng.unregister("norm")
     # an actor's unsupported object is found in the actor: the handle fails, naming state and key path
-    eng.register("weird", provider(FreshWeird))
+    eng.register("weird", weird)
     h = eng.save(12)
     with pytest.raises(rc.UnsupportedTypeError, match=r"weird.*\['bad'\]\['inner'\]"):
         h.wait(timeout=60)  # the same class as the in-process callable's error above
@@ -379,8 +383,8 @@ def test_best_effort_failure_is_reported_not_fatal(engine_factory, provider):
     assert report.states["replay"].status == "missing" and "inner" in report.states["replay"].detail
 
 
-def test_save_returns_in_milliseconds_while_large_save_in_flight(engine_factory):
-    big = remote(BigState, num_cpus=0.1).remote(300)
+def test_save_returns_in_milliseconds_while_large_save_in_flight(engine_factory, provider):
+    big = provider(FreshBigState, 300)
     eng = engine_factory(remote_uri=None, max_in_flight=2, **NO_BEST_EFFORT_POOL)
     eng.register("big", big)
     ray.get(big.checksum.remote())
@@ -407,8 +411,8 @@ def test_save_returns_in_milliseconds_while_large_save_in_flight(engine_factory)
     assert ray.get(big.checksum.remote()) == want
 
 
-def test_writer_killed_mid_write(engine_factory, tmp_path, run_name):
-    big = remote(BigState).remote(200)
+def test_writer_killed_mid_write(engine_factory, tmp_path, run_name, provider):
+    big = provider(FreshBigState, 200)
     eng = engine_factory(remote_uri=None, critical_writers=1, best_effort_writers=0)
     eng.register("big", big)
     writer = ray.get(eng._coordinator.writers.remote())["critical"][0]
@@ -665,6 +669,7 @@ def test_a_replay_buffer_is_an_arrow_file_and_restores_exactly(engine_factory, t
     import pyarrow as pa
 
     buf = remote(Replay).remote(seed=4)
+    fresh = remote(Replay).remote(seed=99)  # to restore into, later; starts while the engine does
     eng = engine_factory(critical_writers=1)
     eng.register("replay", buf, strategy=rc.Strategy.BEST_EFFORT)
     ray.get(buf.add.remote(1200))
@@ -684,7 +689,6 @@ def test_a_replay_buffer_is_an_arrow_file_and_restores_exactly(engine_factory, t
         table = pa.ipc.open_file(str(path)).read_all()
         assert table.num_rows == 5000 and table.column_names == ["obs", "action", "reward", "done"]
         assert np.array_equal(table.column("action").to_numpy(), want["action"])
-    fresh = remote(Replay).remote(seed=99)
     eng.register("replay", fresh, strategy=rc.Strategy.BEST_EFFORT, replace=True)
     report = eng.restore()
     assert report.states["replay"].status == "restored" and report.states["replay"].verified
