@@ -279,7 +279,11 @@ class LearnerRank:
 # ----------------------------------------------------------------------------- the run
 def start_group(run: str, world: int, seed: int) -> list:
     """``world`` learner ranks joined in a new gloo group, rendezvous at rank 0's node."""
-    ranks = [LearnerRank.remote(run, r, world, seed) for r in range(world)]
+    return join_group([LearnerRank.remote(run, r, world, seed) for r in range(world)])
+
+
+def join_group(ranks: list) -> list:
+    """Join started learner ranks in a new gloo group, rendezvous at rank 0's node."""
     ip, port = ray.get(ranks[0].address.remote(), timeout=120)
     ray.get([r.join.remote(ip, port) for r in ranks], timeout=120)
     return ranks
@@ -287,12 +291,14 @@ def start_group(run: str, world: int, seed: int) -> list:
 
 def train(run: str, local_dir: str, remote_uri: Optional[str], steps: int, save_every: int,
           kill_at: Optional[int] = None, seed: int = 0, world: int = 2, resume_world: int = 3):
+    # every actor first: their processes start while the engine's do (none needs the engine to start)
+    ranks = [LearnerRank.remote(run, r, world, seed) for r in range(world)]
+    rollouts = [RolloutWorker.remote(seed, i) for i in range(N_ROLLOUT)]
+    reference = ReferenceModel.remote(seed)
     engine = rc.CheckpointEngine.create(run, local_dir=local_dir, remote_uri=remote_uri, keep_last=3,
                                         critical_writers=1, best_effort_writers=0,  # tiny states
                                         max_in_flight=1)  # a save waits for the previous commit (rarely)
-    ranks = start_group(run, world, seed)
-    rollouts = [RolloutWorker.remote(seed, i) for i in range(N_ROLLOUT)]
-    reference = ReferenceModel.remote(seed)
+    ranks = join_group(ranks)
     loader = PromptLoader(task(seed)[0], PROMPTS_PER_STEP, shuffle_seed=seed)
 
     # driver-side states: saved by engine.save(step)
