@@ -186,35 +186,40 @@ def _pid_in_actor(actor: Any) -> int:
 
 class _Liveness:
     """Whether the provider holding a pending copy still runs, by public API only: a tiny call to
-    the provider actor (its pid, at most every ``every_s``) fails once the actor died, or answers
-    another pid once Ray restarted it. The call waits its turn behind the actor's work, which is
-    harmless: it only has to fail (or answer) before the writer gives up."""
+    the provider actor (its pid, one every ``every_s``, at most ``MAX_PINGS`` unanswered) fails once
+    the actor died, or answers another pid once Ray restarted it. A call waits its turn behind the
+    actor's work, which is harmless: it only has to fail (or answer) before the writer gives up.
+
+    Why more than one: a call sent before the actor died can stay pending until Ray has restarted
+    it (~7 s with a learner that imports torch), while one sent after the death fails at once
+    (ActorUnavailableError): the writer then fails the version ~1-2 s after the death, not 7."""
+
+    MAX_PINGS = 4
 
     def __init__(self, p: PendingSnapshot, every_s: float = 2.0):
         self.p, self.every_s = p, every_s
-        self.ping = None
+        self.pings: List[Any] = []
         self.sent = 0.0
 
     def why_gone(self) -> Optional[str]:
         p = self.p
         if p.actor is None:
             return None
-        if self.ping is None:
-            if time.monotonic() - self.sent < self.every_s:
-                return None
-            self.ping, self.sent = p.actor.__ray_call__.remote(_pid_in_actor), time.monotonic()
-        if not ray.wait([self.ping], timeout=0)[0]:
-            return None
-        ping, self.ping = self.ping, None
-        try:
-            pid = ray.get(ping)
-        except ray.exceptions.RayActorError as exc:
-            return f"its provider actor died ({type(exc).__name__}) while the overlapped snapshot was being copied"
-        except ray.exceptions.RayError:  # not an answer about the actor: ask again later
-            return None
-        if pid != p.pid:
-            return (f"its provider actor was restarted (pid {p.pid} -> {pid}) while the overlapped snapshot "
-                    f"was being copied")
+        if time.monotonic() - self.sent >= self.every_s and len(self.pings) < self.MAX_PINGS:
+            self.pings.append(p.actor.__ray_call__.remote(_pid_in_actor))
+            self.sent = time.monotonic()
+        answered = ray.wait(self.pings, num_returns=len(self.pings), timeout=0)[0] if self.pings else []
+        for ping in answered:
+            self.pings.remove(ping)
+            try:
+                pid = ray.get(ping)
+            except ray.exceptions.RayActorError as exc:
+                return f"its provider actor died ({type(exc).__name__}) while the overlapped snapshot was being copied"
+            except ray.exceptions.RayError:  # not an answer about the actor: ask again later
+                continue
+            if pid != p.pid:
+                return (f"its provider actor was restarted (pid {p.pid} -> {pid}) while the overlapped snapshot "
+                        f"was being copied")
         return None
 
 
@@ -238,10 +243,10 @@ def pending_refs(p: PendingSnapshot, timeout: float = 600.0, take: bool = False)
         raise SaveError(f"snapshot of state {p.name!r}: its run's mailbox {p.mailbox!r} is gone") from None
     deadline = time.monotonic() + timeout
     ans = mb.get.remote(p.key, timeout, take)
-    alive = _Liveness(p, every_s=0.0)  # first look at once, then every 2 s
+    alive = _Liveness(p, every_s=0.0)  # first look at once, then every second
     while not ray.wait([ans], timeout=0.5)[0]:
         why = alive.why_gone()
-        alive.every_s = 2.0
+        alive.every_s = 1.0
         if why:
             raise SaveError(f"snapshot of state {p.name!r}: {why}; this version fails")
         if time.monotonic() > deadline + 5:

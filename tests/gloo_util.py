@@ -1,4 +1,4 @@
-"""What the sharded-state tests (test_sharded.py, test_fsdp2.py) share: a free port for a gloo group's
+"""What the sharded-state tests (test_fsdp2.py) share: a free port for a gloo group's
 rendezvous, a bit-exact tensor comparison, and the small MLP their FSDP2 ranks train.
 
 tests/ is not importable in Ray workers: a test module that ships these into rank actors registers
