@@ -91,5 +91,4 @@ class CoordinatorQueries:
             commits=commits, failures=failures, last_error=last_error,
             started_at=started_at, node=node,
             writer_nodes={n[:12]: len(p) for n, p in self.pools.critical_by_node.items()},
-            best_effort_writers=len(self.pools.best_effort),
             upload_owed=self.uploads.owed, skipped_versions=self.skipped_versions())

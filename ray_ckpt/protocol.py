@@ -139,7 +139,6 @@ class CoordinatorStatus:
     writer_nodes: Dict[str, int]
     upload_owed: bool
     skipped_versions: Dict[int, str] = field(default_factory=dict)  # found in storage, not trusted: why
-    best_effort_writers: int = 0  # started so far (the pool starts with the run's first best-effort part)
 
     def to_dict(self) -> Dict[str, Any]:
         """The form ``engine.status()`` returns to users (a dict a person or a dashboard reads)."""
@@ -156,8 +155,7 @@ class CoordinatorStatus:
                 "queued_bytes": {"critical": self.queued_bytes_critical, "best_effort": self.queued_bytes_best_effort},
                 "committed": self.committed, "remote_committed": self.remote_committed, "commits": self.commits,
                 "failures": self.failures, "last_error": self.last_error, "started_at": self.started_at,
-                "node": self.node, "writer_nodes": dict(self.writer_nodes),
-                "best_effort_writers": self.best_effort_writers, "upload_owed": self.upload_owed,
+                "node": self.node, "writer_nodes": dict(self.writer_nodes), "upload_owed": self.upload_owed,
                 "skipped_versions": dict(self.skipped_versions)}
 
 

@@ -90,7 +90,7 @@ def prestart_writer_processes(config: EngineConfig) -> None:
     except ValueError:
         pass
     preload = _PRELOAD.options(**_coordinator_placement())
-    for _ in range(config.critical_writers):  # the best-effort pool starts at its first part
+    for _ in range(config.critical_writers + config.best_effort_writers):
         preload.remote()  # fire and forget: its result, None, is never read
 
 

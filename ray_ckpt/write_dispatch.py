@@ -7,7 +7,7 @@ and, while every critical writer still has a call queued, for longer (up to ``MA
 call sent then would only queue behind the others, and meanwhile the batch grows, so the number of
 writer calls adapts to how fast the writers go. The batch is
 grouped by the node that holds each snapshot (critical parts: node affinity, a shared-memory read;
-best-effort ones: their own pool, anywhere, started by the run's first best-effort part), and spread over that pool's writers in calls of at most
+best-effort ones: their own pool, anywhere), and spread over that pool's writers in calls of at most
 ``BATCH_PARTS`` parts (``WriterActor.write_parts``). A RELOADABLE part goes alone
 (``WriterActor.write_part``): the writer first looks its content up among stored ones.
 
@@ -21,7 +21,6 @@ import asyncio
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple
 
 from .catalogue import Catalogue
-from .errors import CheckpointError
 from .types import Strategy
 from .writers import WriterPools
 
@@ -66,36 +65,17 @@ class WriteDispatch:
         items = self._outbox.pop(version, [])
         if not items:
             return
-        anywhere, placed = [], []
-        for it in items:
-            (anywhere if self._best_effort(it[0]) else placed).append(it)
-        groups = []
+        anywhere = [it for it in items if it[0].strategy is Strategy.BEST_EFFORT and self.pools.best_effort]
+        placed = [it for it in items if not (it[0].strategy is Strategy.BEST_EFFORT and self.pools.best_effort)]
+        groups = [(self.pools.best_effort, anywhere)] if anywhere else []
         if placed:
             by_node: Dict[Optional[str], List[Item]] = {}
             for it, node in zip(placed, await self.pools.locate_many([ref for _, ref, _ in placed])):
                 by_node.setdefault(node, []).append(it)
             groups += [(self.pools.critical_on(node), its) for node, its in by_node.items()]
-        # each chunk moves the version on when it ends: a critical chunk never waits for a best-effort
-        # one, nor for the best-effort writers' start
-        await asyncio.gather(*([self._write_best_effort(version, anywhere)] if anywhere else []),
-                             *[self._write_chunk(version, writer, chunk)
-                               for pool, its in groups for writer, chunk in self.pools.spread(pool, its, BATCH_PARTS)])
-
-    def _best_effort(self, part: Any) -> bool:
-        """Whether ``part`` goes to the best-effort pool (a run configured without one writes its
-        best-effort parts with the critical writers)."""
-        return part.strategy is Strategy.BEST_EFFORT and self.pools.cfg.best_effort_writers > 0
-
-    async def _write_best_effort(self, version: int, items: List[Item]) -> None:
-        try:
-            pool = await self.pools.best_effort_started()
-        except CheckpointError as exc:  # each part fails, by name; the version commits without them
-            for p, _, _ in items:
-                self._record(version, p.name, p.rank, exc)
-            await self._progress(version)
-            return
+        # each chunk moves the version on when it ends: a critical chunk never waits for a best-effort one
         await asyncio.gather(*[self._write_chunk(version, writer, chunk)
-                               for writer, chunk in self.pools.spread(pool, items, BATCH_PARTS)])
+                               for pool, its in groups for writer, chunk in self.pools.spread(pool, its, BATCH_PARTS)])
 
     async def _hold(self) -> None:
         """Wait, at most ``MAX_HOLD_S``, while every critical writer has a call queued."""
@@ -137,13 +117,8 @@ class WriteDispatch:
         await self._progress(version)
 
     async def _write_one(self, version: int, part: Any, ref: Any, size: int) -> None:
-        if self._best_effort(part):
-            try:  # may run anywhere: reads the snapshot over the network if needed
-                pool = await self.pools.best_effort_started()
-            except CheckpointError as exc:
-                self._record(version, part.name, part.rank, exc)
-                await self._progress(version)
-                return
+        if part.strategy is Strategy.BEST_EFFORT and self.pools.best_effort:
+            pool = self.pools.best_effort  # may run anywhere: reads the snapshot over the network if needed
         else:
             pool = self.pools.critical_on(await self.pools.locate(ref))  # node affinity: a shared-memory read
         writer = self.pools.least_busy(pool)

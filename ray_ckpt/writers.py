@@ -222,24 +222,18 @@ def _entry(f: Union[FileEntry, dict]) -> FileEntry:
     return f if isinstance(f, FileEntry) else FileEntry(**f)
 
 
-# how long the first best-effort part waits for the best-effort writers to start (they start then)
-BEST_EFFORT_START_S = 60.0
-
-
 class WriterPools:
     """The coordinator's writers: a critical pool per node that holds snapshots (created on first
     use: each node's local tier is its own disk, and a writer beside the snapshot reads it from
-    shared memory), and one best-effort pool that runs anywhere, started by the first best-effort
-    part (a run without best-effort states never pays for its processes: ~1 CPU-second each to
-    start, ``benchmarks/create_cost.py``). Each writer's queued bytes decide which one gets the
-    next part."""
+    shared memory), and one best-effort pool that runs anywhere. Each writer's queued bytes decide
+    which one gets the next part."""
 
     def __init__(self, config: Any):
         self.cfg = config
         self.node_id = ray.get_runtime_context().get_node_id()
         self.critical_by_node: Dict[str, list] = {self.node_id: self._make_pool(self.node_id)}
-        self.best_effort: list = []  # started by best_effort_started(), at the first best-effort part
-        self._best_effort_up: Optional["asyncio.Future"] = None
+        self.best_effort = [self._writer("best_effort", config.best_effort_cpus, config.best_effort_nice)
+                            for _ in range(config.best_effort_writers)]
         self.queued: Dict[int, int] = {}  # id(writer) -> bytes queued
         self.queued_parts: Dict[int, int] = {}  # id(writer) -> parts queued (pushes may not say their size)
         self._locator = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="locate")
@@ -265,30 +259,7 @@ class WriterPools:
         return [w for pool in self.critical_by_node.values() for w in pool]
 
     def all(self) -> list:
-        """Every writer started so far."""
         return self.critical + self.best_effort
-
-    async def best_effort_started(self, timeout: float = BEST_EFFORT_START_S) -> list:
-        """The best-effort pool once its writers answer, started now if it was not (empty when
-        configured with none). Raises CheckpointError when they do not answer within ``timeout``
-        (not enough free CPUs for ``best_effort_cpus``?): their parts would otherwise wait,
-        unreported, for resources the cluster may never free. A later call waits again."""
-        if not self.cfg.best_effort_writers:
-            return []
-        if not self.best_effort:
-            self.best_effort = [self._writer("best_effort", self.cfg.best_effort_cpus, self.cfg.best_effort_nice)
-                                for _ in range(self.cfg.best_effort_writers)]
-        if self._best_effort_up is None:
-            self._best_effort_up = asyncio.ensure_future(asyncio.wait_for(
-                asyncio.gather(*[w.__ray_ready__.remote() for w in self.best_effort]), timeout))
-        try:
-            await asyncio.shield(self._best_effort_up)
-        except Exception as exc:
-            self._best_effort_up = None
-            raise CheckpointError(
-                f"the best-effort writers did not start within {timeout:g}s ({one_line(exc) or type(exc).__name__}; "
-                f"are there free CPUs for best_effort_cpus={self.cfg.best_effort_cpus}?)") from None
-        return self.best_effort
 
     def critical_on(self, node: Optional[str]) -> list:
         """The critical pool of ``node`` (created on first use), or this node's when unknown/gone."""
