@@ -1,5 +1,7 @@
-"""Run by test_object_store.py in its own process: a small Ray instance, one learner per setting of
-``prefault_object_store``; prints one JSON line of what a user could observe."""
+"""Run by test_object_store.py in its own process: a small Ray instance, one learner saved by one
+engine per setting of ``prefault_object_store`` (off first, so that its figures are those of a
+process that never mapped the store; then on, in the same process: one actor start fewer); prints
+one JSON line of what a user could observe."""
 import json
 import os
 import sys
@@ -52,8 +54,7 @@ class Learner:
         return os.getpid()
 
 
-def run(prefault: bool, root: str) -> dict:
-    learner = Learner.remote()  # first: its process starts while the engine's do
+def run(learner, prefault: bool, root: str) -> dict:
     eng = rc.CheckpointEngine.create(f"prefault{int(prefault)}", local_dir=root, critical_writers=1,
                                      best_effort_writers=0, critical_cpus=0.1, prefault_object_store=prefault)
     eng.register("policy", learner)
@@ -83,7 +84,6 @@ def run(prefault: bool, root: str) -> dict:
                    "restored_equal": ray.get(learner.get.remote()) == saved,
                    "resident": after_restart["resident"], "status": after_restart["status"]}
     eng.shutdown()
-    ray.kill(learner)
     return {"status": before["status"] if prefault else None, "store_mapping": before["size"],
             "resident_before_save": before["resident"], "resident_after_save": after["resident"],
             "off_status": None if prefault else before["status"], "restored_equal": restored == saved,
@@ -93,8 +93,11 @@ def run(prefault: bool, root: str) -> dict:
 def main() -> int:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=STORE)
     try:
+        learner = Learner.remote()  # first: its process starts while the first engine's do
         with tempfile.TemporaryDirectory() as root:
-            on, off = run(True, os.path.join(root, "a")), run(False, os.path.join(root, "b"))
+            off = run(learner, False, os.path.join(root, "b"))  # before anything mapped the whole store
+            on = run(learner, True, os.path.join(root, "a"))
+        ray.kill(learner)
     finally:
         ray.shutdown()
     print(json.dumps({"store_bytes": on["store_mapping"], "on": on, "off": off}))
