@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_openrlhf_style_example_resumes_on_another_world_size(ray_session, tmp_path, capsys):
     mod = runpy.run_path(str(ROOT / "examples" / "openrlhf_style" / "train.py"), run_name="openrlhf_under_test")
     rc_ = mod["main"](["--steps", "10", "--save-every", "3", "--kill-at", "7", "--ranks", "2",
-                       "--resume-ranks", "3", "--dir", str(tmp_path)])
+                       "--resume-ranks", "3", "--rollout-workers", "1", "--dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc_ == 0, out
     assert "preemption: killing learner rank 1" in out

@@ -57,7 +57,7 @@ from ray_ckpt.checkpoint_io import read_manifest
 OBS_DIM, HIDDEN, N_ACTIONS = 8, 30, 16  # HIDDEN 30: uneven shards on 4 ranks, even on 2 and 3
 N_PROMPTS, PROMPTS_PER_STEP, SAMPLES_PER_PROMPT = 96, 16, 4
 PPO_EPOCHS, CLIP, KL_COEF, LR, WEIGHT_DECAY = 2, 0.2, 0.05, 1e-2, 0.01
-N_ROLLOUT = 2  # rollout actors (independent of the number of learner ranks)
+N_ROLLOUT = 2  # rollout actors by default (independent of the number of learner ranks)
 
 RESULTS: Dict[str, object] = {}  # figures of the last main() call (read by the tests)
 
@@ -290,10 +290,11 @@ def join_group(ranks: list) -> list:
 
 
 def train(run: str, local_dir: str, remote_uri: Optional[str], steps: int, save_every: int,
-          kill_at: Optional[int] = None, seed: int = 0, world: int = 2, resume_world: int = 3):
+          kill_at: Optional[int] = None, seed: int = 0, world: int = 2, resume_world: int = 3,
+          n_rollout: int = N_ROLLOUT):
     # every actor first: their processes start while the engine's do (none needs the engine to start)
     ranks = [LearnerRank.remote(run, r, world, seed) for r in range(world)]
-    rollouts = [RolloutWorker.remote(seed, i) for i in range(N_ROLLOUT)]
+    rollouts = [RolloutWorker.remote(seed, i) for i in range(n_rollout)]
     reference = ReferenceModel.remote(seed)
     engine = rc.CheckpointEngine.create(run, local_dir=local_dir, remote_uri=remote_uri, keep_last=3,
                                         critical_writers=1, best_effort_writers=0,  # tiny states
@@ -338,7 +339,7 @@ def train(run: str, local_dir: str, remote_uri: Optional[str], steps: int, save_
     step = 0
     while step < steps:
         step += 1
-        prompts = np.array_split(loader.next_batch(), N_ROLLOUT)
+        prompts = np.array_split(loader.next_batch(), n_rollout)
         weights = [r.weights.remote() for r in ranks][0]      # all-gather; broadcast to the rollout engines
         batches = [w.generate.remote(weights, p, step) for w, p in zip(rollouts, prompts)]
         ref_logp = [reference.logprobs.remote(b) for b in batches]
@@ -436,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kill-at", type=int, default=10, help="kill learner rank 1 after this step (0: never)")
     ap.add_argument("--ranks", type=int, default=2, help="learner ranks (FSDP2 world size) before the preemption")
     ap.add_argument("--resume-ranks", type=int, default=3, help="learner ranks the run resumes on")
+    ap.add_argument("--rollout-workers", type=int, default=N_ROLLOUT, help="rollout actors (sampling)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", default=None, help="checkpoint root (default: a temporary directory); the local "
                     "tier is <dir>/local and the remote tier file://<dir>/remote unless given below")
@@ -455,6 +457,8 @@ def main(argv=None) -> int:
         ap.error("--kill-at must be at least --save-every (a version must exist) and below --steps")
     if args.ranks < 2 and args.kill_at or args.ranks < 1 or args.resume_ranks < 1:
         ap.error("--ranks must be at least 2 (rank 1 is killed) and --resume-ranks at least 1")
+    if not 1 <= args.rollout_workers <= PROMPTS_PER_STEP:
+        ap.error(f"--rollout-workers must be between 1 and {PROMPTS_PER_STEP} (the prompts of a step)")
     root = args.dir or tempfile.mkdtemp(prefix="ray_ckpt_openrlhf_")
     started = not ray.is_initialized()
     if started:
@@ -471,7 +475,7 @@ def main(argv=None) -> int:
               + (f", learner rank 1 killed at step {args.kill_at}, resumed on {args.resume_ranks} ranks"
                  if args.kill_at else ""))
         st = train(f"{args.run_prefix}-{uuid.uuid4().hex[:6]}", local, remote, args.steps, args.save_every,
-                   args.kill_at or None, args.seed, args.ranks, args.resume_ranks)
+                   args.kill_at or None, args.seed, args.ranks, args.resume_ranks, args.rollout_workers)
         print(f"done in {time.perf_counter() - t0:.1f} s")
     finally:
         if started:
