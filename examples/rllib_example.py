@@ -61,7 +61,8 @@ def run(root: str, iterations: int, every: int, quiet: bool = False) -> dict:
     say = (lambda *a: None) if quiet else print
     run_name = f"rllib-example-{uuid.uuid4().hex[:8]}"
     cb = make_callback(run_name, local_dir=os.path.join(root, "local"), remote_uri=f"file://{root}/remote",
-                       every=every, keep_last=3)
+                       every=every, keep_last=3,
+                       engine_options={"critical_writers": 1})  # small states: one writer is plenty
     algo = build_config(cb).build_algo()
     try:
         for _ in range(iterations):

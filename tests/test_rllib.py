@@ -145,7 +145,9 @@ def _assert_tree_equal(a, b, path="state"):
 
 @pytest.mark.timeout(240)
 def test_ppo_saved_by_callback_restores_into_fresh_algorithm(engine_factory, run_name, tmp_path):
-    engine = engine_factory()  # the callback get-or-creates this same run (shut down by the fixture)
+    # the callback get-or-creates this same run (shut down by the fixture); its critical states are
+    # small: one critical writer (a process fewer to start), the best-effort one as by default
+    engine = engine_factory(critical_writers=1)
     cb = rr.make_callback(run_name, local_dir=str(tmp_path / "local"), remote_uri=f"file://{tmp_path / 'remote'}",
                           every=1)
     algo = _ppo_config(cb).build_algo()
