@@ -180,3 +180,37 @@ class Sampler:
 
     def ckpt_set_state(self, name, state):
         rc.set_rng_state(state, generators={"sampler": self.gen})
+
+
+class Resettable:
+    """Runs ``__init__`` again in the same process: a test's fresh provider without a process start
+    (a process that imports torch, and at its first optimizer torch._dynamo, is ~6 CPU-s on 2 cores).
+    The pooled copies below are what the ``provider`` fixture of conftest.py hands out."""
+
+    def reset(self, *args, **kwargs):
+        self.__init__(*args, **kwargs)
+        return __import__("os").getpid()
+
+
+class FreshLearner(Resettable, Learner):
+    pass
+
+
+class FreshFlaky(Resettable, Flaky):
+    pass
+
+
+class FreshFrozen(Resettable, Frozen):
+    pass
+
+
+class FreshWeird(Resettable, Weird):
+    pass
+
+
+class FreshBigState(Resettable, BigState):
+    pass
+
+
+class FreshReplay(Resettable, Replay):
+    pass

@@ -28,6 +28,46 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def _provider_pool(ray_session):
+    """The session's pooled provider actors, by (class, slot); see ``provider``."""
+    made = {}
+    yield made
+    for actor in made.values():
+        try:
+            ray.kill(actor)
+        except Exception:
+            pass
+
+
+@pytest.fixture
+def provider(_provider_pool):
+    """``provider(FreshLearner, seed=3)``: the session's actor of that class (tests/actors.py's
+    ``Fresh*``, or any class with a ``reset(*args, **kwargs)`` that runs ``__init__`` again), as
+    constructed with those arguments. Started at its first use without waiting (it imports torch
+    while the test's engine starts), reset in place after: a Learner process is ~6 CPU-s to start
+    on 2 cores, most of a short test's time. ``_slot=1`` gives a second actor of the same class.
+
+    Ray restarts one a test kills (max_restarts=-1; with the arguments of its first start); one that
+    is dead for good, or does not answer its reset within 60 s (a call a test left running), is
+    killed and started again, so a test that breaks it does not fail the next one."""
+    from actors import remote
+
+    def get(cls, *args, _slot=0, **kwargs):
+        key = (cls, _slot)
+        actor = _provider_pool.get(key)
+        if actor is not None:
+            try:
+                ray.get(actor.reset.remote(*args, **kwargs), timeout=60)
+                return actor
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                ray.kill(actor)
+        actor = _provider_pool[key] = remote(cls, max_restarts=-1).remote(*args, **kwargs)
+        return actor
+
+    return get
+
+
 @pytest.fixture
 def run_name():
     return f"t{uuid.uuid4().hex[:10]}"
