@@ -9,7 +9,7 @@ import ray
 import torch
 
 import ray_ckpt as rc
-from test_ranks import Rank, wait_until
+from test_ranks import pooled_ranks, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -18,9 +18,9 @@ pytestmark = pytest.mark.timeout(180)
 LEAN = {"critical_writers": 1, "best_effort_writers": 0}
 
 
-def test_ranks_that_push_first_wait_for_the_drivers_save(engine_factory, run_name):
+def test_ranks_that_push_first_wait_for_the_drivers_save(engine_factory, run_name, provider):
+    ranks = pooled_ranks(provider, run_name)
     eng = engine_factory(**LEAN)
-    ranks = [Rank.remote(run_name, r) for r in range(2)]
     table = {"step": torch.arange(4)}
     eng.register("driver_table", lambda: table, loader=lambda s: None)
     eng.register("shard", ranks, world_size=2)
@@ -43,9 +43,9 @@ def test_ranks_that_push_first_wait_for_the_drivers_save(engine_factory, run_nam
     assert [m.step for m in eng.list_checkpoints()] == [3, 4]
 
 
-def test_a_drivers_save_that_never_comes_fails_the_version_naming_it(engine_factory, run_name):
+def test_a_drivers_save_that_never_comes_fails_the_version_naming_it(engine_factory, run_name, provider):
+    ranks = pooled_ranks(provider, run_name)
     eng = engine_factory(rank_timeout_s=2.0, **LEAN)
-    ranks = [Rank.remote(run_name, r) for r in range(2)]
     eng.register("driver_table", lambda: {"x": torch.ones(2)})
     eng.register("shard", ranks, world_size=2)
     ray.get([r.train_and_submit.remote(7) for r in ranks])
@@ -57,9 +57,9 @@ def test_a_drivers_save_that_never_comes_fails_the_version_naming_it(engine_fact
     assert h.result(timeout=60).version == 8
 
 
-def test_a_run_of_pushed_states_only_gets_one_handle_for_the_whole_version(engine_factory, run_name):
+def test_a_run_of_pushed_states_only_gets_one_handle_for_the_whole_version(engine_factory, run_name, provider):
+    ranks = pooled_ranks(provider, run_name)
     eng = engine_factory(**LEAN)
-    ranks = [Rank.remote(run_name, r) for r in range(2)]
     eng.register("shard", ranks, world_size=2)
     h = eng.save(1)  # nothing of its own: opens the version (or joins it) and waits for every rank
     ray.get([r.train_and_submit.remote(1) for r in ranks])

@@ -1,5 +1,9 @@
-"""Ranks that run their own loop push their parts (OpenRLHF / verl style)."""
+"""Ranks that run their own loop push their parts (OpenRLHF / verl style).
+
+The rank actors come from the session's pool (conftest.py's ``provider``, via ``pooled_ranks``) and
+are reset at each test: each is a process that imports torch (~3.5 CPU-s on 2 cores)."""
 import os
+import sys
 import time
 
 import pytest
@@ -9,14 +13,14 @@ import torch
 import ray_ckpt as rc
 
 pytestmark = pytest.mark.timeout(240)
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # RankActor, pooled, in the workers
 
 # No best-effort state is pushed here: no best-effort pool; one critical writer where the order in
 # which versions commit is not the point (every writer is a process to start).
 LEAN = {"critical_writers": 1, "best_effort_writers": 0}
 
 
-@ray.remote(num_cpus=0.1)
-class Rank:
+class RankActor:
     def __init__(self, run: str, rank: int, seed=None):
         self.run, self.rank = run, rank
         g = torch.Generator().manual_seed(rank if seed is None else seed)
@@ -51,6 +55,20 @@ class Rank:
     def scramble(self):
         self.shard = {"w": torch.zeros(1), "step": -1}
 
+    def reset(self, run: str, rank: int, seed=None):
+        """A fresh rank of ``run`` in this process (the pool's reset): its connection to the last
+        run and its handles are dropped."""
+        self.__init__(run, rank, seed)
+        return os.getpid()
+
+
+Rank = ray.remote(num_cpus=0.1)(RankActor)
+
+
+def pooled_ranks(provider, run: str, n: int = 2, seed=None):
+    """``n`` rank actors of ``run`` from the session's pool, as ``Rank.remote(run, r, seed)`` makes them."""
+    return [provider(RankActor, run, r, seed, _slot=r) for r in range(n)]
+
 
 def wait_until(pred, timeout=60):
     deadline = time.time() + timeout
@@ -59,8 +77,8 @@ def wait_until(pred, timeout=60):
         time.sleep(0.05)
 
 
-def test_version_commits_when_every_rank_pushed_and_restores_per_rank(engine_factory, run_name):
-    ranks = [Rank.remote(run_name, r) for r in range(2)]
+def test_version_commits_when_every_rank_pushed_and_restores_per_rank(engine_factory, run_name, provider):
+    ranks = pooled_ranks(provider, run_name)
     eng = engine_factory(**LEAN)
     eng.register("shard", ranks, world_size=2)
     assert ray.get(ranks[0].train_and_submit.remote(1)) < 2.0  # returns before rank 1 pushed: never waits for the commit
@@ -81,10 +99,10 @@ def test_version_commits_when_every_rank_pushed_and_restores_per_rank(engine_fac
     assert torch.equal(eng.load(1, "shard", rank=1)["w"], want[1]["w"])
 
 
-def test_pushed_versions_take_their_upload_turns_by_the_ranks_count(engine_factory, run_name, tmp_path):
+def test_pushed_versions_take_their_upload_turns_by_the_ranks_count(engine_factory, run_name, tmp_path, provider):
     """remote_every=2 with pushed states: the ranks' 2nd and 4th pushes (steps 20 and 40) are
     uploaded, whatever order the versions commit in."""
-    ranks = [Rank.remote(run_name, r) for r in range(2)]
+    ranks = pooled_ranks(provider, run_name)
     eng = engine_factory(remote_every=2, keep_last=10, remote_keep_last=10, best_effort_writers=0)
     eng.register("shard", ranks, world_size=2)
     for step in (10, 20, 30, 40):
@@ -96,8 +114,8 @@ def test_pushed_versions_take_their_upload_turns_by_the_ranks_count(engine_facto
     assert sorted(p.name for p in remote_dir.iterdir() if p.name != "owner.json") == ["v000000000020", "v000000000040"]
 
 
-def test_ranks_at_different_steps_fail_the_version(engine_factory, run_name):
-    ranks = [Rank.remote(run_name, r) for r in range(2)]
+def test_ranks_at_different_steps_fail_the_version(engine_factory, run_name, provider):
+    ranks = pooled_ranks(provider, run_name)
     eng = engine_factory(**LEAN)
     eng.register("shard", world_size=2)
     ray.get(ranks[0].train_and_submit.remote(2))
@@ -110,8 +128,8 @@ def test_ranks_at_different_steps_fail_the_version(engine_factory, run_name):
     assert [m.version for m in eng.list_checkpoints()] == [3]
 
 
-def test_missing_rank_times_out_loudly_without_blocking_later_versions(engine_factory, run_name, tmp_path):
-    ranks = [Rank.remote(run_name, r) for r in range(2)]
+def test_missing_rank_times_out_loudly_without_blocking_later_versions(engine_factory, run_name, tmp_path, provider):
+    ranks = pooled_ranks(provider, run_name)
     eng = engine_factory(rank_timeout_s=2.0, **LEAN)
     eng.register("shard", world_size=2)
     ray.get(ranks[0].train_and_submit.remote(5))   # rank 1 is silent (hung, or lost)
@@ -123,9 +141,9 @@ def test_missing_rank_times_out_loudly_without_blocking_later_versions(engine_fa
     wait_until(lambda: not os.path.exists(tmp_path / "local" / run_name / "v000000000005"))
 
 
-def test_replicated_state_is_stored_once_and_restored_to_every_rank(engine_factory, run_name, tmp_path):
+def test_replicated_state_is_stored_once_and_restored_to_every_rank(engine_factory, run_name, tmp_path, provider):
+    ranks = pooled_ranks(provider, run_name, seed=0)  # same seed: DDP replicas
     eng = engine_factory(**LEAN)
-    ranks = [Rank.remote(run_name, r, seed=0) for r in range(2)]  # same seed: DDP replicas
     eng.register("shard", ranks, world_size=2, replicated=True)
     ray.get([r.train_and_submit.remote(1) for r in ranks])
     assert ray.get([r.wait_saved.remote(1) for r in ranks]) == [("ok", 1), ("ok", 1)]
@@ -137,7 +155,7 @@ def test_replicated_state_is_stored_once_and_restored_to_every_rank(engine_facto
         assert torch.equal(got["w"], want["w"])
 
 
-def test_submit_bad_input(engine_factory, run_name):
+def test_submit_bad_input(engine_factory, run_name, provider):
     eng = engine_factory(**LEAN)
     eng.register("shard", world_size=2)
     with pytest.raises(rc.SaveError, match="not declared"):
@@ -145,4 +163,4 @@ def test_submit_bad_input(engine_factory, run_name):
     with pytest.raises(rc.SaveError, match="out of range"):
         eng.submit(1, "shard", {"x": torch.ones(1)}, rank=2)
     with pytest.raises(rc.InvalidArgumentError, match="list of 2 rank actor handles"):
-        eng.register("shard2", [Rank.remote(run_name, 0)], world_size=2)
+        eng.register("shard2", pooled_ranks(provider, run_name, n=1), world_size=2)
