@@ -7,7 +7,7 @@ import ray
 import torch
 
 import ray_ckpt as rc
-from actors import Learner, remote
+from actors import FreshLearner
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -17,8 +17,8 @@ pytestmark = pytest.mark.timeout(240)
 LEAN = {"remote_uri": None, "critical_writers": 1, "best_effort_writers": 0}
 
 
-def _three_versions(engine_factory, **kw):
-    learner = remote(Learner).remote(seed=3)
+def _three_versions(engine_factory, provider, **kw):
+    learner = provider(FreshLearner, seed=3)  # the session's pooled actor (conftest.py), reset
     eng = engine_factory(**LEAN, **kw)
     eng.register("policy", learner)
     for step in (1, 2, 3):
@@ -38,8 +38,8 @@ def _manifest(tmp_path, run_name, v):
     return tmp_path / "local" / run_name / f"v{v:012d}" / "manifest.json"
 
 
-def test_a_copied_manifest_and_an_unreadable_one_are_skipped_and_said(engine_factory, tmp_path, run_name):
-    eng, learner = _three_versions(engine_factory)
+def test_a_copied_manifest_and_an_unreadable_one_are_skipped_and_said(engine_factory, tmp_path, run_name, provider):
+    eng, learner = _three_versions(engine_factory, provider)
     _manifest(tmp_path, run_name, 3).write_bytes(_manifest(tmp_path, run_name, 1).read_bytes())  # copied in
     eng2 = _reopen(eng, engine_factory, learner)
     assert [m.version for m in eng2.list_checkpoints()] == [1, 2]
@@ -54,8 +54,8 @@ def test_a_copied_manifest_and_an_unreadable_one_are_skipped_and_said(engine_fac
     assert "unreadable manifest" in report.skipped_versions[2]
 
 
-def test_a_replaced_manifest_breaks_the_chain_of_its_successor(engine_factory, tmp_path, run_name):
-    eng, learner = _three_versions(engine_factory)
+def test_a_replaced_manifest_breaks_the_chain_of_its_successor(engine_factory, tmp_path, run_name, provider):
+    eng, learner = _three_versions(engine_factory, provider)
     m2 = json.loads(_manifest(tmp_path, run_name, 2).read_bytes())
     m1 = json.loads(_manifest(tmp_path, run_name, 1).read_bytes())
     assert m2["previous_version"] == 1 and m2["previous"].startswith("sha256:")
@@ -66,8 +66,8 @@ def test_a_replaced_manifest_breaks_the_chain_of_its_successor(engine_factory, t
     assert "not the one version 2 was committed after" in eng2.status()["skipped_versions"][1]
 
 
-def test_signed_manifests_refuse_edits_and_unsigned_ones(engine_factory, tmp_path, run_name):
-    eng, learner = _three_versions(engine_factory, signing_key=b"k" * 32)
+def test_signed_manifests_refuse_edits_and_unsigned_ones(engine_factory, tmp_path, run_name, provider):
+    eng, learner = _three_versions(engine_factory, provider, signing_key=b"k" * 32)
     m3 = json.loads(_manifest(tmp_path, run_name, 3).read_bytes())
     assert len(m3["signature"]) == 64
     m3["step"] = 30  # an edit that keeps the JSON valid
