@@ -1,19 +1,47 @@
-"""Providers and handles as torch / concurrent.futures users already know them (real Ray, real torch)."""
+"""Providers and handles as torch / concurrent.futures users already know them (real Ray, real torch).
+
+The tests share one engine (``engine``: one run, local tier only), each with its own thousand steps
+and with nothing registered at its start: none of them is about the run's own history, and an
+engine is a coordinator and writer processes to start (~3 s each on a 2-core machine)."""
 import asyncio
 import threading
+import uuid
 
 import pytest
 import ray
 import torch
 
 import ray_ckpt as rc
-from actors import Learner, Weird, remote
+from actors import FreshLearner, FreshWeird
 
 pytestmark = pytest.mark.timeout(240)
 
-# One critical writer and no best-effort pool where the pools' sizes are not the point (every
-# writer is a process to start: seconds on a 2-core machine).
-LEAN = {"critical_writers": 1, "best_effort_writers": 0}
+# One critical writer where the pools' sizes are not the point (every writer is a process to start:
+# seconds on a 2-core machine); the best-effort pool is for test_save_handle_is_a_future_and_awaitable.
+SHARED = {"remote_uri": None, "critical_writers": 1, "best_effort_writers": 1}
+
+
+@pytest.fixture(scope="module")
+def _shared_engine(ray_session, tmp_path_factory):
+    root = tmp_path_factory.mktemp("conventions")
+    eng = rc.CheckpointEngine.create(f"t{uuid.uuid4().hex[:10]}", local_dir=str(root / "local"), **SHARED)
+    bases = iter(range(1000, 10 ** 9, 1000))
+    yield eng, root, bases
+    eng.shutdown()
+
+
+@pytest.fixture
+def engine(_shared_engine):
+    """``(eng, base, root)``: the module's engine with nothing registered, the first of this test's
+    thousand steps (steps increase along a run; ``base + 1`` stands for step 1), and the local
+    tier's root (``root / eng.run / version dir``). States the test registered are unregistered
+    after it."""
+    eng, root, bases = _shared_engine
+    for name in list(eng.registered):
+        eng.unregister(name)
+    yield eng, next(bases), root
+    for name in list(eng.registered):
+        eng.unregister(name)
 
 
 def _model_and_opt(seed):
@@ -33,7 +61,7 @@ def _train(model, opt, sched, n):
         sched.step()
 
 
-def test_stateful_objects_register_as_they_are_and_restore_bit_exact(engine_factory):
+def test_stateful_objects_register_as_they_are_and_restore_bit_exact(engine):
     """A module, an optimizer and an LR scheduler are registered as themselves (state_dict /
     load_state_dict); a StatefulDataLoader's position resumes exactly."""
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -45,10 +73,10 @@ def test_stateful_objects_register_as_they_are_and_restore_bit_exact(engine_fact
     for _ in range(3):
         next(it)
     _train(model, opt, sched, 3)
-    eng = engine_factory(remote_uri=None, **LEAN)
+    eng, base, _ = engine
     for name, obj in (("model", model), ("optimizer", opt), ("sched", sched), ("data", loader)):
         eng.register(name, obj)
-    eng.save(1).result(timeout=60)
+    eng.save(base + 1).result(timeout=60)
     want = {k: v.clone() for k, v in model.state_dict().items()}
     want_lr, want_moment = sched.get_last_lr(), opt.state_dict()["state"][0]["exp_avg"].clone()
     want_next = [next(it).tolist() for _ in range(3)]  # what the loader yields after the save
@@ -66,14 +94,14 @@ def test_stateful_objects_register_as_they_are_and_restore_bit_exact(engine_fact
     assert [next(it2).tolist() for _ in range(3)] == want_next
 
 
-def test_actor_method_saves_an_actor_attribute_through_its_state_dict(engine_factory):
-    learner = remote(Learner).remote(seed=4)
-    trained = learner.train.remote(3)  # the learner starts while the engine does
-    eng = engine_factory(remote_uri=None, **LEAN)
+def test_actor_method_saves_an_actor_attribute_through_its_state_dict(engine, provider):
+    learner = provider(FreshLearner, seed=4)  # the session's pooled actor (conftest.py), reset
+    trained = learner.train.remote(3)
+    eng, base, _ = engine
     ray.get(trained)
     eng.register("model", rc.actor_method(learner, "model"))
     eng.register("optimizer", rc.actor_method(learner, "opt"))
-    assert eng.save(1).result(timeout=60).states == ("model", "optimizer")
+    assert eng.save(base + 1).result(timeout=60).states == ("model", "optimizer")
     want = ray.get(learner.snapshot.remote())
     ray.get(learner.train.remote(2))
     eng.restore()
@@ -83,60 +111,61 @@ def test_actor_method_saves_an_actor_attribute_through_its_state_dict(engine_fac
         rc.actor_method(learner, "../opt")
 
 
-def test_save_handle_is_a_future_and_awaitable(engine_factory):
-    learner, weird = remote(Learner).remote(seed=5), remote(Weird).remote()  # start while the engine does
-    eng = engine_factory(remote_uri=None, critical_writers=1)
+def test_save_handle_is_a_future_and_awaitable(engine, provider):
+    learner, weird = provider(FreshLearner, seed=5), provider(FreshWeird)
+    eng, base, _ = engine
     eng.register("policy", learner)
     eng.register("replay", weird, strategy=rc.Strategy.BEST_EFFORT)
-    h = eng.save(1)
+    h = eng.save(base + 1)
     called = threading.Event()
     h.add_done_callback(lambda handle: called.set())
-    assert h.result(timeout=60).version == 1 and h.exception(timeout=60) is None
+    assert h.result(timeout=60).version == base + 1 and h.exception(timeout=60) is None
     assert called.wait(30) and h.done()
     # what the coordinator knows of the version reaches the user's SaveResult
     assert h.wait(timeout=60, best_effort=True).missing == ("replay",)
 
     async def main():
-        return await eng.save(2)
+        return await eng.save(base + 2)
 
-    assert asyncio.run(main()).version == 2
+    assert asyncio.run(main()).version == base + 2
 
 
-def test_load_by_name_step_and_rank(engine_factory):
-    learner = remote(Learner).remote(seed=6)
-    eng = engine_factory(remote_uri=None, **LEAN)
+def test_load_by_name_step_and_rank(engine, provider):
+    learner = provider(FreshLearner, seed=6)
+    eng, base, _ = engine
     eng.register("policy", learner)
-    eng.save(10).result(timeout=60)
+    eng.save(base + 10).result(timeout=60)
     ray.get(learner.train.remote())
-    eng.save(20).result(timeout=60)
-    latest, first = eng.load("policy"), eng.load("policy", step=10, rank=0)
+    eng.save(base + 20).result(timeout=60)
+    latest, first = eng.load("policy"), eng.load("policy", step=base + 10, rank=0)
     assert not torch.equal(latest["0.weight"], first["0.weight"])
     with pytest.warns(DeprecationWarning):
-        assert torch.equal(eng.load(10, "policy")["0.weight"], first["0.weight"])
+        assert torch.equal(eng.load(base + 10, "policy")["0.weight"], first["0.weight"])
     with pytest.raises(rc.InvalidArgumentError, match="name is required"):
-        eng.load(step=10)
-    with pytest.raises(rc.RestoreError, match="no committed checkpoint at step 15"):
-        eng.load("policy", step=15)
+        eng.load(step=base + 10)
+    with pytest.raises(rc.RestoreError, match=f"no committed checkpoint at step {base + 15}"):
+        eng.load("policy", step=base + 15)
 
 
-def test_restore_fallback_goes_to_the_newest_version_that_verifies(engine_factory, tmp_path, run_name):
-    learner = remote(Learner).remote(seed=7)
-    eng = engine_factory(remote_uri=None, **LEAN)
+def test_restore_fallback_goes_to_the_newest_version_that_verifies(engine, provider):
+    learner = provider(FreshLearner, seed=7)
+    eng, base, root = engine
+    v1, v2 = base + 1, base + 2
     eng.register("policy", learner)
-    eng.save(1).result(timeout=60)
+    eng.save(v1).result(timeout=60)
     want = ray.get(learner.snapshot.remote())
     ray.get(learner.train.remote())
-    eng.save(2).result(timeout=60)
-    f = tmp_path / "local" / run_name / "v000000000002" / "policy" / "rank0.safetensors"
+    eng.save(v2).result(timeout=60)
+    f = root / "local" / eng.run / f"v{v2:012d}" / "policy" / "rank0.safetensors"
     data = bytearray(f.read_bytes())
     data[-1] ^= 0xFF
     f.write_bytes(bytes(data))
-    with pytest.raises(rc.RestoreError, match="cannot restore version 2"):
+    with pytest.raises(rc.RestoreError, match=f"cannot restore version {v2}"):
         eng.restore()
     report = eng.restore(fallback=True)
-    assert report.version == 1 and list(report.skipped_versions) == [2]
-    assert "checksum" in report.skipped_versions[2] or "does not match" in report.skipped_versions[2]
-    assert "skipped newer version 2" in str(report)
+    assert report.version == v1 and list(report.skipped_versions) == [v2]
+    assert "checksum" in report.skipped_versions[v2] or "does not match" in report.skipped_versions[v2]
+    assert f"skipped newer version {v2}" in str(report)
     got = ray.get(learner.snapshot.remote())
     assert all(torch.equal(want[k], got[k]) for k in want if k.startswith("p."))
 
@@ -154,12 +183,12 @@ class _Counters:
         self.state = state
 
 
-def test_a_checkpointable_object_registers_as_it_is(engine_factory):
+def test_a_checkpointable_object_registers_as_it_is(engine):
     counters = _Counters()
     counters.state.update(env_steps=1200, episodes=17, returns=torch.tensor([1.5, 2.5, -1.0]))
-    eng = engine_factory(remote_uri=None, **LEAN)
+    eng, base, _ = engine
     eng.register("counters", counters)
-    eng.save(1).result(timeout=60)
+    eng.save(base + 1).result(timeout=60)
     counters.state = {"env_steps": 0, "episodes": 0, "returns": torch.zeros(3)}
     assert eng.restore().states["counters"].status == "restored"
     assert counters.state["env_steps"] == 1200 and counters.state["episodes"] == 17
