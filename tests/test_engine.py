@@ -1,11 +1,11 @@
 """The engine end to end on a real local Ray instance (no mocks).
 
-The provider actors (learner, flaky, frozen, weird) are started once for the module and reset at
-each test (``provider``): a fresh actor is a process that imports torch and, at its first
-optimizer, torch._dynamo (~6 CPU-s for a Learner on 2 cores), which was most of these tests' time."""
+The provider actors (learner, flaky, frozen, weird, big state, replay buffers) come from the
+session's pool and are reset at each test (conftest.py's ``provider``): a fresh actor is a process
+that imports torch and, at its first optimizer, torch._dynamo (~6 CPU-s for a Learner on 2 cores),
+which was most of these tests' time."""
 import os
 import shutil
-import sys
 import time
 
 import pytest
@@ -13,63 +13,10 @@ import ray
 import torch
 
 import ray_ckpt as rc
-from actors import BigState, Flaky, Frozen, Learner, Replay, Weird, remote
+from actors import FreshBigState, FreshFlaky, FreshFrozen, FreshLearner, FreshReplay, FreshWeird
 
 pytestmark = pytest.mark.timeout(240)
-ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the Fresh* classes below, in the workers
 
-
-class Resettable:
-    """Runs ``__init__`` again in the same process: a test's fresh provider without a process start."""
-
-    def reset(self, *args, **kwargs):
-        self.__init__(*args, **kwargs)
-        return os.getpid()
-
-
-class FreshLearner(Resettable, Learner):
-    pass
-
-
-class FreshFlaky(Resettable, Flaky):
-    pass
-
-
-class FreshFrozen(Resettable, Frozen):
-    pass
-
-
-class FreshWeird(Resettable, Weird):
-    pass
-
-
-class FreshBigState(Resettable, BigState):
-    pass
-
-
-@pytest.fixture(scope="module")
-def _providers(ray_session):
-    made = {}
-    yield made
-    for actor in made.values():
-        ray.kill(actor)
-
-
-@pytest.fixture
-def provider(_providers):
-    """``provider(FreshLearner, seed=3)``: the module's actor of that class, as constructed with those
-    arguments (started at its first use, without waiting: it starts while the engine does; reset in
-    place after). Restarted by Ray if a test kills it (max_restarts=-1)."""
-
-    def get(cls, *args, **kwargs):
-        actor = _providers.get(cls)
-        if actor is None:
-            actor = _providers[cls] = remote(cls, max_restarts=-1).remote(*args, **kwargs)
-        else:
-            ray.get(actor.reset.remote(*args, **kwargs), timeout=60)
-        return actor
-
-    return get
 
 # One critical writer and no best-effort pool, for tests that save one version at a time and where
 # the pools' sizes are not the point: every writer is a process to start (seconds on 2 cores).
@@ -371,7 +318,7 @@ def test_reloadable_state_is_stored_once(engine_factory, tmp_path, run_name, pro
 
 def test_best_effort_failure_is_reported_not_fatal(engine_factory, provider):
     learner, weird = provider(FreshLearner, seed=8), provider(FreshWeird)
-    eng = engine_factory()
+    eng = engine_factory(critical_writers=1)  # one critical state: a second critical writer is idle
     eng.register("policy", learner)
     eng.register("replay", weird, strategy=rc.Strategy.BEST_EFFORT)
     h = eng.save(1)
@@ -640,10 +587,10 @@ def test_full_disk_fails_the_save_clearly_and_keeps_older_versions(small_disk, e
 
 
 def test_best_effort_writes_are_rate_limited_and_do_not_hold_the_commit(engine_factory):
-    """best_effort_max_mb_s: a 40 MiB replay buffer at 10 MB/s takes at least its share of time
-    (chunks of 8 MiB are scheduled 0.84 s apart), the version commits while it is still being
+    """best_effort_max_mb_s: a 24 MiB replay buffer at 10 MB/s takes at least its share of time
+    (chunks of 8 MiB are scheduled 0.84 s apart: the last two >= 1.68 s after the first), the version commits while it is still being
     written, and it restores bit-exactly."""
-    replay = {"obs": torch.randint(0, 255, (40 << 20,), dtype=torch.uint8)}
+    replay = {"obs": torch.randint(0, 255, (24 << 20,), dtype=torch.uint8)}
     policy = {"w": torch.randn(1000)}
     got = {}
     eng = engine_factory(best_effort_max_mb_s=10, critical_writers=1)
@@ -654,22 +601,22 @@ def test_best_effort_writes_are_rate_limited_and_do_not_hold_the_commit(engine_f
     assert h.wait(timeout=60).version == 1
     assert eng.list_checkpoints()[0].pending == ("replay",)  # committed without waiting for it
     h.wait(timeout=60, best_effort=True)
-    assert time.perf_counter() - t0 >= (40 - 8) * (1 << 20) / 10e6
+    assert time.perf_counter() - t0 >= (24 - 8) * (1 << 20) / 10e6
     assert eng.list_checkpoints()[0].pending == () and eng.list_checkpoints()[0].missing == ()
     report = eng.restore(strict=True)
     assert report.states["replay"].status == "restored"
     assert torch.equal(got["replay"]["obs"], replay["obs"]) and torch.equal(got["policy"]["w"], policy["w"])
 
 
-def test_a_replay_buffer_is_an_arrow_file_and_restores_exactly(engine_factory, tmp_path, run_name):
+def test_a_replay_buffer_is_an_arrow_file_and_restores_exactly(engine_factory, tmp_path, run_name, provider):
     """A best-effort replay buffer (a dict of equally long arrays) lands as replay/rank0.arrow on
     both tiers, readable by pyarrow alone, and a fresh buffer actor gets it back bit-exact and
     can go on filling it."""
     import numpy as np
     import pyarrow as pa
 
-    buf = remote(Replay).remote(seed=4)
-    fresh = remote(Replay).remote(seed=99)  # to restore into, later; starts while the engine does
+    buf = provider(FreshReplay, seed=4)
+    fresh = provider(FreshReplay, seed=99, _slot=1)  # to restore into, later
     eng = engine_factory(critical_writers=1)
     eng.register("replay", buf, strategy=rc.Strategy.BEST_EFFORT)
     ray.get(buf.add.remote(1200))
