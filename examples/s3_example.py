@@ -69,9 +69,10 @@ def main(argv=None) -> int:
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         learner = Learner.remote(0)
+        # two small states: one critical writer is plenty, and nothing is best-effort
         engine = rc.CheckpointEngine.create(args.run, local_dir=local, remote_uri=args.remote_uri,
                                             remote_options=options, remote_every=2, keep_last=2,
-                                            remote_keep_last=3)
+                                            remote_keep_last=3, critical_writers=1, best_effort_writers=0)
         engine.register("policy", learner)
         engine.register("optimizer", learner)
         handles = []
@@ -87,13 +88,15 @@ def main(argv=None) -> int:
             h.wait(timeout=300)
         print("versions:", ", ".join(f"v{m.version}[{'+'.join(m.tiers)}]" for m in engine.list_checkpoints()))
         want = ray.get(learner.weights.remote())
-        # a fresh node: the local tier is empty, the learner starts from scratch
+        # a fresh node: the local tier is empty, the learner starts from scratch (its process
+        # starts while the old engine shuts down)
+        fresh = Learner.remote(1)
         engine.shutdown()
         shutil.rmtree(local)
         ray.kill(learner)
-        learner = Learner.remote(1)
+        learner = fresh
         engine = rc.CheckpointEngine.create(args.run, local_dir=local, remote_uri=args.remote_uri,
-                                            remote_options=options)
+                                            remote_options=options, critical_writers=1, best_effort_writers=0)
         engine.register("policy", learner)
         engine.register("optimizer", learner)
         report = engine.restore(step=last_uploaded)
