@@ -7,8 +7,8 @@ import os
 import sys
 import time
 
+import numpy as np
 import ray
-import torch
 
 import ray_ckpt as rc
 
@@ -18,7 +18,7 @@ if address:
     ray.init(address=address, log_to_driver=False)
 else:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-state = {"w": torch.zeros(8)}
+state = {"w": np.zeros(8, np.float32)}  # numpy, not torch: this driver starts ~3 s sooner
 eng = rc.CheckpointEngine.create(run, local_dir=local_dir, critical_writers=1, best_effort_writers=0,
                                  critical_cpus=0.05)
 eng.register("policy", lambda: state, loader=lambda s: None)
@@ -30,7 +30,7 @@ deadline = time.time() + 180
 while not os.path.exists(go):
     assert time.time() < deadline, "never told to go on"
     time.sleep(0.05)
-state["w"] = torch.full((8,), 6.0)
+state["w"] = np.full(8, 6.0, np.float32)
 try:
     eng.save(6).result(timeout=120)
     print("COMMITTED 6", flush=True)
