@@ -321,7 +321,6 @@ def bench_config(mb, step_ms, steps, every_s, root, first_vs_tenth):
             return learner.dcp_save.remote(p)
         wall, saves, st = run_loop(learner, steps, every, dcp_save)
         ray.get(saves)
-        t = time.perf_counter()
         ray.get(learner.dcp_durable.remote())
         row("torch DCP async_save + DefaultStager", wall, len(saves), statistics.median(st["snap"]) * 1e3, None)
         for p in paths:

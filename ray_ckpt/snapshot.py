@@ -25,7 +25,7 @@ from .formats.tree import Flat, Pieces, flatten, pieces_of
 from .object_store import grow_needed, prefault_needed, start_prefault, state_nbytes
 from .overlap import OverlapCopier, candidates, install_hooks, process_copier, process_hooks
 from .protocol import StagedState
-from .snapshot_mailbox import PendingSnapshot, _deliver, pending_refs
+from .snapshot_mailbox import PendingSnapshot, _deliver, pending_refs, self_handle_ref
 from .storage.tier import Tier
 
 _STAGED = "_ray_ckpt_staged"
@@ -246,9 +246,8 @@ def _staging_of(owner: Any, in_actor: bool = False) -> HostStaging:
 def snapshot_overlapped_in_actor(actor: Any, getter: str, name: str, allow_pickle: bool, attribute: Optional[str],
                                  run: str, mailbox: str, check: bool, needed: bool = True) -> PendingSnapshot:
     """Runs in the provider actor through ``__ray_call__`` (see :func:`snapshot_overlapped`)."""
-    me = ray.get_runtime_context().current_actor
     return snapshot_overlapped(actor, lambda: _actor_get(actor, getter, attribute, name), name, allow_pickle,
-                               mailbox, check, run, me, needed)
+                               mailbox, check, run, self_handle_ref(), needed)
 
 
 def state_from_snapshot(snapshot: Any) -> Any:
