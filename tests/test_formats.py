@@ -5,6 +5,7 @@ import os
 import random
 import shutil
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -89,6 +90,30 @@ def test_every_supported_type_roundtrips_exactly(tmp_path):
     # the optimizer state loads back into a fresh optimizer
     opt2 = torch.optim.Adam(model.parameters(), lr=1e-3)
     opt2.load_state_dict(back["optimizer"])
+
+
+def test_a_state_without_tensors_restores_without_importing_torch(tmp_path):
+    """A process that restores a replay buffer, RNG states or a table need not pay torch's import
+    (~3 CPU-s of a fresh process): torch is imported at the first tensor leaf, not before."""
+    code = f"""
+import sys
+import numpy as np, pyarrow as pa
+from ray_ckpt.checkpoint_io import decode_files, read_files, write_flat
+from ray_ckpt.formats.tree import flatten
+from ray_ckpt.storage.tier import Tier
+state = {{"obs": np.arange(12, dtype=np.float32).reshape(3, 4), "table": pa.table({{"r": [0.5, -1.0]}}),
+         "rng": np.random.default_rng(3).bit_generator.state, "n": 3}}
+tier = Tier({str(tmp_path)!r}, "local")
+files = write_flat(tier, 1, "replay", 0, flatten(state, state_name="replay"))
+bufs, used, problems = read_files([tier], files)
+back = decode_files(files, bufs, name="replay")
+assert back["obs"].tobytes() == state["obs"].tobytes() and back["table"].equals(state["table"])
+assert back["rng"] == state["rng"] and back["n"] == 3
+print("torch imported" if "torch" in sys.modules else "no torch")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "no torch"
 
 
 def _replay(n, seed=0):
