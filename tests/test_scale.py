@@ -21,12 +21,24 @@ def state_of(rank: int, name: str, step: int) -> dict:
 
 
 class Host:
-    """One process holding many ranks (a node's worth): one engine, a submit() per rank and state."""
+    """One process holding many ranks (a node's worth): one engine, a submit() per rank and state.
 
-    def __init__(self, run: str, ranks):
+    Started once per module and pointed at each test's run by ``reset()``: each host process imports
+    torch (seconds of CPU on a 2-core machine), the same cost for every test."""
+
+    def __init__(self):
+        self.run, self.ranks = None, []
+        self.engine = None
+        self.handles = {}
+
+    def reset(self, run: str, ranks) -> int:
+        """Detach from the previous run (a connected engine only detaches) and hold ``ranks`` of ``run``."""
+        if self.engine is not None:
+            self.engine.shutdown()
         self.run, self.ranks = run, list(ranks)
         self.engine = None
         self.handles = {}
+        return self.pid()
 
     def push(self, step: int, ranks=None) -> float:
         if self.engine is None:
@@ -59,8 +71,24 @@ class Host:
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not importable in workers
 
 
-def host_actor(run, ranks):
-    return ray.remote(num_cpus=0.05)(Host).remote(run, ranks)
+def host_actor():
+    return ray.remote(num_cpus=0.05)(Host).remote()
+
+
+def point(hosts, run, groups):
+    """Every host at its group of ranks of ``run``; returns once each has answered."""
+    ray.get([h.reset.remote(run, ranks) for h, ranks in zip(hosts, groups)], timeout=120)
+
+
+@pytest.fixture(scope="module")
+def hosts(ray_session):
+    """Four host processes for the module, created before any test's engine (they import torch while
+    the coordinator starts) and not waited for here; a test that kills one puts its replacement in
+    this list, so every host made is killed at the end."""
+    made = [host_actor() for _ in range(4)]
+    yield made
+    for h in made:
+        ray.kill(h)
 
 
 def split(world: int, hosts: int):
@@ -68,13 +96,12 @@ def split(world: int, hosts: int):
     return [range(h * per, (h + 1) * per) for h in range(hosts)]
 
 
-def test_1200_ranks_two_states_from_four_hosts_commit_and_load_per_rank(engine_factory, run_name):
+def test_1200_ranks_two_states_from_four_hosts_commit_and_load_per_rank(hosts, engine_factory, run_name):
     world, n_hosts = 1200, 4  # 2,400 parts: more than Ray's default 1,000 concurrency slots
     eng = engine_factory(critical_writers=2, best_effort_writers=0, keep_last=3)
     for name in STATES:
         eng.register(name, world_size=world)
-    hosts = [host_actor(run_name, ranks) for ranks in split(world, n_hosts)]
-    ray.get([h.pid.remote() for h in hosts])
+    point(hosts, run_name, split(world, n_hosts))
     t0 = time.monotonic()
     pushes = [h.push.remote(1) for h in hosts]
     latencies = []
@@ -106,7 +133,7 @@ def test_1200_ranks_two_states_from_four_hosts_commit_and_load_per_rank(engine_f
           f"over {len(latencies)} calls")
 
 
-def test_killed_host_fails_its_version_naming_missing_ranks_and_the_next_commits(engine_factory, run_name):
+def test_killed_host_fails_its_version_naming_missing_ranks_and_the_next_commits(hosts, engine_factory, run_name):
     world, n_hosts = 40, 4  # naming the missing ranks needs only a few: the 1,200-rank test is the scale
     # the timeout counts from the version's first push: it must cover the pushes of 80 parts
     # reaching the coordinator on 2 cores, not only the killed host's silence
@@ -114,7 +141,7 @@ def test_killed_host_fails_its_version_naming_missing_ranks_and_the_next_commits
     for name in STATES:
         eng.register(name, world_size=world)
     groups = split(world, n_hosts)
-    hosts = [host_actor(run_name, ranks) for ranks in groups]
+    point(hosts, run_name, groups)
     doomed = hosts[-1]
     half = list(groups[-1])[: len(groups[-1]) // 2]
     ray.get([h.push.remote(2) for h in hosts[:-1]] + [doomed.push.remote(2, half)])
@@ -140,8 +167,9 @@ def test_killed_host_fails_its_version_naming_missing_ranks_and_the_next_commits
     assert f"(+{missing - 8} more; {missing} of {len(STATES) * world} parts)" in msg, msg
     assert "did not push" in (eng.status()["last_error"] or "")
 
-    replacement = host_actor(run_name, groups[-1])
-    hosts[-1] = replacement
+    replacement = host_actor()
+    hosts[-1] = replacement  # the module's list: the fixture kills it at the end
+    point([replacement], run_name, [groups[-1]])
     # started and connected before the version opens: rank_timeout_s counts from its first push, and
     # a new worker process on a busy 2-core machine can take longer than that to start
     ray.get(replacement.push.remote(3, []), timeout=120)
