@@ -69,7 +69,7 @@ ROOT = os.path.dirname(HERE)
 
 LEARNER_STATES = ("policy", "optimizer", "rng", "obs_norm", "replay")
 BEST_EFFORT = {"replay"}
-ROLLOUTS = 2
+ROLLOUTS = 2  # rollout actors by default (--rollouts)
 KINDS = ("learner", "rollout", "writer", "coordinator", "s3", "disk_full", "corrupt")
 
 if __name__ != "__main__":  # imported (tests): Ray workers cannot import this file, ship its functions by value
@@ -241,7 +241,7 @@ class Chaos:
         a = self.args
         self.learner = Learner.options(max_restarts=-1, max_task_retries=0).remote(a.seed)
         self.workers = [RolloutWorker.options(max_restarts=-1, max_task_retries=0).remote(a.seed * 100 + i)
-                        for i in range(ROLLOUTS)]
+                        for i in range(a.rollouts)]
         self.eng = rc.CheckpointEngine.create(
             self.run, local_dir=self.local_dir, remote_uri=self.srv.uri("chaos"), remote_options=self.srv.options,
             keep_last=None, remote_every=1, max_in_flight=2, startup_timeout=120)
@@ -720,6 +720,8 @@ def parse(argv=None):
                     help="run on past --minutes until every fault kind was injected once (the short form)")
     ap.add_argument("--every-kind-cap-s", type=float, default=300.0,
                     help="with --every-kind: at most this many seconds past --minutes")
+    ap.add_argument("--rollouts", type=int, default=ROLLOUTS,
+                    help="rollout actors (each is a torch process to start; the test's short form uses 1)")
     ap.add_argument("--tmpfs-mb", type=int, default=256)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None, help="write the results here")
@@ -727,6 +729,8 @@ def parse(argv=None):
     args = ap.parse_args(argv)
     args.kinds = [k for k in args.kinds.split(",") if k]
     bad = set(args.kinds) - set(KINDS)
+    if args.rollouts < 1:
+        ap.error("--rollouts must be at least 1 (the rollout fault kills one)")
     if bad:
         ap.error(f"unknown fault kinds {sorted(bad)}; known: {', '.join(KINDS)}")
     return args

@@ -26,11 +26,15 @@ def test_chaos_short_seeded(ray_session, s3_server, tmp_path):
     chaos = _chaos_module()
     lines = []
     # --every-kind: the run goes on past --minutes (3 s) until every kind was injected once, and ends
-    # there; faults follow each other after 0.5-1 s (the run waits for each one's recovery and check
-    # in between, so the gap is not what lets a fault's effects settle)
-    status, r = chaos.main(["--minutes", "0.05", "--every-kind", "--seed", "3", "--fault-gap", "0.5", "1",
-                            "--outage-s", "1", "2", "--save-every", "6", "--check-sample", "5",
-                            "--tmpfs-mb", "96", "--dir", str(tmp_path / "chaos")],
+    # there; faults follow each other after 0.1-0.3 s (the run waits for each one's recovery and check
+    # in between, so the gap is not what lets a fault's effects settle). The time goes to restarting
+    # processes (learner ~8 s, coordinator ~6 s, rollout ~4 s, the S3 server ~3 s on 2 cores), hence
+    # one rollout actor instead of the benchmark's two (a torch process less to start; the rollout
+    # fault still kills it and restores) and outages of 0.5-1 s (saves come every ~0.5 s, so a save
+    # or two usually falls inside one)
+    status, r = chaos.main(["--minutes", "0.05", "--every-kind", "--seed", "3", "--fault-gap", "0.1", "0.3",
+                            "--outage-s", "0.5", "1", "--save-every", "6", "--check-sample", "5",
+                            "--rollouts", "1", "--tmpfs-mb", "96", "--dir", str(tmp_path / "chaos")],
                            s3_server=s3_server, log=lines.append)
     out = "\n".join(lines)
     print(out)
