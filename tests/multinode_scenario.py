@@ -42,20 +42,23 @@ def main() -> int:
         say("cluster of 3 nodes up")
         a, b = node_a.node_id, node_b.node_id
 
-        # both actors and the engine start side by side (each is a process to start: seconds)
-        reference = remote(Learner).remote(seed=11, hidden=8192)
         # a state over 100 KB lives in the object store of the learner's node (smaller ones are inlined
         # into the owner's memory, and any writer is as close to them as another)
         learner = remote(Learner, max_restarts=1, resources={"learner_slot": 1},
                          scheduling_strategy=NodeAffinitySchedulingStrategy(a, soft=True)).remote(seed=11, hidden=8192)
-        trained = reference.train.remote(5)
+        # the uninterrupted run, trained here while the learner's process starts (a reference actor
+        # would be one more torch process to start on 2 cores); one thread, as in a Ray worker
+        # (num_cpus < 1: OMP_NUM_THREADS=1), so that the float sums run in the same order
+        torch.set_num_threads(1)
+        reference = Learner(seed=11, hidden=8192)
+        reference.train(5)
+        expected = reference.snapshot()
+        say("reference trained in the driver")
         # one critical writer per node and no best-effort pool (nothing best-effort is registered):
         # every writer is a process to start, and each node's pool is what this scenario is about
         engine = rc.CheckpointEngine.create("multinode", local_dir=os.path.join(root, "local", "{node_id}"),
                                             remote_uri="file://" + os.path.join(root, "remote"),
                                             critical_writers=1, best_effort_writers=0)
-        ray.get(trained)
-        expected = ray.get(reference.snapshot.remote())
         assert ray.get(learner.node.remote()) == a
         for name in ("policy", "optimizer", "rng"):
             engine.register(name, learner)
