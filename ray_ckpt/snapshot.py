@@ -341,6 +341,7 @@ def prefault_needed_in_actor(actor: Any, attribute: Optional[str], name: str, ov
     if overlap:
         try:
             prepare_overlap(actor)
+            self_handle_ref()  # put once per process; the first snapshot would pay for it
         except Exception:  # the first snapshot sets it up instead
             pass
     try:
