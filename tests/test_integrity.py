@@ -4,7 +4,6 @@ import json
 
 import pytest
 import ray
-import torch
 
 import ray_ckpt as rc
 from actors import FreshLearner
