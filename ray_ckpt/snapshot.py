@@ -195,7 +195,7 @@ def _put(flat: Flat) -> Any:
 
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     ref = ray.put(flat)
-    if (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) * 4096 * 8 > flat.nbytes > (1 << 20):
+    if (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) * resource.getpagesize() * 8 > flat.nbytes > (1 << 20):
         grow_needed(flat.nbytes)
     return ref
 
