@@ -42,7 +42,7 @@ class PendingSnapshot:
     name: str
     key: str
     mailbox: str
-    actor: Any
+    actor: Optional[List[Any]]  # [ObjectRef of the provider actor's handle], or None
     pid: int
     nbytes: int
 
@@ -222,8 +222,7 @@ class _Liveness:
         """The provider's handle, fetched on first need (see PendingSnapshot); raises RayError when
         the process that put it is gone."""
         if self.handle is None:
-            ref = self.p.actor[0] if isinstance(self.p.actor, list) else None
-            self.handle = ray.get(ref, timeout=30) if ref is not None else self.p.actor
+            self.handle = ray.get(self.p.actor[0], timeout=30)
         return self.handle
 
     def why_gone(self) -> Optional[str]:

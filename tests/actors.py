@@ -1,4 +1,5 @@
 """Provider actors used by the integration tests (real torch training, real Ray actors)."""
+import os
 import random
 
 import numpy as np
@@ -189,7 +190,7 @@ class Resettable:
 
     def reset(self, *args, **kwargs):
         self.__init__(*args, **kwargs)
-        return __import__("os").getpid()
+        return os.getpid()
 
 
 class FreshLearner(Resettable, Learner):
