@@ -3,6 +3,7 @@ port, a save (to both tiers), a failed save and a restore, then read ray_ckpt's 
 Prometheus endpoint under the names a user scrapes (Ray's exporter adds its ``ray_`` prefix)."""
 import os
 import re
+import shutil
 import socket
 import sys
 import tempfile
@@ -113,6 +114,7 @@ def main() -> int:
         return 0
     finally:
         ray.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
