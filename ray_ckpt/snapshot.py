@@ -13,7 +13,7 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import ray
@@ -321,29 +321,38 @@ def prepare_overlap(owner: Any) -> None:
     install_hooks(copier, candidates(owner), process_hooks())
 
 
-def prepare_in_actor(actor: Any, run: str) -> None:
-    """Runs in a provider actor at ``register``: make the run's metrics in this process now. The
-    first snapshot would otherwise make them (about 10 ms of Ray metric registration) before its
-    call returns, and the learner's first pause was 2x its tenth (``benchmarks/overlap.py``)."""
+def prepare_in_actor(actor: Any, run: Optional[str], overlap: bool = False) -> List[Any]:
+    """Runs in a provider actor at ``register``: what its first snapshot would otherwise set up
+    inside the learner's pause, done ahead of it.
+
+    - The run's metrics in this process (about 10 ms of Ray metric registration: the first pause
+      was 2x its tenth, ``benchmarks/overlap.py``).
+    - With ``overlap``: the copier, its thread and the hooks (:func:`prepare_overlap`), and this
+      process's own handle ref (:func:`self_handle_ref`), which is *returned*: an overlapped
+      snapshot returns it to the caller inside its ``PendingSnapshot``, and the first time a
+      process returns an object holding a ref it owns, Ray sets up its tracking of the caller's
+      borrow before the actor runs its next call (the learner's next step started ~1.5 ms later
+      after its first snapshot than after later ones; 0.3-0.4 ms once this call returned the ref
+      first, 16 fresh 64 MB learners per arm). Returns ``[]`` or ``[ObjectRef]``."""
     from .metrics import for_run
 
-    for_run(run)
+    if run is not None:
+        for_run(run)
+    if not overlap:
+        return []
+    try:
+        prepare_overlap(actor)
+        return self_handle_ref()
+    except Exception:  # the first snapshot sets it up instead
+        return []
 
 
 def prefault_needed_in_actor(actor: Any, attribute: Optional[str], name: str, overlap: bool = False,
-                             run: Optional[str] = None) -> int:
+                             run: Optional[str] = None) -> Tuple[int, List[Any]]:
     """Runs in a provider actor at ``register``: map the object-store pages its first saves will
-    use (sized from what the actor holds, without calling its getter), in the background; with
-    ``overlap``, also set up the overlapped copy (:func:`prepare_overlap`); with ``run``, what
-    :func:`prepare_in_actor` does."""
-    if run is not None:
-        prepare_in_actor(actor, run)
-    if overlap:
-        try:
-            prepare_overlap(actor)
-            self_handle_ref()  # put once per process; the first snapshot would pay for it
-        except Exception:  # the first snapshot sets it up instead
-            pass
+    use (sized from what the actor holds, without calling its getter), in the background, after
+    what :func:`prepare_in_actor` does. Returns the bytes mapped for and what that returned."""
+    handle_ref = prepare_in_actor(actor, run, overlap)
     try:
         if attribute is not None:  # a torch Stateful attribute: its state_dict() has no side effects
             nbytes = state_nbytes(getattr(actor, attribute).state_dict())
@@ -351,9 +360,9 @@ def prefault_needed_in_actor(actor: Any, attribute: Optional[str], name: str, ov
         else:
             nbytes, key = actor_tensor_bytes(actor), "__actor__"  # every state of this actor at once
     except Exception:  # its first snapshot maps the pages instead
-        return 0
+        return 0, handle_ref
     prefault_needed(nbytes, key)
-    return nbytes
+    return nbytes, handle_ref
 
 
 def read_state(tiers: Sequence[Tier], files: List[FileEntry], name: str, allow_pickle: bool = False):

@@ -75,10 +75,12 @@ def prefault(config: EngineConfig, prov: Union[ActorProvider, CallableProvider],
     """With ``prefault_object_store``: the process that will copy this state's snapshots into the
     object store (the provider actor; this one for an in-process callable) maps it now, in the
     background. With ``prefault_needed`` only the pages its first saves use. Either way, the run's
-    metrics are made in that process now rather than in its first save's pause."""
+    metrics (and, with ``overlap``, the copy thread, the hooks and the process's own handle ref:
+    ``snapshot.prepare_in_actor``) are made in that process now rather than in its first save's
+    pause. The calls' results are not awaited: register() does not wait for the provider."""
     if isinstance(prov, ActorProvider):
         if config.prefault_object_store or not config.prefault_needed or name is None:
-            prov.handle.__ray_call__.remote(prepare_in_actor, config.run)
+            prov.handle.__ray_call__.remote(prepare_in_actor, config.run, overlap)
     else:
         metrics_for_run(config.run)
     if not config.prefault_object_store:

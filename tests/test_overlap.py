@@ -228,6 +228,7 @@ def test_restore_after_a_save_that_overlapped_many_optimizer_steps_is_bit_equal(
     eng = engine_factory(overlap=True, **LEAN)
     eng.register("policy", learner)
     eng.register("optimizer", learner)
+    assert ray.get(learner.__ray_call__.remote(_prepared), timeout=60) == READY  # before the first save
     ray.get(learner.train.remote(3))
     for step in (3, 24, 45):  # the copy races the driver's next call: on a loaded machine it can end first
         want = ray.get(learner.snapshot.remote())
@@ -247,6 +248,29 @@ def test_restore_after_a_save_that_overlapped_many_optimizer_steps_is_bit_equal(
     for pid in ray.get([w.pid.remote() for w in writers], timeout=30):
         with open(f"/proc/{pid}/maps") as f:
             assert "libtorch" not in f.read(), f"writer process {pid} loaded torch"
+
+
+def _prepared(actor):
+    """What register() set up in a provider for its first overlapped snapshot."""
+    from ray_ckpt import overlap, snapshot_mailbox
+
+    copier = overlap.process_copier()
+    return {"copy thread": bool(copier and copier._thread and copier._thread.is_alive()),
+            "hooks": actor.opt is not None and actor.opt in overlap.process_hooks(),
+            "own handle ref": bool(snapshot_mailbox._SELF_REF)}
+
+
+READY = {"copy thread": True, "hooks": True, "own handle ref": True}
+
+
+def test_register_prepares_the_overlapped_copy_without_prefault_needed_too(engine_factory):
+    learner = _actor(BigLearner).remote(width=16, bn=False, replay_mb=1)
+    eng = engine_factory(overlap=True, prefault_needed=False, **LEAN)
+    eng.register("policy", learner)
+    # register() does not wait for the provider, but one caller's calls on an actor run in order
+    assert ray.get(learner.__ray_call__.remote(_prepared), timeout=60) == READY
+    eng.save(1).wait(60)
+    assert eng.restore().states["policy"].status == "restored"
 
 
 def test_a_mutation_without_a_fence_is_caught_by_the_debug_check(engine_factory):
