@@ -329,11 +329,11 @@ def prepare_in_actor(actor: Any, run: Optional[str], overlap: bool = False) -> L
       was 2x its tenth, ``benchmarks/overlap.py``).
     - With ``overlap``: the copier, its thread and the hooks (:func:`prepare_overlap`), and this
       process's own handle ref (:func:`self_handle_ref`), which is *returned*: an overlapped
-      snapshot returns it to the caller inside its ``PendingSnapshot``, and the first time a
-      process returns an object holding a ref it owns, Ray sets up its tracking of the caller's
-      borrow before the actor runs its next call (the learner's next step started ~1.5 ms later
-      after its first snapshot than after later ones; 0.3-0.4 ms once this call returned the ref
-      first, 16 fresh 64 MB learners per arm). Returns ``[]`` or ``[ObjectRef]``."""
+      snapshot returns it to the caller inside its ``PendingSnapshot``, and after a process's
+      first such return Ray took longer to start the actor's next call (0.9-1.6 ms more than
+      after later snapshots; 0.3-0.6 ms once this call had returned the ref first; 16 fresh
+      64 MB learners per arm, RESULTS.md). Presumably Ray setting up its tracking of the caller's
+      borrow (not traced inside Ray). Returns ``[]`` or ``[ObjectRef]``."""
     from .metrics import for_run
 
     if run is not None:
