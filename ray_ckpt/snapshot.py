@@ -351,7 +351,8 @@ def prefault_needed_in_actor(actor: Any, attribute: Optional[str], name: str, ov
                              run: Optional[str] = None) -> Tuple[int, List[Any]]:
     """Runs in a provider actor at ``register``: map the object-store pages its first saves will
     use (sized from what the actor holds, without calling its getter), in the background, after
-    what :func:`prepare_in_actor` does. Returns the bytes mapped for and what that returned."""
+    what :func:`prepare_in_actor` does. Returns the bytes mapped ahead, and prepare_in_actor's
+    result (returned to the caller on purpose: see there)."""
     handle_ref = prepare_in_actor(actor, run, overlap)
     try:
         if attribute is not None:  # a torch Stateful attribute: its state_dict() has no side effects

@@ -212,10 +212,10 @@ class _Liveness:
 
     MAX_PINGS = 4
 
-    def __init__(self, p: PendingSnapshot, every_s: float = 2.0):
+    def __init__(self, p: PendingSnapshot, every_s: float = 2.0, first_after_s: float = 0.0):
         self.p, self.every_s = p, every_s
         self.pings: List[Any] = []
-        self.sent = 0.0
+        self.sent = time.monotonic() - every_s + first_after_s  # the first look: first_after_s from now
         self.handle: Any = None
 
     def _handle(self) -> Any:
@@ -275,8 +275,7 @@ def pending_refs(p: PendingSnapshot, timeout: float = 600.0, take: bool = False)
     ans = mb.get.remote(p.key, timeout, take)
     # the first look at the provider after a second of waiting (most copies are announced sooner, and
     # the look fetches its handle: see PendingSnapshot), then every second
-    alive = _Liveness(p, every_s=1.0)
-    alive.sent = time.monotonic()
+    alive = _Liveness(p, every_s=1.0, first_after_s=1.0)
     while not ray.wait([ans], timeout=0.5)[0]:
         why = alive.why_gone()
         if why:
