@@ -36,6 +36,7 @@ class Part:
     reuse_paths: Set[str] = field(default_factory=set)
     # stands for a driver-side state in a version its ranks opened: the driver's save() replaces it
     placeholder: bool = False
+    append_only: bool = False  # written as segments over the newest committed version's (append_base_for)
 
     @property
     def blocks_commit(self) -> bool:
@@ -109,12 +110,12 @@ class Catalogue:
 
     # ------------------------------------------------------------------ pushed states
     def declare(self, name: str, strategy: str, world_size: int, replicated: bool = False,
-                allow_pickle: bool = False) -> None:
+                allow_pickle: bool = False, append_only: bool = False) -> None:
         validate_name(name, "state name")  # also guards what a restarted coordinator reads back
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise InvalidArgumentError(f"world_size must be an integer >= 1, got {world_size!r}")
         self.declared[name] = Declaration(name, Strategy.parse(strategy), world_size, bool(replicated),
-                                          bool(allow_pickle))
+                                          bool(allow_pickle), bool(append_only))
 
     def expect_driver(self, names: List[str]) -> None:
         """The driver-side states of this run (``[]``: ranks' pushes alone make a version)."""
@@ -211,7 +212,7 @@ class Catalogue:
             if p.loader:
                 pv.loader_states.add(p.name)
                 continue
-            part = Part(p.name, p.rank, p.strategy)
+            part = Part(p.name, p.rank, p.strategy, append_only=p.append_only)
             old = pv.parts.get((p.name, p.rank))
             if old is not None:
                 _end(pv, old, "replaced")
@@ -352,6 +353,21 @@ class Catalogue:
         part.reuse_paths = {f["path"] for fs in out.values() for f in fs}
         return out
 
+    def append_base_for(self, part: Part) -> List[dict]:
+        """The files of the newest committed version's part of an append-only state (none if no
+        committed version stored it as segments): the writer writes only the rows added since.
+        Kept while the part is pending, as ``reuse_for``'s files are."""
+        for v in sorted(self.committed, reverse=True):
+            e = self.committed[v].states.get(part.name)
+            if e is None or e.status != "stored":
+                continue
+            files = e.files.get("0" if e.replicated else str(part.rank), [])
+            if any(f.role == "index" for f in files):
+                part.reuse_paths = {f.path for f in files}
+                return [f.__dict__ for f in files]
+            return []
+        return []
+
     # ------------------------------------------------------------------ retention
     def plan_retention(self, policy: RetentionPolicy, protect: Set[int] = frozenset()) -> List[int]:
         """Committed versions retention may delete now (never in-flight or protected ones)."""
@@ -400,4 +416,4 @@ def _plan(p: Union[PartPlan, dict]) -> PartPlan:
     if isinstance(p, PartPlan):
         return p
     return PartPlan(p["name"], Strategy.parse(p["strategy"]), int(p.get("rank", 0)), int(p.get("nbytes", 0)),
-                    bool(p.get("loader", False)), bool(p.get("replicated", False)))
+                    bool(p.get("loader", False)), bool(p.get("replicated", False)), bool(p.get("append_only", False)))

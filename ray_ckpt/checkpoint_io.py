@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import xxhash
 
 from .errors import CheckpointError, IntegrityError, RestoreError, SaveError, one_line
-from .formats import arrow_io, buffer_io, safetensors_io
+from .formats import arrow_io, buffer_io, safetensors_io, segments
 from .formats.checksum import BLOCK, HashingSink
 from .formats.manifest import FileEntry, Manifest, StateEntry
 from .formats.tree import Flat, unflatten
@@ -69,6 +69,63 @@ def write_flat(tier: Tier, version: int, name: str, rank: int, flat: Flat,
         raise SaveError(f"writing state {name!r} rank {rank} of version {version} to "
                         f"{tier.describe(rel)} failed: {one_line(exc)}") from None
     return entries
+
+
+def write_append_only(tier: Tier, version: int, name: str, rank: int, flat: Flat, base: Sequence[FileEntry],
+                      compression: Optional[str] = None, threads: int = 1, direct: bool = False
+                      ) -> Tuple[List[FileEntry], int]:
+    """Write one part of an append-only state (:mod:`.formats.segments`): the rows added since
+    ``base`` (the files of the newest committed version's part, or none) as a new segment, and the
+    index. Returns (the part's files: the base's segments still holding live rows, the new
+    segment, the index; bytes written now).
+
+    A base index this tier cannot read back intact (another node's disk, a damaged file) is no
+    base: the whole buffer becomes this version's segment (more bytes, never a wrong row)."""
+    try:
+        ids = segments.row_ids(flat, name)
+    except ValueError as exc:
+        raise SaveError(str(exc)) from None
+    table = buffer_io.as_table(flat)
+    by_path = {f.path: f for f in base}
+    base_index = _base_index(tier, base)
+    try:
+        kept, start = segments.plan(ids, base_index, name)
+    except ValueError as exc:
+        raise SaveError(str(exc)) from None
+    entries = [by_path[s.path] for s in kept]
+    segs, written = list(kept), 0
+    rel = layout.segment_file(version, name, rank)
+    try:
+        if start < len(ids):
+            size, digest = _write_table(tier, rel, segments.segment_table(table, start), compression, threads, direct)
+            entries.append(FileEntry(rel, size, digest, "segment"))
+            segs.append(segments.Segment(rel, int(ids[start]), int(ids[-1]), len(ids) - start))
+            written += size
+        rel = layout.segment_index_file(version, name, rank)
+        with tier.open_atomic(rel) as sink:
+            sink.write(segments.index_of(flat, ids, segs).to_json())
+        entries.append(FileEntry(rel, sink.size, sink.digest(), "index"))
+        written += sink.size
+    except (OSError, IntegrityError) as exc:
+        raise SaveError(f"writing state {name!r} rank {rank} of version {version} to "
+                        f"{tier.describe(rel)} failed: {one_line(exc)}") from None
+    return entries, written
+
+
+def _base_index(tier: Tier, base: Sequence[FileEntry]) -> Optional[segments.SegmentIndex]:
+    """The base part's index if this tier holds it and every segment it lists, intact; else None."""
+    idx = [f for f in base if f.role == "index"]
+    if len(idx) != 1:
+        return None
+    try:
+        index = segments.SegmentIndex.from_json(tier.read_verified(idx[0].path, idx[0].size, idx[0].checksum),
+                                                where=tier.describe(idx[0].path))
+        paths = {f.path for f in base if f.role == "segment"}
+        if {s.path for s in index.segments} != paths or not all(tier.exists(p) for p in paths):
+            return None
+        return index
+    except (OSError, IntegrityError):
+        return None
 
 
 def shard_record(flat: Flat, rel: str, piece_size: Optional[int] = None) -> Optional[dict]:
@@ -144,6 +201,8 @@ def read_files(tiers: Sequence[Tier], files: List[FileEntry]) -> Tuple[List[byte
 
 def decode_files(files: List[FileEntry], bufs: List[bytearray], *, name: str,
                  allow_pickle: bool = False, as_numpy: bool = False):
+    if any(f.role == "index" for f in files):
+        return _decode_append_only(files, bufs, name=name, as_numpy=as_numpy, allow_pickle=allow_pickle)
     if len(files) == 1 and files[0].role == "buffer":
         structure, views, tables = buffer_io.read(bufs[0], path=files[0].path)
         return _unflatten(files[0].path, structure, views, tables, as_numpy=as_numpy, allow_pickle=allow_pickle,
@@ -155,6 +214,25 @@ def decode_files(files: List[FileEntry], bufs: List[bytearray], *, name: str,
     tables = [arrow_io.read(b, path=f.path) for f, b in zip(files, bufs) if f.role == "table"]
     return _unflatten(next(f.path for f in files if f.role == "tensors"), structure, views, tables,
                       as_numpy=as_numpy, allow_pickle=allow_pickle, state_name=name)
+
+
+def _decode_append_only(files: List[FileEntry], bufs: List[bytearray], *, name: str, **kw: Any) -> Any:
+    """An append-only state from its verified files: the index, then its segments in order."""
+    idx = [(f, b) for f, b in zip(files, bufs) if f.role == "index"]
+    if len(idx) != 1:
+        raise IntegrityError(f"state {name!r}: expected one index file, manifest lists {len(idx)}")
+    where = idx[0][0].path
+    index = segments.SegmentIndex.from_json(idx[0][1], where=where)
+    by_path = {f.path: b for f, b in zip(files, bufs) if f.role == "segment"}
+    if set(by_path) != {s.path for s in index.segments} or len(files) != len(by_path) + 1:
+        raise IntegrityError(f"{where}: its segments {[s.path for s in index.segments]} are not the files the "
+                             f"manifest lists for state {name!r}")
+    parts = []
+    for seg in index.segments:
+        structure, views, _ = buffer_io.read(by_path[seg.path], path=seg.path)
+        parts.append((seg, structure, views))
+    structure, views = segments.assemble(index, parts, where=where)
+    return _unflatten(where, structure, views, [], state_name=name, **kw)
 
 
 def _unflatten(path: str, structure: Any, *args: Any, **kw: Any) -> Any:

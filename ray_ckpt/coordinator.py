@@ -236,8 +236,8 @@ class CheckpointCoordinator:
 
     # ------------------------------------------------------------------ pushed states (ranks)
     def declare(self, name: str, strategy: str, world_size: int, replicated: bool = False,
-                allow_pickle: bool = False) -> None:
-        self.catalogue.declare(name, strategy, world_size, replicated, allow_pickle)
+                allow_pickle: bool = False, append_only: bool = False) -> None:
+        self.catalogue.declare(name, strategy, world_size, replicated, allow_pickle, append_only)
         self.local.put_bytes(DECLARED, json.dumps({n: d.to_json() for n, d in self.catalogue.declared.items()},
                                                   sort_keys=True).encode())
 

@@ -30,7 +30,7 @@ from .lease import OwnerLease
 from .object_store import start_prefault
 from .ownership import DEFAULT_LEASE_S
 from .protocol import Declaration
-from .providers import Registration, rank_provider, resolve
+from .providers import CallableProvider, Registration, rank_provider, resolve
 from .push_batch import PushedPart, Pusher
 from .reading import StateReader
 from .run_lifetime import start_run, stop_run
@@ -177,7 +177,7 @@ class CheckpointEngine:
     def register(self, name: str, provider: Any = None, *, strategy: Union[Strategy, str] = Strategy.CRITICAL,
                  loader: Optional[Callable[..., Any]] = None, allow_pickle: bool = False,
                  replace: bool = False, world_size: Optional[int] = None, replicated: bool = False,
-                 overlap: Optional[bool] = None) -> None:
+                 overlap: Optional[bool] = None, append_only: bool = False) -> None:
         """Register a state. ``provider``: an actor handle (``ckpt_get_state`` / ``ckpt_set_state``),
         ``rc.actor_provider(handle, get=..., set=...)``, or an in-process callable returning the state
         (``loader(state)`` loads it back). A RELOADABLE state with a ``loader`` and no provider is not
@@ -193,7 +193,14 @@ class CheckpointEngine:
         only captures views of its memory and returns; the copy into the object store runs on a
         background thread of the provider's process, overlapping its next step. Before the state
         changes in place a fence waits for the copy: optimizers' step pre-hooks and BatchNorm
-        forward pre-hooks do it by themselves; anything else calls ``rc.fence(name)`` first."""
+        forward pre-hooks do it by themselves; anything else calls ``rc.fence(name)`` first.
+
+        ``append_only=True``: a buffer that only grows (a replay buffer): a dict of equally long
+        numpy arrays with a strictly increasing integer ``row_id`` column, whose rows never change
+        once saved and may be evicted anywhere. Each version writes only the rows whose ``row_id``
+        is above the newest committed version's, plus a small index, and refers to the earlier
+        versions' segment files for the rest (retention keeps a segment while a kept version needs
+        it; a restore verifies every segment). See ``formats/segments.py``."""
         try:
             validate_name(name, "state name")
             strat = Strategy.parse(strategy)
@@ -202,8 +209,13 @@ class CheckpointEngine:
         if name in self._registry and not replace:
             raise InvalidArgumentError(f"state {name!r} is already registered; pass replace=True to "
                                        f"replace it (e.g. with a relaunched actor's new handle)")
+        if not isinstance(append_only, bool):
+            raise InvalidArgumentError(f"state {name!r}: append_only must be True or False, got {append_only!r}")
+        if append_only and (strat is Strategy.RELOADABLE or replicated):
+            raise InvalidArgumentError(f"state {name!r}: append_only=True is for a growing buffer (CRITICAL or "
+                                       f"BEST_EFFORT), not for a {'replicated' if replicated else 'RELOADABLE'} state")
         if world_size is not None:
-            self._register_pushed(name, provider, strat, world_size, replicated, allow_pickle)
+            self._register_pushed(name, provider, strat, world_size, replicated, allow_pickle, append_only)
             return
         prov = resolve(name, provider, strat, loader)
         if overlap is not None and not isinstance(overlap, bool):
@@ -211,7 +223,10 @@ class CheckpointEngine:
         overlapped = self.config.overlap if overlap is None else overlap
         if overlapped:
             open_mailbox(self.run)  # where the background copies announce their refs
-        self._registry[name] = Registration(name, prov, strat, bool(allow_pickle), overlap=overlapped)
+        if append_only and isinstance(prov, CallableProvider) and prov.fn is None:
+            raise InvalidArgumentError(f"state {name!r}: append_only=True needs a provider that returns the buffer")
+        self._registry[name] = Registration(name, prov, strat, bool(allow_pickle), overlap=overlapped,
+                                            append_only=append_only)
         prefault(self.config, prov, name, overlapped)  # snapshot_calls.py
         self._expect_driver()
 
@@ -224,7 +239,8 @@ class CheckpointEngine:
             names = [n for n, r in self._registry.items() if r.world_size is None]
             self._call(lambda c: c.expect_driver.remote(names), "the driver-side states")
 
-    def _register_pushed(self, name, provider, strat, world_size, replicated, allow_pickle) -> None:
+    def _register_pushed(self, name, provider, strat, world_size, replicated, allow_pickle,
+                         append_only=False) -> None:
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise InvalidArgumentError(f"state {name!r}: world_size must be an integer >= 1, got {world_size!r}")
         handles = None
@@ -234,8 +250,8 @@ class CheckpointEngine:
                 raise InvalidArgumentError(f"state {name!r}: with world_size={world_size}, provider must be "
                                            f"None or a list of {world_size} rank actor handles")
             handles = [rank_provider(name, h) for h in items]
-        self._call(lambda c: c.declare.remote(name, strat.value, world_size, bool(replicated), bool(allow_pickle)),
-                   f"declaring {name!r}")
+        self._call(lambda c: c.declare.remote(name, strat.value, world_size, bool(replicated), bool(allow_pickle),
+                                              append_only), f"declaring {name!r}")
         self._registry[name] = Registration(name, None, strat, bool(allow_pickle), world_size, handles,
                                             bool(replicated))
         self._expect_driver()

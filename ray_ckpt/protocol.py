@@ -35,6 +35,7 @@ class PartPlan:
     nbytes: int = 0           # bytes of an in-process snapshot (0: not known to the driver)
     loader: bool = False      # a RELOADABLE state rebuilt by its loader: no bytes, no ref
     replicated: bool = False  # DDP-style replicas: rank 0's copy is the one stored
+    append_only: bool = False  # a buffer that only grows: rows added since the last version (formats.segments)
 
 
 @dataclass(frozen=True)
@@ -46,19 +47,24 @@ class Declaration:
     world_size: int
     replicated: bool = False
     allow_pickle: bool = False
+    append_only: bool = False
 
     def to_json(self) -> Dict[str, Any]:
-        return {"strategy": self.strategy.value, "world_size": self.world_size,
-                "replicated": self.replicated, "allow_pickle": self.allow_pickle}
+        d = {"strategy": self.strategy.value, "world_size": self.world_size,
+             "replicated": self.replicated, "allow_pickle": self.allow_pickle}
+        if self.append_only:  # absent otherwise: declarations stay what earlier versions wrote
+            d["append_only"] = True
+        return d
 
     @classmethod
     def from_json(cls, name: str, d: Dict[str, Any]) -> "Declaration":
         return cls(name, Strategy.parse(d["strategy"]), int(d["world_size"]), bool(d.get("replicated", False)),
-                   bool(d.get("allow_pickle", False)))
+                   bool(d.get("allow_pickle", False)), bool(d.get("append_only", False)))
 
     def parts(self) -> Tuple[PartPlan, ...]:
         ranks = [0] if self.replicated else range(self.world_size)
-        return tuple(PartPlan(self.name, self.strategy, r, replicated=self.replicated) for r in ranks)
+        return tuple(PartPlan(self.name, self.strategy, r, replicated=self.replicated, append_only=self.append_only)
+                     for r in ranks)
 
 
 @dataclass(frozen=True)

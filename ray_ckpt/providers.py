@@ -32,6 +32,7 @@ class Registration:
     rank_providers: Optional[List[ActorProvider]] = None  # pushed state: rank r restores into [r]
     replicated: bool = False
     overlap: bool = False  # the snapshot's copy overlaps the provider's next step (see overlap.py)
+    append_only: bool = False  # a buffer that only grows: each version writes its new rows (formats.segments)
 
 
 def resolve(name: str, provider: Any, strategy: Strategy, loader: Optional[Callable[..., Any]]) -> Provider:

@@ -47,23 +47,23 @@ def take_snapshots(registry: Mapping[str, Registration], run: str, config: Engin
                 pending = snapshot_overlapped(getattr(prov.fn, "__self__", prov.fn), prov.fn, reg.name,
                                               reg.allow_pickle, mailbox_name(run), config.overlap_check,
                                               needed=config.prefault_needed)
-                parts.append(PartPlan(reg.name, reg.strategy, nbytes=pending.nbytes))
+                parts.append(PartPlan(reg.name, reg.strategy, nbytes=pending.nbytes, append_only=reg.append_only))
                 refs.append(ray.put(pending))
                 metrics_for_run(run).snapshot_pause(time.perf_counter() - t_pause, state=reg.name)
                 continue
             flat = capture(prov.fn(), reg.name, reg.allow_pickle)
-            parts.append(PartPlan(reg.name, reg.strategy, nbytes=flat.nbytes))
+            parts.append(PartPlan(reg.name, reg.strategy, nbytes=flat.nbytes, append_only=reg.append_only))
             refs.append(ray.put(flat))
             metrics_for_run(run).snapshot_pause(time.perf_counter() - t_pause, state=reg.name)
     for reg in registry.values():
         prov = reg.provider
         if isinstance(prov, ActorProvider) and reg.overlap:
-            parts.append(PartPlan(reg.name, reg.strategy))
+            parts.append(PartPlan(reg.name, reg.strategy, append_only=reg.append_only))
             refs.append(prov.handle.__ray_call__.options(name=f"ray_ckpt.snapshot:{run}/{reg.name}").remote(
                 snapshot_overlapped_in_actor, prov.get, reg.name, reg.allow_pickle, prov.attribute, run,
                 mailbox_name(run), config.overlap_check, config.prefault_needed))
         elif isinstance(prov, ActorProvider):
-            parts.append(PartPlan(reg.name, reg.strategy))
+            parts.append(PartPlan(reg.name, reg.strategy, append_only=reg.append_only))
             refs.append(prov.handle.__ray_call__.options(name=f"ray_ckpt.snapshot:{run}/{reg.name}").remote(
                 snapshot_in_actor, prov.get, reg.name, reg.allow_pickle, config.prefault_object_store,
                 prov.attribute, run, config.prefault_needed))

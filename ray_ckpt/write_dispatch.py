@@ -9,7 +9,8 @@ writer calls adapts to how fast the writers go. The batch is
 grouped by the node that holds each snapshot (critical parts: node affinity, a shared-memory read;
 best-effort ones: their own pool, anywhere), and spread over that pool's writers in calls of at most
 ``BATCH_PARTS`` parts (``WriterActor.write_parts``). A RELOADABLE part goes alone
-(``WriterActor.write_part``): the writer first looks its content up among stored ones.
+(``WriterActor.write_part``): the writer first looks its content up among stored ones; so does an
+append-only part, which the writer writes over the newest committed version's segments.
 
 The coordinator holds one :class:`WriteDispatch`; what a writer answers (a WrittenPart or the error
 that stopped a part) goes back through ``record``, and each call that ends moves its version on
@@ -48,7 +49,7 @@ class WriteDispatch:
         ``BATCH_WINDOW_S`` (a RELOADABLE part alone)."""
         part = self.catalogue.pending[version].parts[(name, rank)]
         part.submitted = True
-        if part.strategy is Strategy.RELOADABLE:
+        if part.strategy is Strategy.RELOADABLE or part.append_only:
             self._in_background(self._write_one(version, part, ref, size))
             return
         box = self._outbox.setdefault(version, [])
@@ -124,10 +125,11 @@ class WriteDispatch:
         writer = self.pools.least_busy(pool)
         self.pools.add_queued(writer, size)
         reuse = self.catalogue.reuse_for(part) if part.strategy is Strategy.RELOADABLE else None
+        base = self.catalogue.append_base_for(part) if part.append_only else None
         try:
             try:
                 result = await writer.write_part.remote(version, part.name, part.rank, [ref], reuse=reuse,
-                                                        compression=self.compression)
+                                                        compression=self.compression, append_base=base)
             except Exception as exc:
                 result = exc
             self._record(version, part.name, part.rank, result)

@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .checkpoint_io import content_hash, delete_version, shard_record, write_flat
+from .checkpoint_io import content_hash, delete_version, shard_record, write_append_only, write_flat
 from .errors import CheckpointError, IntegrityError, SaveError, UnsupportedTypeError, one_line
 from .formats.manifest import FileEntry
 from .formats.tree import Flat
@@ -54,13 +54,21 @@ class PartWriter:
 
     def write_part(self, version: int, name: str, rank: int, flat: Flat, *,
                    reuse: Optional[Dict[str, List[dict]]] = None,
-                   compression: Optional[str] = None) -> WrittenPart:
+                   compression: Optional[str] = None,
+                   append_base: Optional[List[dict]] = None) -> WrittenPart:
         """Write one (state, rank) part to the local tier.
 
         ``reuse`` maps content hashes already stored (RELOADABLE states) to their files: when this
         part's content hash is among them, nothing is written and the old files are referenced.
+        ``append_base`` (an append-only state): the files of the newest committed version's part
+        (maybe none); only the rows added since then are written (``formats.segments``).
         """
         t0 = time.perf_counter()
+        if append_base is not None:
+            files, written = write_append_only(self.local, version, name, rank, flat,
+                                               [_entry(f) for f in append_base], compression,
+                                               self.write_threads, self.direct_io)
+            return WrittenPart(tuple(files), written, write_s=time.perf_counter() - t0)
         chash = None
         if reuse is not None:
             chash = content_hash(flat)

@@ -46,7 +46,7 @@ class FileEntry:
     path: str  # relative to the run root, e.g. "v000000000100/policy/rank0.safetensors"
     size: int
     checksum: str
-    role: str = "tensors"  # "tensors" | "table" | "buffer" (see formats.buffer_io)
+    role: str = "tensors"  # "tensors" | "table" | "buffer" (formats.buffer_io) | "segment" | "index" (formats.segments)
 
 
 @dataclass

@@ -3,6 +3,8 @@
   <root>/<run>/v000000000100/<state>/rank0.safetensors   tensors and the nested structure
                              <state>/rank0.table0.arrow     Arrow tables inside such a state
                              <state>/rank0.arrow            a buffer (a dict of equally long arrays)
+                             <state>/rank0.segment.arrow    an append-only buffer: the rows this version added
+                             <state>/rank0.index.json       ... and what its rows are made of (formats.segments)
                              manifest.json            <- written last: the commit marker
 """
 from __future__ import annotations
@@ -18,7 +20,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 _VERSION_DIR = re.compile(r"^v(\d{12})$")
 
 __all__ = ["MANIFEST", "validate_name", "is_valid_file_path", "version_dir", "parse_version_dir", "manifest_path",
-           "tensors_file", "table_file", "buffer_file", "join_uri"]
+           "tensors_file", "table_file", "buffer_file", "segment_file", "segment_index_file", "join_uri"]
 
 
 def validate_name(name: object, what: str = "name") -> str:
@@ -58,6 +60,14 @@ def table_file(version: int, state: str, rank: int, index: int) -> str:
 
 def buffer_file(version: int, state: str, rank: int) -> str:
     return f"{version_dir(version)}/{state}/rank{rank}.arrow"
+
+
+def segment_file(version: int, state: str, rank: int) -> str:
+    return f"{version_dir(version)}/{state}/rank{rank}.segment.arrow"
+
+
+def segment_index_file(version: int, state: str, rank: int) -> str:
+    return f"{version_dir(version)}/{state}/rank{rank}.index.json"
 
 
 def join_uri(base: str, run: str) -> str:
