@@ -232,3 +232,31 @@ def test_engine_saves_new_rows_only_and_restores_exactly(engine_factory, tmp_pat
     engine.save(7).wait(durability="remote", timeout=60)
     m7 = json.loads((tmp_path / "remote" / engine.run / "v000000000007" / "manifest.json").read_bytes())
     assert all((tmp_path / "remote" / engine.run / f["path"]).exists() for f in m7["states"]["replay"]["files"]["0"])
+
+
+@pytest.mark.timeout(180)
+def test_ranks_push_append_only_buffers_each_with_its_own_segments(engine_factory):
+    """world_size=N and append_only=True: each rank's part is written over that rank's previous part."""
+    bufs = [Buffer(capacity=250, seed=r) for r in range(2)]
+    engine = engine_factory(critical_writers=1, best_effort_writers=0)
+    engine.register("rollouts", world_size=2, append_only=True)
+    pushed = rc.CheckpointEngine.connect(engine.run)  # what a rank actor does in its own process
+    for step in (1, 2, 3, 4):
+        hs = []
+        for r, b in enumerate(bufs):
+            b.add(100 + 10 * r)
+            hs.append(pushed.submit(step, "rollouts", b.state(), rank=r))
+        for h in hs:
+            h.result(timeout=60)
+    for r, b in enumerate(bufs):
+        _equal(b.state(), engine.load("rollouts", step=4, rank=r))
+    entry = json.loads((engine_root(engine) / "v000000000004" / "manifest.json").read_bytes())["states"]["rollouts"]
+    for r in (0, 1):
+        segs = [f["path"] for f in entry["files"][str(r)] if f["role"] == "segment"]
+        assert segs[-1] == f"v000000000004/rollouts/rank{r}.segment.arrow" and len(segs) >= 3, segs
+        assert all(f"/rank{r}." in p for p in segs), segs  # never another rank's rows
+    pushed.shutdown()
+
+
+def engine_root(engine):
+    return __import__("pathlib").Path(engine.config.local_dir) / engine.run
