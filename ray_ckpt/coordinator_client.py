@@ -6,7 +6,7 @@ import time
 from typing import Any, Dict, Tuple
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from .config import EngineConfig
 from .coordinator import NAMESPACE, CoordinatorActor, actor_name
@@ -15,13 +15,25 @@ from .errors import CheckpointError, one_line
 _HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
 
 
+def outside_placement_group() -> Dict[str, Any]:
+    """``.options(...)`` that place a task or actor outside the caller's placement group.
+
+    Ray schedules what a process starts inside that process's placement group when the group
+    captures child tasks -- a Tune trial's does -- and the engine's coordinator and its start-up
+    tasks do not fit a trial's bundles (nor belong to the trial: the coordinator is detached).
+    ``PlacementGroupSchedulingStrategy(placement_group=None)`` is Ray's documented escape; the
+    engine's writers need none, as the coordinator that starts them is outside any group."""
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=None)}
+
+
 def _coordinator_placement() -> Dict[str, Any]:
     """Where the coordinator runs: on the head node where Ray marks it — worker nodes are the
     preemptible ones, and a coordinator that dies with one fails the saves in flight — else next
     to this process. (A soft node-affinity request alone was not honoured for this num_cpus=0
-    detached actor: on a 3-node ``Cluster`` it landed on a worker.)"""
+    detached actor: on a 3-node ``Cluster`` it landed on a worker.) Either way outside the
+    caller's placement group (a Tune trial's): :func:`outside_placement_group`."""
     if _HEAD_RESOURCE in ray.cluster_resources():
-        return {"resources": {_HEAD_RESOURCE: 0.001}}
+        return {"resources": {_HEAD_RESOURCE: 0.001}, **outside_placement_group()}
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                                                   soft=True)}
 

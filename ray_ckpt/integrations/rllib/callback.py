@@ -32,6 +32,7 @@ from .capture import capture_algorithm_state
 from .env_runners import runner_snapshot_actors
 from .names import CONNECTORS, COUNTERS, METRICS, OPTIMIZER, POLICY, RNG, log
 from .restore import AlgorithmRestoreReport, restore_algorithm
+from .tune import coordinator_exists, install_hooks, open_run, trial_run_name, tune_trial_id
 
 
 @dataclass
@@ -50,7 +51,14 @@ class CheckpointSettings:
     the latest one into it (:func:`restore_algorithm`; RNGs only with ``rng``) -- e.g. a Tune trial
     restarted by ``FailureConfig(max_failures=...)`` continues from it; a restore that fails raises
     out of the Algorithm's construction. ``resume_timeout_s``: that restore's bound on the env
-    runner sync."""
+    runner sync.
+
+    Tune (:mod:`.tune`): ``per_trial`` (default True): inside a Tune trial the run is
+    ``<run>-<trial_id>``, one run per trial (outside Tune: ``run`` as given); False: every trial
+    uses ``run``. ``tune_checkpoints``: "pointer" (default): a Tune checkpoint (``Trainable.save``,
+    PBT) is a small file naming a committed version, restored from ray_ckpt; "rllib": RLlib's own.
+    ``stop_timeout_s``: how long ``algorithm.stop()`` (and a Tune checkpoint) waits for saves in
+    flight before the callback's coordinator is shut down."""
 
     run: str
     local_dir: Optional[str] = None
@@ -67,6 +75,9 @@ class CheckpointSettings:
     engine_options: Dict[str, Any] = field(default_factory=dict)
     resume: bool = False
     resume_timeout_s: float = 60.0
+    per_trial: bool = True
+    tune_checkpoints: str = "pointer"
+    stop_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         try:
@@ -80,6 +91,13 @@ class CheckpointSettings:
             raise InvalidArgumentError(f"on_error must be 'raise' or 'warn', got {self.on_error!r}")
         if not isinstance(self.resume, bool):
             raise InvalidArgumentError(f"resume must be True or False, got {self.resume!r}")
+        if not isinstance(self.per_trial, bool):
+            raise InvalidArgumentError(f"per_trial must be True or False, got {self.per_trial!r}")
+        if self.tune_checkpoints not in ("pointer", "rllib"):
+            raise InvalidArgumentError(f"tune_checkpoints must be 'pointer' or 'rllib', got {self.tune_checkpoints!r}")
+        if isinstance(self.stop_timeout_s, bool) or not isinstance(self.stop_timeout_s, (int, float)) \
+                or not self.stop_timeout_s > 0:
+            raise InvalidArgumentError(f"stop_timeout_s must be a number of seconds > 0, got {self.stop_timeout_s!r}")
         if isinstance(self.allow_pickle, str):
             self.allow_pickle = (self.allow_pickle,)
         self.allow_pickle = tuple(self.allow_pickle)
@@ -88,10 +106,11 @@ class CheckpointSettings:
         if clash:
             raise InvalidArgumentError(f"engine_options must not repeat {sorted(clash)}: pass them directly")
 
-    def engine(self) -> CheckpointEngine:
+    def engine(self, run: Optional[str] = None) -> CheckpointEngine:
+        run = self.run if run is None else run
         if self.local_dir is None:
-            return CheckpointEngine.connect(self.run)
-        return CheckpointEngine.create(self.run, local_dir=self.local_dir, remote_uri=self.remote_uri,
+            return CheckpointEngine.connect(run)
+        return CheckpointEngine.create(run, local_dir=self.local_dir, remote_uri=self.remote_uri,
                                        keep_last=self.keep_last, keep_every=self.keep_every,
                                        **self.engine_options)
 
@@ -102,9 +121,17 @@ class RayCkptCallback(RLlibCallback):
     Construct it with the settings (``RayCkptCallback("run", local_dir=..., every=5)``, e.g. through
     ``functools.partial``) or use :func:`make_callback`, which binds them to a subclass. After each
     iteration ``result["ray_ckpt"]`` holds a summary (saves, skipped, failed, last save() call ms, the
-    version resumed from or -1).
-    Attributes for inspection: ``engine``, ``saves`` (iteration -> SaveHandle), ``save_call_ms``,
-    ``skipped``, ``failures``, ``resumed`` (the AlgorithmRestoreReport of a ``resume``, else None)."""
+    version resumed from or -1, the run).
+    Attributes for inspection: ``run`` (the run saved into: ``<run>-<trial_id>`` in a Tune trial, see
+    :mod:`.tune`), ``engine``, ``saves`` (version -> SaveHandle), ``save_call_ms``, ``skipped``,
+    ``failures``, ``resumed`` (the AlgorithmRestoreReport of a ``resume``, else None), ``loaded``
+    (that of the last Tune checkpoint restored, else None).
+
+    A version's number is the iteration it holds, except after the algorithm was set back to an
+    older state (``restore_algorithm`` of an older version, a Tune checkpoint restored, a PBT
+    exploit): a run's versions only grow, so such a save takes the run's last version + 1 (its
+    counters, and ``AlgorithmRestoreReport.iteration``, still say the iteration) -- and a resume
+    brings back the newest state, not the one training went back from."""
 
     settings: Optional[CheckpointSettings] = None  # bound by make_callback
 
@@ -129,15 +156,24 @@ class RayCkptCallback(RLlibCallback):
         self._open: List[int] = []
         self._runner_names: set = set()
         self._last_step = -1
+        self.run: str = self.settings.run
+        self.loaded: Optional[AlgorithmRestoreReport] = None
+        self._restored_from = ""  # "<run>@<version>" of the last Tune checkpoint restored
+        self._owns_coordinator = False  # shut it down at algorithm.stop() (tune.py says which)
+        self._last_saved_at: Optional[Tuple[int, int]] = None  # (iteration, version) of the current state's save
 
     # ------------------------------------------------------------------ RLlib hooks
     def on_algorithm_init(self, *, algorithm: Any, metrics_logger: Any = None, **kwargs: Any) -> None:
+        if self.engine is None:
+            self.run = self._run_for(algorithm)
         eng = self._ensure_engine()
+        install_hooks(algorithm, self)
         s = self.settings
         if s.resume and self._last_step >= 0:
             self.resumed = restore_algorithm(algorithm, eng, timeout_s=s.resume_timeout_s, restore_rng=s.rng,
                                              allow_pickle=s.allow_pickle)
-            log.info("ray_ckpt: run %r resumed from version %d (iteration %d)", s.run, self.resumed.version,
+            self._last_saved_at = (self.resumed.iteration, self.resumed.version)
+            log.info("ray_ckpt: run %r resumed from version %d (iteration %d)", self.run, self.resumed.version,
                      self.resumed.iteration)
 
     def on_train_result(self, *, algorithm: Any, metrics_logger: Any = None, result: dict,
@@ -150,19 +186,20 @@ class RayCkptCallback(RLlibCallback):
             result["ray_ckpt"] = self.summary()
 
     # ------------------------------------------------------------------ API
-    def save(self, algorithm: Any, iteration: Optional[int] = None, result: Optional[dict] = None) -> SaveHandle:
-        """Capture the algorithm now and hand it to the engine (returns at once)."""
+    def save(self, algorithm: Any, iteration: Optional[int] = None, result: Optional[dict] = None,
+             on_busy: Optional[str] = None) -> SaveHandle:
+        """Capture the algorithm now and hand it to the engine (returns at once). The version is the
+        iteration, or the run's last version + 1 where that is not above it (see the class)."""
         t0 = time.perf_counter()
         eng = self._ensure_engine()
         it = int(algorithm.iteration) if iteration is None else int(iteration)
         s = self.settings
+        step = it
         if it <= self._last_step:
-            # e.g. the algorithm was restored to an older version: versions are steps and only grow
-            self.skipped.append(it)
-            log.warning("ray_ckpt: iteration %d not saved: run %r already has version %d (the algorithm was "
-                        "restored to an older version?); saving resumes after iteration %d",
-                        it, s.run, self._last_step, self._last_step)
-            return SaveHandle(eng, it, None, time.perf_counter() - t0, skipped=True)
+            # the algorithm was set back to an older state: versions are steps and only grow
+            step = self._last_step + 1
+            log.info("ray_ckpt: iteration %d is saved as version %d of run %r, which already has version %d "
+                     "(the algorithm was set back to an older state)", it, step, self.run, self._last_step)
         errors: Dict[str, str] = {}
         self._pending = capture_algorithm_state(algorithm, rng=s.rng, metrics=s.metrics,
                                                 allow_pickle=s.allow_pickle, errors=errors)
@@ -170,7 +207,7 @@ class RayCkptCallback(RLlibCallback):
             log.warning("ray_ckpt: iteration %d: best-effort state %r not saved: %s", it, name, why)
         try:
             self._sync_registrations(eng, algorithm)
-            handle = eng.save(it, on_busy=s.on_busy, metrics=_save_metrics(result))
+            handle = eng.save(step, on_busy=on_busy or s.on_busy, metrics=_save_metrics(result))
         finally:
             self._pending = {}
         ms = (time.perf_counter() - t0) * 1e3
@@ -178,16 +215,17 @@ class RayCkptCallback(RLlibCallback):
         if handle.skipped:
             self.skipped.append(it)
             log.warning("ray_ckpt: iteration %d not saved: %d saves of run %r still in flight "
-                        "(on_busy='skip')", it, len(self._open), s.run)
+                        "(on_busy='skip')", it, len(self._open), self.run)
         else:
-            self.saves[it] = handle
-            self._open.append(it)
-            self._last_step = it
+            self.saves[step] = handle
+            self._open.append(step)
+            self._last_step = step
+            self._last_saved_at = (it, step)
         return handle
 
     def flush(self, timeout: Optional[float] = None) -> Dict[int, SaveResult]:
         """Wait until every save of this callback is committed locally; raises SaveError on a failure
-        (whatever ``on_error`` says). Returns {iteration: SaveResult} of all saves so far."""
+        (whatever ``on_error`` says). Returns {version: SaveResult} of all saves so far."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for it in list(self._open):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -197,20 +235,92 @@ class RayCkptCallback(RLlibCallback):
                 self.failures[it] = str(exc)
             self._open.remove(it)
         if self.failures:
-            raise SaveError("; ".join(f"iteration {i}: {m}" for i, m in sorted(self.failures.items())))
+            raise SaveError("; ".join(f"version {i}: {m}" for i, m in sorted(self.failures.items())))
         return dict(self.results)
+
+    def checkpoint_version(self, algorithm: Any, timeout: Optional[float] = None) -> int:
+        """The version that holds the algorithm's current state, committed (what a Tune checkpoint
+        points at): this iteration's save, or one taken now (``on_busy="wait"``); waits at most
+        ``timeout`` for it and raises SaveError if it fails or is not committed by then."""
+        it = int(algorithm.iteration)
+        if self._last_saved_at is None or self._last_saved_at[0] != it:
+            self.save(algorithm, it, on_busy="wait")
+        if self._last_saved_at is None or self._last_saved_at[0] != it:
+            raise SaveError(f"ray_ckpt: iteration {it} of run {self.run!r} could not be saved for a checkpoint")
+        version = self._last_saved_at[1]
+        handle = self.saves.get(version)
+        if handle is not None:  # else: restored from this run's version, which is committed
+            try:
+                self.results[version] = handle.wait(timeout)
+            except SaveError as exc:
+                raise SaveError(f"ray_ckpt: the checkpoint of iteration {it} is version {version} of run "
+                                f"{self.run!r}, which is not committed: {exc}") from None
+        return version
+
+    def restore_pointer(self, algorithm: Any, pointer: Dict[str, Any]) -> AlgorithmRestoreReport:
+        """Restore the version a Tune checkpoint names (:mod:`.tune`): of this run through its engine,
+        of another run (PBT: the trial being cloned) straight from storage."""
+        s = self.settings
+        eng = self._ensure_engine()
+        run, version = pointer["run"], pointer["version"]
+        source = eng if run == self.run else open_run(run, version, eng.config)
+        self.loaded = restore_algorithm(algorithm, source, version, timeout_s=s.resume_timeout_s,
+                                        restore_rng=s.rng, allow_pickle=s.allow_pickle)
+        self._last_saved_at = (self.loaded.iteration, version) if source is eng else None
+        self._restored_from = f"{run}@{version}"
+        log.info("ray_ckpt: run %r: restored version %d of run %r (iteration %d) from a Tune checkpoint",
+                 self.run, version, run, self.loaded.iteration)
+        return self.loaded
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Wait (at most ``timeout``, default ``stop_timeout_s``) for the saves in flight, then shut
+        down the coordinator this callback started, or detach from one it did not (see :mod:`.tune`).
+        ``algorithm.stop()`` calls it; a later save starts the engine again."""
+        eng = self.engine
+        if eng is None:
+            return
+        timeout = self.settings.stop_timeout_s if timeout is None else float(timeout)
+        deadline = time.monotonic() + timeout
+        try:
+            self.flush(timeout)
+        except SaveError as exc:
+            log.error("ray_ckpt: run %r: saves not committed at algorithm.stop(): %s", self.run, exc)
+        self.engine = None
+        eng.shutdown(timeout=max(1.0, deadline - time.monotonic()), stop_coordinator=self._owns_coordinator)
+        log.info("ray_ckpt: run %r closed (%s)", self.run,
+                 "coordinator stopped" if self._owns_coordinator else "detached from the coordinator")
 
     def summary(self) -> Dict[str, Any]:
         return {"saves": len(self.saves), "in_flight": len(self._open), "skipped": len(self.skipped),
                 "failed": len(self.failures),
-                "last_saved_iteration": max(self.saves) if self.saves else -1,
+                "last_saved_iteration": self._last_saved_at[0] if self.saves and self._last_saved_at else -1,
+                "last_saved_version": max(self.saves) if self.saves else -1, "run": self.run,
                 "last_save_call_ms": self.save_call_ms[-1] if self.save_call_ms else float("nan"),
-                "resumed_version": self.resumed.version if self.resumed is not None else -1}
+                "resumed_version": self.resumed.version if self.resumed is not None else -1,
+                "restored_from": self._restored_from}
 
     # ------------------------------------------------------------------ internals
+    def _run_for(self, algorithm: Any) -> str:
+        """The run this callback saves into: ``<run>-<trial_id>`` in a Tune trial (``per_trial``)."""
+        s = self.settings
+        trial = tune_trial_id(algorithm) if s.per_trial else None
+        if trial is None:
+            return s.run
+        if s.local_dir is None:
+            raise InvalidArgumentError(
+                f"ray_ckpt: in Tune trial {trial!r} the callback saves into the trial's own run "
+                f"{trial_run_name(s.run, trial)!r}, which it creates: pass local_dir= (and remote_uri=) to "
+                f"make_callback, or per_trial=False to save every trial into run {s.run!r}")
+        return trial_run_name(s.run, trial)
+
     def _ensure_engine(self) -> CheckpointEngine:
         if self.engine is None:
-            self.engine = self.settings.engine()
+            existed = coordinator_exists(self.run)
+            self.engine = self.settings.engine(self.run)
+            # stopped at algorithm.stop(): a coordinator this callback started, or its trial's own run
+            # (started by an earlier incarnation of the trial); never the user's run as given
+            self._owns_coordinator = self.settings.local_dir is not None and (
+                not existed or self.run != self.settings.run)
             self._last_step = max((m.version for m in self.engine.list_checkpoints()), default=-1)
             self._register_static(self.engine)
         return self.engine
@@ -263,9 +373,9 @@ class RayCkptCallback(RLlibCallback):
             except SaveError as exc:
                 self.failures[it] = str(exc)
                 if self.settings.on_error == "raise":
-                    raise SaveError(f"ray_ckpt: the save of iteration {it} (run {self.settings.run!r}) "
+                    raise SaveError(f"ray_ckpt: the save of version {it} (run {self.run!r}) "
                                     f"failed: {exc}") from None
-                log.error("ray_ckpt: the save of iteration %d (run %r) failed: %s", it, self.settings.run, exc)
+                log.error("ray_ckpt: the save of version %d (run %r) failed: %s", it, self.run, exc)
 
 
 def _save_metrics(result: Optional[dict]) -> Optional[Dict[str, float]]:

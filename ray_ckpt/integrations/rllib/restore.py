@@ -51,8 +51,8 @@ class AlgorithmRestoreReport:
 # ====================================================================== step 1: which version, read it all
 def _resolve_engine(run: Union[str, CheckpointEngine], local_dir: Optional[str], remote_uri: Optional[str],
                     engine_options: Optional[Dict[str, Any]]) -> CheckpointEngine:
-    if isinstance(run, CheckpointEngine):
-        return run
+    if isinstance(run, CheckpointEngine) or hasattr(run, "list_checkpoints"):
+        return run  # an engine, or an engine-like reader (tune.StoredRun: another run read from storage)
     if local_dir is not None:
         return CheckpointEngine.create(run, local_dir=local_dir, remote_uri=remote_uri, **(engine_options or {}))
     return CheckpointEngine.connect(run)

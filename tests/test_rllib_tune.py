@@ -1,0 +1,202 @@
+"""The RLlib callback under Tune, with no engine created in the driver: each trial saves into its own
+run (``<run>-<trial_id>``), a trial restarted by FailureConfig resumes only its own state, PBT clones
+one trial's ray_ckpt version into another, and ``algorithm.stop()`` flushes the saves and stops the
+coordinator the callback started (not a user's). Real Ray, Tune and RLlib on CPU."""
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("gymnasium")
+pytest.importorskip("ray.rllib")
+
+import ray  # noqa: E402
+from ray import tune  # noqa: E402
+from ray.rllib.callbacks.callbacks import RLlibCallback  # noqa: E402
+
+import ray_ckpt as rc  # noqa: E402
+from ray_ckpt.coordinator import NAMESPACE, actor_name  # noqa: E402
+from ray_ckpt.integrations import rllib as rr  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# the callback classes below run inside the Tune trials' actors, which cannot import this module
+from ray import cloudpickle  # noqa: E402
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+BATCH = 256  # the example config's train_batch_size_per_learner
+
+
+def _config(callbacks, seed=5):
+    example = runpy.run_path(str(ROOT / "examples" / "rllib_example.py"), run_name="rllib_example_config")
+    return example["build_config"](callbacks, seed=seed)
+
+
+def _callback(run_name, tmp_path, **kw):
+    return rr.make_callback(run_name, local_dir=str(tmp_path / "local"), remote_uri=f"file://{tmp_path / 'remote'}",
+                            every=1, **kw)
+
+
+def _coordinator_alive(run: str) -> bool:
+    try:
+        ray.get_actor(actor_name(run), namespace=NAMESPACE)
+        return True
+    except ValueError:
+        return False
+
+
+def _policy(engine, version):
+    return engine.load("policy", version=version)["default_policy"]
+
+
+def _same(a, b) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def _fail_once_at(iteration: int, marker_dir: str) -> type:
+    """Raises out of train() once per trial, at ``iteration`` (after that iteration's save is
+    committed); the per-trial marker file survives the trial's restart."""
+
+    class FailOnce(RLlibCallback):
+        def on_train_result(self, *, algorithm, result, **kwargs):
+            marker = os.path.join(marker_dir, f"failed-{algorithm.trial_id}")
+            if algorithm.iteration == iteration and not os.path.exists(marker):
+                rr.wait_for_saves(algorithm, timeout=120)
+                Path(marker).touch()
+                raise RuntimeError(f"injected failure at iteration {iteration}")
+
+    return FailOnce
+
+
+class ScoreIsLr(RLlibCallback):
+    """PBT's metric: the trial's learning rate (the trial with the larger one is cloned)."""
+
+    def on_train_result(self, *, algorithm, result, **kwargs):
+        result["score"] = float(algorithm.config.lr)
+
+
+def _run_config(run_name, tmp_path, iterations, **kw):
+    return tune.RunConfig(name=run_name, storage_path=str(tmp_path / "tune"), verbose=0,
+                          stop={"training_iteration": iterations}, **kw)
+
+
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_a_tune_trial_creates_its_own_run_outside_the_trials_placement_group(ray_session, engine_factory,
+                                                                             run_name, tmp_path):
+    # no engine in the driver: the trial's callback creates the coordinator and its writers, which
+    # must not be placed in the trial's placement group (they do not fit its bundles)
+    assert not _coordinator_alive(run_name)
+    config = _config(_callback(run_name, tmp_path))
+    results = tune.Tuner(config.algo_class, param_space=config,
+                         run_config=_run_config(run_name, tmp_path, 2)).fit()
+    result = results[0]
+    assert result.error is None, result.error
+    summary = result.metrics["ray_ckpt"]
+    trial_run = summary["run"]
+    assert trial_run == f"{run_name}-{result.metrics['trial_id']}"
+    assert summary["saves"] == 2 and summary["failed"] == 0 and summary["skipped"] == 0, summary
+    # algorithm.stop() at the trial's end flushed the saves and stopped the coordinator it started
+    assert not _coordinator_alive(trial_run) and not _coordinator_alive(run_name)
+    engine = engine_factory(run=trial_run)
+    assert [m.version for m in engine.list_checkpoints()] == [1, 2]
+
+
+@pytest.mark.timeout(480)
+def test_a_grid_search_with_restarts_keeps_each_trials_state_apart(ray_session, engine_factory, run_name,
+                                                                   tmp_path):
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    config = _config([_callback(run_name, tmp_path, resume=True), _fail_once_at(1, str(markers))])
+    config.training(lr=tune.grid_search([0.0, 1e-3]))
+    results = tune.Tuner(config.algo_class, param_space=config, run_config=_run_config(
+        run_name, tmp_path, 3, failure_config=tune.FailureConfig(max_failures=1))).fit()
+
+    assert len(list(markers.iterdir())) == 2, "not every trial failed once: the restarts were not tested"
+    assert len(results) == 2
+    runs = {}
+    for result in results:
+        assert result.error is None, result.error
+        m = result.metrics
+        summary = m["ray_ckpt"]
+        # each restarted trial resumed from its own version 1 and ran iterations 2 and 3 only ...
+        assert summary["resumed_version"] == 1 and summary["saves"] == 2 and summary["failed"] == 0, summary
+        assert m["training_iteration"] == 3
+        # ... with its sampled-steps counter brought back (not the other trial's, not reset)
+        assert 3 * BATCH <= m["env_runners"]["num_env_steps_sampled_lifetime"] < 4 * BATCH, m["env_runners"]
+        runs[result.config["lr"]] = summary["run"]
+    assert len(set(runs.values())) == 2 and all(r.startswith(f"{run_name}-") for r in runs.values())
+    for lr, run in runs.items():
+        assert not _coordinator_alive(run)
+        engine = engine_factory(run=run)
+        assert [meta.version for meta in engine.list_checkpoints()] == [1, 2, 3], (lr, engine.status())
+        first, last = _policy(engine, 1), _policy(engine, 3)
+        if lr == 0.0:
+            assert _same(first, last), "the lr=0 trial's weights changed: it resumed another trial's state"
+        else:
+            assert not _same(first, last)
+
+
+@pytest.mark.timeout(480)
+def test_pbt_clones_a_trials_ray_ckpt_version_into_another(ray_session, engine_factory, run_name, tmp_path):
+    from ray.tune.schedulers import PopulationBasedTraining
+
+    # trial B (lr=1e-3) scores higher than trial A (lr=1e-4); at iteration 2 PBT clones B into A and
+    # sets A's lr to 0, so A's iteration 3 keeps the weights it got from B: A's version 3 == B's version 2
+    pbt = PopulationBasedTraining(time_attr="training_iteration", metric="score", mode="max",
+                                  perturbation_interval=2, synch=True, quantile_fraction=0.5,
+                                  hyperparam_mutations={"lr": [0.0]})
+    config = _config([_callback(run_name, tmp_path), ScoreIsLr])
+    config.training(lr=tune.grid_search([1e-4, 1e-3]))
+    results = tune.Tuner(config.algo_class, param_space=config, tune_config=tune.TuneConfig(scheduler=pbt),
+                         run_config=_run_config(run_name, tmp_path, 3)).fit()
+
+    assert len(results) == 2 and all(r.error is None for r in results), [r.error for r in results]
+    by_lr = {r.config["lr"]: r for r in results}
+    assert set(by_lr) == {0.0, 1e-3}, f"not one exploit of B into A: final lrs {sorted(by_lr)}"
+    a, b = by_lr[0.0].metrics, by_lr[1e-3].metrics
+    run_a, run_b = a["ray_ckpt"]["run"], b["ray_ckpt"]["run"]
+    assert run_a != run_b
+    assert a["ray_ckpt"]["restored_from"] == f"{run_b}@2", a["ray_ckpt"]  # A loaded B's version 2
+    assert b["ray_ckpt"]["restored_from"] == f"{run_b}@2", b["ray_ckpt"]  # B, paused, its own
+    assert a["training_iteration"] == 3 and b["training_iteration"] == 3
+
+    eng_a, eng_b = engine_factory(run=run_a), engine_factory(run=run_b)
+    assert [m.version for m in eng_a.list_checkpoints()] == [1, 2, 3]  # A's own run, after the clone too
+    assert [m.version for m in eng_b.list_checkpoints()] == [1, 2, 3]
+    assert _same(_policy(eng_a, 3), _policy(eng_b, 2)), "A's weights after the exploit are not B's version 2"
+    assert not _same(_policy(eng_a, 3), _policy(eng_a, 2))
+    assert eng_a.load("counters", version=3)["training_iteration"] == 3
+
+
+@pytest.mark.timeout(300)
+def test_algorithm_stop_flushes_and_stops_only_the_coordinator_the_callback_started(ray_session, engine_factory,
+                                                                                    run_name, tmp_path):
+    def build(cb):
+        return _config(cb).env_runners(num_env_runners=0).build_algo()
+
+    # 1. the callback created the run: stop() waits for the save in flight, then stops the coordinator
+    algo = build(_callback(run_name, tmp_path))
+    try:
+        algo.train()
+        assert rr.find_callback(algo).summary()["saves"] == 1 and _coordinator_alive(run_name)
+    finally:
+        algo.stop()
+    assert not _coordinator_alive(run_name)
+    engine = engine_factory()  # the same run again, from storage: version 1 was committed before the stop
+    assert [m.version for m in engine.list_checkpoints()] == [1]
+
+    # 2. the user created the run: stop() leaves the coordinator running
+    algo = build(_callback(run_name, tmp_path))
+    try:
+        algo.train()
+    finally:
+        algo.stop()
+    assert _coordinator_alive(run_name)
+    # iteration 1 again: saved as version 2 (versions only grow), and committed before stop() returned
+    assert [m.version for m in engine.list_checkpoints()] == [1, 2]
+    assert engine.load("counters", version=2)["training_iteration"] == 1
