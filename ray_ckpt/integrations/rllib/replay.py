@@ -440,6 +440,14 @@ class RowIds:
         self._agent_code: Dict[Any, int] = {}
         self._module_code: Dict[Any, int] = {}
         self.full_rewrites = 0
+        self.restored_from: Optional[Tuple[str, int]] = None  # (run, version) restore_replay read
+        self.checked_run: Optional[str] = None  # the run whose newest version these ids were checked against
+
+    def renumber(self, floor: int) -> None:
+        """Forget every row's id: the next capture gives all rows new ids, at or above ``floor``."""
+        self.lists.clear()
+        self.next_id = max(self.next_id, int(floor))
+        self.full_rewrites += 1
 
     def agent_code(self, aid: Any) -> int:
         c = self._agent_code.get(aid)
@@ -601,11 +609,11 @@ def capture_replay(buffer: Any, *, row_ids: Optional[RowIds] = None) -> Tuple[Di
                         ("_num_episodes_evicted", "_num_timesteps", "_num_timesteps_added", "sampled_timesteps",
                          "_num_agent_timesteps", "_num_agent_timesteps_added") if k in attrs}
     meta["rng"] = buffer.rng.bit_generator.state
-    try:
+    try:  # not needed to sample: a metrics state that cannot be read or stored is reported, not fatal
         meta["metrics"] = to_storable(buffer.metrics.get_state(), "replay_meta.metrics")
-    except UnsupportedTypeError as exc:
+    except Exception as exc:  # e.g. RLlib's own get_state fails on int agent ids ("--".join(path))
         meta["metrics"] = None
-        meta["not_saved"]["metrics"] = str(exc)
+        meta["not_saved"]["metrics"] = f"{type(exc).__name__}: {exc}"
 
     # ---- episodes, their (agent) episodes in record order
     episodes = list(buffer.episodes)
@@ -882,18 +890,24 @@ def _priority_state(buffer: Any, kind: _Kind, replay: Dict[str, Any], rid: RowId
         env = np.array(buffer._indices, np.int64).reshape(len(buffer._indices), 3)
         tidx = env[:, 2]
         _check_maps(buffer._tree_idx_to_sample_idx, tidx, f"{bname}._tree_idx_to_sample_idx")
-        _check_maps({v: k for k, v in buffer._sample_idx_to_tree_idx.items()}, tidx,
-                    f"{bname}._sample_idx_to_tree_idx")
+        # written by RLlib, never read; after evictions it keeps stale keys: stored as it is
+        s2t = buffer._sample_idx_to_tree_idx
+        out["sample_idx_to_tree_idx"] = np.array([list(s2t.keys()), list(s2t.values())], np.int64).reshape(2, len(s2t))
         out["sum"] = _tree_leaves(buffer._sum_segment, tidx, "_sum_segment")
         out["min"] = _tree_leaves(buffer._min_segment, tidx, "_min_segment")
         _check_neutral(buffer._sum_segment, tidx, f"{bname}._sum_segment")
         _check_neutral(buffer._min_segment, tidx, f"{bname}._min_segment")
         modules = []
         codes = replay["module"]
-        for mid in buffer._module_to_sum_segment.keys() | buffer._module_to_free_nodes.keys() | \
-                buffer._module_to_max_priority.keys() | buffer._module_to_min_segment.keys() | \
-                buffer._module_to_max_idx.keys() | buffer._module_to_last_sampled_indices.keys() | \
-                buffer._module_to_tree_idx_to_sample_idx.keys():
+        maps = ("_module_to_max_priority", "_module_to_sum_segment", "_module_to_min_segment",
+                "_module_to_free_nodes", "_module_to_max_idx", "_module_to_tree_idx_to_sample_idx",
+                "_module_to_last_sampled_indices")
+        # each map's own key order (dicts keep insertion order; RLlib's defaultdicts add keys on reads)
+        out["module_key_order"] = {k: [rid.module_code(m) for m in getattr(buffer, k)] for k in maps}
+        seen: Dict[Any, None] = {}
+        for k in maps:
+            seen.update(dict.fromkeys(getattr(buffer, k)))
+        for mid in seen:
             mc = rid.module_code(mid)
             rows = np.flatnonzero(codes == mc)
             t_m = replay["tree"][rows]
@@ -1238,7 +1252,8 @@ def _restore_priority(buffer: Any, kind: _Kind, replay: Dict[str, Any], pr: Dict
     new["_last_sampled_indices"] = list(pr["last_sampled"])
     if not kind.multi_agent:
         return
-    new["_sample_idx_to_tree_idx"] = {i: int(ti) for i, ti in enumerate(tidx.tolist())}
+    s2t = np.asarray(pr["sample_idx_to_tree_idx"], np.int64)
+    new["_sample_idx_to_tree_idx"] = dict(zip(s2t[0].tolist(), s2t[1].tolist()))
     maps = {k: _like(getattr(buffer, k), {}) for k in
             ("_module_to_max_priority", "_module_to_sum_segment", "_module_to_min_segment", "_module_to_free_nodes",
              "_module_to_max_idx", "_module_to_tree_idx_to_sample_idx", "_module_to_last_sampled_indices")}
@@ -1266,6 +1281,8 @@ def _restore_priority(buffer: Any, kind: _Kind, replay: Dict[str, Any], pr: Dict
             maps["_module_to_last_sampled_indices"][mid] = list(mm["last_sampled"])
         if mm.get("tree_map"):
             maps["_module_to_tree_idx_to_sample_idx"][mid] = {int(ti): i for i, ti in enumerate(t_m.tolist())}
+    for k, order in pr["module_key_order"].items():  # each map in its saved key order
+        maps[k] = _like(maps[k], {modules[c]: maps[k][modules[c]] for c in order})
     new.update(maps)
 
 
@@ -1301,7 +1318,11 @@ def _cmp(x: Any, y: Any, path: str, diffs: List[str]) -> None:
             diffs.append(f"{path}: generator states differ")
         return
     if isinstance(x, MetricsLogger):
-        _cmp(to_storable(x.get_state()), to_storable(y.get_state()), path + ".get_state()", diffs)
+        try:
+            sx = x.get_state()
+        except Exception:  # RLlib's get_state fails on int agent ids: not storable, so not compared
+            return
+        _cmp(to_storable(sx), to_storable(y.get_state()), path + ".get_state()", diffs)
         return
     if isinstance(x, SegmentTree):
         if type(x) is not type(y) or x.capacity != y.capacity:
@@ -1361,3 +1382,137 @@ def _cmp(x: Any, y: Any, path: str, diffs: List[str]) -> None:
 
 
 _ = (functools, operator)
+
+
+# ---------------------------------------------------------------------------- the Algorithm side
+REPLAY_STRATEGIES = ("auto", "critical", "best_effort", "off")
+
+
+def check_replay_strategy(setting: Any) -> None:
+    if setting not in REPLAY_STRATEGIES:
+        from ...errors import InvalidArgumentError
+        raise InvalidArgumentError(f"replay_strategy must be one of {', '.join(map(repr, REPLAY_STRATEGIES))}, "
+                                   f"got {setting!r}")
+
+
+def replay_strategy(setting: str, algorithm: Any):
+    """The Strategy the replay states are saved with (None: not saved). ``"auto"``: CRITICAL when the
+    algorithm has a local replay buffer (off-policy: DQN, SAC, APPO...), which on-policy algorithms
+    (PPO) have not -- after a preemption an off-policy run that lost its buffer restarts from an empty
+    one, so a version without it is not a resumable version."""
+    from ...types import Strategy
+    check_replay_strategy(setting)
+    if setting == "off" or replay_buffer_of(algorithm) is None:
+        return None
+    return Strategy.BEST_EFFORT if setting == "best_effort" else Strategy.CRITICAL
+
+
+def _row_floor(engine: Any, rid: RowIds) -> Optional[int]:
+    """Where the ids of a buffer about to be saved into ``engine``'s run must start so that no id
+    of the run's newest version is given to another row (None: the ids are that version's own).
+    The ids are the run's own only after a restore of its newest version; a buffer restored from an
+    older version or another run (a PBT exploit), or a new buffer on a run that has versions, gets
+    new ids for all its rows (its next save writes them all once)."""
+    from .names import REPLAY_META
+    metas = sorted(engine.list_checkpoints(), key=lambda m: m.version)
+    if not metas:
+        return None
+    newest = metas[-1]
+    if rid.restored_from == (engine.run, newest.version):
+        return None
+    if REPLAY_META not in newest.states:
+        return None  # the engine checks new rows against the newest version only
+    meta = engine.load(name=REPLAY_META, version=newest.version)
+    return int(from_storable(meta)["rows"]["next_row_id"])
+
+
+def capture_algorithm_replay(algorithm: Any, out: Dict[str, Any], strategy: Any, engine: Any = None,
+                             errors: Optional[Dict[str, str]] = None) -> None:
+    """Put ``replay`` and ``replay_meta`` of the algorithm's buffer into ``out``. A BEST_EFFORT one
+    that cannot be captured is left out with its reason in ``errors``; a CRITICAL one raises."""
+    from ...types import Strategy
+    from .names import REPLAY, REPLAY_META
+    buf = replay_buffer_of(algorithm)
+    try:
+        rid = row_ids_of(buf)
+        if engine is not None and rid.checked_run != engine.run:
+            floor = _row_floor(engine, rid)
+            if floor is not None:
+                log.info("ray_ckpt: run %r: the replay buffer's rows get new row ids from %d (its state is not "
+                         "the run's newest version's): this save writes all of them", engine.run, floor)
+                rid.renumber(floor)
+            rid.checked_run = engine.run
+        out[REPLAY], out[REPLAY_META] = capture_replay(buf, row_ids=rid)
+    except UnsupportedTypeError as exc:
+        if strategy is Strategy.CRITICAL or errors is None:
+            raise
+        errors[REPLAY] = str(exc)
+
+
+REPLAY_APPEND_ONLY = True  # ``replay`` is registered append_only=True: a version writes only its new rows
+
+
+def sync_replay_registrations(engine: Any, algorithm: Any, setting: str, pending_now: Dict[str, Any],
+                              pending: Callable[[], Dict[str, Any]]) -> None:
+    """Register ``replay`` (append-only) and ``replay_meta`` when this save captured them (read from
+    ``pending()`` when the engine snapshots), unregister them when it did not."""
+    from ...errors import SaveError
+    from .names import REPLAY, REPLAY_META
+    strat = replay_strategy(setting, algorithm)
+
+    def getter(name: str) -> Callable[[], Any]:
+        def get() -> Any:
+            try:
+                return pending()[name]
+            except KeyError:
+                raise SaveError(f"RLlib state {name!r} was not captured for this save") from None
+        get.__name__ = f"rllib_{name}"
+        return get
+
+    for name in (REPLAY, REPLAY_META):
+        if name in pending_now and strat is not None:
+            if engine.registered.get(name) != strat:
+                engine.register(name, getter(name), strategy=strat, replace=True,
+                                append_only=REPLAY_APPEND_ONLY and name == REPLAY)
+        elif name in engine.registered:
+            engine.unregister(name)
+
+
+def restore_algorithm_replay(algorithm: Any, engine: Any, meta: Any, loaded: Dict[str, Any], states: Dict[str, str],
+                             *, strict: bool, enabled: bool) -> None:
+    """Restore the version's replay buffer into the algorithm's (called before anything else of the
+    algorithm is changed: a buffer that does not fit raises RestoreError with nothing changed). A
+    replay state that the version committed but that cannot be read raises with ``strict``; one the
+    version does not hold (saved with replay_strategy="off", or a best-effort one that failed) is
+    reported in ``states`` and the buffer is left as it is."""
+    from .names import REPLAY, REPLAY_META
+    buf = replay_buffer_of(algorithm)
+    committed = [n for n in (REPLAY, REPLAY_META) if n in meta.states]
+    if not enabled:
+        for n in committed:
+            states[n] = "not restored: restore_replay=False"
+        return
+    if buf is None:
+        for n in committed:
+            states[n] = "not restored: the algorithm has no local replay buffer"
+        return
+    if not committed:
+        missing = [n for n in (REPLAY, REPLAY_META) if n in (getattr(meta, "missing", ()) or ())
+                   or n in (getattr(meta, "pending", ()) or ())]
+        states[REPLAY] = (f"missing: version {meta.version} lists {missing} as not written (best-effort)" if missing
+                          else f"missing: version {meta.version} has no replay buffer (saved with replay_strategy='off'?)")
+        log.warning("ray_ckpt: run %r version %d: %s; the replay buffer stays empty", engine.run, meta.version,
+                    states[REPLAY])
+        return
+    absent = [n for n in (REPLAY, REPLAY_META) if n not in loaded]
+    if absent:
+        why = "; ".join(f"{n}: {states.get(n, 'not read')}" for n in absent)
+        if strict:
+            raise RestoreError(f"cannot restore version {meta.version} of run {engine.run!r}: its replay buffer "
+                               f"could not be read ({why}); nothing was changed")
+        for n in (REPLAY, REPLAY_META):
+            states[n] = f"not restored: {why}"
+        return
+    restore_replay(buf, loaded[REPLAY], loaded[REPLAY_META],
+                   agent_to_module_mapping_fn=getattr(algorithm.config, "policy_mapping_fn", None))
+    row_ids_of(buf).restored_from = (engine.run, int(meta.version))

@@ -1,0 +1,380 @@
+"""RLlib replay buffers (integrations/rllib/replay.py): every new-API-stack EpisodeReplayBuffer class
+Ray ships, captured as rows (one per stored timestep, stable increasing row ids) + a meta state,
+stored through ray_ckpt's real formats and restored into a fresh buffer that then samples exactly
+as the original; DQN (prioritized, CartPole) and SAC (Pendulum) saved by the callback and restored
+into a fresh Algorithm. Real RLlib, real episodes, real Ray; CPU only."""
+import numpy as np
+import pytest
+
+pytest.importorskip("gymnasium")
+pytest.importorskip("ray.rllib")
+
+import gymnasium as gym  # noqa: E402
+from ray.rllib.env.single_agent_episode import SingleAgentEpisode  # noqa: E402
+from ray.rllib.utils.replay_buffers import (EpisodeReplayBuffer, MultiAgentEpisodeReplayBuffer,  # noqa: E402
+                                            MultiAgentPrioritizedEpisodeReplayBuffer,
+                                            PrioritizedEpisodeReplayBuffer)
+
+import ray_ckpt as rc  # noqa: E402
+from ray_ckpt.checkpoint_io import decode_files, read_files, write_flat  # noqa: E402
+from ray_ckpt.formats.tree import flatten  # noqa: E402
+from ray_ckpt.integrations import rllib as rr  # noqa: E402
+from ray_ckpt.integrations.rllib import replay as rp  # noqa: E402
+from ray_ckpt.storage.tier import Tier  # noqa: E402
+
+ID_COLS = ("row_id", "episode", "t", "tree", "agent", "module")
+
+
+# ---------------------------------------------------------------- real episodes
+def _sa_chunks(seed, n_envs=3, steps=60, chunk=7, nested=False):
+    """Episode chunks as env runners hand them to the buffer: three envs stepping in turn, chunks of
+    at most ``chunk`` steps (running episodes continue in a later chunk, with a lookback of 1),
+    numpy'ized; some infos not empty; extra model outputs; optionally a Dict observation space."""
+    rng = np.random.default_rng(seed)
+    if nested:
+        osp = gym.spaces.Dict({"pos": gym.spaces.Box(-1, 1, (2,), np.float32),
+                               "img": gym.spaces.Box(0, 255, (2, 3), np.uint8)})
+        osp.seed(seed)
+    else:
+        osp = gym.spaces.Box(-5, 5, (4,), np.float32)
+    asp = gym.spaces.Discrete(3)
+
+    def obs():
+        return osp.sample() if nested else rng.standard_normal(4).astype(np.float32)
+
+    def new_episode():
+        ep = SingleAgentEpisode(observation_space=osp, action_space=asp)
+        ep.add_env_reset(observation=obs(), infos={})
+        return ep
+
+    eps = [new_episode() for _ in range(n_envs)]
+    out = []
+    for step in range(steps):
+        for e in range(n_envs):
+            ep = eps[e]
+            done = rng.random() < 0.06
+            ep.add_env_step(observation=obs(), action=int(rng.integers(3)), reward=float(rng.random()),
+                            infos={"step": step} if step % 5 == 0 else {}, terminated=done,
+                            extra_model_outputs={"action_logp": np.float32(rng.random()),
+                                                 "q": rng.standard_normal(3).astype(np.float32)})
+            if done or len(ep) >= chunk:
+                nxt = new_episode() if done else ep.cut(len_lookback_buffer=1)
+                out.append(ep.to_numpy())
+                eps[e] = nxt
+    return out
+
+
+_MA_CHUNKS = {}
+
+
+def _ma_chunks():
+    """Multi-agent episode chunks sampled by RLlib's own MultiAgentEnvRunner (two agents, two
+    modules, random actions): agents' episodes end at different times."""
+    if "c" not in _MA_CHUNKS:
+        from ray.rllib.algorithms.ppo import PPOConfig
+        from ray.rllib.env.multi_agent_env_runner import MultiAgentEnvRunner
+        from ray.rllib.examples.envs.classes.multi_agent import MultiAgentCartPole
+        cfg = (PPOConfig().environment(MultiAgentCartPole, env_config={"num_agents": 2})
+               .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=_ma_mapping)
+               .env_runners(rollout_fragment_length=20).debugging(seed=0))
+        runner = MultiAgentEnvRunner(config=cfg)
+        chunks = []
+        for _ in range(8):
+            chunks += runner.sample(num_timesteps=20, random_actions=True)
+        runner.stop()
+        _MA_CHUNKS["c"] = chunks
+    return _MA_CHUNKS["c"]
+
+
+def _ma_mapping(aid, episode, **kw):
+    return f"p{aid}"
+
+
+BUFFERS = {
+    "plain": (EpisodeReplayBuffer, {}, False),
+    "prioritized": (PrioritizedEpisodeReplayBuffer, {"alpha": 0.6}, False),
+    "multi_agent": (MultiAgentEpisodeReplayBuffer, {}, True),
+    "multi_agent_prioritized": (MultiAgentPrioritizedEpisodeReplayBuffer, {"alpha": 0.6}, True),
+}
+
+
+def _fill(buf, chunks, prioritized, multi_agent, start=0, stop=None, seed=0):
+    """Add the chunks a few at a time; a prioritized buffer is sampled and its priorities updated
+    in between (as DQN does), so the trees hold more than the initial priority."""
+    stop = len(chunks) if stop is None else stop
+    for i in range(start, stop, 3):
+        buf.add(chunks[i:min(i + 3, stop)])
+        if prioritized and buf.get_num_timesteps() > 20:
+            buf.sample(8, n_step=1)
+            rng = np.random.default_rng(seed + i)
+            if multi_agent:
+                for m, last in list(buf._module_to_last_sampled_indices.items()):
+                    if last:
+                        buf.update_priorities(rng.random(len(last)).astype(np.float32) * 3, module_id=m)
+            else:
+                buf.update_priorities(rng.random(8).astype(np.float32) * 3)
+
+
+def _make(name, capacity, seed=1):
+    cls, kw, _ = BUFFERS[name]
+    buf = cls(capacity=capacity, **kw)
+    buf.rng = np.random.default_rng(seed)
+    return buf
+
+
+def _chunks_for(name, nested=False):
+    return _ma_chunks() if BUFFERS[name][2] else _sa_chunks(0, nested=nested)
+
+
+def _through_storage(tmp_path, name, state):
+    """``state`` written and read back by ray_ckpt's own formats and a local tier (verified)."""
+    tier = Tier(str(tmp_path / "tier"), "local")
+    files = write_flat(tier, 1, name, 0, flatten(state, state_name=name))
+    bufs, _, _ = read_files([tier], files)
+    return files, decode_files(files, bufs, name=name)
+
+
+def _sampled(buf, multi_agent):
+    """What a learner would get: one sample with random n-steps (draws from the buffer's rng)."""
+    kw = {} if isinstance(buf, PrioritizedEpisodeReplayBuffer) or multi_agent else {"sample_episodes": True}
+    eps = buf.sample(16, n_step=(1, 3), include_infos=True, include_extra_model_outputs=True, **kw)
+    out = []
+    for e in eps:
+        st = e.get_state()
+        st.pop("id_", None)  # the prioritized buffers give each sampled episode a new uuid
+        out.append(st)
+    return out
+
+
+def _assert_same(a, b, what):
+    diffs = []
+    rp._cmp(a, b, what, diffs)
+    assert not diffs, diffs
+
+
+# ---------------------------------------------------------------- without an Algorithm
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", list(BUFFERS))
+def test_every_buffer_class_round_trips_exactly_and_samples_the_same(name, tmp_path):
+    cls, kw, multi_agent = BUFFERS[name]
+    prioritized = "prioritized" in name
+    for nested in ((False, True) if not multi_agent else (False,)):
+        buf = _make(name, capacity=120)
+        _fill(buf, _chunks_for(name, nested), prioritized, multi_agent)
+        assert buf.get_num_episodes_evicted() > 0  # evictions happened: rows were removed
+
+        replay, meta = rp.capture_replay(buf)
+        files, replay_back = _through_storage(tmp_path / f"r{nested}", "replay", replay)
+        _, meta_back = _through_storage(tmp_path / f"m{nested}", "replay_meta", meta)
+        # the rows are a ray_ckpt buffer: one Arrow IPC file, one row per stored timestep
+        assert [f.role for f in files] == ["buffer"]
+        n = len(replay["row_id"])
+        want_rows = buf._num_agent_timesteps if multi_agent else buf.get_num_timesteps()
+        assert n == want_rows and all(len(v) == n for v in replay.values() if isinstance(v, np.ndarray))
+        assert np.all(np.diff(replay["row_id"]) > 0)
+        assert ("obs/img" in replay and "obs/pos" in replay) if nested else replay["obs"].shape[1:] == (4,)
+
+        fresh = cls(capacity=120, **kw)
+        rp.restore_replay(fresh, replay_back, meta_back, agent_to_module_mapping_fn=_ma_mapping)
+        assert len(fresh) == len(buf) and fresh.get_num_timesteps() == buf.get_num_timesteps()
+        assert fresh.get_num_episodes() == buf.get_num_episodes()
+        assert fresh.get_added_timesteps() == buf.get_added_timesteps()
+        # every attribute: episodes (data, lookbacks, infos, spaces), indices, counters, trees
+        # (values and their Python/numpy types), free nodes, the sampling generator, metrics
+        assert rp.buffer_state_equal(buf, fresh) == []
+        # the next samples are the same batches, and both buffers are in the same state afterwards
+        for _ in range(2):
+            _assert_same(_sampled(buf, multi_agent), _sampled(fresh, multi_agent), "sample")
+        assert rp.buffer_state_equal(buf, fresh) == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["prioritized", "multi_agent_prioritized"])
+def test_rows_are_append_only_across_captures_and_restores(name):
+    """A row id never changes its row; new rows get larger ids; evicted rows simply disappear; a
+    restored buffer continues the ids (so the next version writes only its new rows)."""
+    prioritized, multi_agent = True, BUFFERS[name][2]
+    chunks = _chunks_for(name)
+    half = len(chunks) // 2
+    capacity = 150 if multi_agent else 90
+    buf = _make(name, capacity)
+    _fill(buf, chunks, prioritized, multi_agent, 0, half)
+    r1, m1 = rp.capture_replay(buf)
+    restored = BUFFERS[name][0](capacity=capacity, **BUFFERS[name][1])
+    rp.restore_replay(restored, r1, m1, agent_to_module_mapping_fn=_ma_mapping)
+    _fill(buf, chunks, prioritized, multi_agent, half, None, seed=7)
+    _fill(restored, chunks, prioritized, multi_agent, half, None, seed=7)
+    assert buf.get_num_episodes_evicted() > m1["counters"]["_num_episodes_evicted"]  # more evictions
+    r2, m2 = rp.capture_replay(buf)
+    r2b, _ = rp.capture_replay(restored)
+
+    common, i1, i2 = np.intersect1d(r1["row_id"], r2["row_id"], return_indices=True)
+    assert 0 < len(common) < len(r1["row_id"])  # some rows survived, some were evicted
+    for col, v in r1.items():
+        if isinstance(v, np.ndarray) and col != "row_id":
+            assert np.array_equal(v[i1], r2[col][i2]), col
+    new = np.setdiff1d(r2["row_id"], r1["row_id"])
+    assert len(new) > 0 and new.min() > r1["row_id"].max()
+    # the restored buffer, given the same episodes, names every row as the original does
+    assert set(r2) == set(r2b)
+    for col, v in r2.items():
+        assert np.array_equal(v, r2b[col]) if isinstance(v, np.ndarray) else v == r2b[col], col
+
+
+def test_unsupported_buffers_are_refused_by_name():
+    from ray.rllib.utils.replay_buffers import ReplayBuffer
+    with pytest.raises(rc.UnsupportedTypeError, match=r"ray\.rllib\.utils\.replay_buffers\.replay_buffer\.ReplayBuffer"):
+        rp.capture_replay(ReplayBuffer(capacity=10))
+
+    class WithState(EpisodeReplayBuffer):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.extra_counter = 3                    # plain: kept
+            self.sampler = lambda: None               # not storable: refused by name
+    buf = WithState(capacity=50)
+    with pytest.raises(rc.UnsupportedTypeError, match=r"WithState: attribute 'sampler'"):
+        rp.capture_replay(buf)
+    del buf.sampler
+    _, meta = rp.capture_replay(buf)
+    assert meta["extra_attrs"] == {"extra_counter": 3}
+
+
+def test_restore_into_a_buffer_of_another_capacity_or_type_fails_and_changes_nothing():
+    buf = _make("prioritized", capacity=120)
+    _fill(buf, _sa_chunks(0), True, False)
+    replay, meta = rp.capture_replay(buf)
+    other = PrioritizedEpisodeReplayBuffer(capacity=200, alpha=0.6)
+    with pytest.raises(rc.RestoreError, match="capacity is 200 here but 120 in the checkpoint"):
+        rp.restore_replay(other, replay, meta)
+    assert other.get_num_timesteps() == 0 and not other.episodes
+    with pytest.raises(rc.RestoreError, match="PrioritizedEpisodeReplayBuffer.*EpisodeReplayBuffer"):
+        rp.restore_replay(EpisodeReplayBuffer(capacity=120), replay, meta)
+
+
+# ---------------------------------------------------------------- real algorithms
+def _dqn_config(cb, seed=3):
+    from ray.rllib.algorithms.dqn import DQNConfig
+    return (DQNConfig().environment("CartPole-v1")
+            .env_runners(num_env_runners=0, rollout_fragment_length=32)
+            .training(replay_buffer_config={"type": "PrioritizedEpisodeReplayBuffer", "capacity": 300,
+                                            "alpha": 0.6, "beta": 0.4},
+                      num_steps_sampled_before_learning_starts=64, train_batch_size=32)
+            .rl_module(model_config={"fcnet_hiddens": [32]})
+            .reporting(min_sample_timesteps_per_iteration=100)
+            .callbacks(cb).debugging(seed=seed))
+
+
+def _sac_config(cb, seed=3):
+    from ray.rllib.algorithms.sac import SACConfig
+    return (SACConfig().environment("Pendulum-v1")
+            .env_runners(num_env_runners=0, rollout_fragment_length=16)
+            .training(replay_buffer_config={"type": "PrioritizedEpisodeReplayBuffer", "capacity": 250,
+                                            "alpha": 0.6, "beta": 0.4},
+                      num_steps_sampled_before_learning_starts=64, train_batch_size=16)
+            .rl_module(model_config={"fcnet_hiddens": [16]})
+            .reporting(min_sample_timesteps_per_iteration=80)
+            .callbacks(cb).debugging(seed=seed))
+
+
+def _replay_sample(algo):
+    """The sample DQN's / SAC's training_step draws from the buffer (same arguments)."""
+    cfg = algo.config
+    return algo.local_replay_buffer.sample(num_items=cfg.total_train_batch_size, n_step=cfg.n_step,
+                                           gamma=cfg.gamma, beta=cfg.replay_buffer_config.get("beta"),
+                                           sample_episodes=True)
+
+
+def _episodes_state(eps):
+    out = []
+    for e in eps:
+        st = e.get_state()
+        st.pop("id_")
+        out.append(st)
+    return out
+
+
+def _run_and_restore(make_config, engine_factory, run_name, iterations):
+    engine = engine_factory(critical_writers=1)
+    cb = rr.make_callback(run_name, every=1)  # connects to the engine created above
+    algo = make_config(cb).build_algo()
+    try:
+        for _ in range(iterations):
+            algo.train()
+        saved = rr.wait_for_saves(algo, timeout=120)
+        assert sorted(saved) == list(range(1, iterations + 1))
+        callback = rr.find_callback(algo)
+        assert callback.engine.registered["replay"] is rc.Strategy.CRITICAL  # off-policy: "auto" = critical
+        buf = algo.local_replay_buffer
+        assert buf.get_num_episodes_evicted() > 0  # the buffer is full and evicting
+        # rows are append-only across saves: a row id present in two versions holds the same row
+        r_prev = engine.load(name="replay", version=iterations - 1)
+        r_last = engine.load(name="replay", version=iterations)
+        common, i1, i2 = np.intersect1d(r_prev["row_id"], r_last["row_id"], return_indices=True)
+        assert len(common) > 0
+        for col, v in r_prev.items():
+            if isinstance(v, np.ndarray):
+                assert np.array_equal(v[i1], r_last[col][i2]), col
+        assert np.setdiff1d(r_last["row_id"], r_prev["row_id"]).min() > r_prev["row_id"].max()
+        assert len(r_last["row_id"]) == buf.get_num_timesteps()
+    finally:
+        algo.stop()  # the "preemption": the original buffer object stays here to compare with
+
+    fresh = make_config(cb).build_algo()
+    try:
+        assert fresh.local_replay_buffer.get_num_timesteps() == 0
+        report = rr.restore_algorithm(fresh, engine)
+        assert report.states["replay"] == "restored" and report.states["replay_meta"] == "restored"
+        got = fresh.local_replay_buffer
+        assert len(got) == len(buf) and got.get_num_timesteps() == buf.get_num_timesteps()
+        assert got.get_num_episodes() == buf.get_num_episodes()
+        assert got.get_num_episodes_evicted() == buf.get_num_episodes_evicted()
+        # contents, priorities (both trees, leaf by leaf, with their types), free nodes, counters, rng
+        assert rp.buffer_state_equal(buf, got) == []
+        # the next batch the learner would draw from the restored buffer is the uninterrupted one's
+        _assert_same(_episodes_state(_replay_sample(algo)), _episodes_state(_replay_sample(fresh)), "batch")
+        assert rp.buffer_state_equal(buf, got) == []
+        # training continues; the next version writes only the new rows (ids continue after the restore)
+        fresh.train()
+        rr.wait_for_saves(fresh, timeout=120)
+        v_next = engine.list_checkpoints()[-1].version
+        r_next = engine.load(name="replay", version=v_next)
+        common, i1, i2 = np.intersect1d(r_last["row_id"], r_next["row_id"], return_indices=True)
+        assert len(common) > 0 and np.array_equal(r_last["obs"][i1], r_next["obs"][i2])
+        assert np.setdiff1d(r_next["row_id"], r_last["row_id"]).min() > r_last["row_id"].max()
+    finally:
+        fresh.stop()
+    return buf, got
+
+
+@pytest.mark.timeout(240)
+def test_dqn_prioritized_buffer_saved_by_callback_restores_exactly(engine_factory, run_name):
+    buf, got = _run_and_restore(_dqn_config, engine_factory, run_name, iterations=4)
+    assert isinstance(got, PrioritizedEpisodeReplayBuffer)
+
+
+@pytest.mark.timeout(240)
+def test_sac_pendulum_buffer_saved_by_callback_restores_exactly(engine_factory, run_name):
+    buf, got = _run_and_restore(_sac_config, engine_factory, run_name, iterations=3)
+    assert got.episodes[0].get_observations(0).shape == (3,)
+
+
+@pytest.mark.timeout(180)
+def test_replay_strategy_setting(engine_factory, run_name):
+    with pytest.raises(rc.InvalidArgumentError, match="replay_strategy must be one of"):
+        rr.make_callback(run_name, replay_strategy="sometimes")
+    engine = engine_factory(critical_writers=1)
+    cb = rr.make_callback(run_name, every=1, replay_strategy="off")
+    algo = _dqn_config(cb).build_algo()
+    try:
+        algo.train()
+        rr.wait_for_saves(algo, timeout=120)
+        assert "replay" not in engine.list_checkpoints()[-1].states
+        fresh = _dqn_config(cb).build_algo()
+        try:
+            report = rr.restore_algorithm(fresh, engine)
+            assert report.states["replay"].startswith("missing: version 1 has no replay buffer")
+            assert fresh.local_replay_buffer.get_num_timesteps() == 0
+        finally:
+            fresh.stop()
+    finally:
+        algo.stop()
