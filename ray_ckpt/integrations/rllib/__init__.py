@@ -36,6 +36,7 @@ module              holds
                     :func:`wait_for_saves`, :class:`CheckpointSettings`
 ``restore``         :func:`restore_algorithm`, step by step; :class:`AlgorithmRestoreReport`
 ``env_runners``     env runner state (their RNGs) and the restore's verified push to every runner
+``learners``        remote learners: states captured in the first learner; verified push into each
 ``_rllib_internals`` every private / undocumented RLlib attribute relied on, and a check of them
 =================== ===============================================================================
 """

@@ -15,6 +15,13 @@ and ``FaultTolerantActorManager.actors()``               engine snapshots each r
                                                          EnvRunnerGroup exposes healthy ids and
                                                          ``foreach_*`` calls, never the handles; RLlib's
                                                          own code marks ``actors()`` "TODO: remove".
+``LearnerGroup._worker_manager`` (set in ``__init__``)   The remote learners' actor handles
+and its ``actors()`` / ``healthy_actor_ids()``           (``num_learners >= 1``): ``policy`` /
+                                                         ``optimizer`` / ``metrics`` are snapshotted inside
+                                                         the first learner, and a restore pushes into each
+                                                         learner and checks its answer
+                                                         (:mod:`.learners`). LearnerGroup exposes only
+                                                         ``foreach_learner``, never the handles.
 gymnasium ``Env._np_random``                             An env's RNG, read without side effects: the
                                                          public ``np_random`` property seeds a new
                                                          generator from OS entropy when there is none.
@@ -37,7 +44,7 @@ import importlib
 import inspect
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -64,6 +71,11 @@ INTERNALS = (
              "the remote env runners' actor handles (saving env_runner_<i>; unhealthy runners on restore)"),
     Internal("ray.rllib.utils.actor_manager:FaultTolerantActorManager", "actors", "method",
              "{runner id: actor handle}, healthy or not"),
+    Internal("ray.rllib.core.learner.learner_group:LearnerGroup", "_worker_manager", "instance",
+             "the remote learners' actor handles (policy/optimizer/metrics captured in the first learner; "
+             "the restore's verified push into each)"),
+    Internal("ray.rllib.utils.actor_manager:FaultTolerantActorManager", "healthy_actor_ids", "method",
+             "which remote learner is the first healthy one (the one RLlib's own get_state reads)"),
     Internal("gymnasium.core:Env", "_np_random", "class",
              "an env's RNG read without seeding a new one"),
     Internal("ray.rllib.utils.serialization", "_serialize_ndarray", "function",
@@ -125,6 +137,19 @@ def remote_env_runner_actors(group: Any) -> Dict[int, Any]:
             log.warning("ray_ckpt: cannot list RLlib's remote env runners (%s: %s); their RNG states are not "
                         "saved and a restore does not report unhealthy ones", type(exc).__name__, exc)
         return {}
+
+
+def remote_learners(learner_group: Any) -> Tuple[Dict[int, Any], List[int]]:
+    """({learner id: actor handle} of every remote learner, healthy or not; the healthy ids in RLlib's
+    order) of a LearnerGroup with ``num_learners >= 1``. Raises RuntimeError naming the internal if
+    RLlib moved them (no silent fallback: ``policy`` and ``optimizer`` are critical)."""
+    try:
+        manager = learner_group._worker_manager
+        return dict(manager.actors()), list(manager.healthy_actor_ids())
+    except Exception as exc:  # pragma: no cover - RLlib internals changed
+        raise RuntimeError(f"cannot reach RLlib's remote learner actors (LearnerGroup._worker_manager: "
+                           f"{type(exc).__name__}: {exc}); ray_ckpt's _rllib_internals needs updating for "
+                           f"this RLlib") from None
 
 
 def env_rng(env: Any) -> Optional[np.random.Generator]:

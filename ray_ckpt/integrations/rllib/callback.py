@@ -10,9 +10,10 @@ state is snapshotted *inside that runner* (the callback installs a ``ckpt_get_st
 and registers the actor handle; the engine submits the snapshot, whose ObjectRef goes straight to
 a writer), so no remote call is awaited either. If ``max_in_flight`` saves are still in flight,
 ``on_busy="skip"`` (default) skips that iteration's save instead of waiting (counted and logged).
-Exception: with remote learners (``num_learners > 0``), ``learner_group.get_state`` fetches the
-state from the first learner actor, which waits for that transfer (what RLlib's own checkpointing
-does too).
+With remote learners (``num_learners >= 1``) the learner states (``policy``, ``optimizer``, the
+learner half of ``metrics``) are snapshotted the same way, *inside the first learner actor*
+(:mod:`.learners`: under DDP all learners hold the same state), so ``train()`` waits for no
+learner transfer either; a restore pushes them into every learner and checks each one's answer.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from ...storage.layout import validate_name
 from ...types import OnBusy, SaveResult, Strategy
 from .capture import capture_algorithm_state
 from .env_runners import runner_snapshot_actors
+from .learners import LearnerCapture
 from .names import CONNECTORS, COUNTERS, METRICS, OPTIMIZER, POLICY, RNG, log
 from .restore import AlgorithmRestoreReport, restore_algorithm
 from .tune import coordinator_exists, install_hooks, open_run, trial_run_name, tune_trial_id
@@ -155,6 +157,7 @@ class RayCkptCallback(RLlibCallback):
         self._pending: Dict[str, Any] = {}
         self._open: List[int] = []
         self._runner_names: set = set()
+        self._learners = LearnerCapture()  # remote learners: states captured in the first learner (learners.py)
         self._last_step = -1
         self.run: str = self.settings.run
         self.loaded: Optional[AlgorithmRestoreReport] = None
@@ -352,6 +355,7 @@ class RayCkptCallback(RLlibCallback):
                 self._register(eng, METRICS, Strategy.BEST_EFFORT)
             elif METRICS not in self._pending and METRICS in eng.registered:
                 eng.unregister(METRICS)
+        self._learners.sync(eng, algorithm, self._pending, s.allow_pickle)  # no-op with a local learner
         if not s.env_runner_states:
             return
         actors = runner_snapshot_actors(algorithm)

@@ -5,6 +5,9 @@ name           strategy     content
 ============== ============ ==========================================================================
 policy         CRITICAL     the learner's RLModule weights (``learner_group.get_state``), every module
 optimizer      CRITICAL     the learner's optimizer states (moments, step counts, param groups)
+                            -- with remote learners (``num_learners >= 1``) both, and the learner half
+                            of ``metrics``, are captured inside the first learner actor, not here
+                            (:mod:`.learners`)
 connectors     CRITICAL     env-to-module / module-to-env connector states of the algorithm's env
                             runner (the merged MeanStdFilter statistics, ...) and its sampled-steps
                             counter
@@ -29,6 +32,7 @@ from ...errors import UnsupportedTypeError
 from ...rng import rng_state
 from .conversion import to_storable
 from .env_runners import CONNECTOR_COMPONENTS
+from .learners import is_remote, reported_weights_seq_no
 from .names import CONNECTORS, COUNTERS, METRICS, OPTIMIZER, POLICY, RNG, TRAINING_ITERATION
 
 
@@ -62,18 +66,25 @@ def capture_algorithm_state(algorithm: Any, *, rng: bool = True, metrics: bool =
                             errors: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """The in-process states of one version, converted with :func:`to_storable`: ``policy``,
     ``optimizer``, ``connectors``, ``counters`` (+ ``rng``, ``metrics``). A critical state that cannot
-    be converted raises; a best-effort one (``metrics``) is left out and its reason put in ``errors``."""
+    be converted raises; a best-effort one (``metrics``) is left out and its reason put in ``errors``.
+    With remote learners ``policy`` / ``optimizer`` are left out and ``metrics`` holds only the
+    algorithm half: the learner actor captures the rest (:class:`.learners.LearnerCapture`)."""
     pickled = set(allow_pickle)
-    lg = algorithm.learner_group.get_state(components=_learner_components(metrics))[COMPONENT_LEARNER]
+    # remote learners: policy / optimizer / the learner's metrics are snapshotted in the learner actor
+    # (learners.py), never fetched into this process; they are not in the result
+    remote = is_remote(algorithm.learner_group)
+    lg = {} if remote else algorithm.learner_group.get_state(
+        components=_learner_components(metrics))[COMPONENT_LEARNER]
     out: Dict[str, Any] = {}
-    out[POLICY] = to_storable(lg[COMPONENT_RL_MODULE], POLICY, POLICY in pickled)
-    out[OPTIMIZER] = to_storable(lg[COMPONENT_OPTIMIZER], OPTIMIZER, OPTIMIZER in pickled)
+    if not remote:
+        out[POLICY] = to_storable(lg[COMPONENT_RL_MODULE], POLICY, POLICY in pickled)
+        out[OPTIMIZER] = to_storable(lg[COMPONENT_OPTIMIZER], OPTIMIZER, OPTIMIZER in pickled)
     conn = _connector_state(algorithm)
     out[CONNECTORS] = to_storable(conn if conn is not None else {}, CONNECTORS, CONNECTORS in pickled)
     sampled = algorithm.metrics.peek((ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME), default=0)
     out[COUNTERS] = {
         TRAINING_ITERATION: int(algorithm.iteration),
-        WEIGHTS_SEQ_NO: int(lg.get(WEIGHTS_SEQ_NO, 0) or 0),
+        WEIGHTS_SEQ_NO: reported_weights_seq_no(algorithm) if remote else int(lg.get(WEIGHTS_SEQ_NO, 0) or 0),
         NUM_ENV_STEPS_SAMPLED_LIFETIME: int(sampled or 0),
     }
     if rng:

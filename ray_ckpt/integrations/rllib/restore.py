@@ -12,7 +12,7 @@ the learner keep applying.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 from ray.rllib.core import COMPONENT_LEARNER, COMPONENT_METRICS_LOGGER, COMPONENT_OPTIMIZER, COMPONENT_RL_MODULE
@@ -24,6 +24,7 @@ from ...rng import set_rng_state
 from .capture import algorithm_connectors
 from .conversion import from_storable
 from .env_runners import RunnerSync, push_to_env_runners, saved_runner_states
+from .learners import is_remote, restore_remote_learners
 from .names import (CONNECTORS, COUNTERS, CRITICAL_STATES, ENV_RUNNER_PREFIX, METRICS, OPTIMIZER, POLICY, RNG,
                     TRAINING_ITERATION)
 
@@ -32,7 +33,9 @@ from .names import (CONNECTORS, COUNTERS, CRITICAL_STATES, ENV_RUNNER_PREFIX, ME
 class AlgorithmRestoreReport:
     """What :func:`restore_algorithm` did. ``states``: name -> "restored (local)" / "missing: why" /
     "not restored: why"; ``env_runners``: remote runner id -> "verified" (weights digest + connector
-    state confirmed by the runner) or the problem; ``seconds``: the whole restore incl. the sync."""
+    state confirmed by the runner) or the problem; ``seconds``: the whole restore incl. the sync;
+    ``learners``: remote learner id -> "verified" (weights + optimizer digests confirmed by each
+    learner; empty with a local learner)."""
 
     version: int
     iteration: int
@@ -42,6 +45,7 @@ class AlgorithmRestoreReport:
     weights_digest: str
     seconds: float
     sync_seconds: float
+    learners: Dict[int, str] = field(default_factory=dict)
 
     @property
     def verified(self) -> bool:
@@ -108,9 +112,13 @@ def _require_critical(engine: CheckpointEngine, meta: Any, loaded: Dict[str, Any
 
 
 # ====================================================================== step 2: the algorithm's process
-def _restore_learner(learner_group: Any, loaded: Dict[str, Any], metrics: Optional[Dict[str, Any]]) -> int:
+def _restore_learner(learner_group: Any, loaded: Dict[str, Any], metrics: Optional[Dict[str, Any]],
+                     timeout_s: float) -> Tuple[int, Dict[int, str]]:
     """Weights + optimizer (+ learner metrics) into the learner, stamped with a weights_seq_no newer than
-    the checkpoint's and the learner's current one (so no env runner ignores it); returns that number."""
+    the checkpoint's and the learner's current one (so no env runner ignores it); returns that number
+    and, with remote learners, each one's verdict (pushed into every learner and verified: learners.py)."""
+    if is_remote(learner_group):
+        return restore_remote_learners(learner_group, loaded, metrics, timeout_s)
     current = learner_group.get_state(components=f"{COMPONENT_LEARNER}/{WEIGHTS_SEQ_NO}")[COMPONENT_LEARNER]
     saved_seq = int(loaded.get(COUNTERS, {}).get(WEIGHTS_SEQ_NO, 0) or 0)
     new_seq = max(saved_seq, int(current.get(WEIGHTS_SEQ_NO, 0) or 0)) + 1
@@ -122,7 +130,7 @@ def _restore_learner(learner_group: Any, loaded: Dict[str, Any], metrics: Option
     if metrics is not None and metrics.get("learner") is not None:
         learner_state[COMPONENT_METRICS_LOGGER] = metrics["learner"]
     learner_group.set_state({COMPONENT_LEARNER: learner_state})
-    return new_seq
+    return new_seq, {}
 
 
 def _restore_connectors(algorithm: Any, conn: Optional[Dict[str, Any]]) -> None:
@@ -203,7 +211,7 @@ def restore_algorithm(algorithm: Any, run: Union[str, CheckpointEngine], version
 
     metrics = from_storable(loaded[METRICS]) if METRICS in loaded else None
     conn = from_storable(loaded[CONNECTORS]) if CONNECTORS in loaded else None
-    new_seq = _restore_learner(algorithm.learner_group, loaded, metrics)
+    new_seq, learners = _restore_learner(algorithm.learner_group, loaded, metrics, timeout_s)
     _restore_connectors(algorithm, conn)
     _restore_counters_and_metrics(algorithm, loaded.get(COUNTERS, {}), metrics)
     _restore_rng(loaded, states, restore_rng)
@@ -215,4 +223,4 @@ def restore_algorithm(algorithm: Any, run: Union[str, CheckpointEngine], version
     return AlgorithmRestoreReport(version=meta.version, iteration=int(algorithm.iteration),
                                   weights_seq_no=sync.weights_seq_no, states=states, env_runners=sync.env_runners,
                                   weights_digest=sync.weights_digest, seconds=time.perf_counter() - t0,
-                                  sync_seconds=sync.seconds)
+                                  sync_seconds=sync.seconds, learners=learners)
