@@ -268,11 +268,11 @@ def _sac_config(cb, seed=3):
     from ray.rllib.algorithms.sac import SACConfig
     return (SACConfig().environment("Pendulum-v1")
             .env_runners(num_env_runners=0, rollout_fragment_length=16)
-            .training(replay_buffer_config={"type": "PrioritizedEpisodeReplayBuffer", "capacity": 250,
+            .training(replay_buffer_config={"type": "PrioritizedEpisodeReplayBuffer", "capacity": 500,
                                             "alpha": 0.6, "beta": 0.4},
                       num_steps_sampled_before_learning_starts=64, train_batch_size=16)
             .rl_module(model_config={"fcnet_hiddens": [16]})
-            .reporting(min_sample_timesteps_per_iteration=80)
+            .reporting(min_sample_timesteps_per_iteration=200)  # Pendulum's episodes: 200 steps
             .callbacks(cb).debugging(seed=seed))
 
 

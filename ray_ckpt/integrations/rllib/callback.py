@@ -33,6 +33,7 @@ from .capture import capture_algorithm_state
 from .env_runners import runner_snapshot_actors
 from .learners import LearnerCapture
 from .names import CONNECTORS, COUNTERS, METRICS, OPTIMIZER, POLICY, RNG, log
+from .replay import check_replay_strategy, replay_strategy, sync_replay_registrations
 from .restore import AlgorithmRestoreReport, restore_algorithm
 from .tune import coordinator_exists, install_hooks, open_run, trial_run_name, tune_trial_id
 
@@ -60,7 +61,11 @@ class CheckpointSettings:
     uses ``run``. ``tune_checkpoints``: "pointer" (default): a Tune checkpoint (``Trainable.save``,
     PBT) is a small file naming a committed version, restored from ray_ckpt; "rllib": RLlib's own.
     ``stop_timeout_s``: how long ``algorithm.stop()`` (and a Tune checkpoint) waits for saves in
-    flight before the callback's coordinator is shut down."""
+    flight before the callback's coordinator is shut down.
+
+    ``replay_strategy``: how the algorithm's replay buffer is saved (:mod:`.replay`): "auto"
+    (default: CRITICAL when the algorithm has a ``local_replay_buffer`` -- DQN, SAC, APPO --, nothing
+    for on-policy ones), "critical", "best_effort" or "off"."""
 
     run: str
     local_dir: Optional[str] = None
@@ -80,6 +85,7 @@ class CheckpointSettings:
     per_trial: bool = True
     tune_checkpoints: str = "pointer"
     stop_timeout_s: float = 60.0
+    replay_strategy: str = "auto"
 
     def __post_init__(self) -> None:
         try:
@@ -93,6 +99,7 @@ class CheckpointSettings:
             raise InvalidArgumentError(f"on_error must be 'raise' or 'warn', got {self.on_error!r}")
         if not isinstance(self.resume, bool):
             raise InvalidArgumentError(f"resume must be True or False, got {self.resume!r}")
+        check_replay_strategy(self.replay_strategy)
         if not isinstance(self.per_trial, bool):
             raise InvalidArgumentError(f"per_trial must be True or False, got {self.per_trial!r}")
         if self.tune_checkpoints not in ("pointer", "rllib"):
@@ -205,7 +212,8 @@ class RayCkptCallback(RLlibCallback):
                      "(the algorithm was set back to an older state)", it, step, self.run, self._last_step)
         errors: Dict[str, str] = {}
         self._pending = capture_algorithm_state(algorithm, rng=s.rng, metrics=s.metrics,
-                                                allow_pickle=s.allow_pickle, errors=errors)
+                                                allow_pickle=s.allow_pickle, errors=errors,
+                                                replay=replay_strategy(s.replay_strategy, algorithm), engine=eng)
         for name, why in errors.items():
             log.warning("ray_ckpt: iteration %d: best-effort state %r not saved: %s", it, name, why)
         try:
@@ -356,6 +364,7 @@ class RayCkptCallback(RLlibCallback):
             elif METRICS not in self._pending and METRICS in eng.registered:
                 eng.unregister(METRICS)
         self._learners.sync(eng, algorithm, self._pending, s.allow_pickle)  # no-op with a local learner
+        sync_replay_registrations(eng, algorithm, s.replay_strategy, self._pending, lambda: self._pending)
         if not s.env_runner_states:
             return
         actors = runner_snapshot_actors(algorithm)
@@ -399,7 +408,8 @@ def make_callback(run: str, local_dir: Optional[str] = None, remote_uri: Optiona
     """A :class:`RayCkptCallback` subclass with these settings bound, for ``config.callbacks(...)``.
 
     Options: see :class:`CheckpointSettings` (every, keep_last, keep_every, on_busy, on_error,
-    env_runner_states, rng, metrics, allow_pickle, engine_options, resume, resume_timeout_s). The
+    env_runner_states, rng, metrics, allow_pickle, engine_options, resume, resume_timeout_s,
+    replay_strategy). The
     settings are validated here."""
     settings = CheckpointSettings(run, local_dir, remote_uri, **options)
     return type(f"RayCkptCallback_{run.replace('-', '_').replace('.', '_')}", (RayCkptCallback,),

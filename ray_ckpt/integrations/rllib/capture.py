@@ -16,6 +16,10 @@ rng            CRITICAL     python / numpy / torch RNG states of the algorithm's
                             holds the learner when ``num_learners=0``)
 metrics        BEST_EFFORT  the algorithm's and the learner's MetricsLogger states (lifetime counters,
                             smoothing windows)
+replay         CRITICAL     off-policy algorithms' ``local_replay_buffer``: one row per stored timestep
+                            (registered append-only) ...
+replay_meta    CRITICAL     ... and everything else of the buffer (:mod:`.replay`); both take the
+                            callback's ``replay_strategy`` ("auto": CRITICAL when there is a buffer)
 env_runner_<i> BEST_EFFORT  remote env runner i: its process RNG states and its environments'
                             ``np_random`` states (captured inside the runner: :mod:`.env_runners`)
 ============== ============ ==========================================================================
@@ -34,6 +38,7 @@ from .conversion import to_storable
 from .env_runners import CONNECTOR_COMPONENTS
 from .learners import is_remote, reported_weights_seq_no
 from .names import CONNECTORS, COUNTERS, METRICS, OPTIMIZER, POLICY, RNG, TRAINING_ITERATION
+from .replay import capture_algorithm_replay
 
 
 def _learner_components(metrics: bool) -> List[str]:
@@ -63,7 +68,8 @@ def _connector_state(algorithm: Any) -> Optional[Dict[str, Any]]:
 
 def capture_algorithm_state(algorithm: Any, *, rng: bool = True, metrics: bool = True,
                             allow_pickle: Iterable[str] = (),
-                            errors: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+                            errors: Optional[Dict[str, str]] = None, replay: Any = None,
+                            engine: Any = None) -> Dict[str, Any]:
     """The in-process states of one version, converted with :func:`to_storable`: ``policy``,
     ``optimizer``, ``connectors``, ``counters`` (+ ``rng``, ``metrics``). A critical state that cannot
     be converted raises; a best-effort one (``metrics``) is left out and its reason put in ``errors``.
@@ -98,4 +104,6 @@ def capture_algorithm_state(algorithm: Any, *, rng: bool = True, metrics: bool =
             if errors is None:
                 raise
             errors[METRICS] = str(exc)
+    if replay is not None:  # a Strategy: the replay buffer's ``replay`` + ``replay_meta`` (replay.py)
+        capture_algorithm_replay(algorithm, out, replay, engine, errors)
     return out

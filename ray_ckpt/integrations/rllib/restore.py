@@ -25,8 +25,9 @@ from .capture import algorithm_connectors
 from .conversion import from_storable
 from .env_runners import RunnerSync, push_to_env_runners, saved_runner_states
 from .learners import is_remote, restore_remote_learners
-from .names import (CONNECTORS, COUNTERS, CRITICAL_STATES, ENV_RUNNER_PREFIX, METRICS, OPTIMIZER, POLICY, RNG,
-                    TRAINING_ITERATION)
+from .names import (CONNECTORS, COUNTERS, CRITICAL_STATES, ENV_RUNNER_PREFIX, METRICS, OPTIMIZER, POLICY, REPLAY,
+                    REPLAY_META, RNG, TRAINING_ITERATION)
+from .replay import restore_algorithm_replay
 
 
 @dataclass
@@ -81,7 +82,7 @@ def _load_states(engine: CheckpointEngine, meta: Any, restore_env_runners: bool,
     v = meta.version
     states: Dict[str, str] = {}
     loaded: Dict[str, Any] = {}
-    known = set(CRITICAL_STATES) | {METRICS}
+    known = set(CRITICAL_STATES) | {METRICS, REPLAY, REPLAY_META}
     for name in meta.states:
         if name.startswith(ENV_RUNNER_PREFIX):
             if not restore_env_runners:
@@ -192,7 +193,7 @@ def restore_algorithm(algorithm: Any, run: Union[str, CheckpointEngine], version
                       local_dir: Optional[str] = None, remote_uri: Optional[str] = None,
                       engine_options: Optional[Dict[str, Any]] = None, timeout_s: float = 60.0,
                       strict: bool = True, restore_rng: bool = True, restore_env_runners: bool = True,
-                      allow_pickle: Iterable[str] = ()) -> AlgorithmRestoreReport:
+                      allow_pickle: Iterable[str] = (), restore_replay: bool = True) -> AlgorithmRestoreReport:
     """Bring ``algorithm`` (built from the same config) back to ``version`` (-1: the latest) of ``run``.
 
     ``run``: a run name (``local_dir`` given: get-or-create its engine; else connect to the running
@@ -202,12 +203,15 @@ def restore_algorithm(algorithm: Any, run: Union[str, CheckpointEngine], version
     RNGs; finally one synchronous ``set_state`` on every healthy remote env runner (weights from the
     learner, connector states, its own saved RNG states), bounded by ``timeout_s``, whose answers
     are checked: a runner that does not answer in time or holds other weights / connector states
-    raises RestoreError (the algorithm is then restored but its runners are not to be trusted)."""
+    raises RestoreError (the algorithm is then restored but its runners are not to be trusted).
+    The replay buffer (``replay`` + ``replay_meta``, off-policy algorithms) is restored first, into
+    ``algorithm.local_replay_buffer`` (``restore_replay=False``: left as it is): see :mod:`.replay`."""
     t0 = time.perf_counter()
     engine = _resolve_engine(run, local_dir, remote_uri, engine_options)
     meta = _pick_version(engine, version)
     loaded, states = _load_states(engine, meta, restore_env_runners, set(allow_pickle))
     _require_critical(engine, meta, loaded, states, strict)
+    restore_algorithm_replay(algorithm, engine, meta, loaded, states, strict=strict, enabled=restore_replay)
 
     metrics = from_storable(loaded[METRICS]) if METRICS in loaded else None
     conn = from_storable(loaded[CONNECTORS]) if CONNECTORS in loaded else None
