@@ -83,7 +83,10 @@ def reported_weights_seq_no(algorithm: Any) -> int:
     """The learners' ``weights_seq_no`` as their last update reported it to the algorithm (the
     highest over modules; 0 if none), read from ``algorithm.metrics`` without calling a learner."""
     best = 0
-    merged = algorithm.metrics.peek((LEARNER_RESULTS,), default={}, latest_merged_only=True)
+    try:
+        merged = algorithm.metrics.peek((LEARNER_RESULTS,), default={}, latest_merged_only=True)
+    except Exception:  # no learner results yet, or a MetricsLogger without latest_merged_only
+        return 0
     for mid in merged if isinstance(merged, dict) else ():
         v = merged[mid].get(WEIGHTS_SEQ_NO) if isinstance(merged[mid], dict) else None
         try:
