@@ -205,22 +205,28 @@ def pack_scalars(values: Sequence[Any], what: str) -> Dict[str, Any]:
     """Python / numpy scalars (bool, int, float, None, numpy numbers) -> arrays that restore them with
     their exact values *and types* (a sum-tree leaf that was an ``np.float32`` stays one: the next
     sums are then computed as RLlib computes them). ``{"v": values, "k": codes, "kinds": [...]}``."""
-    kinds: Dict[str, int] = {}
-    codes = np.empty(len(values), np.int8)
-    for i, x in enumerate(values):
+    values = values if isinstance(values, list) else list(values)
+    type_kind: Dict[type, str] = {}
+    for t in set(map(type, values)):
+        x = next(v for v in values if type(v) is t)
         try:
-            k = _kind_of(x)
+            type_kind[t] = _kind_of(x)
         except TypeError:
-            raise UnsupportedTypeError(f"replay buffer: {what}[{i}] is a {_type_name(x)}, not a number") from None
-        codes[i] = kinds.setdefault(k, len(kinds))
+            raise UnsupportedTypeError(f"replay buffer: {what}[{values.index(x)}] is a {_type_name(x)}, "
+                                       f"not a number") from None
+    kinds: Dict[str, int] = {}
+    for k in sorted(set(type_kind.values())):
+        kinds[k] = len(kinds)
     floaty = any(k == "float" or (k.startswith("np:") and np.dtype(k[3:]).kind == "f") for k in kinds)
+    has_none = "None" in kinds
     if floaty:
-        v = np.array([np.nan if x is None else float(x) for x in values], np.float64)
+        v = np.array([np.nan if x is None else x for x in values] if has_none else values, np.float64)
     else:
-        v = np.array([0 if x is None else int(x) for x in values], np.int64)
+        v = np.array([0 if x is None else x for x in values] if has_none else values, np.int64).reshape(len(values))
     out: Dict[str, Any] = {"v": v, "kinds": list(kinds)}
     if len(kinds) > 1:
-        out["k"] = codes
+        code_of = {t: kinds[k] for t, k in type_kind.items()}
+        out["k"] = np.fromiter(map(code_of.__getitem__, map(type, values)), np.int8, len(values))
     return out
 
 
@@ -239,12 +245,20 @@ def unpack_scalars(p: Dict[str, Any]) -> List[Any]:
     kinds = list(p["kinds"])
     if not kinds:
         return []
-    makers = [_maker(k) for k in kinds]
+
+    def convert(kind: str) -> List[Any]:  # the whole array as Python objects of one kind
+        if kind == "None":
+            return [None] * len(v)
+        if kind in ("int", "float", "bool"):
+            base = {"int": int, "float": float, "bool": bool}[kind]
+            vals = v.tolist()
+            return vals if type(vals[0] if vals else base()) is base else [base(x) for x in vals]
+        return list(v.astype(np.dtype(kind[3:]), copy=False))
+
     if "k" not in p:
-        if kinds[0] in ("int", "float", "bool"):
-            return [makers[0](x) for x in v.tolist()]
-        return [makers[0](x) for x in v]
-    return [makers[c](x) for c, x in zip(np.asarray(p["k"]).tolist(), v)]
+        return convert(kinds[0])
+    lists = [convert(k) for k in kinds]
+    return [lists[c][i] for i, c in enumerate(np.asarray(p["k"]).tolist())]
 
 
 def _pack_one(x: Any, what: str) -> Dict[str, Any]:
@@ -264,6 +278,10 @@ class _Spaces:
         self._index = {json.dumps(d, sort_keys=True, default=str): i for i, d in enumerate(self.table)}
         self._by_id: Dict[int, Tuple[Any, int]] = {}
         self._objs: Dict[int, Any] = {}
+
+    def prune(self) -> None:
+        """Drop the id cache (it holds the space objects of episodes that may be evicted by now)."""
+        self._by_id.clear()
 
     def code(self, space: Any) -> int:
         if space is None:
@@ -382,6 +400,7 @@ class _EpisodeParts:
 
     key: Tuple[int, int]            # (episode index, agent code; -1 single-agent)
     n: int
+    done: bool
     scalars: Dict[str, Any]
     fields: List[_Field]
     emo_keys: List[str]
@@ -413,7 +432,7 @@ def _split_episode(ep: Any, key: Tuple[int, int], spaces: _Spaces, where: str) -
     scalars["obs_space"] = spaces.code(ep._observation_space)
     scalars["act_space"] = spaces.code(ep._action_space)
     scalars["custom_data"] = ep._custom_data
-    return _EpisodeParts(key, n, scalars, fields, keys,
+    return _EpisodeParts(key, n, bool(ep.is_done), scalars, fields, keys,
                          {"lookback": int(infos.lookback), "len": len(infos.data), "sparse": sparse,
                           "space": spaces.code(infos.space)})
 
@@ -440,6 +459,10 @@ class RowIds:
         self._agent_code: Dict[Any, int] = {}
         self._module_code: Dict[Any, int] = {}
         self.full_rewrites = 0
+        self.spaces = _Spaces()  # append-only table of the spaces met so far (codes stay valid)
+        # (episode, agent) -> (episode object, its parts) of the last capture: a done episode never
+        # changes (RLlib only concatenates to running ones), so its parts are reused, not re-split
+        self.parts: Dict[Tuple[int, int], Tuple[Any, "_EpisodeParts"]] = {}
         self.restored_from: Optional[Tuple[str, int]] = None  # (run, version) restore_replay read
         self.checked_run: Optional[str] = None  # the run whose newest version these ids were checked against
 
@@ -513,35 +536,76 @@ def row_ids_of(buffer: Any) -> RowIds:
 
 # ---------------------------------------------------------------------------- trees and free lists
 def _tree_leaves(tree: Any, idx: np.ndarray, what: str) -> Dict[str, Any]:
-    vals = tree.value
-    cap = tree.capacity
-    return pack_scalars([vals[cap + int(i)] for i in idx], what)
+    if len(idx) == 0:
+        return pack_scalars([], what)
+    got = operator.itemgetter(*(idx + tree.capacity).tolist())(tree.value)
+    return pack_scalars(list(got) if len(idx) > 1 else [got], what)
 
 
 def _check_neutral(tree: Any, used: np.ndarray, what: str) -> None:
     """Leaves that belong to no row must hold the neutral element (else they could not be rebuilt)."""
     cap = tree.capacity
-    leaves = tree.value[cap:]
-    neutral = tree.neutral_element
+    leaves = np.fromiter(itertools.islice(tree.value, cap, 2 * cap), np.float64, cap)
     mask = np.ones(cap, bool)
     mask[used] = False
-    bad = [i for i in np.flatnonzero(mask).tolist() if not (type(leaves[i]) is float and leaves[i] == neutral)]
-    if bad:
-        raise UnsupportedTypeError(f"replay buffer: {what}: leaves {bad[:5]} belong to no stored timestep but hold "
-                                   f"{[leaves[i] for i in bad[:5]]} (expected {neutral}): the tree cannot be "
-                                   f"rebuilt from its rows")
+    bad = np.flatnonzero(mask & (leaves != tree.neutral_element))
+    if len(bad):
+        raise UnsupportedTypeError(f"replay buffer: {what}: leaves {bad[:5].tolist()} belong to no stored timestep "
+                                   f"but hold {leaves[bad[:5]].tolist()} (expected {tree.neutral_element}): the "
+                                   f"tree cannot be rebuilt from its rows")
 
 
 def _rebuild_tree(tree: Any, idx: np.ndarray, packed: Dict[str, Any]) -> None:
+    """The tree's values from its row leaves: the leaves, then every inner node as ``op(left, right)``
+    of its children, as RLlib's ``__setitem__`` leaves them (same values, same Python/numpy types)."""
     cap = tree.capacity
     neutral = tree.neutral_element
+    kinds = set(packed["kinds"])
+    v = np.asarray(packed["v"])
+    if kinds <= {"float", "np:<f8"} and type(neutral) is float and not np.isnan(v).any():
+        tree.value = _rebuild_tree_f64(tree, idx, v, packed)
+        return
     value = [neutral] * (2 * cap)
-    for i, v in zip(idx.tolist(), unpack_scalars(packed)):
-        value[cap + i] = v
+    for i, x in zip(idx.tolist(), unpack_scalars(packed)):
+        value[cap + i] = x
     op = tree.operation
     for i in range(cap - 1, 0, -1):
         value[i] = op(value[2 * i], value[2 * i + 1])
     tree.value = value
+
+
+def _rebuild_tree_f64(tree: Any, idx: np.ndarray, v: np.ndarray, packed: Dict[str, Any]) -> List[Any]:
+    """:func:`_rebuild_tree` for leaves that are Python floats / ``np.float64`` (what RLlib's trees
+    hold with float64 priorities), level by level in numpy: a Python float add and an ``np.float64``
+    add are the same IEEE double add, so the values are identical; an inner node is an ``np.float64``
+    where RLlib's would be one (sum: a child is; min: the child ``min`` returns is)."""
+    cap = tree.capacity
+    vals = np.full(2 * cap, tree.neutral_element, np.float64)
+    is_np = np.zeros(2 * cap, bool)
+    vals[cap + idx] = v
+    kinds = list(packed["kinds"])
+    if "k" in packed:
+        is_np[cap + idx] = np.asarray(packed["k"]) == kinds.index("np:<f8")
+    elif kinds == ["np:<f8"]:
+        is_np[cap + idx] = True
+    is_sum = tree.operation is operator.add
+    lo = cap
+    while lo > 1:
+        hi, lo = lo, lo // 2
+        left, right = vals[2 * lo:2 * hi:2], vals[2 * lo + 1:2 * hi:2]
+        lnp, rnp = is_np[2 * lo:2 * hi:2], is_np[2 * lo + 1:2 * hi:2]
+        if is_sum:
+            vals[lo:hi] = left + right
+            is_np[lo:hi] = lnp | rnp
+        else:  # Python's min(a, b) returns a unless b < a
+            take_right = right < left
+            vals[lo:hi] = np.where(take_right, right, left)
+            is_np[lo:hi] = np.where(take_right, rnp, lnp)
+    as_float = vals.tolist()
+    as_np = list(vals)
+    out = [as_np[i] if f else as_float[i] for i, f in enumerate(is_np.tolist())]
+    out[0] = tree.neutral_element  # index 0 is never written by RLlib
+    return out
 
 
 def _free_nodes_state(dq: Any) -> Dict[str, Any]:
@@ -601,7 +665,15 @@ def capture_replay(buffer: Any, *, row_ids: Optional[RowIds] = None) -> Tuple[Di
         handled |= _MAPER_ATTRS
     bname = _type_name(buffer)
     evicted = int(buffer._num_episodes_evicted)
-    spaces = _Spaces()
+    spaces = rid.spaces
+    cached, now = rid.parts, {}
+
+    def split(ep: Any, key: Tuple[int, int], done: bool, where: str) -> _EpisodeParts:
+        hit = cached.get(key)
+        parts = hit[1] if hit is not None and hit[0] is ep and hit[1].done and done else \
+            _split_episode(ep, key, spaces, where)
+        now[key] = (ep, parts)
+        return parts
 
     meta: Dict[str, Any] = {"format": META_FORMAT, "buffer_type": bname, "not_saved": {}}
     meta["config"] = {k: _scalar_state(attrs[k], k) for k in _CONFIG_ATTRS if k in attrs}
@@ -631,9 +703,9 @@ def capture_replay(buffer: Any, *, row_ids: Optional[RowIds] = None) -> Tuple[Di
         if kind.multi_agent:
             ma_eps.append(_ma_episode_state(ep, rid, spaces, f"{bname} episode {e}"))
             for aid, sa in ep.agent_episodes.items():
-                parts.append(_split_episode(sa, (e, rid.agent_code(aid)), spaces, f"{bname} episode {e} agent {aid!r}"))
+                parts.append(split(sa, (e, rid.agent_code(aid)), bool(ep.is_done), f"{bname} episode {e} agent {aid!r}"))
         else:
-            parts.append(_split_episode(ep, (e, -1), spaces, f"{bname} episode {e}"))
+            parts.append(split(ep, (e, -1), True, f"{bname} episode {e}"))
 
     # ---- rows: keys and ids
     if kind.multi_agent:
@@ -707,6 +779,8 @@ def capture_replay(buffer: Any, *, row_ids: Optional[RowIds] = None) -> Tuple[Di
                                        f"{_type_name(value)}, which ray_ckpt does not know how to store "
                                        f"exactly (pass replay_strategy='off' to skip the buffer)") from None
     meta["extra_attrs"] = extra
+    rid.parts = now
+    spaces.prune()
     return replay, meta
 
 
@@ -944,13 +1018,22 @@ def _priority_state(buffer: Any, kind: _Kind, replay: Dict[str, Any], rid: RowId
     return out
 
 
+pos0 = np.empty(0, np.int64)
+
+
 def _check_maps(mapping: Dict[int, int], tidx: np.ndarray, what: str) -> None:
     """``mapping`` must be {tree index of entry i: i} (it is then rebuilt from the rows)."""
     if len(mapping) != len(tidx):
         raise UnsupportedTypeError(f"replay buffer: {what} has {len(mapping)} entries for {len(tidx)} indices")
-    for i, ti in enumerate(tidx.tolist()):
-        if mapping.get(ti) != i:
-            raise UnsupportedTypeError(f"replay buffer: {what}[{ti}] is {mapping.get(ti)}, expected {i}")
+    # spot checks (evenly spaced, first and last): RLlib's add/evict keep this map in step with the
+    # index list; a full check per save would cost O(rows) of Python on the training thread
+    pos = np.unique(np.linspace(0, len(tidx) - 1, min(len(tidx), 257)).astype(np.int64)) if len(tidx) else pos0
+    got = np.fromiter((mapping.get(t, -1) for t in tidx[pos].tolist()), np.int64, len(pos))
+    bad = pos[got != pos]
+    if len(bad):
+        i = int(bad[0])
+        raise UnsupportedTypeError(f"replay buffer: {what}[{int(tidx[i])}] is {mapping.get(int(tidx[i]))}, "
+                                   f"expected {i}")
 
 
 # ---------------------------------------------------------------------------- restore
@@ -1148,9 +1231,10 @@ def _rebuild_records(replay: Dict[str, Any], table: Dict[str, Any], templates: D
                     data = data.tolist()
                 elif lk == 2:
                     data = list(data)
-            return {"data": data, "lookback": lookback, "finalized": bool(f["finalized"][i]),
-                    "space": spaces.state_dict(int(f["space"][i]))}
+            space_codes[name] = int(f["space"][i])
+            return {"data": data, "lookback": lookback, "finalized": bool(f["finalized"][i]), "space": None}
 
+        space_codes: Dict[str, int] = {}  # spaces are set after from_state: one object per distinct space
         il = int(infos["len"][r])
         info_data: List[Any] = [{} for _ in range(il)]
         for i, x in sparse_infos.get(r, ()):
@@ -1164,11 +1248,10 @@ def _rebuild_records(replay: Dict[str, Any], table: Dict[str, Any], templates: D
             "observations": field_state("observations"),
             "actions": field_state("actions"),
             "rewards": field_state("rewards"),
-            "infos": {"data": info_data, "lookback": int(infos["lookback"][r]), "finalized": False,
-                      "space": spaces.state_dict(int(infos["space"][r]))},
+            "infos": {"data": info_data, "lookback": int(infos["lookback"][r]), "finalized": False, "space": None},
             "extra_model_outputs": {k: field_state(f"extra_model_outputs/{k}") for k in keysets[int(emo_codes[r])]},
-            "_observation_space": spaces.state_dict(int(table["obs_space"][r])),
-            "_action_space": spaces.state_dict(int(table["act_space"][r])),
+            "_observation_space": None,
+            "_action_space": None,
             "custom_data": custom.get(r, {}),
         }
         for k in _EP_NUMBERS:
@@ -1178,6 +1261,14 @@ def _rebuild_records(replay: Dict[str, Any], table: Dict[str, Any], templates: D
         except Exception as exc:
             raise RestoreError(f"replay: episode {tuple(keys[r])} could not be rebuilt: {type(exc).__name__}: "
                                f"{exc}") from None
+        ep._observation_space = spaces.space(int(table["obs_space"][r]))
+        ep._action_space = spaces.space(int(table["act_space"][r]))
+        ep.infos.space = spaces.space(int(infos["space"][r]))
+        for name, code in space_codes.items():
+            if code >= 0:
+                buf = (ep.extra_model_outputs[name.split("/", 1)[1]] if name.startswith("extra_model_outputs/")
+                       else getattr(ep, name))
+                buf.space = spaces.space(code)
         out[(int(keys[r][0]), int(keys[r][1]))] = ep
     return out
 
