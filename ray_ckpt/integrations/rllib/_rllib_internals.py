@@ -36,7 +36,12 @@ format                                                   ``np.save``) of ``Runni
 ======================================================== =================================================
 
 :func:`missing_internals` checks each against the installed RLlib / gymnasium (a test runs it), and
-names the one that moved. Only the accessors below read them; no other module of the package does.
+names the one that moved. Only the accessors below read them; no other module of the package does --
+except :mod:`.replay`, which reads and writes the replay buffers' own attributes (and their episodes'
+and segment trees'): the buffer *is* the state to save and RLlib has no complete public accessor for
+it (``get_state()`` misses the sampling generator, among others). Those attributes are listed in
+``REPLAY_INTERNALS`` (checked by :func:`missing_internals` too); replay.py also refuses, by name, any
+attribute of a buffer that it does not know.
 """
 from __future__ import annotations
 
@@ -85,6 +90,34 @@ INTERNALS = (
              "how the conversion recognises a RunningStat state and its array strings")
     for key in (RUNNING_STAT_MARKER,) + RUNNING_STAT_ARRAYS)
 
+_RB = "ray.rllib.utils.replay_buffers."
+_REPLAY_ATTRS = {
+    _RB + "episode_replay_buffer:EpisodeReplayBuffer": (
+        "episodes", "episode_id_to_index", "_num_episodes_evicted", "_indices", "_num_timesteps",
+        "_num_timesteps_added", "sampled_timesteps", "rng", "metrics", "capacity"),
+    _RB + "prioritized_episode_buffer:PrioritizedEpisodeReplayBuffer": (
+        "_alpha", "_max_priority", "_sum_segment", "_min_segment", "_free_nodes", "_max_idx",
+        "_tree_idx_to_sample_idx", "_last_sampled_indices"),
+    _RB + "multi_agent_episode_buffer:MultiAgentEpisodeReplayBuffer": (
+        "_module_to_indices", "_num_agent_timesteps", "_num_agent_timesteps_added", "_num_module_timesteps",
+        "_num_module_timesteps_added", "_num_module_episodes", "_num_module_episodes_evicted",
+        "sampled_timesteps_per_module"),
+    _RB + "multi_agent_prioritized_episode_buffer:MultiAgentPrioritizedEpisodeReplayBuffer": (
+        "_sample_idx_to_tree_idx", "_module_to_max_priority", "_module_to_sum_segment", "_module_to_min_segment",
+        "_module_to_free_nodes", "_module_to_max_idx", "_module_to_tree_idx_to_sample_idx",
+        "_module_to_last_sampled_indices"),
+    "ray.rllib.execution.segment_tree:SegmentTree": ("value", "capacity", "operation", "neutral_element"),
+    "ray.rllib.env.single_agent_episode:SingleAgentEpisode": (
+        "_observation_space", "_action_space", "_start_time", "_last_step_time", "_custom_data"),
+    "ray.rllib.env.multi_agent_episode:MultiAgentEpisode": (
+        "_agent_to_module_mapping", "_hanging_actions_end", "_hanging_extra_model_outputs_end",
+        "_hanging_rewards_end", "_hanging_rewards_begin", "_len_lookback_buffers", "_start_time",
+        "_last_step_time", "_custom_data"),
+    "ray.rllib.env.utils.infinite_lookback_buffer:InfiniteLookbackBuffer": ("data", "lookback", "finalized"),
+}
+REPLAY_INTERNALS = tuple(Internal(owner, attr, "instance", "saving / restoring replay buffers (replay.py)")
+                         for owner, attrs in _REPLAY_ATTRS.items() for attr in attrs)
+
 
 def _resolve(owner: str) -> Any:
     module, _, qualname = owner.partition(":")
@@ -108,7 +141,7 @@ def _present(obj: Any, item: Internal) -> bool:
 def missing_internals() -> List[str]:
     """One line per internal that the installed RLlib / gymnasium no longer has (empty: all there)."""
     missing = []
-    for item in INTERNALS:
+    for item in INTERNALS + REPLAY_INTERNALS:
         try:
             ok = _present(_resolve(item.owner), item)
         except Exception as exc:  # the owner itself moved
