@@ -249,7 +249,8 @@ def test_trees_rebuilt_from_row_leaves_equal_rllibs_incremental_ones(tree_cls):
 
 def test_unsupported_buffers_are_refused_by_name():
     from ray.rllib.utils.replay_buffers import ReplayBuffer
-    with pytest.raises(rc.UnsupportedTypeError, match=r"ray\.rllib\.utils\.replay_buffers\.replay_buffer\.ReplayBuffer"):
+    with pytest.raises(rc.UnsupportedTypeError,
+                       match=r"ray\.rllib\.utils\.replay_buffers\.replay_buffer\.ReplayBuffer is not supported"):
         rp.capture_replay(ReplayBuffer(capacity=10))
 
     class WithState(EpisodeReplayBuffer):
