@@ -220,8 +220,12 @@ def test_ppo_saved_by_callback_restores_into_fresh_algorithm(engine_factory, run
         _assert_params_equal(_learner(fresh)["rl_module"]["default_policy"], dict(v1))
         inference = _learner(fresh, inference_only=True)["rl_module"]["default_policy"]
         _assert_params_equal(rr.env_runner_weights(fresh)[1]["default_policy"], inference)
-        result = fresh.train()  # iteration 2 again: version 2 exists, so this one is skipped, not an error
-        assert fresh.iteration == 2 and rr.find_callback(fresh).skipped == [2]
+        result = fresh.train()  # iteration 2 again: versions only grow, so it is saved as version 4
+        assert fresh.iteration == 2 and not rr.find_callback(fresh).skipped
+        rr.wait_for_saves(fresh, timeout=120)
+        assert [m.version for m in engine.list_checkpoints()][-1] == 4
+        assert engine.load(name="counters", version=4)["training_iteration"] == 2
+        assert rr.restore_algorithm(fresh, run_name).iteration == 2  # a resume brings back the newest state
     finally:
         fresh.stop()
 

@@ -31,9 +31,10 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 BATCH = 256  # the example config's train_batch_size_per_learner
 
 
-def _config(callbacks, seed=5):
+def _config(callbacks, seed=5, env_runners=1):
     example = runpy.run_path(str(ROOT / "examples" / "rllib_example.py"), run_name="rllib_example_config")
-    return example["build_config"](callbacks, seed=seed)
+    config = example["build_config"](callbacks, seed=seed)
+    return config if env_runners == 1 else config.env_runners(num_env_runners=env_runners)
 
 
 def _callback(run_name, tmp_path, **kw):
@@ -63,7 +64,7 @@ def _fail_once_at(iteration: int, marker_dir: str) -> type:
 
     class FailOnce(RLlibCallback):
         def on_train_result(self, *, algorithm, result, **kwargs):
-            marker = os.path.join(marker_dir, f"failed-{algorithm.trial_id}")
+            marker = os.path.join(marker_dir, f"failed-{rr.find_callback(algorithm).run}")  # one per trial
             if algorithm.iteration == iteration and not os.path.exists(marker):
                 rr.wait_for_saves(algorithm, timeout=120)
                 Path(marker).touch()
@@ -85,6 +86,23 @@ def _run_config(run_name, tmp_path, iterations, **kw):
 
 
 # ---------------------------------------------------------------------------------------------------
+def test_tune_settings_and_pointers_are_checked(tmp_path):
+    for bad in ({"per_trial": "yes"}, {"tune_checkpoints": "full"}, {"stop_timeout_s": 0}):
+        with pytest.raises(rc.InvalidArgumentError, match=next(iter(bad))):
+            rr.make_callback("r1", local_dir=str(tmp_path), **bad)
+    assert rr.tune.trial_run_name("ppo", "3f2a1_00001") == "ppo-3f2a1_00001"
+    with pytest.raises(rc.InvalidArgumentError, match="per_trial=False"):
+        rr.tune.trial_run_name("x" * 125, "3f2a1_00001")
+    assert rr.tune.read_pointer(str(tmp_path)) is None  # no pointer file: an RLlib checkpoint, loaded by RLlib
+    rr.tune.write_pointer(str(tmp_path), "ppo-3f2a1_00001", 7, 5)
+    assert rr.tune.read_pointer(str(tmp_path)) == {"format": rr.tune.POINTER_FORMAT, "run": "ppo-3f2a1_00001",
+                                                   "version": 7, "iteration": 5}
+    (tmp_path / rr.tune.POINTER_FILE).write_text('{"format": "%s", "run": "../x", "version": 1, "iteration": 1}'
+                                                 % rr.tune.POINTER_FORMAT)
+    with pytest.raises(rc.RestoreError, match="not a ray_ckpt version pointer"):
+        rr.tune.read_pointer(str(tmp_path))
+
+
 @pytest.mark.timeout(300)
 def test_a_tune_trial_creates_its_own_run_outside_the_trials_placement_group(ray_session, engine_factory,
                                                                              run_name, tmp_path):
@@ -111,10 +129,10 @@ def test_a_grid_search_with_restarts_keeps_each_trials_state_apart(ray_session, 
                                                                    tmp_path):
     markers = tmp_path / "markers"
     markers.mkdir()
-    config = _config([_callback(run_name, tmp_path, resume=True), _fail_once_at(1, str(markers))])
+    config = _config([_callback(run_name, tmp_path, resume=True), _fail_once_at(1, str(markers))], env_runners=0)
     config.training(lr=tune.grid_search([0.0, 1e-3]))
     results = tune.Tuner(config.algo_class, param_space=config, run_config=_run_config(
-        run_name, tmp_path, 3, failure_config=tune.FailureConfig(max_failures=1))).fit()
+        run_name, tmp_path, 2, failure_config=tune.FailureConfig(max_failures=1))).fit()
 
     assert len(list(markers.iterdir())) == 2, "not every trial failed once: the restarts were not tested"
     assert len(results) == 2
@@ -123,18 +141,18 @@ def test_a_grid_search_with_restarts_keeps_each_trials_state_apart(ray_session, 
         assert result.error is None, result.error
         m = result.metrics
         summary = m["ray_ckpt"]
-        # each restarted trial resumed from its own version 1 and ran iterations 2 and 3 only ...
-        assert summary["resumed_version"] == 1 and summary["saves"] == 2 and summary["failed"] == 0, summary
-        assert m["training_iteration"] == 3
+        # each restarted trial resumed from its own version 1 and ran iteration 2 only ...
+        assert summary["resumed_version"] == 1 and summary["saves"] == 1 and summary["failed"] == 0, summary
+        assert m["training_iteration"] == 2
         # ... with its sampled-steps counter brought back (not the other trial's, not reset)
-        assert 3 * BATCH <= m["env_runners"]["num_env_steps_sampled_lifetime"] < 4 * BATCH, m["env_runners"]
+        assert 2 * BATCH <= m["env_runners"]["num_env_steps_sampled_lifetime"] < 3 * BATCH, m["env_runners"]
         runs[result.config["lr"]] = summary["run"]
     assert len(set(runs.values())) == 2 and all(r.startswith(f"{run_name}-") for r in runs.values())
     for lr, run in runs.items():
         assert not _coordinator_alive(run)
         engine = engine_factory(run=run)
-        assert [meta.version for meta in engine.list_checkpoints()] == [1, 2, 3], (lr, engine.status())
-        first, last = _policy(engine, 1), _policy(engine, 3)
+        assert [meta.version for meta in engine.list_checkpoints()] == [1, 2], (lr, engine.status())
+        first, last = _policy(engine, 1), _policy(engine, 2)
         if lr == 0.0:
             assert _same(first, last), "the lr=0 trial's weights changed: it resumed another trial's state"
         else:
@@ -145,32 +163,37 @@ def test_a_grid_search_with_restarts_keeps_each_trials_state_apart(ray_session, 
 def test_pbt_clones_a_trials_ray_ckpt_version_into_another(ray_session, engine_factory, run_name, tmp_path):
     from ray.tune.schedulers import PopulationBasedTraining
 
-    # trial B (lr=1e-3) scores higher than trial A (lr=1e-4); at iteration 2 PBT clones B into A and
-    # sets A's lr to 0, so A's iteration 3 keeps the weights it got from B: A's version 3 == B's version 2
+    # trial B (lr=1e-3) scores higher than trial A (lr=1e-4); at iteration 2 PBT (synchronous: both
+    # trials pause) clones B into A with B's lr, so both continue from B's version 2 with one config
+    # and one seed: A's iteration 3 must be B's, bit for bit, if A got all of B's state (weights,
+    # optimizer, connectors, counters, RNGs) from ray_ckpt
     pbt = PopulationBasedTraining(time_attr="training_iteration", metric="score", mode="max",
                                   perturbation_interval=2, synch=True, quantile_fraction=0.5,
-                                  hyperparam_mutations={"lr": [0.0]})
-    config = _config([_callback(run_name, tmp_path), ScoreIsLr])
+                                  hyperparam_mutations={"lr": [1e-3]})
+    config = _config([_callback(run_name, tmp_path), ScoreIsLr], env_runners=0)
     config.training(lr=tune.grid_search([1e-4, 1e-3]))
     results = tune.Tuner(config.algo_class, param_space=config, tune_config=tune.TuneConfig(scheduler=pbt),
                          run_config=_run_config(run_name, tmp_path, 3)).fit()
 
     assert len(results) == 2 and all(r.error is None for r in results), [r.error for r in results]
-    by_lr = {r.config["lr"]: r for r in results}
-    assert set(by_lr) == {0.0, 1e-3}, f"not one exploit of B into A: final lrs {sorted(by_lr)}"
-    a, b = by_lr[0.0].metrics, by_lr[1e-3].metrics
-    run_a, run_b = a["ray_ckpt"]["run"], b["ray_ckpt"]["run"]
-    assert run_a != run_b
-    assert a["ray_ckpt"]["restored_from"] == f"{run_b}@2", a["ray_ckpt"]  # A loaded B's version 2
-    assert b["ray_ckpt"]["restored_from"] == f"{run_b}@2", b["ray_ckpt"]  # B, paused, its own
-    assert a["training_iteration"] == 3 and b["training_iteration"] == 3
+    summaries = [r.metrics["ray_ckpt"] for r in results]
+    run_b = summaries[0]["restored_from"].rsplit("@", 1)[0]
+    assert all(s["restored_from"] == f"{run_b}@2" for s in summaries), summaries  # A: B's version; B: its own
+    (a,) = [s for s in summaries if s["run"] != run_b]
+    run_a = a["run"]
+    assert run_a.startswith(f"{run_name}-") and run_b.startswith(f"{run_name}-")
+    assert all(r.metrics["training_iteration"] == 3 and r.config["lr"] == 1e-3 for r in results)
 
     eng_a, eng_b = engine_factory(run=run_a), engine_factory(run=run_b)
     assert [m.version for m in eng_a.list_checkpoints()] == [1, 2, 3]  # A's own run, after the clone too
-    assert [m.version for m in eng_b.list_checkpoints()] == [1, 2, 3]
-    assert _same(_policy(eng_a, 3), _policy(eng_b, 2)), "A's weights after the exploit are not B's version 2"
-    assert not _same(_policy(eng_a, 3), _policy(eng_a, 2))
+    assert [m.version for m in eng_b.list_checkpoints()] == [1, 2, 3]  # nothing of A's went into B's run
+    assert not _same(_policy(eng_a, 2), _policy(eng_b, 2))  # the trials differed before the exploit
+    assert _same(_policy(eng_a, 3), _policy(eng_b, 3)), "A did not continue from B's version 2"
     assert eng_a.load("counters", version=3)["training_iteration"] == 3
+    # Tune's own checkpoints held only the pointer (a few bytes), not the algorithm's state
+    for r in results:
+        files = {f.name: f.stat().st_size for f in Path(r.checkpoint.path).iterdir() if f.is_file()}
+        assert rr.tune.POINTER_FILE in files and sum(files.values()) < 4096, files
 
 
 @pytest.mark.timeout(300)
