@@ -36,6 +36,8 @@ module              holds
                     :func:`wait_for_saves`, :class:`CheckpointSettings`
 ``restore``         :func:`restore_algorithm`, step by step; :class:`AlgorithmRestoreReport`
 ``env_runners``     env runner state (their RNGs) and the restore's verified push to every runner
+``tune``            one run per Tune trial (``<run>-<trial_id>``), Tune checkpoints that name a version
+                    (PBT), the Algorithm's ``stop()`` (flush, then stop the callback's coordinator)
 ``learners``        remote learners: states captured in the first learner; verified push into each
 ``_rllib_internals`` every private / undocumented RLlib attribute relied on, and a check of them
 =================== ===============================================================================
