@@ -322,7 +322,8 @@ def _episodes_state(eps):
 
 def _run_and_restore(make_config, engine_factory, run_name, iterations, rollback=False):
     engine = engine_factory(critical_writers=1)
-    cb = rr.make_callback(run_name, every=1)  # connects to the engine created above
+    # connects to the engine created above; "wait": every iteration is saved however slow the disk
+    cb = rr.make_callback(run_name, every=1, on_busy="wait")
     algo = make_config(cb).build_algo()
     try:
         for _ in range(iterations):
@@ -404,7 +405,7 @@ def test_replay_strategy_setting(engine_factory, run_name):
     with pytest.raises(rc.InvalidArgumentError, match="replay_strategy must be one of"):
         rr.make_callback(run_name, replay_strategy="sometimes")
     engine = engine_factory(critical_writers=1)
-    cb = rr.make_callback(run_name, every=1, replay_strategy="off")
+    cb = rr.make_callback(run_name, every=1, on_busy="wait", replay_strategy="off")
     algo = _dqn_config(cb).build_algo()
     try:
         algo.train()

@@ -24,8 +24,8 @@ timestep in the multi-agent buffers), in the order the buffer added them, column
 ``episode``         int64   the buffer's episode index of it (``_indices[i][0]``: a counter of
                             episodes ever added, never reused; ``- _num_episodes_evicted`` is its
                             position in ``buffer.episodes``)
-``t``               int64   timestep within that (agent) episode, 0 = its first stored step
-``tree``            int64   prioritized only: the leaf of this row in the sum/min trees
+``t``               int32   timestep within that (agent) episode, 0 = its first stored step
+``tree``            int32   prioritized only: the leaf of this row in the sum/min trees
                             (single-agent) or in its module's trees (multi-agent)
 ``agent``/``module`` int32  multi-agent only: codes into ``replay_meta["rows"]["agent_ids"]`` /
                             ``["module_ids"]``
@@ -79,7 +79,8 @@ kind, data length and the head (lookback) + tail (the last observation) data per
 lookback, length and the entries that are not ``{}``), ``ma_episodes`` (multi-agent: per episode
 its agents, agent-to-module mapping, spaces, env_t(_started), agent_t_started, env_t_to_agent_t,
 hanging actions/rewards/extra outputs, flags, times, custom_data), ``priority`` (prioritized: the
-sum- and min-tree leaf of every row with its exact Python/numpy type (``{"v", "k", "kinds"}``),
+sum-tree leaf of every row with its exact Python/numpy type (``{"v", "k", "kinds"}``; the min-tree
+leaves are ``{"same_as_sum": True}`` -- RLlib sets both to the same value -- or their own),
 ``_max_priority``, ``_max_idx``, the free-node deque as ``prefix + range(start, stop)``,
 ``_last_sampled_indices``, the tree capacity; multi-agent: the same for the env-step trees (leaves
 aligned with ``env_indices``), ``_sample_idx_to_tree_idx`` as it is, and per module its trees'
@@ -100,7 +101,7 @@ algorithm's ``policy_mapping_fn`` (or the one passed); restored episodes share o
 per distinct space (equal, not separate copies); a multi-agent buffer with non-str agent ids has no
 metrics state (RLlib's ``MetricsLogger.get_state`` fails on them): its metrics restart empty. Not
 supported (refused by name): agents whose spaces differ in one buffer, non-numpy'ized nested data.
-The meta is O(rows) for prioritized buffers (the per-row leaves: 16-18 bytes per row) and for
+The meta is O(rows) for prioritized buffers (the per-row leaves: 8-9 bytes per row) and for
 multi-agent buffers (env-step keys and env-to-agent step maps); for the others it grows only with
 episodes and with infos that are not ``{}``.
 
@@ -758,15 +759,15 @@ def capture_replay(buffer: Any, *, row_ids: Optional[RowIds] = None) -> Tuple[Di
 
     replay: Dict[str, Any] = {"row_id": ids, "episode": keys[:, 0].copy()}
     if kind.multi_agent:
-        replay["agent"] = keys[:, 1].astype(np.int32)
-        replay["t"] = keys[:, 2].copy()
-        replay["module"] = keys[:, 3].astype(np.int32)
+        replay["agent"] = _int32(keys[:, 1], "agent")
+        replay["t"] = _int32(keys[:, 2], "t")
+        replay["module"] = _int32(keys[:, 3], "module")
         if kind.prioritized:
-            replay["tree"] = keys[:, 4].copy()
+            replay["tree"] = _int32(keys[:, 4], "tree")
     else:
-        replay["t"] = keys[:, 1].copy()
+        replay["t"] = _int32(keys[:, 1], "t")
         if kind.prioritized:
-            replay["tree"] = keys[:, 2].copy()
+            replay["tree"] = _int32(keys[:, 2], "tree")
     columns, templates, field_meta = _columns(parts, bname)
     for col, pieces in columns.items():
         if n_rows:
@@ -799,6 +800,25 @@ def capture_replay(buffer: Any, *, row_ids: Optional[RowIds] = None) -> Tuple[Di
     rid.parts = now
     spaces.prune()
     return replay, meta
+
+
+def _int32(a: np.ndarray, what: str) -> np.ndarray:
+    """An index column as int32 (8 bytes less per row than RLlib's Python ints as int64)."""
+    if len(a) and (a.max() > np.iinfo(np.int32).max or a.min() < np.iinfo(np.int32).min):
+        raise UnsupportedTypeError(f"replay buffer: column {what!r} holds values beyond int32")
+    return a.astype(np.int32)
+
+
+def _same_leaves(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
+    """``b`` (a min tree's row leaves), or a marker where it equals ``a`` (the sum tree's): RLlib sets
+    both trees' leaf of a row to the same value, so this halves the per-row meta."""
+    same = (list(a["kinds"]) == list(b["kinds"]) and np.array_equal(a["v"], b["v"], equal_nan=True)
+            and ("k" in a) == ("k" in b) and ("k" not in a or np.array_equal(a["k"], b["k"])))
+    return {"same_as_sum": True} if same else b
+
+
+def _leaves_of(packed: Dict[str, Any], sum_packed: Dict[str, Any]) -> Dict[str, Any]:
+    return sum_packed if packed.get("same_as_sum") else packed
 
 
 def _update_ids(rid: RowIds, buffer: Any, lists: List[Tuple[Any, List[tuple], int, Callable]], evicted: int,
@@ -985,7 +1005,7 @@ def _priority_state(buffer: Any, kind: _Kind, replay: Dict[str, Any], rid: RowId
         s2t = buffer._sample_idx_to_tree_idx
         out["sample_idx_to_tree_idx"] = np.array([list(s2t.keys()), list(s2t.values())], np.int64).reshape(2, len(s2t))
         out["sum"] = _tree_leaves(buffer._sum_segment, tidx, "_sum_segment")
-        out["min"] = _tree_leaves(buffer._min_segment, tidx, "_min_segment")
+        out["min"] = _same_leaves(out["sum"], _tree_leaves(buffer._min_segment, tidx, "_min_segment"))
         _check_neutral(buffer._sum_segment, tidx, f"{bname}._sum_segment")
         _check_neutral(buffer._min_segment, tidx, f"{bname}._min_segment")
         modules = []
@@ -1009,6 +1029,8 @@ def _priority_state(buffer: Any, kind: _Kind, replay: Dict[str, Any], rid: RowId
             if mid in buffer._module_to_min_segment:
                 mt = buffer._module_to_min_segment[mid]
                 m["min"] = _tree_leaves(mt, t_m, "module min tree")
+                if "sum" in m:
+                    m["min"] = _same_leaves(m["sum"], m["min"])
                 m["min_is_sum_tree"] = type(mt).__name__ == "SumSegmentTree"
                 _check_neutral(mt, t_m, f"{bname} module {mid!r} min tree")
             if mid in buffer._module_to_free_nodes:
@@ -1029,7 +1051,7 @@ def _priority_state(buffer: Any, kind: _Kind, replay: Dict[str, Any], rid: RowId
         tidx = replay["tree"]
         _check_maps(buffer._tree_idx_to_sample_idx, tidx, f"{bname}._tree_idx_to_sample_idx")
         out["sum"] = _tree_leaves(buffer._sum_segment, tidx, "_sum_segment")
-        out["min"] = _tree_leaves(buffer._min_segment, tidx, "_min_segment")
+        out["min"] = _same_leaves(out["sum"], _tree_leaves(buffer._min_segment, tidx, "_min_segment"))
         _check_neutral(buffer._sum_segment, tidx, f"{bname}._sum_segment")
         _check_neutral(buffer._min_segment, tidx, f"{bname}._min_segment")
     return out
@@ -1351,7 +1373,7 @@ def _restore_priority(buffer: Any, kind: _Kind, replay: Dict[str, Any], pr: Dict
         tidx = np.asarray(replay["tree"], np.int64)
     s, m = SumSegmentTree(cap), MinSegmentTree(cap)
     _rebuild_tree(s, tidx, pr["sum"])
-    _rebuild_tree(m, tidx, pr["min"])
+    _rebuild_tree(m, tidx, _leaves_of(pr["min"], pr["sum"]))
     new["_sum_segment"], new["_min_segment"] = s, m
     new["_tree_idx_to_sample_idx"] = {int(ti): i for i, ti in enumerate(tidx.tolist())}
     new["_free_nodes"] = _free_nodes_from(pr["free_nodes"])
@@ -1377,7 +1399,7 @@ def _restore_priority(buffer: Any, kind: _Kind, replay: Dict[str, Any], pr: Dict
             maps["_module_to_sum_segment"][mid] = tr
         if "min" in mm:
             tr = SumSegmentTree(cap) if mm.get("min_is_sum_tree") else MinSegmentTree(cap)
-            _rebuild_tree(tr, t_m, mm["min"])
+            _rebuild_tree(tr, t_m, _leaves_of(mm["min"], mm.get("sum", {})))
             maps["_module_to_min_segment"][mid] = tr
         if "free_nodes" in mm:
             maps["_module_to_free_nodes"][mid] = _free_nodes_from(mm["free_nodes"])
