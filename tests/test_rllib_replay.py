@@ -347,10 +347,13 @@ def _run_and_restore(make_config, engine_factory, run_name, iterations, rollback
     finally:
         algo.stop()  # the "preemption": the original buffer object stays here to compare with
 
-    fresh = make_config(cb).build_algo()
+    # the relaunched trainer: a fresh Algorithm whose callback resumes the run's latest version while
+    # the Algorithm is built (restore_algorithm; the rollback below calls it directly)
+    resume = rr.make_callback(run_name, every=1, on_busy="wait", resume=True)
+    fresh = make_config(resume).build_algo()
     try:
-        assert fresh.local_replay_buffer.get_num_timesteps() == 0
-        report = rr.restore_algorithm(fresh, engine)
+        report = rr.find_callback(fresh).resumed
+        assert report.version == iterations and fresh.iteration == iterations
         assert report.states["replay"] == "restored" and report.states["replay_meta"] == "restored"
         got = fresh.local_replay_buffer
         assert len(got) == len(buf) and got.get_num_timesteps() == buf.get_num_timesteps()
