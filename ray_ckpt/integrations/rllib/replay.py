@@ -1571,10 +1571,12 @@ def capture_algorithm_replay(algorithm: Any, out: Dict[str, Any], strategy: Any,
                 rid.renumber(floor)
             rid.checked_run = engine.run
         out[REPLAY], out[REPLAY_META] = capture_replay(buf, row_ids=rid)
-    except UnsupportedTypeError as exc:
+    except Exception as exc:  # best effort: this save goes on without the buffer, the reason logged
         if strategy is Strategy.CRITICAL or errors is None:
             raise
-        errors[REPLAY] = str(exc)
+        out.pop(REPLAY, None)
+        out.pop(REPLAY_META, None)
+        errors[REPLAY] = f"{type(exc).__name__}: {exc}"
 
 
 REPLAY_APPEND_ONLY = True  # ``replay`` is registered append_only=True: a version writes only its new rows
