@@ -120,9 +120,14 @@ def _mailbox(name: str, wait_s: float = 10.0) -> Any:
 
 def _spawn_mailbox(coordinator: Any, name: str) -> Any:
     """Runs in the run's coordinator (``__ray_call__``): the mailbox is created by, so owned by, the
-    coordinator's process, and Ray stops it with that process (``engine.shutdown()``)."""
-    return SnapshotMailbox.options(name=name, namespace=MAILBOX_NAMESPACE, get_if_exists=True,
-                                   max_restarts=0).remote()
+    coordinator's process, and Ray stops it with that process (``engine.shutdown()``). Outside any
+    placement group: called from a Tune trial's process (no coordinator), it must not take, or fail
+    to fit, the trial's bundles."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return SnapshotMailbox.options(name=name, namespace=MAILBOX_NAMESPACE, get_if_exists=True, max_restarts=0,
+                                   scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None)
+                                   ).remote()
 
 
 def open_mailbox(run: str, timeout: float = 120.0) -> Any:

@@ -1,0 +1,182 @@
+"""RLlib: what checkpointing every iteration costs train(), side by side in one run.
+
+    python benchmarks/rllib_iteration.py [--iterations 8] [--prefill 200000] [--arms ...] [--dir /tmp/rllib_bench]
+
+Per algorithm config, one Algorithm per arm, built from the same config and seed, trained
+``--iterations`` iterations (the first two are warm-up and not counted):
+
+  none         no checkpointing
+  ray_ckpt     ray_ckpt's callback saves every iteration (make_callback(..., every=1)); train()
+               includes the callback's capture and save() call, not the writers' work (they run
+               beside it, on the same 2 cores)
+  ray_ckpt_full  DQN only: the same with the replay buffer written whole every version
+               (append_only off) -- what incremental segments save
+  rllib_save   RLlib's own ``algo.save_to_path()`` after every train() (synchronous)
+
+Configs: PPO on CartPole with num_learners=0 and =1; DQN on CartPole with a prioritized replay
+buffer of capacity 1M, prefilled with ``--prefill`` random-policy timesteps so that a save's buffer
+is large next to what one iteration adds.
+
+Printed: median train() seconds per arm, the iteration rate relative to ``none``, and for ray_ckpt
+the median bytes per save and, for DQN, the bytes of the rows added per iteration (the new segment
+of the ``replay`` state) against the whole version.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def ppo_config(num_learners: int, seed: int = 1):
+    from ray.rllib.algorithms.ppo import PPOConfig
+
+    cfg = (PPOConfig().environment("CartPole-v1")
+           .env_runners(num_env_runners=1, num_cpus_per_env_runner=0.25)
+           .training(train_batch_size_per_learner=512, minibatch_size=128, num_epochs=2)
+           .debugging(seed=seed))
+    if num_learners:
+        cfg = cfg.learners(num_learners=num_learners, num_cpus_per_learner=0.5)
+    return cfg
+
+
+def dqn_config(seed: int = 1):
+    from ray.rllib.algorithms.dqn import DQNConfig
+
+    return (DQNConfig().environment("CartPole-v1")
+            .env_runners(num_env_runners=0, rollout_fragment_length=200)
+            .training(replay_buffer_config={"type": "PrioritizedEpisodeReplayBuffer", "capacity": 1_000_000},
+                      num_steps_sampled_before_learning_starts=1000, train_batch_size_per_learner=64,
+                      training_intensity=None)
+            .reporting(min_sample_timesteps_per_iteration=1000)
+            .debugging(seed=seed))
+
+
+def prefill(algo, timesteps: int) -> None:
+    """Random-policy episodes straight into the algorithm's replay buffer (no training)."""
+    import gymnasium as gym
+    import numpy as np
+    from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+
+    if not timesteps:
+        return
+    env = gym.make("CartPole-v1")
+    rng = np.random.default_rng(0)
+    done, batch = 0, []
+    while done < timesteps:
+        obs, _ = env.reset(seed=int(rng.integers(1 << 30)))
+        ep = SingleAgentEpisode(observations=[obs], observation_space=env.observation_space,
+                                action_space=env.action_space)
+        while True:
+            a = int(rng.integers(2))
+            obs, r, term, trunc, _ = env.step(a)
+            ep.add_env_step(obs, a, r, terminated=term, truncated=trunc)
+            done += 1
+            if term or trunc or done >= timesteps:
+                break
+        batch.append(ep.to_numpy())
+        if len(batch) >= 200:
+            algo.local_replay_buffer.add(batch)
+            batch = []
+    if batch:
+        algo.local_replay_buffer.add(batch)
+
+
+def run_arm(make_config, arm: str, iterations: int, root: str, prefill_steps: int) -> dict:
+    from ray_ckpt.integrations import rllib as rr
+    from ray_ckpt.integrations.rllib import replay as rr_replay
+
+    cfg = make_config()
+    run = f"bench-{arm}-{uuid.uuid4().hex[:6]}"
+    if arm.startswith("ray_ckpt"):
+        rr_replay.REPLAY_APPEND_ONLY = arm == "ray_ckpt"
+        cfg = cfg.callbacks(rr.make_callback(run, local_dir=os.path.join(root, "local"), every=1,
+                                             on_busy="queue", engine_options={"critical_writers": 1,
+                                                                              "best_effort_writers": 1}))
+    algo = cfg.build_algo()
+    try:
+        prefill(algo, prefill_steps)
+        times = []
+        for i in range(iterations):
+            t0 = time.perf_counter()
+            algo.train()
+            if arm == "rllib_save":
+                algo.save_to_path(os.path.join(root, "rllib", run, f"it{i}"))
+            times.append(time.perf_counter() - t0)
+        out = {"train_s": statistics.median(times[2:]), "bytes": None, "new_rows": None}
+        if arm.startswith("ray_ckpt"):
+            results = rr.wait_for_saves(algo, timeout=600)
+            sizes = [r.bytes_written for it, r in sorted(results.items()) if it > 2]
+            out["bytes"] = statistics.median(sizes) if sizes else None
+            out["new_rows"] = _new_segment_bytes(os.path.join(root, "local", run))
+        elif arm == "rllib_save":
+            out["bytes"] = _dir_bytes(os.path.join(root, "rllib", run, f"it{iterations - 1}"))
+        return out
+    finally:
+        algo.stop()
+        rr_replay.REPLAY_APPEND_ONLY = True
+
+
+def _new_segment_bytes(run_dir: str):
+    """Median size of the replay segments written by the versions after the warm-up (the rows
+    each iteration added), or None when the run has no append-only replay."""
+    sizes = []
+    for v in sorted(os.listdir(run_dir)) if os.path.isdir(run_dir) else []:
+        p = os.path.join(run_dir, v, "replay", "rank0.segment.arrow")
+        if v.startswith("v") and int(v[1:]) > 2 and os.path.exists(p):
+            sizes.append(os.path.getsize(p))
+    return statistics.median(sizes) if sizes else None
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iterations", type=int, default=8)
+    ap.add_argument("--prefill", type=int, default=200_000, help="DQN: random timesteps put in the buffer first")
+    ap.add_argument("--configs", default="ppo0,ppo1,dqn")
+    ap.add_argument("--dir", default=None)
+    args = ap.parse_args()
+
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    root = args.dir or tempfile.mkdtemp(prefix="rllib_bench_")
+    configs = {"ppo0": (lambda: ppo_config(0), ["none", "ray_ckpt", "rllib_save"], 0),
+               "ppo1": (lambda: ppo_config(1), ["none", "ray_ckpt", "rllib_save"], 0),
+               "dqn": (dqn_config, ["none", "ray_ckpt", "ray_ckpt_full", "rllib_save"], args.prefill)}
+    rows = []
+    try:
+        for name in args.configs.split(","):
+            make, arms, pre = configs[name]
+            res = {arm: run_arm(make, arm, args.iterations, root, pre) for arm in arms}
+            base = res["none"]["train_s"]
+            for arm, r in res.items():
+                rows.append((name, arm, r["train_s"], base / r["train_s"], r["bytes"], r["new_rows"]))
+                print(f"  {name:5s} {arm:14s} train() {r['train_s']:.3f}s", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        ray.shutdown()
+
+    print()
+    print("| config | arm | train() s (median) | iteration rate vs none | bytes per save | new rows' segment | bytes / new rows |")
+    print("|---|---|---|---|---|---|---|")
+    for name, arm, t, ratio, nbytes, new in rows:
+        b = f"{nbytes:,.0f}" if nbytes else "-"
+        n = f"{new:,.0f}" if new else "-"
+        q = f"{nbytes / new:.2f}x" if nbytes and new else "-"
+        print(f"| {name} | {arm} | {t:.3f} | {ratio:.3f}x | {b} | {n} | {q} |")
+
+
+if __name__ == "__main__":
+    main()
