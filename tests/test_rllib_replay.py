@@ -423,3 +423,33 @@ def test_replay_strategy_setting(engine_factory, run_name):
             fresh.stop()
     finally:
         algo.stop()
+
+
+@pytest.mark.timeout(180)
+def test_best_effort_replay_that_cannot_be_captured_leaves_the_save_going(engine_factory, run_name):
+    engine = engine_factory(critical_writers=1)
+    cb = rr.make_callback(run_name, every=1, on_busy="wait", replay_strategy="best_effort")
+    algo = _dqn_config(cb).build_algo()
+    try:
+        algo.train()
+        rr.wait_for_saves(algo, timeout=120)
+        assert rr.find_callback(algo).engine.registered["replay"] is rc.Strategy.BEST_EFFORT
+        assert {"replay", "replay_meta"} <= set(_states_when_written(engine, 1))
+        algo.local_replay_buffer.sampler = lambda: None  # a subclass-like attribute it cannot store
+        algo.train()  # not an error: the buffer is best effort
+        rr.wait_for_saves(algo, timeout=120)
+        meta = engine.list_checkpoints()[-1]
+        assert meta.version == 2 and "replay" not in meta.states and "policy" in meta.states
+    finally:
+        algo.stop()
+
+
+def _states_when_written(engine, version, timeout=60):
+    """A version's states once its best-effort parts have landed (they may follow the commit)."""
+    import time
+    deadline = time.monotonic() + timeout
+    while True:
+        meta = next(m for m in engine.list_checkpoints() if m.version == version)
+        if not meta.pending or time.monotonic() > deadline:
+            return meta.states
+        time.sleep(0.2)
