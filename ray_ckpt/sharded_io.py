@@ -49,14 +49,52 @@ class RangeReader:
         self.calls = 0
         self.tier = self.tiers[0].name
         self.problems: List[str] = []
+        self.sizes = {f.path: f.size for f in entry.all_files()}
+        self.heads = {f.path: h for r, fs in entry.files.items() for f in fs
+                      for h in [((entry.shards or {}).get("heads") or {}).get(str(r))] if f.role == "tensors"}
+        self.index: Any = None  # set: the header of every file a chunk is read from is checked first
+        self.headers_checked: set = set()
 
     def __call__(self, file: str, begin: int, end: int) -> Any:
         return self.read_checked(file, begin, end, None)
+
+    def check_header(self, file: str) -> None:
+        """Read ``file``'s safetensors header (verified against its "head" record when the manifest
+        has one) and cross-check the chunks the index places in it (:func:`check_header_chunks`);
+        a tier whose copy does not agree is passed over like a corrupt one."""
+        self.headers_checked.add(file)
+        size = self.sizes.get(file, 0)
+        head = self.heads.get(file)
+        try:
+            n = int(head["n"]) if isinstance(head, dict) else None
+            want = str(head["xxh3"]) if isinstance(head, dict) else None
+        except (KeyError, TypeError, ValueError):
+            n = want = None
+        if n is None:
+            if size < 8:
+                raise IntegrityError(f"{file}: {size} bytes: not a safetensors file")
+            (hn,) = struct.unpack_from("<Q", bytes(self.read_checked(file, 0, 8, None)), 0)
+            n = hn + 8
+        if not 8 <= n <= min(size, safetensors_io.MAX_HEADER):
+            raise IntegrityError(f"{file}: header length {n} does not fit the file ({size} bytes)")
+
+        def check(head_bytes: Any) -> None:
+            if want is not None:
+                _digest_check(want, f"{file}: header")(head_bytes)
+            structure, header, names, offsets, sizes = _parse_header(file, head_bytes, n, size)
+            check_header_chunks(self.index, file, structure, header, names, offsets, sizes)
+
+        self.read_checked(file, 0, n, check)
 
     def read_checked(self, file: str, begin: int, end: int, check: Optional[Callable[[Any], None]]) -> Any:
         if file not in self.paths:
             raise IntegrityError(f"state {self.name!r}: the shard index names {file!r}, which is not one of the "
                                  f"state's files in the manifest: refused")
+        if not 0 <= begin <= end <= self.sizes.get(file, 0):
+            raise IntegrityError(f"{file}: bytes {begin}..{end} lie outside the file ({self.sizes.get(file)} "
+                                 f"bytes in the manifest): refused")
+        if self.index is not None and file not in self.headers_checked:
+            self.check_header(file)
         errors = []
         for tier in self.tiers:
             try:
@@ -89,19 +127,96 @@ def _digest_check(want: str, what: str) -> Callable[[Any], None]:
 
 
 def index_of_entry(entry: StateEntry, name: str) -> Any:
+    """The state's shard index, checked before anything is read or allocated: strict fields, a known
+    dtype, chunks that tile each tensor, piece digests on every chunk (a chunk without them is
+    refused rather than read unverified: every ray_ckpt writer records them, so their absence means
+    an edited or damaged index), and every chunk's byte range inside one of the state's tensors
+    files, by the sizes the manifest records (a small file cannot claim a huge chunk)."""
     from .formats.shard_index import ShardIndex
 
+    sizes = {f.path: f.size for f in entry.all_files() if f.role == "tensors"}
     try:
-        return ShardIndex.from_json(entry.shards)
+        return ShardIndex.from_json(entry.shards, file_sizes=sizes)
     except IntegrityError as exc:
         raise IntegrityError(f"state {name!r}: {exc}") from None
 
 
+def check_header_chunks(index: Any, file: str, structure: Any, header: Dict[str, Any], names: List[str],
+                        offsets: List[int], sizes: List[int]) -> None:
+    """Cross-check the chunks the shard index places in ``file`` against that file's own header:
+    every DTensor chunk the file's structure records (box, global shape, dtype, byte offset and size,
+    the array's shape in the safetensors header) is in the index as exactly that, and the index
+    places no other chunk in the file. A chunk whose box was swapped with another's, or that points
+    at other bytes of the file, is an :class:`IntegrityError` naming the file and the chunk."""
+    from .formats.shard_index import _prod
+
+    def bad(key: str, why: str) -> IntegrityError:
+        return IntegrityError(f"{file}: {key}: the shard index does not match the file's header: {why}")
+
+    want: Dict[Tuple[str, int], Tuple[Tuple[int, ...], Tuple[int, ...]]] = {}
+    try:
+        for path, node in walk_sharded(structure):
+            key, i = leaf_key(path), node["DT"]
+            if i is None or _prod(node["sh"]) == 0:
+                continue
+            m = index.get(key)
+            if m is None:
+                raise bad(key, "the file holds a chunk of this tensor but the index has no entry for it")
+            if list(node["g"]) != list(m.global_shape) or node["dt"] != m.dtype:
+                raise bad(key, f"the file holds shape {node['g']} {node['dt']}, the index "
+                               f"{list(m.global_shape)} {m.dtype}")
+            if not isinstance(i, int) or not 0 <= i < len(names) or list(header[names[i]]["shape"]) != list(node["sh"]):
+                raise bad(key, f"array {i} of the header is not the chunk of sizes {node['sh']}")
+            want[(key, offsets[i])] = (tuple(node["o"]), tuple(node["sh"]), sizes[i])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise IntegrityError(f"{file}: the header's DTensor records are malformed ({exc})") from None
+    seen = set()
+    for key, m in index.items():
+        for c in m.chunks:
+            if c.file != file:
+                continue
+            box = (list(c.chunk.offsets), list(c.chunk.sizes))
+            w = want.get((key, c.offset))
+            if w is None:
+                raise bad(key, f"the index's chunk at {box[0]} of sizes {box[1]} (bytes {c.offset}.."
+                               f"{c.offset + c.nbytes}) is not a chunk of this tensor in the file")
+            if (w[0], w[1]) != tuple(map(tuple, box)) or w[2] != c.nbytes:
+                raise bad(key, f"the index's chunk at {box[0]} of sizes {box[1]} ({c.nbytes} bytes at "
+                               f"{c.offset}) is, by the file's header, the chunk at {list(w[0])} of sizes "
+                               f"{list(w[1])} ({w[2]} bytes)")
+            seen.add((key, c.offset))
+    for key, off in want:
+        if (key, off) not in seen:
+            o, sh, _n = want[(key, off)]
+            raise bad(key, f"the file's chunk at {list(o)} of sizes {list(sh)} (at byte {off}) is not in the index")
+
+
+def _parse_header(file: str, head: Any, n: int, size: int) -> Tuple[Any, Dict[str, Any], List[str], List[int], List[int]]:
+    """(structure, header, array names, byte offsets, byte sizes) of a ray_ckpt safetensors file's
+    first ``n`` bytes (its length prefix and header)."""
+    try:
+        (hn,) = struct.unpack_from("<Q", head, 0)
+        if hn != n - 8:
+            raise ValueError(f"header length {hn} != recorded {n - 8}")
+        header = json.loads(bytes(head[8:n]))
+        safetensors_io.check_header(header, size - n)
+        meta = header.pop("__metadata__")
+        structure = json.loads(meta[safetensors_io.STRUCTURE_KEY])
+        names = json.loads(meta["ray_ckpt.leaves"])
+        offsets = [n + header[x]["data_offsets"][0] for x in names]
+        sizes = [header[x]["data_offsets"][1] - header[x]["data_offsets"][0] for x in names]
+    except (KeyError, ValueError, TypeError, struct.error, RecursionError) as exc:
+        raise IntegrityError(f"{file}: not a ray_ckpt safetensors header ({exc})") from None
+    return structure, header, names, offsets, sizes
+
+
 def read_head(entry: StateEntry, name: str, reader: RangeReader, tiers: Sequence[Tier],
-              allow_pickle: bool = False) -> Tuple[Any, List[Any], List[Any]]:
+              allow_pickle: bool = False, index: Any = None) -> Tuple[Any, List[Any], List[Any]]:
     """(structure, arrays, tables) of rank 0's part without its sharded chunks: the header and the
     non-sharded arrays are read by range and checked against the digests the writer recorded;
-    the DTensor nodes' array indices are cleared (their bytes come from the shard index)."""
+    the DTensor nodes' array indices are cleared (their bytes come from the shard index). With
+    ``index``, the chunks it places in rank 0's file are cross-checked against the header
+    (:func:`check_header_chunks`)."""
     files = rank_files(entry, name, 0)
     tensors = [f for f in files if f.role == "tensors"]
     if len(tensors) != 1:
@@ -115,20 +230,11 @@ def read_head(entry: StateEntry, name: str, reader: RangeReader, tiers: Sequence
         raise IntegrityError(f"state {name!r}: the manifest's shard heads are malformed ({exc})") from None
     if not 8 <= n <= min(f.size, safetensors_io.MAX_HEADER):
         raise IntegrityError(f"{f.path}: recorded header length {n} does not fit the file ({f.size} bytes)")
+    reader.headers_checked.add(f.path)  # checked here, against the index when one is given
     head = reader.read_checked(f.path, 0, n, _digest_check(head_digest, f"{f.path}: header"))
-    try:
-        (hn,) = struct.unpack_from("<Q", head, 0)
-        if hn != n - 8:
-            raise ValueError(f"header length {hn} != recorded {n - 8}")
-        header = json.loads(bytes(head[8:n]))
-        safetensors_io.check_header(header, f.size - n)
-        meta = header.pop("__metadata__")
-        structure = json.loads(meta[safetensors_io.STRUCTURE_KEY])
-        names = json.loads(meta["ray_ckpt.leaves"])
-        offsets = [n + header[x]["data_offsets"][0] for x in names]
-        sizes = [header[x]["data_offsets"][1] - header[x]["data_offsets"][0] for x in names]
-    except (KeyError, ValueError, TypeError, struct.error, RecursionError) as exc:
-        raise IntegrityError(f"{f.path}: not a ray_ckpt safetensors header ({exc})") from None
+    structure, header, names, offsets, sizes = _parse_header(f.path, head, n, f.size)
+    if index is not None:
+        check_header_chunks(index, f.path, structure, header, names, offsets, sizes)
     arrays: List[Any] = [None] * len(names)
     for i, off, nb, dg in plain:
         if not 0 <= i < len(names) or offsets[i] != off or sizes[i] != nb:
@@ -150,8 +256,8 @@ def read_head(entry: StateEntry, name: str, reader: RangeReader, tiers: Sequence
     return structure, arrays, tables
 
 
-def _plain_of(entry, name, reader, tiers, allow_pickle) -> Any:
-    structure, arrays, tables = read_head(entry, name, reader, tiers, allow_pickle)
+def _plain_of(entry, name, reader, tiers, allow_pickle, index: Any = None) -> Any:
+    structure, arrays, tables = read_head(entry, name, reader, tiers, allow_pickle, index)
     try:
         return unflatten(structure, arrays, tables, allow_pickle=allow_pickle, state_name=name,
                          on_sharded=lambda leaf: None)
@@ -168,7 +274,8 @@ def load_full(tiers: Sequence[Tier], entry: StateEntry, name: str, allow_pickle:
 
     index = index_of_entry(entry, name)
     reader = RangeReader(tiers, entry, name)
-    structure, arrays, tables = read_head(entry, name, reader, tiers, allow_pickle)
+    reader.index = index
+    structure, arrays, tables = read_head(entry, name, reader, tiers, allow_pickle, index)
     return full_state(structure, arrays, tables, index, reader, verify=verify, allow_pickle=allow_pickle,
                       state_name=name), reader
 
@@ -181,7 +288,8 @@ def full_tensors(tiers: Sequence[Tier], entry: StateEntry, name: str, verify: bo
 
     index = index_of_entry(entry, name)
     reader = RangeReader(tiers, entry, name)
-    plain = _plain_of(entry, name, reader, tiers, False)
+    reader.index = index
+    plain = _plain_of(entry, name, reader, tiers, False, index)
     out: Dict[str, Any] = {}
     for path, t in iter_tensor_leaves(plain):
         out[leaf_key(path)] = t
@@ -281,8 +389,9 @@ def load_into_state(tiers: Sequence[Tier], entry: StateEntry, name: str, state: 
     torch = _torch()
     index = index_of_entry(entry, name)
     reader = RangeReader(tiers, entry, name)
+    reader.index = index
     try:
-        plain = _plain_of(entry, name, reader, tiers, allow_pickle)
+        plain = _plain_of(entry, name, reader, tiers, allow_pickle, index)
     except IntegrityError as exc:
         raise RestoreError(f"state {name!r}: {exc}; nothing was loaded") from None
     targets = _tensor_keys(state)
@@ -369,4 +478,4 @@ def load_rank_local_into(tiers: Sequence[Tier], entry: StateEntry, name: str, st
 
 
 __all__ = ["RangeReader", "read_head", "load_full", "full_tensors", "load_into_state", "check_world_size",
-           "load_rank_local_into", "index_of_entry"]
+           "load_rank_local_into", "index_of_entry", "check_header_chunks"]

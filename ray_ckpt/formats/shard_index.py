@@ -31,12 +31,35 @@ _ITEMSIZE = {
 
 
 def _itemsize(dtype: str) -> int:
+    """Bytes per element of a torch dtype named ``dtype`` ("float32"); ValueError for anything that
+    is not the name of a torch dtype (the name comes from a manifest: never ``getattr`` a non-dtype)."""
+    if not isinstance(dtype, str):
+        raise ValueError(f"dtype {dtype!r} is not a name")
     n = _ITEMSIZE.get(dtype)
     if n is None:
         import torch
 
-        n = getattr(torch, dtype).itemsize
+        t = getattr(torch, dtype, None) if dtype.isidentifier() and not dtype.startswith("_") else None
+        if not isinstance(t, torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}")
+        n = t.itemsize
     return n
+
+
+_MAX_DIM = 1 << 48  # bound of any offset, size or byte count read from an index (no int64 overflow)
+_DIGEST_CHARS = frozenset("0123456789abcdef")
+
+
+def _int(x: Any, what: str) -> int:
+    if type(x) is not int or not -_MAX_DIM <= x <= _MAX_DIM:
+        raise ValueError(f"{what} {x!r} is not an integer of at most 2**48")
+    return x
+
+
+def _ints(xs: Any, what: str) -> Tuple[int, ...]:
+    if not isinstance(xs, list) or len(xs) > 64:
+        raise ValueError(f"{what} {xs!r} is not a list of integers")
+    return tuple(_int(x, what) for x in xs)
 
 
 def _prod(xs: Iterable[int]) -> int:
@@ -91,8 +114,21 @@ class StoredChunk:
 
     @classmethod
     def from_json(cls, d: dict) -> "StoredChunk":
-        return cls(ChunkMeta(d["o"], d["s"]), str(d["file"]), int(d["at"]), int(d["n"]),
-                   int(d.get("ps", PIECE_SIZE)), tuple(d.get("xxh3", ())))
+        """Strict: every field of the right JSON type (an index read from storage may be hostile);
+        ValueError / KeyError / TypeError otherwise (``ShardedTensorMeta.from_json`` names the chunk)."""
+        if not isinstance(d, dict):
+            raise TypeError(f"a chunk is {type(d).__name__}, not an object")
+        if not isinstance(d["file"], str) or not d["file"]:
+            raise ValueError(f"file {d['file']!r} is not a file name")
+        digests = d.get("xxh3", [])
+        if not isinstance(digests, list) or not all(
+                isinstance(x, str) and len(x) == 32 and set(x) <= _DIGEST_CHARS for x in digests):
+            raise ValueError("xxh3 is not a list of xxh3-128 hex digests")
+        ps = _int(d.get("ps", PIECE_SIZE), "piece size")
+        if ps <= 0:
+            raise ValueError(f"piece size {ps}")
+        return cls(ChunkMeta(_ints(d["o"], "offsets"), _ints(d["s"], "sizes")), d["file"],
+                   _int(d["at"], "byte offset"), _int(d["n"], "byte count"), ps, tuple(digests))
 
 
 @dataclass
@@ -118,31 +154,45 @@ class ShardedTensorMeta:
     def numel(self) -> int:
         return _prod(self.global_shape)
 
-    def validate(self) -> None:
+    def validate(self, file_sizes: Optional[Dict[str, int]] = None, require_digests: bool = False) -> None:
         """Structural checks of the chunks (a manifest is read from storage that may be hostile):
-        every chunk lies inside the shape, holds ``numel * itemsize`` bytes at a non-negative
-        offset with one digest per piece, and the chunks tile the tensor (no overlap, no hole).
-        Raises :class:`IntegrityError`."""
+        a known dtype; every chunk lies inside the shape, holds ``numel * itemsize`` bytes at a
+        non-negative offset with one digest per piece, and the chunks tile the tensor (no overlap,
+        no hole). With ``file_sizes`` (file id -> size, from the manifest) every chunk's byte range
+        lies inside a file of the state: checked before a reader allocates or reads anything, so a
+        small file cannot claim a huge chunk. With ``require_digests`` a chunk without piece digests
+        is refused (its bytes could not be verified by range). Raises :class:`IntegrityError` naming
+        the tensor and, for a chunk, its file and box."""
         def bad(why: str) -> IntegrityError:
             return IntegrityError(f"shard index: {self.key}: {why}")
 
         shape = self.global_shape
-        if any(not isinstance(n, int) or n < 0 for n in shape):
+        if len(shape) > 64 or any(type(n) is not int or not 0 <= n <= _MAX_DIM for n in shape):
             raise bad(f"bad shape {list(shape)}")
         try:
             item = self.itemsize
-        except (AttributeError, TypeError):
-            raise bad(f"unknown dtype {self.dtype!r}") from None
+        except (ValueError, AttributeError, TypeError):
+            files = sorted({c.file for c in self.chunks})
+            raise bad(f"unknown dtype {self.dtype!r} (chunks in {', '.join(files[:4]) or 'no file'}"
+                      f"{', ...' if len(files) > 4 else ''})") from None
         for c in self.chunks:
             o, z = c.chunk.offsets, c.chunk.sizes
             if len(o) != len(shape) or any(a < 0 or b <= 0 or a + b > n for a, b, n in zip(o, z, shape)):
-                raise bad(f"chunk at {list(o)} of sizes {list(z)} is not inside shape {list(shape)}")
+                raise bad(f"chunk at {list(o)} of sizes {list(z)} in {c.file} is not inside shape {list(shape)}")
             if c.nbytes != c.chunk.numel * item or c.offset < 0:
                 raise bad(f"chunk at {list(o)} in {c.file}: {c.nbytes} bytes at {c.offset}, expected "
                           f"{c.chunk.numel * item}")
             if c.digests and (c.piece_size <= 0 or len(c.digests) != -(-c.nbytes // c.piece_size)):
                 raise bad(f"chunk at {list(o)} in {c.file}: {len(c.digests)} piece digests for {c.nbytes} "
                           f"bytes in pieces of {c.piece_size}")
+            if file_sizes is not None:
+                size = file_sizes.get(c.file)
+                if size is None:
+                    raise bad(f"chunk at {list(o)} names file {c.file!r}, which is not one of the state's "
+                              f"files in the manifest")
+                if c.offset + c.nbytes > size:
+                    raise bad(f"chunk at {list(o)} of sizes {list(z)} in {c.file}: bytes {c.offset}.."
+                              f"{c.offset + c.nbytes} lie past the end of the file ({size} bytes in the manifest)")
         covered = sum(c.chunk.numel for c in self.chunks)
         if covered != self.numel:
             raise bad(f"the stored chunks hold {covered} of the {self.numel} elements of shape "
@@ -156,7 +206,13 @@ class ShardedTensorMeta:
                 hit[np.arange(hit.shape[0]), np.arange(i, i + hit.shape[0])] = False
                 if hit.any():
                     r, j = map(int, np.argwhere(hit)[0])
-                    raise bad(f"chunks at {lo[i + r].tolist()} and {lo[j].tolist()} overlap")
+                    raise bad(f"chunks at {lo[i + r].tolist()} and {lo[j].tolist()} overlap (in "
+                              f"{self.chunks[i + r].file} and {self.chunks[j].file})")
+        if require_digests:
+            for c in self.chunks:
+                if not c.digests:
+                    raise bad(f"chunk at {list(c.chunk.offsets)} of sizes {list(c.chunk.sizes)} in {c.file} "
+                              f"has no piece digests: its bytes could not be verified; refused")
 
     def to_json(self) -> dict:
         return {"shape": list(self.global_shape), "dtype": self.dtype, "path": self.path,
@@ -165,8 +221,31 @@ class ShardedTensorMeta:
 
     @classmethod
     def from_json(cls, key: str, d: dict) -> "ShardedTensorMeta":
-        return cls(key, tuple(d["shape"]), d["dtype"], [StoredChunk.from_json(c) for c in d["chunks"]],
-                   d.get("path"), tuple(d.get("mesh", ())), tuple(d.get("placements", ())))
+        """Strict parse; a malformed field is an :class:`IntegrityError` naming the tensor and, for a
+        chunk, its position and file."""
+        def bad(why: str) -> IntegrityError:
+            return IntegrityError(f"shard index: {key}: malformed entry ({why})")
+
+        try:
+            if not isinstance(d, dict) or not isinstance(d["chunks"], list):
+                raise TypeError("not an object with a list of chunks")
+            shape, dtype = _ints(d["shape"], "shape"), d["dtype"]
+            if not isinstance(dtype, str):
+                raise TypeError(f"dtype {dtype!r} is not a name")
+            mesh, placements = d.get("mesh", []), d.get("placements", [])
+            if not isinstance(mesh, list) or not isinstance(placements, list):
+                raise TypeError("mesh and placements must be lists")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise bad(f"{type(exc).__name__}: {exc}") from None
+        chunks = []
+        for i, c in enumerate(d["chunks"]):
+            try:
+                chunks.append(StoredChunk.from_json(c))
+            except (KeyError, TypeError, ValueError) as exc:
+                f = c.get("file") if isinstance(c, dict) else None
+                raise bad(f"chunk {i} (file {f!r}, box at {c.get('o') if isinstance(c, dict) else None}): "
+                          f"{type(exc).__name__}: {exc}") from None
+        return cls(key, shape, dtype, chunks, d.get("path"), tuple(mesh), tuple(placements))
 
 
 class ShardIndex(Dict[str, ShardedTensorMeta]):
@@ -179,19 +258,24 @@ class ShardIndex(Dict[str, ShardedTensorMeta]):
         return json.dumps(self.to_json(), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, d: Any) -> "ShardIndex":
+    def from_json(cls, d: Any, *, file_sizes: Optional[Dict[str, int]] = None,
+                  require_digests: bool = True) -> "ShardIndex":
+        """Parse and check an index read from storage (:meth:`ShardedTensorMeta.validate`): strict
+        field types, a known dtype, chunks that tile each tensor, piece digests on every chunk
+        (``require_digests``) and, with ``file_sizes`` (the manifest's file sizes), byte ranges
+        inside the files. Every defect is an :class:`IntegrityError` naming the tensor and chunk."""
         if isinstance(d, (str, bytes)):
-            d = json.loads(d)
+            try:
+                d = json.loads(d)
+            except ValueError as exc:
+                raise IntegrityError(f"shard index: not JSON ({exc})") from None
         if not isinstance(d, dict) or d.get("format") != INDEX_FORMAT or not isinstance(d.get("tensors"), dict):
             raise IntegrityError(f"not a ray_ckpt shard index (format {INDEX_FORMAT} expected)")
         out = cls()
-        try:
-            for k, m in d["tensors"].items():
-                out[k] = ShardedTensorMeta.from_json(k, m)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise IntegrityError(f"shard index: malformed entry ({type(exc).__name__}: {exc})") from None
+        for k, m in d["tensors"].items():
+            out[k] = ShardedTensorMeta.from_json(k, m)
         for m in out.values():
-            m.validate()
+            m.validate(file_sizes, require_digests)
         return out
 
 
