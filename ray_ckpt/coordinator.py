@@ -49,6 +49,7 @@ import ray
 from .catalogue import PendingVersion
 from .checkpoint_io import write_manifest
 from .config import EngineConfig
+from .live_options import applied, shown
 from .coordinator_queries import CoordinatorQueries
 from .deletions import Deletions
 from .errors import SaveError, UnsupportedTypeError, one_line
@@ -134,6 +135,18 @@ class CheckpointCoordinator:
     def set_owner(self, token: int) -> None:
         """The token of the job that owns the run (create() wrote its record before calling this)."""
         self.owner_token = token
+
+    def reconfigure(self, changes: Dict[str, Any]) -> EngineConfig:
+        """Change live options of the run (``live_options.LIVE``; ``create(..., reconfigure=True)``
+        checked them): set in place on the configuration that retention (``Deletions``) reads at
+        every commit, and handed to the helpers that keep a copy (the waits' ``rank_timeout_s``,
+        the catalogue's signing key, the write dispatch's compression). Returns the new config."""
+        applied(self.cfg, changes)  # live_options.py: validated, then set in place
+        self.waits.rank_timeout_s = self.cfg.rank_timeout_s
+        self.catalogue.signing_key = self.cfg.signing_key
+        self.writes.compression = self.cfg.compression
+        log.warning("run %r reconfigured live: %s", self.cfg.run, ", ".join(shown(changes)))
+        return self.cfg
 
     def _fence(self, tier: Tier) -> Optional[str]:
         """Why this coordinator must not commit on ``tier`` now: another job took the run over."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Union
@@ -27,6 +28,7 @@ from .errors import CheckpointError, InvalidArgumentError, InvalidSaveError, one
 from .formats.manifest import Manifest
 from .handle import SaveHandle, _shared_wait
 from .lease import OwnerLease
+from .live_options import passed_options
 from .object_store import start_prefault
 from .ownership import DEFAULT_LEASE_S
 from .protocol import Declaration
@@ -41,6 +43,9 @@ from .storage.layout import validate_name
 from .types import CheckpointMeta, OnBusy, RestoreReport, SaveResult, StateReport, Strategy
 
 log = logging.getLogger("ray_ckpt")
+# create()'s named options and their defaults: one left at its default counts as not passed
+# (live_options.py; the others are in **options only when given)
+_CREATE_DEFAULTS = {"critical_writers": 2, "best_effort_writers": 1, "keep_last": None, "keep_every": None}
 
 
 class CheckpointEngine:
@@ -62,6 +67,7 @@ class CheckpointEngine:
         self._closed = False  # set by shutdown()
         self._token: Optional[int] = None  # the run's fencing token this (creating) engine holds
         self._lease: Optional[OwnerLease] = None
+        self.reconfigured: List[str] = []  # create(reconfigure=True): the live options it changed
         self._last_handle: Optional[SaveHandle] = None  # the latest save(), for publish()
         self._reader = StateReader(config.run, config, self._call, self._registry)  # load / load_into / restore
         last = _ask(config.run, coordinator.last_version.remote(), "the last version")
@@ -74,7 +80,7 @@ class CheckpointEngine:
                critical_writers: int = 2, best_effort_writers: int = 1,
                keep_last: Optional[int] = None, keep_every: Optional[int] = None,
                startup_timeout: float = 120.0, takeover: bool = False, owner_lease_s: float = DEFAULT_LEASE_S,
-               **options: Any) -> "CheckpointEngine":
+               reconfigure: bool = False, **options: Any) -> "CheckpointEngine":
         """Get-or-create the named coordinator of ``run`` and its writer pools.
 
         A run has one owner, the Ray job that created it (see ``ownership.py``): ``create()`` from
@@ -84,7 +90,23 @@ class CheckpointEngine:
         ``owner_lease_s / 4`` seconds; a driver gone for ``owner_lease_s`` no longer holds the run.
 
         Other options: see :class:`~ray_ckpt.config.EngineConfig` (remote_options, keep_best,
-        remote_keep_last, remote_every, max_in_flight, compression, critical_cpus, ...)."""
+        remote_keep_last, remote_every, max_in_flight, compression, critical_cpus, ...).
+
+        On a run whose coordinator runs already (get-or-create), every option passed here (and
+        ``local_dir`` / ``remote_uri`` always) must equal the running one: a difference raises
+        ``InvalidArgumentError`` naming each option with both values (a signing key or remote
+        credentials only as "differs"). Options not passed take the running run's values, so a
+        restarted driver with the same code attaches as before. ``reconfigure=True`` changes the
+        options that can change live (retention, ``rank_timeout_s``, ``signing_key``,
+        ``max_in_flight``, ``compression``: ``live_options.LIVE``, where each is argued) on the
+        running coordinator, logs them and lists them in ``engine.reconfigured``; any other
+        difference still raises ("needs a new run") and nothing is changed."""
+        explicit = {name for name, value in (("critical_writers", critical_writers),
+                                             ("best_effort_writers", best_effort_writers),
+                                             ("keep_last", keep_last), ("keep_every", keep_every))
+                    if value != _CREATE_DEFAULTS[name]}
+        explicit |= set(options) - {"run", "local_dir", "remote_uri"}
+        passed = passed_options(explicit, os.environ.get("RAY_CKPT_SIGNING_KEY"))
         try:
             config = EngineConfig(run=run, local_dir=local_dir, remote_uri=remote_uri,
                                   critical_writers=critical_writers, best_effort_writers=best_effort_writers,
@@ -93,10 +115,11 @@ class CheckpointEngine:
             raise InvalidArgumentError(f"CheckpointEngine.create: {exc}") from None
         except ValueError as exc:
             raise InvalidArgumentError(str(exc)) from None
-        started = start_run(config, takeover=takeover, owner_lease_s=owner_lease_s,
-                            startup_timeout=startup_timeout)  # run_lifetime.py
+        started = start_run(config, takeover=takeover, owner_lease_s=owner_lease_s, startup_timeout=startup_timeout,
+                            passed=passed, reconfigure=bool(reconfigure))  # run_lifetime.py
         record = started.record
         engine = cls(started.coordinator, started.config)
+        engine.reconfigured = started.reconfigured  # the options reconfigure=True changed (names)
         engine._owner = True  # the driver's engine brings the coordinator back if it is killed for good
         engine._token = record.token
         engine._call(lambda c: c.set_owner.remote(record.token), "the owner token")

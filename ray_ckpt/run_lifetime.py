@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence
 
 import ray
 
@@ -21,6 +21,7 @@ from .config import EngineConfig
 from .coordinator import NAMESPACE, actor_name
 from .coordinator_client import _coordinator_placement, _open_coordinator
 from .errors import CheckpointError, InvalidArgumentError, one_line
+from .live_options import check as check_options, shown
 from .lease import OwnerLease, job_alive, ray_identity, read_owner, write_owner
 from .ownership import OwnerRecord, claim
 from .storage.tier import Tier
@@ -38,11 +39,15 @@ class StartedRun:
     config: EngineConfig  # the configuration the coordinator runs with
     record: OwnerRecord   # the owner record this job wrote (its fencing token)
     tiers: List[Tier]     # where the owner record lives (renewed by the engine's OwnerLease)
+    reconfigured: List[str] = field(default_factory=list)  # options create(reconfigure=True) changed
 
 
-def start_run(config: EngineConfig, *, takeover: bool, owner_lease_s: float, startup_timeout: float) -> StartedRun:
+def start_run(config: EngineConfig, *, takeover: bool, owner_lease_s: float, startup_timeout: float,
+              passed: Sequence[str] = (), reconfigure: bool = False) -> StartedRun:
     """Check the tiers, claim the run for this job, get-or-create its coordinator and wait for it
-    and its writers. Raises InvalidArgumentError / OwnershipError / CheckpointError naming why."""
+    and its writers. On a coordinator that was running already, the options in ``passed`` must
+    equal its own, or (``reconfigure``) be ones that change live: ``live_options.check``.
+    Raises InvalidArgumentError / OwnershipError / CheckpointError naming why."""
     run = config.run
     # fail fast, in the caller, on tiers that cannot be written (bad path, wrong credentials)
     config.local_tier().check_writable()
@@ -67,11 +72,17 @@ def start_run(config: EngineConfig, *, takeover: bool, owner_lease_s: float, sta
     except ray.exceptions.RayActorError as exc:
         raise CheckpointError(f"the coordinator of run {run!r} could not start: "
                               f"{one_line(exc)[:500]}") from None
-    if (existing.local_dir, existing.remote_uri) != (config.local_dir, config.remote_uri):
-        raise InvalidArgumentError(
-            f"run {run!r} already has a coordinator with local_dir={existing.local_dir!r}, "
-            f"remote_uri={existing.remote_uri!r}; connect() to it or shut it down first")
-    return StartedRun(coord, existing, record, tiers)
+    # a live run's options: those the caller passed must match, or change live (live_options.py)
+    changes = check_options(run, existing, config, passed, reconfigure)
+    if changes:
+        try:
+            existing = ray.get(coord.reconfigure.remote(changes), timeout=60)
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            raise (cause if isinstance(cause, CheckpointError) else CheckpointError(
+                f"reconfiguring run {run!r} failed: {one_line(cause or exc)[:300]}")) from None
+        log.warning("run %r: create(reconfigure=True) applied %s", run, ", ".join(shown(changes)))
+    return StartedRun(coord, existing, record, tiers, sorted(changes))
 
 
 def prestart_writer_processes(config: EngineConfig) -> None:

@@ -1,13 +1,16 @@
 """``ray-ckpt gc URI --keep-last N [--keep-every K] [--keep-best METRIC:max|min:N] [--partial]
-[--dry-run] [--progress | --no-progress] [--json]``: delete the committed versions a retention rule does not keep (the engine's
-rules), never a file that a kept version refers to."""
+[--dry-run] [--force] [--progress | --no-progress] [--json]``: delete the committed versions a retention rule does not keep (the engine's
+rules), never a file that a kept version refers to. Refused while the run's owner (a live engine,
+``owner.json``) holds a fresh lease, unless ``--force``; ``--dry-run`` only lists."""
 from __future__ import annotations
 
 import argparse
-from typing import Any, Dict, List, Set, Tuple
+import time
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..checkpoint_io import delete_version
-from ..errors import one_line
+from ..errors import IntegrityError, one_line
+from ..ownership import OWNER_FILE, OwnerRecord
 from ..storage import layout
 from ..storage.retention import RetentionPolicy, VersionInfo, plan_deletions
 from .common import (EXIT_OK, CliError, UsageError, add_json_flag, human, plural, positive_int, print_json, say,
@@ -32,7 +35,8 @@ SUMMARY = "delete old versions by a retention rule"
 DESCRIPTION = ("Delete committed versions that the retention rule does not keep (the "
                "same rules as the engine: newest N, every K-th step, best by a metric; "
                "the newest committed version is always kept). Files that kept versions "
-               "refer to (a RELOADABLE state stored once) are never deleted.")
+               "refer to (a RELOADABLE state stored once) are never deleted. Refused while "
+               "a live engine owns the run (a fresh lease in owner.json), naming it, unless --force.")
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -48,6 +52,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                         "Files that kept versions refer to are never deleted; shared files that no kept "
                         "version refers to any more are deleted without this flag")
     s.add_argument("--dry-run", "-n", action="store_true", help="print what would be deleted; delete nothing")
+    s.add_argument("--force", action="store_true",
+                   help="delete even while the run's owner (a live engine, owner.json) holds a fresh lease; "
+                        "without it gc refuses, naming the owner. The live engine may still list a deleted "
+                        "version until its coordinator restarts")
     s.add_argument("--verbose", "-v", action="store_true", help="list every file")
     add_progress_flags(s, auto=f"from {PROGRESS_AUTO_DIRS} directories to delete on")
     add_json_flag(s)
@@ -107,16 +115,51 @@ def _delete(run: Run, plan: Plan, v: int, dry: bool, done: int) -> Dict[str, Any
     return {"files": to_go, "kept_shared": shared, "bytes": sum(sizes.get(p, 0) for p in to_go)}
 
 
+def live_owner(run: Run, now: Optional[float] = None) -> Optional[Tuple[str, float]]:
+    """(who, seconds until the lease expires) when the run's owner record (``owner.json`` in the
+    run root) holds a lease that has not expired: an engine is saving into the run. None otherwise
+    (no record, an expired lease, or a record that cannot be read: warned)."""
+    now = time.time() if now is None else now
+    try:
+        raw = run.tier.read_bytes(OWNER_FILE) if run.tier.exists(OWNER_FILE) else None
+        record = OwnerRecord.from_json(bytes(raw), f"{run.uri}/{OWNER_FILE}") if raw is not None else None
+    except (OSError, IntegrityError) as exc:
+        warn(f"warning: cannot read the run's owner record: {one_line(exc)}")
+        return None
+    if record is None or record.expired(now):
+        return None
+    return record.describe(now), max(0.0, record.lease_s - (now - record.renewed))
+
+
+def refuse_live_owner(run: Run, command: str, force: bool, dry: bool) -> Optional[Dict[str, Any]]:
+    """Every command that deletes calls this before deleting: on a run whose owner's lease is
+    fresh it raises CliError naming the owner and when the lease expires, unless ``force`` (or
+    ``dry``: nothing is deleted; a warning then). Returns the owner for JSON output (or None)."""
+    live = live_owner(run)
+    if live is None:
+        return None
+    who, left = live
+    what = f"{run.uri} is owned by a live engine: {who}; the lease expires in {left:.0f}s unless renewed"
+    if not (force or dry):
+        raise CliError(f"{command} refused: {what}. A live engine lists, restores and prunes these versions "
+                       f"itself (create(..., keep_last=N, reconfigure=True) changes its retention); stop it "
+                       f"(engine.shutdown() frees the run at once) or wait for the lease to expire, or pass "
+                       f"--force to delete anyway")
+    warn(f"warning: {what}" + ("; --force: deleting anyway" if force and not dry else ""))
+    return {"owner": who, "lease_expires_in_s": round(left, 1)}
+
+
 def run(args: argparse.Namespace) -> int:
     policy = _policy(args)
     run = Run.open(args)
     dry, text = args.dry_run, not args.json
+    owner = refuse_live_owner(run, "gc", args.force, dry)  # before anything is deleted
     verb = "would delete" if dry else "deleted"
     plan = Plan(run, policy, args.partial)
     warnings = [f"leaving {_vdir(v)} alone: {run.error(v)}" for v in plan.unreadable]
     doc: Dict[str, Any] = {"uri": run.uri, "dry_run": dry, "newest": plan.newest, "kept": plan.kept,
                            "deleted": [], "in_flight": plan.in_flight, "abandoned": plan.abandoned,
-                           "warnings": warnings}
+                           "warnings": warnings, "live_owner": owner}
     if plan.newest is None:
         for w in warnings:
             warn(f"warning: {w}")

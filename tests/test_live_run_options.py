@@ -1,0 +1,132 @@
+"""Issue 29, "safe to operate": the options of a live run (create() of a running run with other
+options raises naming each, reconfigure=True changes the live ones) and ``ray-ckpt gc`` on a run
+whose owner's lease is fresh (refused naming the owner, ``--force``, ``--dry-run``)."""
+import json
+import os
+import time
+
+import pytest
+
+import ray_ckpt as rc
+from ray_ckpt.cli import main
+from ray_ckpt.config import EngineConfig
+from ray_ckpt.live_options import LIVE, check, differences, option_names
+
+SMALL = dict(critical_writers=1, best_effort_writers=0)
+
+
+def _save(eng, *steps):
+    for step in steps:
+        eng.save(step).wait(timeout=60)
+
+
+# ---------------------------------------------------------------------------- plain Python
+def test_every_option_is_compared_and_secrets_never_shown():
+    running = EngineConfig(run="r", local_dir="/tmp/x", keep_last=5, signing_key=b"old-key",
+                           remote_options={"secret_key": "s3cr3t"})
+    asked = EngineConfig(run="r", local_dir="/tmp/x", keep_last=1, signing_key=b"new-key", rank_timeout_s=5,
+                         remote_options={"secret_key": "zz9-secret"})
+    names = set(option_names())
+    assert {"keep_last", "signing_key", "rank_timeout_s", "local_dir", "upload_retries", "extra"} <= names
+    # an option not passed is not compared (rank_timeout_s here); local_dir / remote_uri always are
+    assert [d[0] for d in differences(running, asked, ["keep_last", "signing_key"])] == ["keep_last", "signing_key"]
+    with pytest.raises(rc.InvalidArgumentError) as exc:
+        check("r", running, asked, ["keep_last", "signing_key", "rank_timeout_s", "remote_options"], False)
+    msg = str(exc.value)
+    for text in ("keep_last=5 (running) vs 1 (asked)", "signing_key differs", "rank_timeout_s=600.0",
+                 "remote_options differs", "reconfigure=True"):
+        assert text in msg, msg
+    for secret in ("old-key", "new-key", "s3cr3t", "zz9-secret"):
+        assert secret not in msg
+    # reconfigure: live ones are returned, a fixed one refuses everything
+    assert check("r", running, asked, ["keep_last", "signing_key", "rank_timeout_s"], True) == {
+        "keep_last": 1, "signing_key": b"new-key", "rank_timeout_s": 5}
+    with pytest.raises(rc.InvalidArgumentError, match="remote_options differs.*needs a new run"):
+        check("r", running, asked, ["keep_last", "remote_options"], True)
+    assert "local_dir" not in LIVE and "critical_writers" not in LIVE and "keep_last" in LIVE
+
+
+# ---------------------------------------------------------------------------- a live run
+def test_create_of_a_live_run_with_other_options_raises_naming_each(engine_factory, tmp_path, run_name):
+    eng = engine_factory(keep_last=5, signing_key=b"first-key", **SMALL)
+    eng.register("w", lambda: {"x": [1]}, loader=lambda s: None)
+    _save(eng, 1)
+    local, remote = str(tmp_path / "local"), f"file://{tmp_path / 'remote'}"
+    with pytest.raises(rc.InvalidArgumentError) as exc:
+        rc.CheckpointEngine.create(run_name, local_dir=local, remote_uri=remote, keep_last=1,
+                                   signing_key=b"new-key", rank_timeout_s=5)
+    msg = str(exc.value)
+    for name in ("keep_last=5 (running) vs 1 (asked)", "signing_key differs", "rank_timeout_s=600.0 (running) vs 5"):
+        assert name in msg, msg
+    assert "first-key" not in msg and "new-key" not in msg
+    # nothing changed: the run keeps its options
+    assert rc.CheckpointEngine.connect(run_name).config.keep_last == 5
+    # the same options again (a restarted driver), or only the tiers, attach as before
+    again = engine_factory(keep_last=5, signing_key=b"first-key", **SMALL)
+    assert again.reconfigured == [] and again.config.keep_last == 5
+    plain = engine_factory()
+    assert plain.config.keep_last == 5 and [m.step for m in plain.list_checkpoints()] == [1]
+
+
+def test_reconfigure_applies_retention_live_and_refuses_local_dir(engine_factory, tmp_path, run_name):
+    eng = engine_factory(keep_last=5, **SMALL)
+    eng.register("w", lambda: {"x": [1, 2, 3]}, loader=lambda s: None)
+    _save(eng, 1, 2, 3)
+    assert [m.step for m in eng.list_checkpoints()] == [1, 2, 3]
+    # an option that cannot change live: refused naming it, and nothing changed (keep_last neither)
+    with pytest.raises(rc.InvalidArgumentError) as exc:
+        engine_factory(local_dir=str(tmp_path / "elsewhere"), keep_last=1, reconfigure=True, **SMALL)
+    assert "local_dir=" in str(exc.value) and "needs a new run" in str(exc.value)
+    assert rc.CheckpointEngine.connect(run_name).config.keep_last == 5
+    with pytest.raises(rc.InvalidArgumentError, match="critical_writers=1 .* needs a new run"):
+        engine_factory(critical_writers=3, best_effort_writers=0, reconfigure=True)
+    new = engine_factory(keep_last=1, rank_timeout_s=30.0, reconfigure=True, **SMALL)
+    assert new.reconfigured == ["keep_last", "rank_timeout_s"]
+    assert new.config.keep_last == 1 and new.config.rank_timeout_s == 30.0
+    new.register("w", lambda: {"x": [4]}, loader=lambda s: None, replace=True)
+    _save(new, 4)  # retention runs after the next commit: only the newest stays
+    deadline = time.monotonic() + 20
+    while [m.step for m in new.list_checkpoints()] != [4] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [m.step for m in new.list_checkpoints()] == [4]
+    assert sorted(p for p in os.listdir(tmp_path / "local" / run_name) if p.startswith("v")) == ["v000000000004"]
+
+
+# ---------------------------------------------------------------------------- gc and the owner
+def _gc(capsys, *args):
+    code = main([str(a) for a in ("gc", *args)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_gc_on_a_live_run_is_refused_naming_the_owner_unless_forced(engine_factory, tmp_path, run_name, capsys):
+    eng = engine_factory(**SMALL)
+    eng.register("w", lambda: {"x": [1]}, loader=lambda s: None)
+    _save(eng, 1, 2, 3)
+    root = tmp_path / "local" / run_name
+    versions = lambda: sorted(p for p in os.listdir(root) if p.startswith("v"))  # noqa: E731
+    assert versions() == ["v000000000001", "v000000000002", "v000000000003"]
+
+    code, out, err = _gc(capsys, root, "--keep-last", "1")
+    assert code != 0 and "gc refused" in err and "owned by a live engine" in err, err
+    assert "job " in err and "lease expires in" in err and "--force" in err
+    assert len(err.strip().splitlines()) == 1
+    assert versions() == ["v000000000001", "v000000000002", "v000000000003"]
+
+    code, out, err = _gc(capsys, root, "--keep-last", "1", "--dry-run", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["dry_run"] and [d["version"] for d in doc["deleted"]] == [1, 2]
+    assert "lease_expires_in_s" in doc["live_owner"] and "owned by a live engine" in err
+    code, out, err = _gc(capsys, root, "--keep-last", "1", "--dry-run")
+    assert code == 0 and "would delete version 1" in out and "would delete version 2" in out
+    assert versions() == ["v000000000001", "v000000000002", "v000000000003"]
+
+    code, out, err = _gc(capsys, root, "--keep-last", "1", "--force")
+    assert code == 0, err
+    assert "--force: deleting anyway" in err and "deleted 2 versions" in out
+    assert versions() == ["v000000000003"]
+
+    eng.shutdown()  # the lease is released: gc goes on without --force
+    code, out, err = _gc(capsys, root, "--keep-last", "1")
+    assert code == 0 and "owned by" not in err, err
