@@ -95,7 +95,8 @@ class StoredChunk:
     ``file`` is whatever id the reader's ``read_range`` understands (the part's file path relative
     to the version, or "rank3"); ``offset`` is the byte offset of the chunk's data in that file.
     ``digests[k]`` is the xxh3-128 of bytes ``[k * piece_size, (k + 1) * piece_size)`` of the
-    chunk's data (empty: no range verification, the reader must check the whole file instead)."""
+    chunk's data. Every writer records them; a reader refuses a chunk without them
+    (``ShardIndex.from_json(require_digests=True)``): an edited index must not turn verification off."""
 
     chunk: ChunkMeta
     file: str
