@@ -136,16 +136,19 @@ class CheckpointCoordinator:
         """The token of the job that owns the run (create() wrote its record before calling this)."""
         self.owner_token = token
 
-    def reconfigure(self, changes: Dict[str, Any]) -> EngineConfig:
+    async def reconfigure(self, changes: Dict[str, Any]) -> EngineConfig:
         """Change live options of the run (``live_options.LIVE``; ``create(..., reconfigure=True)``
         checked them): set in place on the configuration that retention (``Deletions``) reads at
         every commit, and handed to the helpers that keep a copy (the waits' ``rank_timeout_s``,
-        the catalogue's signing key, the write dispatch's compression). Returns the new config."""
+        the catalogue's signing key, the write dispatch's compression). A new retention rule also
+        prunes at once, in the background (as after a commit). Returns the new config."""
         applied(self.cfg, changes)  # live_options.py: validated, then set in place
         self.waits.rank_timeout_s = self.cfg.rank_timeout_s
         self.catalogue.signing_key = self.cfg.signing_key
         self.writes.compression = self.cfg.compression
         log.warning("run %r reconfigured live: %s", self.cfg.run, ", ".join(shown(changes)))
+        if any(name.startswith(("keep_", "remote_keep_")) for name in changes):
+            self._in_background(self._after_upload())  # remote retention, then local
         return self.cfg
 
     def _fence(self, tier: Tier) -> Optional[str]:

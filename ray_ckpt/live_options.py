@@ -15,8 +15,8 @@ either gets it or an error naming it -- never the silent keep of issue 29.
 Which options change live (``LIVE``), and why each:
 
 - ``keep_last``, ``keep_every``, ``keep_best`` and the ``remote_keep_*`` ones: the coordinator's
-  retention reads its configuration at every commit (``deletions.py``); the new rule prunes at the
-  next committed save (on both tiers), never in between.
+  retention reads its configuration at every commit (``deletions.py``); the new rule prunes at once
+  (in the background, as after a commit) and at every commit after, on both tiers.
 - ``rank_timeout_s``: read by the coordinator when a pushed version opens (``_deadline``) and by its
   waits; versions already waiting keep the deadline they started with.
 - ``signing_key``: the catalogue signs every manifest committed from then on with the new key.
@@ -65,13 +65,24 @@ def option_names() -> List[str]:
     return [f.name for f in dataclasses.fields(EngineConfig) if f.name != "run"]
 
 
+def _norm(name: str, value: Any) -> Any:
+    """A value as compared: lists as tuples (``keep_best`` comes back from Ray as it was given),
+    a directory or URI without a trailing slash."""
+    if isinstance(value, list):
+        return tuple(_norm(name, v) for v in value)
+    if name in ALWAYS and isinstance(value, str) and len(value) > 1:
+        return value.rstrip("/") or value
+    return value
+
+
 def differences(running: EngineConfig, asked: EngineConfig, passed: Iterable[str]) -> List[Difference]:
     """The options in ``passed`` (plus ``ALWAYS``) whose value in ``asked`` differs from ``running``'s.
-    Values are compared as ``EngineConfig`` normalised them (a str signing key as bytes, ...)."""
+    Values are compared as ``EngineConfig`` normalised them (a str signing key as bytes, ...) and
+    ``_norm`` (lists as tuples, no trailing slash)."""
     wanted = set(passed) | set(ALWAYS)
     out = []
     for name in option_names():
-        if name in wanted and getattr(running, name) != getattr(asked, name):
+        if name in wanted and _norm(name, getattr(running, name)) != _norm(name, getattr(asked, name)):
             out.append((name, getattr(running, name), getattr(asked, name)))
     return out
 

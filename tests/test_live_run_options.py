@@ -20,6 +20,13 @@ def _save(eng, *steps):
         eng.save(step).wait(timeout=60)
 
 
+def _until(cond, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cond()
+
+
 # ---------------------------------------------------------------------------- plain Python
 def test_every_option_is_compared_and_secrets_never_shown():
     running = EngineConfig(run="r", local_dir="/tmp/x", keep_last=5, signing_key=b"old-key",
@@ -44,6 +51,10 @@ def test_every_option_is_compared_and_secrets_never_shown():
     with pytest.raises(rc.InvalidArgumentError, match="remote_options differs.*needs a new run"):
         check("r", running, asked, ["keep_last", "remote_options"], True)
     assert "local_dir" not in LIVE and "critical_writers" not in LIVE and "keep_last" in LIVE
+    # compared as normalised: keep_best as a list or a tuple, a directory with a trailing slash
+    a = EngineConfig(run="r", local_dir="/tmp/x/", keep_best=["reward", "max", 2])
+    b = EngineConfig(run="r", local_dir="/tmp/x", keep_best=("reward", "max", 2))
+    assert differences(a, b, ["keep_best"]) == []
 
 
 # ---------------------------------------------------------------------------- a live run
@@ -83,12 +94,10 @@ def test_reconfigure_applies_retention_live_and_refuses_local_dir(engine_factory
     new = engine_factory(keep_last=1, rank_timeout_s=30.0, reconfigure=True, **SMALL)
     assert new.reconfigured == ["keep_last", "rank_timeout_s"]
     assert new.config.keep_last == 1 and new.config.rank_timeout_s == 30.0
+    _until(lambda: [m.step for m in new.list_checkpoints()] == [3])  # pruned at once, in the background
     new.register("w", lambda: {"x": [4]}, loader=lambda s: None, replace=True)
-    _save(new, 4)  # retention runs after the next commit: only the newest stays
-    deadline = time.monotonic() + 20
-    while [m.step for m in new.list_checkpoints()] != [4] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert [m.step for m in new.list_checkpoints()] == [4]
+    _save(new, 4)  # and after every commit: only the newest stays
+    _until(lambda: [m.step for m in new.list_checkpoints()] == [4])
     assert sorted(p for p in os.listdir(tmp_path / "local" / run_name) if p.startswith("v")) == ["v000000000004"]
 
 
