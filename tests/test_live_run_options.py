@@ -3,6 +3,7 @@ options raises naming each, reconfigure=True changes the live ones) and ``ray-ck
 whose owner's lease is fresh (refused naming the owner, ``--force``, ``--dry-run``)."""
 import json
 import os
+import re
 import time
 
 import pytest
@@ -106,6 +107,30 @@ def _gc(capsys, *args):
     code = main([str(a) for a in ("gc", *args)])
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def test_gc_follows_the_owner_record_lease_without_ray(tmp_path, capsys):
+    """A fresh lease refuses (even with nothing to delete); an expired or unreadable one does not."""
+    from test_cli_output import make_run
+
+    from ray_ckpt.ownership import OWNER_FILE, OwnerRecord
+
+    root = make_run(tmp_path / "run", versions=(1, 2, 3))
+    now = time.time()
+    fresh = OwnerRecord("c" * 16, "02000000", 3, "trainer-7", 4242, now - 100, now - 10, 60.0)
+    (root / OWNER_FILE).write_bytes(fresh.to_json())
+    code, _out, err = _gc(capsys, root, "--keep-last", "5")
+    assert code == 1 and "job 02000000" in err and "trainer-7" in err and "token 3" in err, err
+    m = re.search(r"lease expires in (\d+)s", err)
+    assert m and 45 <= int(m.group(1)) <= 50, err
+    expired = OwnerRecord("c" * 16, "02000000", 3, "trainer-7", 4242, now - 500, now - 200, 60.0)
+    (root / OWNER_FILE).write_bytes(expired.to_json())
+    code, out, err = _gc(capsys, root, "--keep-last", "1", "--json")
+    assert code == 0 and json.loads(out)["live_owner"] is None and "owned by" not in err
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("v")) == ["v000000000003"]
+    (root / OWNER_FILE).write_bytes(b"{not json")
+    code, out, err = _gc(capsys, root, "--keep-last", "1")
+    assert code == 0 and "cannot read the run's owner record" in err
 
 
 def test_gc_on_a_live_run_is_refused_naming_the_owner_unless_forced(engine_factory, tmp_path, run_name, capsys):
