@@ -50,6 +50,7 @@ from .catalogue import PendingVersion
 from .checkpoint_io import write_manifest
 from .config import EngineConfig
 from .live_options import applied, shown
+from .storage.gc_notice import POLL_S as GC_NOTICE_POLL_S, read_notice
 from .coordinator_queries import CoordinatorQueries
 from .deletions import Deletions
 from .errors import SaveError, UnsupportedTypeError, one_line
@@ -150,6 +151,36 @@ class CheckpointCoordinator:
         if any(name.startswith(("keep_", "remote_keep_")) for name in changes):
             self._in_background(self._after_upload())  # remote retention, then local
         return self.cfg
+
+    async def _watch_gc_notices(self) -> None:
+        """``ray-ckpt gc --force`` on this live run names the versions it is about to delete in
+        ``gc_notice.json`` and waits before deleting (``storage/gc_notice.py``): read every
+        ``POLL_S`` on each tier, the named versions are forgotten, so that the run never lists a
+        version gc removed."""
+        while True:
+            await asyncio.sleep(GC_NOTICE_POLL_S)
+            for tier in [t for t in (self.local, self.remote) if t is not None]:
+                try:
+                    removed = await asyncio.to_thread(read_notice, tier)
+                except Exception as exc:  # e.g. the remote tier is down: the next poll tries again
+                    log.debug("cannot read the gc notice on the %s tier: %s", tier.name, one_line(exc))
+                    continue
+                self._forget_removed(tier is self.local, removed)
+
+    def _forget_removed(self, local: bool, removed: List[Tuple[int, int, float]]) -> None:
+        committed = self.catalogue.committed if local else self.uploads.committed
+        gone = [v for v, step, created in removed if v in committed and v not in self.catalogue.pending
+                and committed[v].step == step and committed[v].created_at == created
+                and (local or v not in self.uploads.uploading)]
+        if not gone:
+            return
+        if local:
+            for v in gone:
+                self.catalogue.forget(v)
+        else:
+            self.uploads._forget(gone, self.uploads.kept_paths(self.catalogue.committed, set(gone)))
+        log.warning("run %r: versions %s were deleted from the %s tier by ray-ckpt gc --force; no longer listed",
+                    self.cfg.run, gone, "local" if local else "remote")
 
     def _fence(self, tier: Tier) -> Optional[str]:
         """Why this coordinator must not commit on ``tier`` now: another job took the run over."""
@@ -528,6 +559,8 @@ class CheckpointCoordinator:
     async def ready(self) -> bool:
         """Wait until every writer has started, so the first save does not pay for worker start-up."""
         self._resume_uploads()
+        if getattr(self, "_gc_watch", None) is None:  # not in self.background: quiesce() does not wait for it
+            self._gc_watch = asyncio.ensure_future(self._watch_gc_notices())
         await asyncio.gather(*[w.__ray_ready__.remote() for w in self.pools.all()])
         return True
 

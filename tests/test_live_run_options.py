@@ -158,9 +158,21 @@ def test_gc_on_a_live_run_is_refused_naming_the_owner_unless_forced(engine_facto
 
     code, out, err = _gc(capsys, root, "--keep-last", "1", "--force")
     assert code == 0, err
-    assert "--force: deleting anyway" in err and "deleted 2 versions" in out
+    assert "--force: deleting anyway" in err and "told the live engine" in err and "deleted 2 versions" in out
     assert versions() == ["v000000000003"]
+    # the live engine noticed before the files went: it never lists what gc removed (from the local
+    # tier: versions 1 and 2 are still on the remote one)
+    assert {m.step: m.tiers for m in eng.list_checkpoints()} == {1: ("remote",), 2: ("remote",),
+                                                                   3: ("local", "remote")}
+    _save(eng, 4)
+    assert eng.restore(step=1).step == 1  # read from the remote tier
+    assert [m.step for m in eng.list_checkpoints()] == [1, 2, 3, 4]
+    eng.save(5).wait(timeout=60, durability="remote")
+    code, out, err = _gc(capsys, tmp_path / "remote" / run_name, "--keep-last", "3", "--force")
+    assert code == 0 and "deleted 2 versions" in out, err
+    assert {m.step: m.tiers for m in eng.list_checkpoints()} == {3: ("local", "remote"), 4: ("local", "remote"),
+                                                                   5: ("local", "remote")}
 
     eng.shutdown()  # the lease is released: gc goes on without --force
     code, out, err = _gc(capsys, root, "--keep-last", "1")
-    assert code == 0 and "owned by" not in err, err
+    assert code == 0 and "owned by" not in err and "deleted 2 versions" in out, err

@@ -12,6 +12,7 @@ from ..checkpoint_io import delete_version
 from ..errors import IntegrityError, one_line
 from ..ownership import OWNER_FILE, OwnerRecord
 from ..storage import layout
+from ..storage.gc_notice import NOTICE_FILE, NOTICE_WAIT_S, write_notice
 from ..storage.retention import RetentionPolicy, VersionInfo, plan_deletions
 from .common import (EXIT_OK, CliError, UsageError, add_json_flag, human, plural, positive_int, print_json, say,
                      vlist, warn)
@@ -54,8 +55,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     s.add_argument("--dry-run", "-n", action="store_true", help="print what would be deleted; delete nothing")
     s.add_argument("--force", action="store_true",
                    help="delete even while the run's owner (a live engine, owner.json) holds a fresh lease; "
-                        "without it gc refuses, naming the owner. The live engine may still list a deleted "
-                        "version until its coordinator restarts")
+                        "without it gc refuses, naming the owner. With it gc names the versions in the run's "
+                        "gc_notice.json and waits a few seconds, so that the live engine stops listing them "
+                        "before they are deleted")
     s.add_argument("--verbose", "-v", action="store_true", help="list every file")
     add_progress_flags(s, auto=f"from {PROGRESS_AUTO_DIRS} directories to delete on")
     add_json_flag(s)
@@ -149,6 +151,23 @@ def refuse_live_owner(run: Run, command: str, force: bool, dry: bool) -> Optiona
     return {"owner": who, "lease_expires_in_s": round(left, 1)}
 
 
+def _notify_live_engine(run: Run, plan: Plan) -> None:
+    """--force on a live run: name the versions about to go in the run's gc notice and give the
+    live coordinator time to read it (``storage/gc_notice.py``), so that its catalogue stops
+    listing them before their files are deleted."""
+    removed = [(v, plan.committed[v].step, plan.committed[v].created_at)
+               for v, _label, kind in plan.targets if kind == "version"]
+    if not removed:
+        return
+    try:
+        write_notice(run.tier, removed)
+    except OSError as exc:
+        raise CliError(f"cannot write {run.uri}/{NOTICE_FILE} to tell the live engine: {one_line(exc)}; "
+                       f"nothing was deleted") from None
+    warn(f"warning: told the live engine ({NOTICE_FILE}); deleting in {NOTICE_WAIT_S:.0f}s")
+    time.sleep(NOTICE_WAIT_S)
+
+
 def run(args: argparse.Namespace) -> int:
     policy = _policy(args)
     run = Run.open(args)
@@ -177,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
         warn(f"warning: {w}")
     if text:
         say(f"keeping {plural(len(plan.kept), 'version')}: {vlist(plan.kept)} (newest: {plan.newest})")
+    if owner is not None and not dry and plan.targets:
+        _notify_live_engine(run, plan)
     n_versions = 0
     # deleting from S3 is a few requests per file: hundreds of versions take minutes
     progress = Progress(len(plan.targets), not dry and wanted(args, len(plan.targets) >= PROGRESS_AUTO_DIRS),
