@@ -152,6 +152,13 @@ class CheckpointCoordinator:
             self._in_background(self._after_upload())  # remote retention, then local
         return self.cfg
 
+    def _watch_gc(self) -> None:
+        """Start ``_watch_gc_notices`` on the main event loop once: from ready() (create, revive)
+        and from the first save / push (a coordinator Ray restarted gets no ready() call). Not in
+        ``self.background``: quiesce() does not wait for it."""
+        if getattr(self, "_gc_watch", None) is None:
+            self._gc_watch = asyncio.ensure_future(self._watch_gc_notices())
+
     async def _watch_gc_notices(self) -> None:
         """``ray-ckpt gc --force`` on this live run names the versions it is about to delete in
         ``gc_notice.json`` and waits before deleting (``storage/gc_notice.py``): read every
@@ -250,6 +257,7 @@ class CheckpointCoordinator:
         whether it is this version's turn to be uploaded (``remote_every``), as the caller counted
         its saves. Raises SaveError if the version cannot commit."""
         self._resume_uploads()
+        self._watch_gc()
         if token is not None and self.owner_token is not None and token < self.owner_token:
             raise SaveError(f"run {self.cfg.run!r} was taken over (token {self.owner_token}); this engine's token "
                             f"{token} is stale, so its saves no longer commit")
@@ -314,6 +322,7 @@ class CheckpointCoordinator:
         of the commit through :meth:`wait` (one call per version and process). Nothing in it
         awaits: it holds no slot beyond its own run."""
         self._resume_uploads()
+        self._watch_gc()
         self.counts["submit_calls"] += 1
         self.counts["pushed_parts"] += len(parts)
         rejected: Dict[int, str] = {}
@@ -559,8 +568,7 @@ class CheckpointCoordinator:
     async def ready(self) -> bool:
         """Wait until every writer has started, so the first save does not pay for worker start-up."""
         self._resume_uploads()
-        if getattr(self, "_gc_watch", None) is None:  # not in self.background: quiesce() does not wait for it
-            self._gc_watch = asyncio.ensure_future(self._watch_gc_notices())
+        self._watch_gc()
         await asyncio.gather(*[w.__ray_ready__.remote() for w in self.pools.all()])
         return True
 
