@@ -103,30 +103,12 @@ def test_tune_settings_and_pointers_are_checked(tmp_path):
         rr.tune.read_pointer(str(tmp_path))
 
 
-@pytest.mark.timeout(300)
-def test_a_tune_trial_creates_its_own_run_outside_the_trials_placement_group(ray_session, engine_factory,
-                                                                             run_name, tmp_path):
-    # no engine in the driver: the trial's callback creates the coordinator and its writers, which
-    # must not be placed in the trial's placement group (they do not fit its bundles)
-    assert not _coordinator_alive(run_name)
-    config = _config(_callback(run_name, tmp_path))
-    results = tune.Tuner(config.algo_class, param_space=config,
-                         run_config=_run_config(run_name, tmp_path, 2)).fit()
-    result = results[0]
-    assert result.error is None, result.error
-    summary = result.metrics["ray_ckpt"]
-    trial_run = summary["run"]
-    assert trial_run == f"{run_name}-{result.metrics['trial_id']}"
-    assert summary["saves"] == 2 and summary["failed"] == 0 and summary["skipped"] == 0, summary
-    # algorithm.stop() at the trial's end flushed the saves and stopped the coordinator it started
-    assert not _coordinator_alive(trial_run) and not _coordinator_alive(run_name)
-    engine = engine_factory(run=trial_run)
-    assert [m.version for m in engine.list_checkpoints()] == [1, 2]
-
-
 @pytest.mark.timeout(480)
 def test_a_grid_search_with_restarts_keeps_each_trials_state_apart(ray_session, engine_factory, run_name,
                                                                    tmp_path):
+    # no engine in the driver: each trial's callback creates its run's coordinator and writers, which
+    # must be placed outside the trial's placement group (they do not fit its bundles)
+    assert not _coordinator_alive(run_name)
     markers = tmp_path / "markers"
     markers.mkdir()
     config = _config([_callback(run_name, tmp_path, resume=True), _fail_once_at(1, str(markers))], env_runners=0)
@@ -146,9 +128,11 @@ def test_a_grid_search_with_restarts_keeps_each_trials_state_apart(ray_session, 
         assert m["training_iteration"] == 2
         # ... with its sampled-steps counter brought back (not the other trial's, not reset)
         assert 2 * BATCH <= m["env_runners"]["num_env_steps_sampled_lifetime"] < 3 * BATCH, m["env_runners"]
+        assert summary["run"] == f"{run_name}-{m['trial_id']}", summary
         runs[result.config["lr"]] = summary["run"]
-    assert len(set(runs.values())) == 2 and all(r.startswith(f"{run_name}-") for r in runs.values())
+    assert len(set(runs.values())) == 2
     for lr, run in runs.items():
+        # algorithm.stop() at the trial's end flushed the saves and stopped the coordinator it started
         assert not _coordinator_alive(run)
         engine = engine_factory(run=run)
         assert [meta.version for meta in engine.list_checkpoints()] == [1, 2], (lr, engine.status())
