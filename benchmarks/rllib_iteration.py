@@ -1,6 +1,6 @@
 """RLlib: what checkpointing every iteration costs train(), side by side in one run.
 
-    python benchmarks/rllib_iteration.py [--iterations 8] [--prefill 200000] [--arms ...] [--dir /tmp/rllib_bench]
+    python benchmarks/rllib_iteration.py [--iterations 8] [--prefill 30000] [--configs ppo0,ppo1,dqn] [--dir /tmp/rllib_bench]
 
 Per algorithm config, one Algorithm per arm, built from the same config and seed, trained
 ``--iterations`` iterations (the first two are warm-up and not counted):
@@ -14,7 +14,7 @@ Per algorithm config, one Algorithm per arm, built from the same config and seed
   rllib_save   RLlib's own ``algo.save_to_path()`` after every train() (synchronous)
 
 Configs: PPO on CartPole with num_learners=0 and =1; DQN on CartPole with a prioritized replay
-buffer of capacity 1M, prefilled with ``--prefill`` random-policy timesteps so that a save's buffer
+buffer of capacity 1M, prefilled with ``--prefill`` timesteps of the untrained (epsilon-greedy) policy so that a save's buffer
 is large next to what one iteration adds.
 
 Printed: median train() seconds per arm, the iteration rate relative to ``none``, and for ray_ckpt
@@ -52,42 +52,22 @@ def dqn_config(seed: int = 1):
     from ray.rllib.algorithms.dqn import DQNConfig
 
     return (DQNConfig().environment("CartPole-v1")
-            .env_runners(num_env_runners=0, rollout_fragment_length=200)
+            .env_runners(num_env_runners=0, rollout_fragment_length=100)
             .training(replay_buffer_config={"type": "PrioritizedEpisodeReplayBuffer", "capacity": 1_000_000},
-                      num_steps_sampled_before_learning_starts=1000, train_batch_size_per_learner=64,
-                      training_intensity=None)
-            .reporting(min_sample_timesteps_per_iteration=1000)
+                      num_steps_sampled_before_learning_starts=1000, train_batch_size_per_learner=32)
+            .reporting(min_sample_timesteps_per_iteration=500)
             .debugging(seed=seed))
 
 
 def prefill(algo, timesteps: int) -> None:
-    """Random-policy episodes straight into the algorithm's replay buffer (no training)."""
-    import gymnasium as gym
-    import numpy as np
-    from ray.rllib.env.single_agent_episode import SingleAgentEpisode
-
-    if not timesteps:
-        return
-    env = gym.make("CartPole-v1")
-    rng = np.random.default_rng(0)
-    done, batch = 0, []
-    while done < timesteps:
-        obs, _ = env.reset(seed=int(rng.integers(1 << 30)))
-        ep = SingleAgentEpisode(observations=[obs], observation_space=env.observation_space,
-                                action_space=env.action_space)
-        while True:
-            a = int(rng.integers(2))
-            obs, r, term, trunc, _ = env.step(a)
-            ep.add_env_step(obs, a, r, terminated=term, truncated=trunc)
-            done += 1
-            if term or trunc or done >= timesteps:
-                break
-        batch.append(ep.to_numpy())
-        if len(batch) >= 200:
-            algo.local_replay_buffer.add(batch)
-            batch = []
-    if batch:
-        algo.local_replay_buffer.add(batch)
+    """Episodes of the untrained policy (epsilon-greedy: epsilon starts at 1) from the algorithm's own env runner straight into its replay buffer
+    (no training), so that a save's buffer is large next to what one iteration adds."""
+    left = timesteps
+    while left > 0:
+        n = min(left, 20_000)
+        episodes = algo.env_runner.sample(num_timesteps=n, explore=True)
+        algo.local_replay_buffer.add(episodes)
+        left -= sum(len(e) for e in episodes)
 
 
 def run_arm(make_config, arm: str, iterations: int, root: str, prefill_steps: int) -> dict:
@@ -111,12 +91,15 @@ def run_arm(make_config, arm: str, iterations: int, root: str, prefill_steps: in
             if arm == "rllib_save":
                 algo.save_to_path(os.path.join(root, "rllib", run, f"it{i}"))
             times.append(time.perf_counter() - t0)
-        out = {"train_s": statistics.median(times[2:]), "bytes": None, "new_rows": None}
+        out = {"train_s": statistics.median(times[2:]), "bytes": None, "new_rows": None, "save_ms": None,
+               "replay": None}
         if arm.startswith("ray_ckpt"):
+            out["save_ms"] = statistics.median(rr.find_callback(algo).save_call_ms[2:])
             results = rr.wait_for_saves(algo, timeout=600)
             sizes = [r.bytes_written for it, r in sorted(results.items()) if it > 2]
             out["bytes"] = statistics.median(sizes) if sizes else None
             out["new_rows"] = _new_segment_bytes(os.path.join(root, "local", run))
+            out["replay"] = _replay_bytes(os.path.join(root, "local", run))
         elif arm == "rllib_save":
             out["bytes"] = _dir_bytes(os.path.join(root, "rllib", run, f"it{iterations - 1}"))
         return out
@@ -136,6 +119,16 @@ def _new_segment_bytes(run_dir: str):
     return statistics.median(sizes) if sizes else None
 
 
+def _replay_bytes(run_dir: str):
+    """Median bytes a version after the warm-up wrote for the replay buffer: its own ``replay/`` and
+    ``replay_meta/`` files (segments it reuses lie in older versions' directories)."""
+    sizes = []
+    for v in sorted(os.listdir(run_dir)) if os.path.isdir(run_dir) else []:
+        if v.startswith("v") and int(v[1:]) > 2 and os.path.isdir(os.path.join(run_dir, v, "replay")):
+            sizes.append(sum(_dir_bytes(os.path.join(run_dir, v, s)) for s in ("replay", "replay_meta")))
+    return statistics.median(sizes) if sizes else None
+
+
 def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
@@ -143,9 +136,10 @@ def _dir_bytes(path: str) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iterations", type=int, default=8)
-    ap.add_argument("--prefill", type=int, default=200_000, help="DQN: random timesteps put in the buffer first")
+    ap.add_argument("--prefill", type=int, default=30_000, help="DQN: random timesteps put in the buffer first")
     ap.add_argument("--configs", default="ppo0,ppo1,dqn")
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--reverse", action="store_true", help="run each config's arms in the reverse order")
     args = ap.parse_args()
 
     import ray
@@ -159,23 +153,29 @@ def main() -> None:
     try:
         for name in args.configs.split(","):
             make, arms, pre = configs[name]
-            res = {arm: run_arm(make, arm, args.iterations, root, pre) for arm in arms}
+            order = arms[::-1] if args.reverse else arms
+            res = {arm: run_arm(make, arm, args.iterations, root, pre) for arm in order}
+            res = {arm: res[arm] for arm in arms}
             base = res["none"]["train_s"]
             for arm, r in res.items():
-                rows.append((name, arm, r["train_s"], base / r["train_s"], r["bytes"], r["new_rows"]))
+                rows.append((name, arm, r["train_s"], base / r["train_s"], r["bytes"], r["new_rows"], r["save_ms"],
+                             r["replay"]))
                 print(f"  {name:5s} {arm:14s} train() {r['train_s']:.3f}s", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         ray.shutdown()
 
     print()
-    print("| config | arm | train() s (median) | iteration rate vs none | bytes per save | new rows' segment | bytes / new rows |")
-    print("|---|---|---|---|---|---|---|")
-    for name, arm, t, ratio, nbytes, new in rows:
+    print("| config | arm | train() s (median) | iteration rate vs none | callback save ms | bytes per save "
+          "| replay bytes per save | new rows' segment | replay bytes / new rows |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, arm, t, ratio, nbytes, new, ms, rep in rows:
         b = f"{nbytes:,.0f}" if nbytes else "-"
         n = f"{new:,.0f}" if new else "-"
-        q = f"{nbytes / new:.2f}x" if nbytes and new else "-"
-        print(f"| {name} | {arm} | {t:.3f} | {ratio:.3f}x | {b} | {n} | {q} |")
+        q = f"{rep / new:.2f}x" if rep and new else "-"
+        m = f"{ms:.1f}" if ms is not None else "-"
+        rb = f"{rep:,.0f}" if rep else "-"
+        print(f"| {name} | {arm} | {t:.3f} | {ratio:.3f}x | {m} | {b} | {rb} | {n} | {q} |")
 
 
 if __name__ == "__main__":
