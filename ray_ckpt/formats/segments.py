@@ -211,11 +211,12 @@ def assemble(index: SegmentIndex, parts: Sequence[Tuple[Segment, Any, List[Any]]
     if kept_ids.size != index.rows or (kept_ids.size and np.any(np.diff(kept_ids) <= 0)):
         raise IntegrityError(f"{where}: the segments hold {kept_ids.size} of the {index.rows} live rows the index "
                              f"lists (or out of order)")
+    everything = bool(keep.all())  # nothing evicted since the segments were written: no second copy
     views: List[Any] = [None] * len(cols)
     for key, node in cols:
         data = np.concatenate(pieces[key]) if pieces[key] else np.empty([0] + list(node["sh"][1:]),
                                                                           np.dtype(node["dt"]))
-        out = np.ascontiguousarray(data[keep])
+        out = data if everything else data[keep]  # both are new contiguous arrays
         if list(out.shape) != list(node["sh"]):
             raise IntegrityError(f"{where}: column {key!r} came back as {list(out.shape)}, the index says {node['sh']}")
         views[node["N"]] = memoryview(out.reshape(-1).view(np.uint8)).cast("B") if out.size else bytearray(0)
