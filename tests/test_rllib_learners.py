@@ -126,6 +126,7 @@ def test_remote_learner_state_is_captured_in_the_learner_and_restored_into_every
 
     # ---- a fresh num_learners=1 algorithm: pushed into every learner, each one's answer checked
     fresh = _config(cb, num_learners=1, seed=11).build_algo()
+    local = None
     try:
         report = rr.restore_algorithm(fresh, run_name, timeout_s=60)
         assert report.version == 2 and report.learners == {0: "verified"} and report.env_runners == {1: "verified"}
@@ -136,40 +137,28 @@ def test_remote_learner_state_is_captured_in_the_learner_and_restored_into_every
         bad = {"policy": {"default_policy": {k: v[:1] for k, v in want_w["default_policy"].items()}}}
         with pytest.raises(rc.RestoreError, match=r"learner 0: failed: .*size mismatch"):
             lr.restore_remote_learners(fresh.learner_group, bad, None, timeout_s=60)
-    finally:
-        fresh.stop()
 
-    # ---- and vice versa: the same version into a local learner (num_learners=0)
-    local = _config(cb, num_learners=0, seed=12).build_algo()
-    try:
+        # ---- and vice versa: the same version into a local learner (num_learners=0) ...
+        local = _config(cb, num_learners=0, seed=12).build_algo()
         report = rr.restore_algorithm(local, run_name, timeout_s=60)
         assert report.version == 2 and report.learners == {} and report.verified
         _assert_same_learner(local, want_w, want_o)
         _assert_runner_has_learner_weights(local)
-    finally:
-        local.stop()
 
-
-@pytest.mark.timeout(240)
-def test_version_saved_with_a_local_learner_restores_into_a_remote_one(engine_factory, run_name, tmp_path):
-    engine_factory(critical_writers=1)
-    cb = _callback(run_name, tmp_path)
-    algo = _config(cb, num_learners=0).build_algo()
-    try:
-        algo.train()
-        assert rr.wait_for_saves(algo, timeout=120).keys() == {1}
-        want_w, want_o = _learner_state(algo)
-    finally:
-        algo.stop()
-    remote = _config(cb, num_learners=1, seed=5).build_algo()
-    try:
-        report = rr.restore_algorithm(remote, run_name, timeout_s=60)
-        assert report.version == 1 and report.iteration == 1
+        # ... which trains on and saves version 3 from its local learner; that version goes back into
+        # the remote learner
+        local.train()
+        assert rr.wait_for_saves(local, timeout=120).keys() == {3}
+        want_w, want_o = _learner_state(local)
+        report = rr.restore_algorithm(fresh, run_name, timeout_s=60)
+        assert report.version == 3 and report.iteration == 3
         assert report.learners == {0: "verified"} and report.verified
-        _assert_same_learner(remote, want_w, want_o)
-        _assert_runner_has_learner_weights(remote)
+        _assert_same_learner(fresh, want_w, want_o)
+        _assert_runner_has_learner_weights(fresh)
     finally:
-        remote.stop()
+        fresh.stop()
+        if local is not None:
+            local.stop()
 
 
 def test_a_learner_holding_other_state_is_named():
