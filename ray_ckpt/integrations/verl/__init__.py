@@ -1,0 +1,45 @@
+"""verl integration: ``RayCkptCheckpointManager``, a drop-in for verl's ``FSDPCheckpointManager``
+(FSDP2) that saves through ray_ckpt. See docs/verl.md.
+
+=================== ===============================================================================
+module              holds
+=================== ===============================================================================
+``settings``        the ``checkpoint_config.ray_ckpt`` block (:func:`read_settings`); no verl import
+``tracker``         the pointer file and verl's ``latest_checkpointed_iteration.txt``, written at commit
+``manager``         :class:`RayCkptCheckpointManager` (save, background commit watch, load)
+``hf_export``       the ``hf_model`` export, a Ray task on rank 0's node after the commit
+``config``          :class:`RayCkptCheckpointConfig`, verl's ``CheckpointConfig`` + ``ray_ckpt``
+``hook``            :func:`install` / :func:`uninstall`: verl's FSDP engine builds our manager
+=================== ===============================================================================
+
+verl is imported on first use of a name that needs it (``pip install "ray-ckpt[verl]"``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .settings import VerlSettings, read_settings
+from .tracker import POINTER, TRACKER, read_pointer
+
+__all__ = ["RayCkptCheckpointManager", "RayCkptCheckpointConfig", "install", "uninstall", "installed",
+           "read_settings", "VerlSettings", "read_pointer", "POINTER", "TRACKER"]
+
+_LAZY = {"RayCkptCheckpointManager": "manager", "RayCkptCheckpointConfig": "config", "install": "hook",
+         "uninstall": "hook", "installed": "hook"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        try:
+            module = importlib.import_module(f".{_LAZY[name]}", __name__)
+        except ImportError as exc:
+            if "verl" not in str(exc):
+                raise
+            raise ImportError(f'ray_ckpt.integrations.verl.{name} needs verl: pip install "ray-ckpt[verl]" '
+                              f"({exc})") from None
+        value = getattr(module, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

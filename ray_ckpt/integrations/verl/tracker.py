@@ -1,0 +1,90 @@
+"""What verl's own resume logic reads, written when a version commits (never before: verl#7952).
+
+verl's trainer saves into ``<default_local_dir>/global_step_N/actor`` and reads back
+``<default_local_dir>/latest_checkpointed_iteration.txt`` with
+``verl.utils.checkpoint.checkpoint_manager.find_latest_ckpt_path``, which returns
+``global_step_<tracker>`` if that folder exists. The manager's rank 0 writes, once the version of
+step N commits:
+
+* ``global_step_N/actor/ray_ckpt.json``: the pointer (run, step, world size, states) that
+  ``load_checkpoint`` reads; a folder without one holds no committed ray_ckpt checkpoint;
+* the tracker, atomically (a temporary file renamed over it) and only forward: a commit of an
+  older step that finishes after a newer one never moves it back.
+
+No verl import here."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from typing import Any, Dict, Optional
+
+POINTER = "ray_ckpt.json"
+TRACKER = "latest_checkpointed_iteration.txt"  # verl.utils.checkpoint.checkpoint_manager.get_checkpoint_tracker_filename
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+_lock = threading.Lock()  # one process's commit callbacks (threads) write one at a time
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def step_of_path(local_path: str) -> Optional[int]:
+    """N of ``.../global_step_N/<role>`` (or of ``.../global_step_N``), else None."""
+    path = os.path.abspath(local_path)
+    for part in (os.path.basename(os.path.dirname(path)), os.path.basename(path)):
+        m = _STEP_DIR.match(part)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def tracker_path(local_path: str, step: int) -> Optional[str]:
+    """Where verl's trainer keeps the tracker for a save into ``local_path`` (the folder above
+    ``global_step_<step>``), or None when ``local_path`` is not laid out as verl lays it out."""
+    path = os.path.abspath(local_path)
+    step_dir = os.path.dirname(path)
+    if os.path.basename(step_dir) != f"global_step_{step}":
+        return None
+    return os.path.join(os.path.dirname(step_dir), TRACKER)
+
+
+def write_pointer(local_path: str, pointer: Dict[str, Any]) -> str:
+    os.makedirs(local_path, exist_ok=True)
+    path = os.path.join(local_path, POINTER)
+    with _lock:
+        _atomic_write(path, json.dumps(pointer, indent=1, sort_keys=True) + "\n")
+    return path
+
+
+def read_pointer(local_path: str) -> Optional[Dict[str, Any]]:
+    path = os.path.join(local_path, POINTER)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def advance_tracker(local_path: str, step: int) -> Optional[int]:
+    """Write ``step`` into verl's tracker for ``local_path`` unless it already names a newer step.
+    Returns the step the tracker names afterwards (None when ``local_path`` is not verl's layout)."""
+    path = tracker_path(local_path, step)
+    if path is None:
+        return None
+    with _lock:
+        current = None
+        try:
+            with open(path, "rb") as f:
+                current = int(f.read().decode().strip())
+        except (OSError, ValueError):
+            pass
+        if current is not None and current >= step:
+            return current
+        _atomic_write(path, str(step))
+        return step

@@ -1,0 +1,280 @@
+"""verl, for real (issue 28): ``RayCkptCheckpointManager`` against the verl package itself.
+
+Three Ray rank actors (gloo on CPU) are started once. Each builds a tiny Qwen2
+(``transformers.Qwen2Config``, ``from_config``, no download) wrapped by verl's own
+``verl.utils.fsdp_utils.apply_fsdp2``, AdamW and verl's cosine LR scheduler, and gets its checkpoint
+manager from verl's FSDP engine module after ``install()`` (``transformer_impl.FSDPCheckpointManager``)
+with a ``checkpoint_config`` built by verl's own hydra path (``omega_conf_to_dataclass``,
+``_target_: RayCkptCheckpointConfig``). The first rank creates the run, the others connect.
+
+* 2 ranks train 2 steps and save step 2 (model, optimizer, extra, hf_model); train step 3 (its
+  logits are the replay's reference), train step 4 and only rank 0 saves it: rank 1 "crashed";
+* verl's tracker names step 2 only, ``find_latest_ckpt_path`` (verl's code) returns global_step_2;
+  loading step 4 is an error naming it once it failed (rank timeout), and rank 0's next save raises
+  naming step 4;
+* 1 and 3 ranks (other processes first) load step 2: full parameters, AdamW moments and the
+  scheduler are bit-equal; 2 ranks load it and replay step 3: bit-identical logits (RNG restored);
+* the hf_model export loads with ``AutoModelForCausalLM.from_pretrained`` and gives the trained
+  model's logits.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import ray
+import torch
+
+import gloo_util
+from gloo_util import free_port, same_bits
+
+pytest.importorskip("verl", reason='verl is not installed: pip install -e ".[verl]"')
+
+pytestmark = pytest.mark.timeout(300)
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+ray.cloudpickle.register_pickle_by_value(gloo_util)
+
+RANK_TIMEOUT_S = 4.0  # the run's rank_timeout_s: step 4, which rank 1 never pushes, fails after it
+
+
+def qwen2_config():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       tie_word_embeddings=False, attn_implementation="eager")
+
+
+@ray.remote(num_cpus=0.1)
+class VerlRank:
+    def __init__(self):
+        torch.set_num_threads(1)
+        os.environ.setdefault("VERL_LOGGING_LEVEL", "WARN")
+        # what a verl worker imports before it builds its engine (the import time is paid here, once)
+        from transformers import AutoModelForCausalLM  # noqa: F401
+        from verl.utils.fsdp_utils import apply_fsdp2  # noqa: F401
+        from verl.workers.engine.fsdp import transformer_impl  # noqa: F401
+
+        self.mgr = None
+
+    def join(self, rank: int, world: int, port: int) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        self.rank, self.world = rank, world
+
+    def leave(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def build(self, seed: int, ckpt: dict) -> str:
+        from omegaconf import OmegaConf
+        from torch.distributed.device_mesh import init_device_mesh
+        from transformers import AutoModelForCausalLM
+        from verl.utils.config import omega_conf_to_dataclass
+        from verl.utils.fsdp_utils import apply_fsdp2
+        from verl.utils.torch_functional import get_cosine_schedule_with_warmup
+        from verl.workers.engine.fsdp import transformer_impl
+
+        import ray_ckpt.integrations.verl as rv
+
+        torch.manual_seed(seed)  # the same initial model on every rank (fully_shard keeps each rank's shard)
+        model = AutoModelForCausalLM.from_config(qwen2_config())
+        mesh = init_device_mesh("cpu", (self.world,), mesh_dim_names=("fsdp",))
+        apply_fsdp2(model, {"mesh": mesh, "reshard_after_forward": True}, {})
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        self.sched = get_cosine_schedule_with_warmup(self.opt, num_warmup_steps=2, num_training_steps=20)
+        torch.manual_seed(10_000 * seed + self.rank)  # each rank's own data stream
+        rv.install()  # verl's FSDP engine now builds RayCkptCheckpointManager for a ray_ckpt config
+        config = omega_conf_to_dataclass(OmegaConf.create(ckpt))
+        self.mgr = transformer_impl.FSDPCheckpointManager(
+            model=model, optimizer=self.opt, lr_scheduler=self.sched, processing_class=None,
+            checkpoint_config=config, trust_remote_code=False)
+        return type(self.mgr).__name__
+
+    def train(self, steps: int) -> torch.Tensor:
+        """``steps`` AdamW steps on tokens drawn from the global torch RNG; the last step's logits."""
+        for _ in range(steps):
+            tokens = torch.randint(0, 256, (2, 12))
+            out = self.model(input_ids=tokens, labels=tokens)
+            out.loss.backward()
+            self.opt.step()
+            self.sched.step()
+            self.opt.zero_grad(set_to_none=True)
+        return out.logits.detach().clone()
+
+    def save(self, path: str, step: int) -> float:
+        self.mgr.save_checkpoint(path, None, global_step=step)
+        return self.mgr.last_block_s
+
+    def wait(self, timeout: float):
+        try:
+            self.mgr.wait_until_finished(timeout=timeout)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def load(self, path: str):
+        try:
+            self.mgr.load_checkpoint(path)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def full(self) -> dict:
+        """Full parameters, AdamW moments (collective) and the scheduler / optimizer scalars."""
+        out = {f"model/{n}": p.full_tensor() for n, p in self.model.named_parameters()}
+        ids = {id(p): i for i, p in enumerate(self.model.parameters())}
+        for p, st in self.opt.state.items():
+            for k in ("exp_avg", "exp_avg_sq"):
+                out[f"optim/{ids[id(p)]}/{k}"] = st[k].full_tensor()
+            out[f"optim/{ids[id(p)]}/step"] = st["step"].clone()
+        sched = self.sched.state_dict()
+        plain = {"sched": {k: sched[k] for k in ("last_epoch", "_step_count", "base_lrs", "_last_lr")},
+                 "lr": [g["lr"] for g in self.opt.param_groups]}
+        return {"tensors": out, "plain": plain} if self.rank == 0 else {}
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(input_ids=tokens).logits
+
+    def hf_logits(self, path: str, tokens: torch.Tensor) -> torch.Tensor:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path)
+        with torch.no_grad():
+            return model(input_ids=tokens).logits
+
+
+def group(actors, world: int) -> list:
+    port = free_port()
+    ray.get([a.join.remote(r, world, port) for r, a in enumerate(actors[:world])], timeout=60)
+    return actors[:world]
+
+
+def leave(actors) -> None:
+    ray.get([a.leave.remote() for a in actors], timeout=60)
+
+
+@pytest.fixture(scope="module")
+def verl_run(ray_session, tmp_path_factory):
+    t0 = time.perf_counter()
+    actors = [VerlRank.remote() for _ in range(3)]
+    tmp = tmp_path_factory.mktemp("verl")
+    run = "verl-e2e"
+    ckpt = {"_target_": "ray_ckpt.integrations.verl.RayCkptCheckpointConfig",
+            "save_contents": ["model", "optimizer", "extra", "hf_model"],
+            "load_contents": ["model", "optimizer", "extra"],
+            "ray_ckpt": {"run": run, "local_dir": str(tmp / "ckpt"), "critical_writers": 1,
+                         "best_effort_writers": 0, "load_wait_s": 60,
+                         "engine_options": {"rank_timeout_s": RANK_TIMEOUT_S}}}
+    ray.get([a.__ray_ready__.remote() for a in actors], timeout=180)
+    print(f"\n3 verl rank actors ready: {time.perf_counter() - t0:.1f} s")
+    yield {"actors": actors, "ckpt": ckpt, "run": run, "root": tmp / "trainer"}
+    import ray_ckpt as rc
+
+    for a in actors:
+        ray.kill(a)
+    try:
+        rc.CheckpointEngine.connect(run).shutdown(stop_coordinator=True)
+    except rc.CheckpointError:
+        pass
+
+
+def step_path(root, step: int) -> str:
+    return str(root / f"global_step_{step}" / "actor")  # what verl's trainer passes
+
+
+@pytest.fixture(scope="module")
+def saved(verl_run):
+    t0 = time.perf_counter()
+    actors, root = verl_run["actors"], verl_run["root"]
+    ranks = group(actors, 2)
+    names = ray.get([r.build.remote(0, verl_run["ckpt"]) for r in ranks], timeout=120)
+    assert names == ["RayCkptCheckpointManager"] * 2  # built by verl's module, through install()
+    ray.get([r.train.remote(2) for r in ranks], timeout=120)
+    blocked = ray.get([r.save.remote(step_path(root, 2), 2) for r in ranks], timeout=60)
+    want = ray.get([r.full.remote() for r in ranks], timeout=60)[0]
+    probe = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(3))
+    want_logits = ray.get([r.logits.remote(probe) for r in ranks], timeout=60)[0]
+    replay = ray.get([r.train.remote(1) for r in ranks], timeout=60)  # step 3: the replay's reference
+    assert ray.get([r.wait.remote(60) for r in ranks], timeout=90) == [None, None]
+    ray.get([r.train.remote(1) for r in ranks], timeout=60)  # step 4
+    ray.get(ranks[0].save.remote(step_path(root, 4), 4), timeout=60)  # rank 1 crashed before its save
+    tracker_after_4 = (root / "latest_checkpointed_iteration.txt").read_text()
+    leave(ranks)
+    print(f"2 ranks trained, saved steps 2 (+hf) and 4 (rank 0 only): {time.perf_counter() - t0:.1f} s; "
+          f"save_checkpoint blocked {max(blocked) * 1e3:.0f} ms")
+    return {"want": want, "probe": probe, "want_logits": want_logits, "replay": replay,
+            "tracker_after_4": tracker_after_4, "blocked": blocked}
+
+
+def test_tracker_names_only_the_newest_committed_step(verl_run, saved):
+    from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
+
+    import ray_ckpt.integrations.verl as rv
+
+    root = verl_run["root"]
+    assert saved["tracker_after_4"] == "2"  # step 4 was in flight when save returned
+    # the rank that did save step 4 learns of its failure (rank 1's part never came)
+    err = ray.get(verl_run["actors"][0].wait.remote(RANK_TIMEOUT_S + 30), timeout=60)
+    assert err and err.startswith("SaveError") and "step 4" in err, err
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert find_latest_ckpt_path(str(root)) == str(root / "global_step_2")
+    pointer = rv.read_pointer(step_path(root, 2))
+    assert pointer["run"] == verl_run["run"] and pointer["step"] == 2 and pointer["world_size"] == 2
+    assert rv.read_pointer(step_path(root, 4)) is None
+    assert max(saved["blocked"]) < 5.0  # a push, not a write (generous: 2 shared cores)
+
+
+def test_step_that_never_committed_is_an_error_naming_it(verl_run, saved):
+    actors, root = verl_run["actors"], verl_run["root"]
+    ranks = group(actors[::-1], 1)  # another process than the saving ranks
+    ray.get(ranks[0].build.remote(7, verl_run["ckpt"]), timeout=120)
+    err = ray.get(ranks[0].load.remote(step_path(root, 4)), timeout=120)
+    leave(ranks)
+    assert err and err.startswith("RestoreError") and "step 4" in err and "never committed" in err, err
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_reload_on_another_world_size_is_bit_equal(verl_run, saved, world):
+    t0 = time.perf_counter()
+    actors, root = verl_run["actors"], verl_run["root"]
+    ranks = group(actors[::-1], world)  # the last actors first: rank 0 is not the saving rank 0
+    ray.get([r.build.remote(100 + world, verl_run["ckpt"]) for r in ranks], timeout=120)
+    errors = ray.get([r.load.remote(step_path(root, 2)) for r in ranks], timeout=120)
+    got = ray.get([r.full.remote() for r in ranks], timeout=60)[0]
+    leave(ranks)
+    assert errors == [None] * world
+    want = saved["want"]
+    assert got["tensors"].keys() == want["tensors"].keys()
+    for k, v in want["tensors"].items():
+        assert same_bits(got["tensors"][k], v), k
+    assert got["plain"] == want["plain"]
+    print(f"load onto {world} ranks: {time.perf_counter() - t0:.1f} s")
+
+
+def test_same_world_size_replays_bit_identical_logits(verl_run, saved):
+    actors, root = verl_run["actors"], verl_run["root"]
+    ranks = group(actors[::-1], 2)
+    ray.get([r.build.remote(55, verl_run["ckpt"]) for r in ranks], timeout=120)
+    assert ray.get([r.load.remote(step_path(root, 2)) for r in ranks], timeout=120) == [None, None]
+    replay = ray.get([r.train.remote(1) for r in ranks], timeout=60)
+    leave(ranks)
+    for r in range(2):
+        assert same_bits(replay[r], saved["replay"][r]), r
+
+
+def test_hf_model_export_loads_with_from_pretrained(verl_run, saved):
+    path = os.path.join(step_path(verl_run["root"], 2), "huggingface")
+    assert os.path.isfile(os.path.join(path, "config.json"))
+    got = ray.get(verl_run["actors"][2].hf_logits.remote(path, saved["probe"]), timeout=120)
+    assert same_bits(got, saved["want_logits"])
