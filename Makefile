@@ -26,7 +26,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned, from $(or $(TORCH_INDEX),PyPI): the package's bare "torch" is then satisfied
 	$(PY) -m pip install -q torch==$(TORCH_VERSION) $(TORCH_SOURCE)
-	$(PY) -m pip install -q -e ".[test]"
+	# the test and verl extras (tests/test_verl.py runs verl itself); torch held at the build installed above
+	echo "torch==$(TORCH_VERSION)" > $(VENV)/constraints.txt
+	$(PY) -m pip install -q -e ".[test,verl]" -c $(VENV)/constraints.txt
 	$(PY) -c "import torch, ray_ckpt; print('installed torch', torch.__version__, '(CUDA', str(torch.version.cuda) + ')')"
 	touch $@
 

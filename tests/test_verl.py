@@ -146,12 +146,13 @@ class VerlRank:
         with torch.no_grad():
             return self.model(input_ids=tokens).logits
 
-    def hf_logits(self, path: str, tokens: torch.Tensor) -> torch.Tensor:
+    def hf_logits(self, path: str, tokens: torch.Tensor) -> tuple:
+        """The export loaded by transformers (the trained model's attention kernel): its logits and weights."""
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
         with torch.no_grad():
-            return model(input_ids=tokens).logits
+            return model(input_ids=tokens).logits, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def group(actors, world: int) -> list:
@@ -276,5 +277,9 @@ def test_same_world_size_replays_bit_identical_logits(verl_run, saved):
 def test_hf_model_export_loads_with_from_pretrained(verl_run, saved):
     path = os.path.join(step_path(verl_run["root"], 2), "huggingface")
     assert os.path.isfile(os.path.join(path, "config.json"))
-    got = ray.get(verl_run["actors"][2].hf_logits.remote(path, saved["probe"]), timeout=120)
-    assert same_bits(got, saved["want_logits"])
+    logits, weights = ray.get(verl_run["actors"][2].hf_logits.remote(path, saved["probe"]), timeout=120)
+    want = saved["want"]["tensors"]
+    assert {f"model/{n}" for n in weights} == {k for k in want if k.startswith("model/")}
+    for n, w in weights.items():
+        assert same_bits(w, want[f"model/{n}"]), n
+    assert same_bits(logits, saved["want_logits"])
