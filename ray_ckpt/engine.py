@@ -17,14 +17,15 @@ import math
 import os
 import time
 import warnings
-from typing import Any, Callable, Dict, Iterable, List, Optional, Union
+from collections import deque
+from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Union
 
 import ray
 
 from .config import EngineConfig
 from .coordinator import NAMESPACE, actor_name
 from .coordinator_client import _ask, _open_coordinator
-from .errors import CheckpointError, InvalidArgumentError, InvalidSaveError, one_line
+from .errors import CheckpointError, InvalidArgumentError, InvalidSaveError, SaveError, one_line
 from .formats.manifest import Manifest
 from .handle import SaveHandle, _shared_wait
 from .lease import OwnerLease
@@ -57,6 +58,7 @@ class CheckpointEngine:
         self.run = config.run
         self._registry: Dict[str, Registration] = {}
         self._in_flight: List[SaveHandle] = []
+        self._ended_failures: Deque[BaseException] = deque(maxlen=16)  # for wait_until_finished()
         self._declared: Dict[str, Declaration] = {}
         self._last_pushed: Dict[tuple, int] = {}
         self._saves = 0  # save() calls sent; every remote_every-th is uploaded
@@ -362,7 +364,7 @@ class CheckpointEngine:
                 ended = {v for v, r in zip(versions, refs) if r in ready}
                 for v in ended:
                     waits.pop(v, None)
-                self._in_flight = [h for h in self._in_flight if h._push is None or h.version not in ended]
+                self._drop_ended(lambda h: h._push is None or h.version not in ended)
         return sorted(set(waits) | set(self._pusher.pending_versions()))
 
     def unregister(self, name: str) -> None:
@@ -407,14 +409,14 @@ class CheckpointEngine:
         clean_metrics = _check_metrics(metrics)
         if self._owner and any(h.done() and h._coordinator_died() for h in self._in_flight):
             self._revive()  # an earlier save found the coordinator dead: this one goes to a new one
-        self._in_flight = [h for h in self._in_flight if not h.done()]
+        self._drop_ended(lambda h: not h.done())
         if len(self._in_flight) >= self.config.max_in_flight:
             if policy is OnBusy.SKIP:
                 return SaveHandle(self, step, None, time.perf_counter() - t0, skipped=True)
             if policy is OnBusy.WAIT:
                 ray.wait([h._ref for h in self._in_flight], num_returns=len(self._in_flight)
                          - self.config.max_in_flight + 1)
-                self._in_flight = [h for h in self._in_flight if not h.done()]
+                self._drop_ended(lambda h: not h.done())
         parts, refs = take_snapshots(self._registry, self.run, self.config)  # snapshot_calls.py
         self._saves += 1
         # remote_every counts this engine's saves, in call order: the coordinator runs concurrent calls
@@ -446,9 +448,56 @@ class CheckpointEngine:
         self._in_flight = []
         return out
 
+    def wait_until_finished(self, timeout: Optional[float] = None) -> List[SaveResult]:
+        """Block until every save and push this engine issued has ended (as Orbax's
+        ``CheckpointManager.wait_until_finished``); returns the committed ones' results.
+
+        Raises the first failure among the saves that ended since the previous call, after waiting
+        for all of them: a save that failed in the background is never forgotten, even when its
+        handle was dropped. ``timeout`` bounds the whole wait (a SaveError naming the step)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results, failures = [], list(self._ended_failures)
+        self._ended_failures.clear()
+        for h in [h for h in self._in_flight if not h.skipped]:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                results.append(h.wait(left))
+            except SaveError as exc:
+                if "is not durable on the local tier after" in str(exc):
+                    raise
+                failures.append(exc)
+        self._in_flight = []
+        if failures:
+            raise failures[0]
+        return results
+
+    def _drop_ended(self, keep: Callable[[SaveHandle], bool]) -> None:
+        """Forget the handles ``keep`` rejects (ended saves), remembering their failures for
+        ``wait_until_finished()``; a version's handles in this process share one commit, so one
+        of them is asked (and each whose push was refused on its own)."""
+        kept, asked = [], set()
+        for h in self._in_flight:
+            if keep(h):
+                kept.append(h)
+            elif not h.skipped and (h.version not in asked or h._ack_failed()):
+                asked.add(h.version)
+                exc = h.exception(timeout=0)
+                if exc is not None:
+                    self._ended_failures.append(exc)
+        self._in_flight = kept
+
     # ------------------------------------------------------------------ reading
     def list_checkpoints(self) -> List[CheckpointMeta]:
         return self._call(lambda c: c.list.remote(), "the list of checkpoints")
+
+    def all_steps(self) -> List[int]:
+        """The steps of the committed versions, oldest first (Orbax's ``all_steps``)."""
+        return [m.step for m in self.list_checkpoints()]
+
+    def latest_step(self) -> Optional[int]:
+        """The newest committed step, or None when the run has none (Orbax's ``latest_step``)."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def _manifest(self, version: int = -1, step: Optional[int] = None) -> Manifest:
         return self._reader.manifest(version, step)

@@ -193,3 +193,25 @@ def test_a_checkpointable_object_registers_as_it_is(engine):
     assert eng.restore().states["counters"].status == "restored"
     assert counters.state["env_steps"] == 1200 and counters.state["episodes"] == 17
     assert torch.equal(counters.state["returns"], torch.tensor([1.5, 2.5, -1.0]))
+
+
+def test_orbax_style_steps_and_wait_until_finished(engine, provider):
+    learner, weird = provider(FreshLearner, seed=5), provider(FreshWeird)
+    eng, base, _ = engine
+    eng.register("policy", learner)
+    eng.save(base + 1)
+    eng.save(base + 2)
+    assert [r.step for r in eng.wait_until_finished(timeout=120)] == [base + 1, base + 2]
+    assert eng.latest_step() == base + 2 and eng.all_steps()[-2:] == [base + 1, base + 2]
+
+    # a save that fails in the background, its handle ended and dropped by the engine before the
+    # call: wait_until_finished() still raises it, after the later save committed
+    eng.register("bad", weird)  # CRITICAL, and holds a Python object: the save fails in its snapshot
+    failed = eng.save(base + 3)
+    assert failed.exception(timeout=60) is not None
+    eng.unregister("bad")
+    eng.save(base + 4)  # the engine forgets the ended handle of step base + 3 here
+    with pytest.raises(rc.SaveError, match="object"):
+        eng.wait_until_finished(timeout=120)
+    assert eng.latest_step() == base + 4 and base + 3 not in eng.all_steps()
+    assert eng.wait_until_finished(timeout=10) == []  # reported once
