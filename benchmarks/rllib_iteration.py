@@ -2,8 +2,10 @@
 
     python benchmarks/rllib_iteration.py [--iterations 8] [--prefill 30000] [--configs ppo0,ppo1,dqn] [--dir /tmp/rllib_bench]
 
-Per algorithm config, one Algorithm per arm, built from the same config and seed, trained
-``--iterations`` iterations (the first two are warm-up and not counted):
+Per algorithm config, one Algorithm per arm, built from the same config and seed, all built first
+and then trained ``--iterations`` iterations *interleaved* (iteration i of every arm, the arms'
+order rotated each iteration, so a slow minute of the shared machine falls on every arm alike; the
+first two iterations are warm-up and not counted):
 
   none         no checkpointing
   ray_ckpt     ray_ckpt's callback saves every iteration (make_callback(..., every=1)); train()
@@ -18,8 +20,10 @@ buffer of capacity 1M, prefilled with ``--prefill`` timesteps of the untrained (
 is large next to what one iteration adds.
 
 Printed: median train() seconds per arm, the iteration rate relative to ``none``, and for ray_ckpt
-the median bytes per save and, for DQN, the bytes of the rows added per iteration (the new segment
-of the ``replay`` state) against the whole version.
+the callback's save() and, for DQN, the replay buffer's capture inside it (ms), the median bytes
+per save and the bytes the replay states (``replay``, ``replay_meta``, ``replay_episodes``,
+``replay_priorities``) wrote per version against the rows added per iteration (the new segment of
+the ``replay`` state).
 """
 from __future__ import annotations
 
@@ -70,42 +74,77 @@ def prefill(algo, timesteps: int) -> None:
         left -= sum(len(e) for e in episodes)
 
 
-def run_arm(make_config, arm: str, iterations: int, root: str, prefill_steps: int) -> dict:
+def build_arm(make_config, arm: str, root: str, prefill_steps: int):
+    """One arm's Algorithm (with the callback for the ray_ckpt arms), its buffer prefilled."""
     from ray_ckpt.integrations import rllib as rr
-    from ray_ckpt.integrations.rllib import replay as rr_replay
 
     cfg = make_config()
     run = f"bench-{arm}-{uuid.uuid4().hex[:6]}"
     if arm.startswith("ray_ckpt"):
-        rr_replay.REPLAY_APPEND_ONLY = arm == "ray_ckpt"
         cfg = cfg.callbacks(rr.make_callback(run, local_dir=os.path.join(root, "local"), every=1,
                                              on_busy="queue", engine_options={"critical_writers": 1,
                                                                               "best_effort_writers": 1}))
     algo = cfg.build_algo()
+    prefill(algo, prefill_steps)
+    return run, algo
+
+
+def run_arms(make_config, arms, iterations: int, root: str, prefill_steps: int) -> dict:
+    """All arms built first, then their iterations interleaved (arm order rotated every iteration),
+    so that a slow minute of the shared machine falls on every arm alike."""
+    from ray_ckpt.integrations import rllib as rr
+    from ray_ckpt.integrations.rllib import capture as rr_capture
+    from ray_ckpt.integrations.rllib import replay as rr_replay
+
+    built = {}
+    capture_ms = {arm: [] for arm in arms}
+    current = [None]
+    original = rr_capture.capture_algorithm_replay
+
+    def timed(*a, **kw):  # the replay buffer's capture inside train() (the callback's save)
+        t0 = time.perf_counter()
+        try:
+            return original(*a, **kw)
+        finally:
+            capture_ms[current[0]].append((time.perf_counter() - t0) * 1e3)
+
+    rr_capture.capture_algorithm_replay = timed
     try:
-        prefill(algo, prefill_steps)
-        times = []
+        for arm in arms:
+            built[arm] = build_arm(make_config, arm, root, prefill_steps)
+        times = {arm: [] for arm in arms}
         for i in range(iterations):
-            t0 = time.perf_counter()
-            algo.train()
-            if arm == "rllib_save":
-                algo.save_to_path(os.path.join(root, "rllib", run, f"it{i}"))
-            times.append(time.perf_counter() - t0)
-        out = {"train_s": statistics.median(times[2:]), "bytes": None, "new_rows": None, "save_ms": None,
-               "replay": None}
-        if arm.startswith("ray_ckpt"):
-            out["save_ms"] = statistics.median(rr.find_callback(algo).save_call_ms[2:])
-            results = rr.wait_for_saves(algo, timeout=600)
-            sizes = [r.bytes_written for it, r in sorted(results.items()) if it > 2]
-            out["bytes"] = statistics.median(sizes) if sizes else None
-            out["new_rows"] = _new_segment_bytes(os.path.join(root, "local", run))
-            out["replay"] = _replay_bytes(os.path.join(root, "local", run))
-        elif arm == "rllib_save":
-            out["bytes"] = _dir_bytes(os.path.join(root, "rllib", run, f"it{iterations - 1}"))
+            k = i % len(arms)
+            for arm in arms[k:] + arms[:k]:
+                run, algo = built[arm]
+                current[0] = arm
+                rr_replay.REPLAY_APPEND_ONLY = arm != "ray_ckpt_full"  # read when the states are registered
+                t0 = time.perf_counter()
+                algo.train()
+                if arm == "rllib_save":
+                    algo.save_to_path(os.path.join(root, "rllib", run, f"it{i}"))
+                times[arm].append(time.perf_counter() - t0)
+        out = {}
+        for arm in arms:
+            run, algo = built[arm]
+            r = {"train_s": statistics.median(times[arm][2:]), "bytes": None, "new_rows": None, "save_ms": None,
+                 "replay": None, "capture_ms": statistics.median(capture_ms[arm][2:]) if capture_ms[arm][2:] else None}
+            if arm.startswith("ray_ckpt"):
+                r["save_ms"] = statistics.median(rr.find_callback(algo).save_call_ms[2:])
+                results = rr.wait_for_saves(algo, timeout=600)
+                sizes = [x.bytes_written for it, x in sorted(results.items()) if it > 2]
+                r["bytes"] = statistics.median(sizes) if sizes else None
+                r["new_rows"] = _new_segment_bytes(os.path.join(root, "local", run))
+                r["replay"] = _replay_bytes(os.path.join(root, "local", run))
+            elif arm == "rllib_save":
+                r["bytes"] = _dir_bytes(os.path.join(root, "rllib", run, f"it{iterations - 1}"))
+            out[arm] = r
         return out
     finally:
-        algo.stop()
+        rr_capture.capture_algorithm_replay = original
         rr_replay.REPLAY_APPEND_ONLY = True
+        for run, algo in built.values():
+            algo.stop()
 
 
 def _new_segment_bytes(run_dir: str):
@@ -119,13 +158,16 @@ def _new_segment_bytes(run_dir: str):
     return statistics.median(sizes) if sizes else None
 
 
+REPLAY_STATES = ("replay", "replay_meta", "replay_episodes", "replay_priorities")
+
+
 def _replay_bytes(run_dir: str):
-    """Median bytes a version after the warm-up wrote for the replay buffer: its own ``replay/`` and
-    ``replay_meta/`` files (segments it reuses lie in older versions' directories)."""
+    """Median bytes a version after the warm-up wrote for the replay buffer: its own files of the
+    replay states (segments it reuses lie in older versions' directories)."""
     sizes = []
     for v in sorted(os.listdir(run_dir)) if os.path.isdir(run_dir) else []:
         if v.startswith("v") and int(v[1:]) > 2 and os.path.isdir(os.path.join(run_dir, v, "replay")):
-            sizes.append(sum(_dir_bytes(os.path.join(run_dir, v, s)) for s in ("replay", "replay_meta")))
+            sizes.append(sum(_dir_bytes(os.path.join(run_dir, v, s)) for s in REPLAY_STATES))
     return statistics.median(sizes) if sizes else None
 
 
@@ -139,7 +181,6 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=30_000, help="DQN: random timesteps put in the buffer first")
     ap.add_argument("--configs", default="ppo0,ppo1,dqn")
     ap.add_argument("--dir", default=None)
-    ap.add_argument("--reverse", action="store_true", help="run each config's arms in the reverse order")
     args = ap.parse_args()
 
     import ray
@@ -153,29 +194,28 @@ def main() -> None:
     try:
         for name in args.configs.split(","):
             make, arms, pre = configs[name]
-            order = arms[::-1] if args.reverse else arms
-            res = {arm: run_arm(make, arm, args.iterations, root, pre) for arm in order}
-            res = {arm: res[arm] for arm in arms}
+            res = run_arms(make, arms, args.iterations, root, pre)
             base = res["none"]["train_s"]
             for arm, r in res.items():
                 rows.append((name, arm, r["train_s"], base / r["train_s"], r["bytes"], r["new_rows"], r["save_ms"],
-                             r["replay"]))
+                             r["replay"], r["capture_ms"]))
                 print(f"  {name:5s} {arm:14s} train() {r['train_s']:.3f}s", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         ray.shutdown()
 
     print()
-    print("| config | arm | train() s (median) | iteration rate vs none | callback save ms | bytes per save "
-          "| replay bytes per save | new rows' segment | replay bytes / new rows |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, arm, t, ratio, nbytes, new, ms, rep in rows:
+    print("| config | arm | train() s (median) | iteration rate vs none | callback save ms | replay capture ms "
+          "| bytes per save | replay bytes per save | new rows' segment | replay bytes / new rows |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, arm, t, ratio, nbytes, new, ms, rep, cap in rows:
         b = f"{nbytes:,.0f}" if nbytes else "-"
         n = f"{new:,.0f}" if new else "-"
         q = f"{rep / new:.2f}x" if rep and new else "-"
         m = f"{ms:.1f}" if ms is not None else "-"
+        c = f"{cap:.1f}" if cap is not None else "-"
         rb = f"{rep:,.0f}" if rep else "-"
-        print(f"| {name} | {arm} | {t:.3f} | {ratio:.3f}x | {m} | {b} | {rb} | {n} | {q} |")
+        print(f"| {name} | {arm} | {t:.3f} | {ratio:.3f}x | {m} | {c} | {b} | {rb} | {n} | {q} |")
 
 
 if __name__ == "__main__":

@@ -195,6 +195,8 @@ def _type_name(x: Any) -> str:
 def _attributes(buffer: Any) -> Dict[str, Any]:
     """Every attribute set on the instance (``__dict__`` and the ``__slots__`` of its classes)."""
     out = dict(getattr(buffer, "__dict__", {}))
+    if getattr(out.get("update_priorities"), "_ray_ckpt_hook", False):
+        del out["update_priorities"]  # replay_incremental's recorder of changed priorities, not buffer state
     for cls in type(buffer).__mro__:
         for name in getattr(cls, "__slots__", ()):
             if name not in out and hasattr(buffer, name):
@@ -482,12 +484,19 @@ class RowIds:
         self.parts: Dict[Tuple[int, int], Tuple[Any, "_EpisodeParts"]] = {}
         self.restored_from: Optional[Tuple[str, int]] = None  # (run, version) restore_replay read
         self.checked_run: Optional[str] = None  # the run whose newest version these ids were checked against
+        self.inc: Any = None  # single-agent buffers: replay_incremental.Incremental of the last capture
+        self.floors: Optional[Dict[str, int]] = None  # where the episode / priority logs' ids start anew
 
-    def renumber(self, floor: int) -> None:
-        """Forget every row's id: the next capture gives all rows new ids, at or above ``floor``."""
+    def renumber(self, floor: int, floors: Optional[Dict[str, int]] = None) -> None:
+        """Forget every row's id: the next capture gives all rows new ids, at or above ``floor`` (and
+        writes the episode and priority logs anew, their ids at or above ``floors``)."""
         self.lists.clear()
         self.next_id = max(self.next_id, int(floor))
         self.full_rewrites += 1
+        inc = self.inc
+        self.floors = {"chunk": max(int((floors or {}).get("chunk", 0)), inc.next_chunk if inc else 0),
+                       "log": max(int((floors or {}).get("log", 0)), inc.next_log if inc else 0)}
+        self.inc = None
 
     def agent_code(self, aid: Any) -> int:
         c = self._agent_code.get(aid)
@@ -666,13 +675,8 @@ def _scalar_state(x: Any, what: str) -> Any:
 
 
 # ---------------------------------------------------------------------------- capture
-def capture_replay(buffer: Any, *, row_ids: Optional[RowIds] = None) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """``(replay, replay_meta)`` of ``buffer`` (see the module docstring). The buffer is not changed;
-    its row-id cache (:func:`row_ids_of`) is advanced. Raises UnsupportedTypeError naming the buffer
-    type and the attribute or episode field it cannot store."""
-    kind = buffer_kind(buffer)
-    rid = row_ids if row_ids is not None else row_ids_of(buffer)
-    attrs = _attributes(buffer)
+def handled_attrs(kind: _Kind) -> set:
+    """The buffer attributes this module stores (every other one must be a plain value: extra_attrs)."""
     handled = set(_CONFIG_ATTRS) | _BASE_ATTRS
     if kind.prioritized:
         handled |= _PER_ATTRS
@@ -680,6 +684,50 @@ def capture_replay(buffer: Any, *, row_ids: Optional[RowIds] = None) -> Tuple[Di
         handled |= _MA_ATTRS | set(_MA_MODULE_COUNTERS)
     if kind.multi_agent and kind.prioritized:
         handled |= _MAPER_ATTRS
+    return handled
+
+
+def common_meta(buffer: Any, attrs: Dict[str, Any], bname: str, fmt: str) -> Dict[str, Any]:
+    """format, buffer type, config, counters, the sampling generator and the metrics state."""
+    meta: Dict[str, Any] = {"format": fmt, "buffer_type": bname, "not_saved": {}}
+    meta["config"] = {k: _scalar_state(attrs[k], k) for k in _CONFIG_ATTRS if k in attrs}
+    meta["counters"] = {k: _scalar_state(attrs[k], k) for k in
+                        ("_num_episodes_evicted", "_num_timesteps", "_num_timesteps_added", "sampled_timesteps",
+                         "_num_agent_timesteps", "_num_agent_timesteps_added") if k in attrs}
+    meta["rng"] = buffer.rng.bit_generator.state
+    try:  # not needed to sample: a metrics state that cannot be read or stored is reported, not fatal
+        meta["metrics"] = to_storable(buffer.metrics.get_state(), "replay_meta.metrics")
+    except Exception as exc:  # e.g. RLlib's own get_state fails on int agent ids ("--".join(path))
+        meta["metrics"] = None
+        meta["not_saved"]["metrics"] = f"{type(exc).__name__}: {exc}"
+    return meta
+
+
+def extra_attrs(attrs: Dict[str, Any], handled: set, bname: str) -> Dict[str, Any]:
+    extra = {}
+    for name, value in attrs.items():
+        if name in handled:
+            continue
+        try:
+            extra[name] = to_storable(value, f"{bname}.{name}")
+        except UnsupportedTypeError:
+            raise UnsupportedTypeError(f"replay buffer of type {bname}: attribute {name!r} holds a "
+                                       f"{_type_name(value)}, which ray_ckpt does not know how to store "
+                                       f"exactly (pass replay_strategy='off' to skip the buffer)") from None
+    return extra
+
+
+def capture_replay(buffer: Any, *, row_ids: Optional[RowIds] = None) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """``(replay, replay_meta)`` of ``buffer`` (see the module docstring). The buffer is not changed;
+    its row-id cache (:func:`row_ids_of`) is advanced. Raises UnsupportedTypeError naming the buffer
+    type and the attribute or episode field it cannot store."""
+    kind = buffer_kind(buffer)
+    rid = row_ids if row_ids is not None else row_ids_of(buffer)
+    if not kind.multi_agent:  # single-agent buffers: captured incrementally (replay_incremental.py)
+        from .replay_incremental import capture_states, states_to_v1
+        return states_to_v1(capture_states(buffer, rid), seed=False)[:2]
+    attrs = _attributes(buffer)
+    handled = handled_attrs(kind)
     bname = _type_name(buffer)
     evicted = int(buffer._num_episodes_evicted)
     spaces = rid.spaces
@@ -692,17 +740,7 @@ def capture_replay(buffer: Any, *, row_ids: Optional[RowIds] = None) -> Tuple[Di
         now[key] = (ep, parts)
         return parts
 
-    meta: Dict[str, Any] = {"format": META_FORMAT, "buffer_type": bname, "not_saved": {}}
-    meta["config"] = {k: _scalar_state(attrs[k], k) for k in _CONFIG_ATTRS if k in attrs}
-    meta["counters"] = {k: _scalar_state(attrs[k], k) for k in
-                        ("_num_episodes_evicted", "_num_timesteps", "_num_timesteps_added", "sampled_timesteps",
-                         "_num_agent_timesteps", "_num_agent_timesteps_added") if k in attrs}
-    meta["rng"] = buffer.rng.bit_generator.state
-    try:  # not needed to sample: a metrics state that cannot be read or stored is reported, not fatal
-        meta["metrics"] = to_storable(buffer.metrics.get_state(), "replay_meta.metrics")
-    except Exception as exc:  # e.g. RLlib's own get_state fails on int agent ids ("--".join(path))
-        meta["metrics"] = None
-        meta["not_saved"]["metrics"] = f"{type(exc).__name__}: {exc}"
+    meta = common_meta(buffer, attrs, bname, META_FORMAT)
 
     # ---- episodes, their (agent) episodes in record order
     episodes = list(buffer.episodes)
@@ -786,17 +824,7 @@ def capture_replay(buffer: Any, *, row_ids: Optional[RowIds] = None) -> Tuple[Di
         meta["priority"] = _priority_state(buffer, kind, replay, rid, bname)
     meta["module_counters"] = {k: [(m, _scalar_state(v, k)) for m, v in attrs[k].items()]
                                for k in _MA_MODULE_COUNTERS if k in attrs}
-    extra = {}
-    for name, value in attrs.items():
-        if name in handled:
-            continue
-        try:
-            extra[name] = to_storable(value, f"{bname}.{name}")
-        except UnsupportedTypeError:
-            raise UnsupportedTypeError(f"replay buffer of type {bname}: attribute {name!r} holds a "
-                                       f"{_type_name(value)}, which ray_ckpt does not know how to store "
-                                       f"exactly (pass replay_strategy='off' to skip the buffer)") from None
-    meta["extra_attrs"] = extra
+    meta["extra_attrs"] = extra_attrs(attrs, handled, bname)
     rid.parts = now
     spaces.prune()
     return replay, meta
@@ -1535,23 +1563,29 @@ def replay_strategy(setting: str, algorithm: Any):
     return Strategy.BEST_EFFORT if setting == "best_effort" else Strategy.CRITICAL
 
 
-def _row_floor(engine: Any, rid: RowIds) -> Optional[int]:
+def _row_floor(engine: Any, rid: RowIds, v2: bool = False) -> Optional[int]:
     """Where the ids of a buffer about to be saved into ``engine``'s run must start so that no id
     of the run's newest version is given to another row (None: the ids are that version's own).
     The ids are the run's own only after a restore of its newest version; a buffer restored from an
     older version or another run (a PBT exploit), or a new buffer on a run that has versions, gets
-    new ids for all its rows (its next save writes them all once)."""
+    new ids for all its rows (its next save writes them all once); so does a single-agent buffer
+    (``v2``: captured by replay_incremental.py, rows with ``prio`` columns) whose run's newest
+    version is of format /1, and the episode / priority logs start at that version's next ids."""
     from .names import REPLAY_META
     metas = sorted(engine.list_checkpoints(), key=lambda m: m.version)
     if not metas:
         return None
     newest = metas[-1]
-    if rid.restored_from == (engine.run, newest.version):
-        return None
     if REPLAY_META not in newest.states:
         return None  # the engine checks new rows against the newest version only
-    meta = engine.load(name=REPLAY_META, version=newest.version)
-    return int(from_storable(meta)["rows"]["next_row_id"])
+    meta = from_storable(engine.load(name=REPLAY_META, version=newest.version))
+    from .replay_incremental import META_FORMAT2  # v2: this buffer's captures write format /2
+    if rid.restored_from == (engine.run, newest.version) and (meta.get("format") == META_FORMAT2) == v2:
+        return None
+    # ids of another run / version, or the stored rows have other columns (format /1): all anew
+    rid.floors = {"chunk": int(meta.get("episode_log", {}).get("next_chunk", 0)),
+                  "log": int(meta.get("priority", {}).get("next_log", 0))}
+    return int(meta["rows"]["next_row_id"])
 
 
 def capture_algorithm_replay(algorithm: Any, out: Dict[str, Any], strategy: Any, engine: Any = None,
@@ -1564,22 +1598,27 @@ def capture_algorithm_replay(algorithm: Any, out: Dict[str, Any], strategy: Any,
     try:
         rid = row_ids_of(buf)
         if engine is not None and rid.checked_run != engine.run:
-            floor = _row_floor(engine, rid)
+            floor = _row_floor(engine, rid, v2=not buffer_kind(buf).multi_agent)
             if floor is not None:
                 log.info("ray_ckpt: run %r: the replay buffer's rows get new row ids from %d (its state is not "
                          "the run's newest version's): this save writes all of them", engine.run, floor)
-                rid.renumber(floor)
+                rid.renumber(floor, rid.floors)
             rid.checked_run = engine.run
-        out[REPLAY], out[REPLAY_META] = capture_replay(buf, row_ids=rid)
+        if buffer_kind(buf).multi_agent:
+            out[REPLAY], out[REPLAY_META] = capture_replay(buf, row_ids=rid)
+        else:
+            from .replay_incremental import capture_states
+            out.update(capture_states(buf, rid))
     except Exception as exc:  # best effort: this save goes on without the buffer, the reason logged
         if strategy is Strategy.CRITICAL or errors is None:
             raise
-        out.pop(REPLAY, None)
-        out.pop(REPLAY_META, None)
+        for name in REPLAY_STATES:
+            out.pop(name, None)
         errors[REPLAY] = f"{type(exc).__name__}: {exc}"
 
 
-REPLAY_APPEND_ONLY = True  # ``replay`` is registered append_only=True: a version writes only its new rows
+REPLAY_APPEND_ONLY = True  # ``replay`` (and the logs) are registered append_only=True: a version writes what is new
+REPLAY_STATES = ("replay", "replay_meta", "replay_episodes", "replay_priorities")
 
 
 def sync_replay_registrations(engine: Any, algorithm: Any, setting: str, pending_now: Dict[str, Any],
@@ -1599,11 +1638,11 @@ def sync_replay_registrations(engine: Any, algorithm: Any, setting: str, pending
         get.__name__ = f"rllib_{name}"
         return get
 
-    for name in (REPLAY, REPLAY_META):
+    for name in REPLAY_STATES:
         if name in pending_now and strat is not None:
             if engine.registered.get(name) != strat:
                 engine.register(name, getter(name), strategy=strat, replace=True,
-                                append_only=REPLAY_APPEND_ONLY and name == REPLAY)
+                                append_only=REPLAY_APPEND_ONLY and name != REPLAY_META)
         elif name in engine.registered:
             engine.unregister(name)
 
@@ -1644,6 +1683,25 @@ def restore_algorithm_replay(algorithm: Any, engine: Any, meta: Any, loaded: Dic
         for n in (REPLAY, REPLAY_META):
             states[n] = f"not restored: {why}"
         return
-    restore_replay(buf, loaded[REPLAY], loaded[REPLAY_META],
-                   agent_to_module_mapping_fn=getattr(algorithm.config, "policy_mapping_fn", None))
+    fn = getattr(algorithm.config, "policy_mapping_fn", None)
+    fmt = from_storable(loaded[REPLAY_META]).get("format") if isinstance(loaded[REPLAY_META], dict) else None
+    if fmt == META_FORMAT:
+        restore_replay(buf, loaded[REPLAY], loaded[REPLAY_META], agent_to_module_mapping_fn=fn)
+    else:  # format /2 (replay_incremental.py): the episode and priority logs are read here
+        from . import replay_incremental as ri
+        got = dict(loaded)
+        for n in (ri.REPLAY_EPISODES, ri.REPLAY_PRIORITIES):
+            if n in meta.states:
+                try:
+                    got[n] = engine.load(name=n, version=meta.version)
+                except Exception as exc:
+                    raise RestoreError(f"cannot restore version {meta.version} of run {engine.run!r}: its replay "
+                                       f"state {n!r} could not be read ({type(exc).__name__}: {exc}); nothing "
+                                       f"was changed") from None
+        replay, meta_v1, seeds = ri.states_to_v1(got)
+        restore_replay(buf, replay, meta_v1, agent_to_module_mapping_fn=fn)
+        ri.seed(row_ids_of(buf), seeds, buf)
+        for n in (ri.REPLAY_EPISODES, ri.REPLAY_PRIORITIES):
+            if n in got:
+                states[n] = "restored"
     row_ids_of(buf).restored_from = (engine.run, int(meta.version))
