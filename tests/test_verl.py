@@ -146,6 +146,9 @@ class VerlRank:
         with torch.no_grad():
             return self.model(input_ids=tokens).logits
 
+    def call(self, fn, *args):
+        return fn(*args)
+
     def hf_logits(self, path: str, tokens: torch.Tensor) -> tuple:
         """The export loaded by transformers (the trained model's attention kernel): its logits and weights."""
         from transformers import AutoModelForCausalLM
@@ -153,6 +156,25 @@ class VerlRank:
         model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
         with torch.no_grad():
             return model(input_ids=tokens).logits, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def actor_config_with_ray_ckpt(run: str, local_dir: str) -> tuple:
+    """docs/verl.md's config diff applied to verl's own generated ppo_trainer.yaml, turned into
+    verl's FSDPActorConfig by verl's own path: the checkpoint block becomes RayCkptCheckpointConfig."""
+    import verl
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(verl.__file__), "trainer/config/_generated_ppo_trainer.yaml"))
+    OmegaConf.set_struct(cfg, False)
+    actor = cfg.actor_rollout_ref.actor
+    actor.ppo_micro_batch_size_per_gpu = 2  # verl's config check wants one of the micro batch sizes
+    actor.checkpoint._target_ = "ray_ckpt.integrations.verl.RayCkptCheckpointConfig"
+    actor.checkpoint.async_save = True
+    actor.checkpoint.ray_ckpt = {"run": run, "local_dir": local_dir}
+    resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)).actor_rollout_ref.actor
+    a = omega_conf_to_dataclass(resolved)
+    return type(a).__name__, type(a.checkpoint).__name__, dict(a.checkpoint.ray_ckpt), a.checkpoint.async_save
 
 
 def group(actors, world: int) -> list:
@@ -283,3 +305,8 @@ def test_hf_model_export_loads_with_from_pretrained(verl_run, saved):
     for n, w in weights.items():
         assert same_bits(w, want[f"model/{n}"]), n
     assert same_bits(logits, saved["want_logits"])
+
+
+def test_config_diff_gives_verls_actor_config_our_checkpoint_config(verl_run):
+    got = ray.get(verl_run["actors"][2].call.remote(actor_config_with_ray_ckpt, "r", "/tmp/x"), timeout=120)
+    assert got == ("FSDPActorConfig", "RayCkptCheckpointConfig", {"run": "r", "local_dir": "/tmp/x"}, True)
