@@ -12,8 +12,10 @@ with a ``checkpoint_config`` built by verl's own hydra path (``omega_conf_to_dat
 * verl's tracker names step 2 only, ``find_latest_ckpt_path`` (verl's code) returns global_step_2;
   loading step 4 is an error naming it once it failed (rank timeout), and rank 0's next save raises
   naming step 4;
-* 1 and 3 ranks (other processes first) load step 2: full parameters, AdamW moments and the
-  scheduler are bit-equal; 2 ranks load it and replay step 3: bit-identical logits (RNG restored);
+* 1 rank (another process) loads step 2 right after save returns (waiting for the commit), 3 ranks
+  (other processes first) load it: full parameters, AdamW moments and the scheduler are bit-equal;
+  2 ranks load it and replay step 3: bit-identical logits (RNG restored); verl's own manager, which
+  saved the same state beside it, gives back the same bytes (same world size);
 * the hf_model export loads with ``AutoModelForCausalLM.from_pretrained`` and gives the trained
   model's logits.
 """
@@ -146,6 +148,25 @@ class VerlRank:
         with torch.no_grad():
             return self.model(input_ids=tokens).logits
 
+    def stock_manager(self):
+        """verl's own FSDPCheckpointManager on the same model (for the side-by-side check)."""
+        from verl.trainer.config import CheckpointConfig
+        from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
+
+        return FSDPCheckpointManager(model=self.model, optimizer=self.opt, lr_scheduler=self.sched,
+                                     processing_class=None, checkpoint_config=CheckpointConfig())
+
+    def stock_save(self, path: str, step: int) -> float:
+        t0 = time.perf_counter()
+        self.stock_manager().save_checkpoint(path, None, global_step=step)
+        return time.perf_counter() - t0
+
+    def stock_load(self, path: str) -> None:
+        self.stock_manager().load_checkpoint(path)
+
+    def load_wait_s(self) -> float:
+        return self.mgr.last_load_wait_s
+
     def call(self, fn, *args):
         return fn(*args)
 
@@ -223,21 +244,37 @@ def saved(verl_run):
     ranks = group(actors, 2)
     names = ray.get([r.build.remote(0, verl_run["ckpt"]) for r in ranks], timeout=120)
     assert names == ["RayCkptCheckpointManager"] * 2  # built by verl's module, through install()
+    loader = group(actors[2:], 1)[0]  # another process, a group of 1: it loads step 2 as soon as save returns
+    ray.get(loader.build.remote(1, verl_run["ckpt"]), timeout=120)
     ray.get([r.train.remote(2) for r in ranks], timeout=120)
     blocked = ray.get([r.save.remote(step_path(root, 2), 2) for r in ranks], timeout=60)
+    early_load = loader.load.remote(step_path(root, 2))  # the step is (most likely) still in flight
     want = ray.get([r.full.remote() for r in ranks], timeout=60)[0]
+    stock_s = ray.get([r.stock_save.remote(str(root / "stock" / "global_step_2" / "actor"), 2) for r in ranks],
+                      timeout=60)  # verl's own manager, same state: the side-by-side check
     probe = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(3))
     want_logits = ray.get([r.logits.remote(probe) for r in ranks], timeout=60)[0]
     replay = ray.get([r.train.remote(1) for r in ranks], timeout=60)  # step 3: the replay's reference
+    assert ray.get(early_load, timeout=120) is None
+    one_rank = {"full": ray.get(loader.full.remote(), timeout=60), "waited": ray.get(loader.load_wait_s.remote())}
+    leave([loader])
     assert ray.get([r.wait.remote(60) for r in ranks], timeout=90) == [None, None]
     ray.get([r.train.remote(1) for r in ranks], timeout=60)  # step 4
     ray.get(ranks[0].save.remote(step_path(root, 4), 4), timeout=60)  # rank 1 crashed before its save
     tracker_after_4 = (root / "latest_checkpointed_iteration.txt").read_text()
     leave(ranks)
     print(f"2 ranks trained, saved steps 2 (+hf) and 4 (rank 0 only): {time.perf_counter() - t0:.1f} s; "
-          f"save_checkpoint blocked {max(blocked) * 1e3:.0f} ms")
+          f"save_checkpoint blocked {max(blocked) * 1e3:.0f} ms (verl's manager: {max(stock_s) * 1e3:.0f} ms); "
+          f"the 1-rank load waited {one_rank['waited']:.2f} s for the commit")
     return {"want": want, "probe": probe, "want_logits": want_logits, "replay": replay,
-            "tracker_after_4": tracker_after_4, "blocked": blocked}
+            "tracker_after_4": tracker_after_4, "blocked": blocked, "one_rank": one_rank}
+
+
+def assert_same_state(got: dict, want: dict) -> None:
+    assert got["tensors"].keys() == want["tensors"].keys()
+    for k, v in want["tensors"].items():
+        assert same_bits(got["tensors"][k], v), k
+    assert got["plain"] == want["plain"]
 
 
 def test_tracker_names_only_the_newest_committed_step(verl_run, saved):
@@ -267,22 +304,33 @@ def test_step_that_never_committed_is_an_error_naming_it(verl_run, saved):
     assert err and err.startswith("RestoreError") and "step 4" in err and "never committed" in err, err
 
 
-@pytest.mark.parametrize("world", [1, 3])
-def test_reload_on_another_world_size_is_bit_equal(verl_run, saved, world):
+def test_load_on_one_rank_right_after_save_is_bit_equal(saved):
+    """The group of 1 loaded step 2 as soon as save_checkpoint returned (waiting for the commit)."""
+    assert_same_state(saved["one_rank"]["full"], saved["want"])
+
+
+def test_reload_on_three_ranks_is_bit_equal(verl_run, saved):
     t0 = time.perf_counter()
     actors, root = verl_run["actors"], verl_run["root"]
-    ranks = group(actors[::-1], world)  # the last actors first: rank 0 is not the saving rank 0
-    ray.get([r.build.remote(100 + world, verl_run["ckpt"]) for r in ranks], timeout=120)
+    ranks = group(actors[::-1], 3)  # the last actor first: rank 0 is not the saving rank 0
+    ray.get([r.build.remote(103, verl_run["ckpt"]) for r in ranks], timeout=120)
     errors = ray.get([r.load.remote(step_path(root, 2)) for r in ranks], timeout=120)
     got = ray.get([r.full.remote() for r in ranks], timeout=60)[0]
     leave(ranks)
-    assert errors == [None] * world
-    want = saved["want"]
-    assert got["tensors"].keys() == want["tensors"].keys()
-    for k, v in want["tensors"].items():
-        assert same_bits(got["tensors"][k], v), k
-    assert got["plain"] == want["plain"]
-    print(f"load onto {world} ranks: {time.perf_counter() - t0:.1f} s")
+    assert errors == [None] * 3
+    assert_same_state(got, saved["want"])
+    print(f"load onto 3 ranks: {time.perf_counter() - t0:.1f} s")
+
+
+def test_verls_own_manager_gives_back_the_same_bytes(verl_run, saved):
+    """Side by side: verl's FSDPCheckpointManager saved the same state (same world size only)."""
+    actors, root = verl_run["actors"], verl_run["root"]
+    ranks = group(actors[::-1], 2)
+    ray.get([r.build.remote(66, verl_run["ckpt"]) for r in ranks], timeout=120)
+    ray.get([r.stock_load.remote(str(root / "stock" / "global_step_2" / "actor")) for r in ranks], timeout=120)
+    got = ray.get([r.full.remote() for r in ranks], timeout=60)[0]
+    leave(ranks)
+    assert_same_state(got, saved["want"])
 
 
 def test_same_world_size_replays_bit_identical_logits(verl_run, saved):

@@ -106,6 +106,7 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
         self._worker.start()
         self.engine = self._open_engine()
         self.last_block_s: Optional[float] = None  # how long the last save_checkpoint blocked this rank
+        self.last_load_wait_s: Optional[float] = None  # how long the last load waited for its step to commit
 
     # ------------------------------------------------------------------ set-up (collective)
     def _collective_error(self, error: Optional[str]) -> None:
@@ -268,12 +269,14 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
     def _wait_committed(self, engine: "rc.CheckpointEngine", run: str, step: int) -> None:
         """Return once ``step`` is committed; a step in flight is waited for (``load_wait_s``);
         one neither committed nor in flight is a RestoreError naming it."""
-        deadline = time.monotonic() + self.settings.load_wait_s
+        start = time.monotonic()
+        deadline = start + self.settings.load_wait_s
         grace = time.monotonic() + min(2.0, self.settings.load_wait_s)  # a push may still be on its way
         pause = 0.05
         while True:
             committed = sorted(m.step for m in engine.list_checkpoints())
             if step in committed:
+                self.last_load_wait_s = time.monotonic() - start
                 return
             in_flight = {d.get("step") for d in engine.status().get("in_flight", {}).values()}
             now = time.monotonic()
