@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 from .errors import IntegrityError, InvalidArgumentError, SaveError
 from .formats.manifest import FileEntry, Manifest, StateEntry, chain_digest, sign_manifest
@@ -100,7 +100,10 @@ class Catalogue:
         self.run = run
         self.committed: Dict[int, Manifest] = dict(committed or {})
         self.pending: Dict[int, PendingVersion] = {}
-        self.signing_key: Optional[bytes] = None  # set: every manifest is signed (HMAC-SHA256)
+        self.signing_key: Any = None  # a key or a key ring: every manifest is signed (HMAC-SHA256)
+        # versions found in storage but not trusted (mis-signed, edited, off the chain), with why:
+        # kept as found for inspection, so a save of one of their steps is refused, never written over
+        self.untrusted: Dict[int, str] = {}
         self.failed: Dict[int, str] = {}
         # states pushed by rank actors (engine.submit)
         self.declared: Dict[str, Declaration] = {}
@@ -179,6 +182,10 @@ class Catalogue:
         pv = self.pending.get(version)
         if pv is not None and pv.opened_by_push and not pv.committed and not pv.error:
             return self._merge(pv, parts, metrics)  # ranks pushed first; the driver's parts join them
+        if version in self.untrusted and version not in self.committed:
+            raise SaveError(f"version {version} of run {self.run!r} exists in storage but is not trusted "
+                            f"({self.untrusted[version]}); it is kept as found and never written over: save "
+                            f"a later step, or move it aside after inspecting it (ray-ckpt verify)")
         if version in self.committed or version in self.pending:
             raise SaveError(f"version {version} of run {self.run!r} already exists"
                             + (" and is committed" if version in self.committed else "")

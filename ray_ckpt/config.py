@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 from .storage.layout import join_uri, validate_name
 from .storage.retention import RetentionPolicy
@@ -48,17 +48,16 @@ class EngineConfig:
     upload_retries: int = 1  # per upload call; the coordinator retries with backoff on top
     rank_timeout_s: float = 600.0  # a pushed version fails if a rank's part has not arrived by then
     # manifests carry an HMAC-SHA256 under this key and unsigned or mis-signed ones are refused
-    # (default: the RAY_CKPT_SIGNING_KEY environment variable of the creating process, if set)
-    signing_key: Optional[bytes] = field(default=None, repr=False)
+    # (default: the RAY_CKPT_SIGNING_KEY environment variable of the creating process, if set).
+    # A list is a key ring, so keys rotate without losing the versions signed before: the first
+    # key signs, every key verifies
+    signing_key: Union[None, bytes, Tuple[bytes, ...]] = field(default=None, repr=False)
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.signing_key is None and os.environ.get("RAY_CKPT_SIGNING_KEY"):
             self.signing_key = os.environ["RAY_CKPT_SIGNING_KEY"]
-        if isinstance(self.signing_key, str):
-            self.signing_key = self.signing_key.encode()
-        if self.signing_key is not None and (not isinstance(self.signing_key, bytes) or not self.signing_key):
-            raise ValueError("signing_key must be non-empty bytes or str (or None)")
+        self.signing_key = _key_or_ring(self.signing_key)
         validate_name(self.run, "run name")
         if not isinstance(self.local_dir, str) or not self.local_dir:
             raise ValueError(f"local_dir must be a directory path or file:// URI, got {self.local_dir!r}")
@@ -116,3 +115,22 @@ class EngineConfig:
     def remote_tier(self) -> Optional[Tier]:
         root = self.remote_root()
         return Tier(root, "remote", self.remote_options) if root else None
+
+
+def _key_or_ring(key: Any) -> Union[None, bytes, Tuple[bytes, ...]]:
+    """A signing key as bytes, a key ring (list or tuple, the first signs) as a tuple of bytes."""
+    def one(k: Any) -> bytes:
+        k = k.encode() if isinstance(k, str) else k
+        if not isinstance(k, bytes) or not k:
+            raise ValueError("signing_key must be non-empty bytes or str, a list of them (a key ring: the "
+                             "first signs, all verify), or None")
+        return k
+
+    if key is None:
+        return None
+    if isinstance(key, (list, tuple)):
+        if not key:
+            raise ValueError("signing_key: an empty key ring; give at least one key (or None)")
+        ring = tuple(one(k) for k in key)
+        return ring[0] if len(ring) == 1 else ring
+    return one(key)

@@ -70,6 +70,7 @@ def recover(config: EngineConfig, local: Tier, remote: Optional[Tier]) -> Recove
         except Exception as exc:  # remote down at (re)start: local checkpointing goes on
             log.warning("cannot list the remote tier %s: %s", remote.display, remote.scrub(one_line(exc)))
     uploads = UploadPlan(config.remote_every, remote is not None, remote_committed, catalogue.committed)
+    catalogue.untrusted = skipped
     remove_partial(remote, remote_partial, uploads.paths)
     return Recovered(catalogue, uploads, skipped)
 

@@ -81,3 +81,29 @@ def test_signed_manifests_refuse_edits_and_unsigned_ones(engine_factory, tmp_pat
     with pytest.raises(rc.InvalidArgumentError, match="signing_key"):
         engine_factory(remote_uri=None, signing_key=b"")
     assert "k" * 32 not in repr(eng2.config)
+
+
+def test_keys_rotate_with_a_key_ring_and_untrusted_versions_are_never_written_over(engine_factory, tmp_path,
+                                                                                  run_name, provider):
+    old, new = b"o" * 32, b"n" * 32
+    eng, learner = _three_versions(engine_factory, provider, signing_key=old)
+    v3 = _manifest(tmp_path, run_name, 3).read_bytes()
+    # the key rotated by replacing it: nothing the old key signed verifies, so nothing is listed ...
+    eng2 = _reopen(eng, engine_factory, learner, signing_key=new)
+    assert eng2.list_checkpoints() == [] and set(eng2.status()["skipped_versions"]) == {1, 2, 3}
+    # ... and a save of one of those steps is refused, not written over the version it would replace
+    with pytest.raises(rc.SaveError, match=r"version 3 .* is not trusted \(.*signature does not verify.*never "
+                                           r"written over"):
+        eng2.save(3).result(timeout=60)
+    assert _manifest(tmp_path, run_name, 3).read_bytes() == v3
+    eng2.save(4).result(timeout=60)  # a later step is fine, signed with the new key
+    # rotated with a key ring instead: the new key signs, both verify; every version is back
+    eng3 = _reopen(eng2, engine_factory, learner, signing_key=[new, old])
+    assert [m.version for m in eng3.list_checkpoints()] == [1, 2, 3, 4]
+    assert eng3.restore(step=3).version == 3 and eng3.restore().version == 4
+    eng3.save(5).result(timeout=60)
+    # the ring's first key signed version 5: with the new key alone, 4 and 5 verify, the old ones not
+    eng4 = _reopen(eng3, engine_factory, learner, signing_key=new)
+    assert [m.version for m in eng4.list_checkpoints()] == [4, 5]
+    with pytest.raises(rc.InvalidArgumentError, match="empty key ring"):
+        engine_factory(remote_uri=None, signing_key=[])

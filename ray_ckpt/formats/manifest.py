@@ -176,27 +176,34 @@ def _signed_bytes(d: Mapping[str, Any]) -> bytes:
     return _canonical({k: v for k, v in d.items() if k != "signature"})
 
 
-def _check_key(key: Any) -> bytes:
-    if not isinstance(key, (bytes, bytearray)) or not key:
-        raise TypeError("a manifest signing key must be non-empty bytes")
-    return bytes(key)
+def signing_keys(key: Any) -> List[bytes]:
+    """A signing key, or a key ring (a list or tuple: the first signs, every one verifies), as the
+    list of its keys."""
+    keys = list(key) if isinstance(key, (list, tuple)) else [key]
+    if not keys or any(not isinstance(k, (bytes, bytearray)) or not k for k in keys):
+        raise TypeError("a manifest signing key must be non-empty bytes (or a non-empty list of them)")
+    return [bytes(k) for k in keys]
 
 
-def sign_manifest(manifest: Manifest, key: bytes) -> Manifest:
-    """Set ``manifest.signature`` to the hex HMAC-SHA256, under ``key``, of the canonical JSON of
-    all its other fields; returns the manifest. Sign last: any later change breaks it."""
+def sign_manifest(manifest: Manifest, key: Any) -> Manifest:
+    """Set ``manifest.signature`` to the hex HMAC-SHA256, under ``key`` (a ring's first key), of the
+    canonical JSON of all its other fields; returns the manifest. Sign last: any later change breaks it."""
     manifest.signature = None
-    manifest.signature = hmac.new(_check_key(key), _signed_bytes(manifest.to_dict()), hashlib.sha256).hexdigest()
+    manifest.signature = hmac.new(signing_keys(key)[0], _signed_bytes(manifest.to_dict()),
+                                  hashlib.sha256).hexdigest()
     return manifest
 
 
-def _verify(d: Mapping[str, Any], key: bytes) -> None:
+def _verify(d: Mapping[str, Any], key: Any) -> None:
+    keys = signing_keys(key)
     sig = d.get("signature")
     if sig is None:
         raise IntegrityError("manifest is not signed, and this run requires signed manifests")
-    want = hmac.new(_check_key(key), _signed_bytes(d), hashlib.sha256).hexdigest()
-    if not isinstance(sig, str) or not hmac.compare_digest(sig, want):
-        raise IntegrityError("manifest signature does not verify (edited, or signed with another key)")
+    signed = _signed_bytes(d)
+    if not isinstance(sig, str) or not any(
+            hmac.compare_digest(sig, hmac.new(k, signed, hashlib.sha256).hexdigest()) for k in keys):
+        raise IntegrityError("manifest signature does not verify (edited, or signed with another key"
+                             + (f" than the {len(keys)} of the key ring" if len(keys) > 1 else "") + ")")
 
 
 def verify_signature(manifest_bytes: Union[bytes, bytearray, memoryview], key: bytes, *,
