@@ -104,6 +104,9 @@ class Catalogue:
         # versions found in storage but not trusted (mis-signed, edited, off the chain), with why:
         # kept as found for inspection, so a save of one of their steps is refused, never written over
         self.untrusted: Dict[int, str] = {}
+        # a rollback found at recovery (storage/head.py): steps up to this one were committed before
+        # and are not all there now; none is saved again, so a step never names two versions
+        self.reserved_through = -1
         self.failed: Dict[int, str] = {}
         # states pushed by rank actors (engine.submit)
         self.declared: Dict[str, Declaration] = {}
@@ -171,7 +174,7 @@ class Catalogue:
     @property
     def last_version(self) -> int:
         known = list(self.committed) + list(self.pending)
-        return max(known) if known else -1
+        return max(known + [self.reserved_through]) if known else self.reserved_through
 
     def begin(self, version: int, step: int, parts: List[Union[PartPlan, dict]],
               metrics: Optional[Dict[str, float]] = None) -> PendingVersion:
@@ -186,6 +189,11 @@ class Catalogue:
             raise SaveError(f"version {version} of run {self.run!r} exists in storage but is not trusted "
                             f"({self.untrusted[version]}); it is kept as found and never written over: save "
                             f"a later step, or move it aside after inspecting it (ray-ckpt verify)")
+        if version <= self.reserved_through and version not in self.committed and version not in self.pending:
+            raise SaveError(f"version {version} of run {self.run!r}: steps up to {self.reserved_through} were "
+                            f"committed before and are missing now (rolled back behind the engine's back), and "
+                            f"a step is never reused: save a step after {self.reserved_through}, or restore "
+                            f"with rewind=True to go on from an older version with its step numbers")
         if version in self.committed or version in self.pending:
             raise SaveError(f"version {version} of run {self.run!r} already exists"
                             + (" and is committed" if version in self.committed else "")

@@ -51,6 +51,7 @@ from .checkpoint_io import write_manifest
 from .config import EngineConfig
 from .live_options import applied, shown
 from .storage.gc_notice import POLL_S as GC_NOTICE_POLL_S, read_notice
+from .storage.head import HeadRecords
 from .coordinator_queries import CoordinatorQueries
 from .deletions import Deletions
 from .errors import SaveError, UnsupportedTypeError, one_line
@@ -98,6 +99,7 @@ class CheckpointCoordinator:
         found = recover(config, self.local, self.remote)  # recovery.py: both tiers' manifests, cleaned
         self.init_times["recovered"] = time.time()
         self.catalogue, self.uploads, self.skipped = found.catalogue, found.uploads, found.skipped
+        self.heads = HeadRecords(config.run, found.heads)  # storage/head.py: a rollback is seen at the next start
         self.queries = CoordinatorQueries(config.run, self.catalogue, self.uploads, self.skipped, self.pools)
         self.file_nodes: Dict[str, str] = {}  # local file path -> node whose local tier holds it
         self.commit_futures: Dict[int, asyncio.Future] = {}
@@ -443,6 +445,7 @@ class CheckpointCoordinator:
         fut.set_result(outcome_of(manifest, "local", written + len(manifest.to_json()),
                                   stages=dict(pv.stages(), manifest_s=time.perf_counter() - t_commit)))
         self.uploader.on_commit(version)
+        await self._raise_head(self.local, version)
 
     async def _add_late_parts(self, version: int, pv: PendingVersion) -> None:
         """Best-effort parts that landed after the commit (or while its manifest was being written)
@@ -514,6 +517,8 @@ class CheckpointCoordinator:
         self.uploader.resume()
 
     async def _after_upload(self) -> None:
+        if self.uploads.committed:
+            await self._raise_head(self.remote, max(self.uploads.committed))
         await self.deletions.apply_remote_retention()
         await self.deletions.apply_retention()  # a local version held back for its upload may go now
 
@@ -539,7 +544,24 @@ class CheckpointCoordinator:
         """Delete every committed version after ``version`` from both tiers, so that training can
         go on from ``version`` with the same step numbers (a roll-back after divergence). Refused
         while saves are in flight. Returns the versions deleted."""
-        return await self.deletions.rewind(version)
+        gone = await self.deletions.rewind(version)
+        for tier in (self.local, self.remote):  # the heads come down with the versions: steps are reused
+            if tier is not None:
+                await asyncio.to_thread(self.heads.set_to, tier, version, self.cfg.signing_key)
+        if self.catalogue.reserved_through > version:  # a rollback found at the start: accepted now
+            self.skipped.pop(self.catalogue.reserved_through, None)
+            self.catalogue.reserved_through = -1
+        return gone
+
+    async def _raise_head(self, tier: Any, step: int) -> None:
+        """The tier's head record names ``step`` once it is committed there (storage/head.py). A
+        failed write leaves the version committed and is reported in status()."""
+        try:
+            await asyncio.to_thread(self.heads.raise_to, tier, step, self.cfg.signing_key)
+        except Exception as exc:
+            self._set_error(f"writing the head record (step {step}) on the {tier.name} tier failed: "
+                            f"{tier.scrub(one_line(exc))}")
+            log.warning(self.last_error)
 
     # ------------------------------------------------------------------ lifetime
     def _in_background(self, coro: Any) -> asyncio.Future:

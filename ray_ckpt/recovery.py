@@ -20,6 +20,7 @@ from .errors import CheckpointError, IntegrityError, one_line
 from .formats.manifest import Manifest, chain_suspects
 from .protocol import Declaration
 from .storage.durable_batch import remove_temporaries
+from .storage.head import missing_head, read_heads
 from .storage.tier import Tier
 from .upload_plan import UploadPlan
 
@@ -38,6 +39,7 @@ class Recovered:
     catalogue: Catalogue
     uploads: UploadPlan
     skipped: Dict[int, str]
+    heads: Dict[str, int]  # each tier's head record (storage/head.py): the newest step committed there
 
 
 def recover(config: EngineConfig, local: Tier, remote: Optional[Tier]) -> Recovered:
@@ -72,7 +74,16 @@ def recover(config: EngineConfig, local: Tier, remote: Optional[Tier]) -> Recove
     uploads = UploadPlan(config.remote_every, remote is not None, remote_committed, catalogue.committed)
     catalogue.untrusted = skipped
     remove_partial(remote, remote_partial, uploads.paths)
-    return Recovered(catalogue, uploads, skipped)
+    heads, problems = read_heads([t for t in (local, remote) if t is not None], config.run, key)
+    for problem in problems:
+        log.warning("ignoring %s", problem)
+    gap = missing_head(heads, max(list(catalogue.committed) + list(remote_committed), default=None))
+    if gap is not None:  # a rollback: the newest versions went away behind the engine's back
+        step, why = gap
+        log.error("run %r: version %d was %s", config.run, step, why)
+        skipped.setdefault(step, why)
+        catalogue.reserved_through = step
+    return Recovered(catalogue, uploads, skipped, heads)
 
 
 def problems_by_version(problems: List[str]) -> Dict[int, str]:

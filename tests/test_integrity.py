@@ -1,6 +1,7 @@
 """Storage that lies: copied, edited, unreadable or unsigned manifests are never restored as
 something they are not, and what was passed over is said (restore report, status)."""
 import json
+import shutil
 
 import pytest
 import ray
@@ -107,3 +108,33 @@ def test_keys_rotate_with_a_key_ring_and_untrusted_versions_are_never_written_ov
     assert [m.version for m in eng4.list_checkpoints()] == [4, 5]
     with pytest.raises(rc.InvalidArgumentError, match="empty key ring"):
         engine_factory(remote_uri=None, signing_key=[])
+
+
+def test_newest_versions_deleted_behind_the_engines_back_are_reported_and_their_steps_not_reused(
+        engine_factory, tmp_path, run_name, provider):
+    eng, learner = _three_versions(engine_factory, provider, signing_key=b"k" * 32)
+    shutil.rmtree(_manifest(tmp_path, run_name, 3).parent)  # the newest version lost; 1 and 2 still chain
+    eng2 = _reopen(eng, engine_factory, learner, signing_key=b"k" * 32)
+    assert [m.version for m in eng2.list_checkpoints()] == [1, 2]
+    why = eng2.status()["skipped_versions"][3]
+    assert "committed before" in why and "head record names step 3" in why and "newest version found is 2" in why
+    report = eng2.restore()
+    assert report.version == 2 and "now missing" in report.skipped_versions[3]
+    with pytest.raises(rc.SaveError, match="step 3 is not after the last saved step 3"):
+        eng2.save(3)  # step 3 named another version: never reused
+    eng2.save(4).result(timeout=60)
+    # rewind is how a user goes back on purpose: the head comes down with the versions it deletes
+    eng3 = _reopen(eng2, engine_factory, learner, signing_key=b"k" * 32)
+    assert eng3.status()["skipped_versions"] == {}  # the head names 4, which is there
+    assert eng3.restore(step=2, rewind=True).rewound == (4,)
+    eng3.save(3).result(timeout=60)
+    eng4 = _reopen(eng3, engine_factory, learner, signing_key=b"k" * 32)
+    assert [m.version for m in eng4.list_checkpoints()] == [1, 2, 3] and eng4.status()["skipped_versions"] == {}
+    # a head record edited to claim a newer step does not verify under the run's key: not trusted
+    head = tmp_path / "local" / run_name / "head.json"
+    edited = json.loads(head.read_bytes())
+    assert edited["step"] == 3 and len(edited["signature"]) == 64
+    head.write_text(json.dumps(dict(edited, step=9)))
+    eng5 = _reopen(eng4, engine_factory, learner, signing_key=b"k" * 32)
+    assert eng5.status()["skipped_versions"] == {}
+    eng5.save(4).result(timeout=60)

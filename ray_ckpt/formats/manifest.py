@@ -194,6 +194,14 @@ def sign_manifest(manifest: Manifest, key: Any) -> Manifest:
     return manifest
 
 
+def sign_record(record: Mapping[str, Any], key: Any) -> Dict[str, Any]:
+    """A small JSON record (e.g. the run's head record) with its ``signature`` under ``key`` (a
+    ring's first key), made as a manifest's; :func:`verify_signature` checks it."""
+    out = {k: v for k, v in record.items() if k != "signature"}
+    out["signature"] = hmac.new(signing_keys(key)[0], _signed_bytes(out), hashlib.sha256).hexdigest()
+    return out
+
+
 def _verify(d: Mapping[str, Any], key: Any) -> None:
     keys = signing_keys(key)
     sig = d.get("signature")
