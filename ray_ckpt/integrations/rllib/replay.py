@@ -14,6 +14,11 @@ of per-episode arrays (thousands of small leaves), the prioritized trees as Pyth
 and gym spaces. So the buffer is read attribute by attribute: every attribute of the instance must
 be one this module knows (or a plain JSON/numpy value, kept under ``extra_attrs``).
 
+Single-agent buffers are saved incrementally by :mod:`.replay_incremental` (the rows below plus an
+episode log, a priority change log and a small ``replay_meta``: a save converts and writes only what
+changed); a restore turns those back into the two-state form below and restores that. Multi-agent
+buffers are saved in the two-state form itself (format /1: rows append-only, ``replay_meta`` whole).
+
 The two states (names ``replay`` and ``replay_meta`` in a version):
 
 ``replay`` -- a ray_ckpt *buffer* (one Arrow IPC file): ONE ROW PER STORED TIMESTEP (per agent
@@ -1583,8 +1588,11 @@ def _row_floor(engine: Any, rid: RowIds, v2: bool = False) -> Optional[int]:
     if rid.restored_from == (engine.run, newest.version) and (meta.get("format") == META_FORMAT2) == v2:
         return None
     # ids of another run / version, or the stored rows have other columns (format /1): all anew
-    rid.floors = {"chunk": int(meta.get("episode_log", {}).get("next_chunk", 0)),
-                  "log": int(meta.get("priority", {}).get("next_log", 0))}
+    if meta.get("format") == META_FORMAT2:
+        ids = meta["next_ids"]
+        rid.floors = {"chunk": int(ids["chunk"]), "log": int(ids["log"])}
+        return int(ids["row"])
+    rid.floors = None
     return int(meta["rows"]["next_row_id"])
 
 

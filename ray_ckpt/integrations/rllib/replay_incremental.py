@@ -21,8 +21,13 @@ Four states (all but ``replay_meta`` registered ``append_only=True``, see ``form
                       gone, is compared row by row once. When the log holds more than twice as many
                       entries as the buffer has rows it is compacted: one entry per row whose leaves
                       differ from its ``prio``, under new ids (the older entries leave the live set).
-``replay_meta``       small, written whole: config, counters, sampling generator, metrics, the spaces
-                      table, the running episodes' table, the live batches, the trees' scalars.
+``replay_meta``       small, written whole: the format, the buffer type, the row count, the next ids
+                      of the rows and the two logs (read to decide whether a buffer's ids are the
+                      run's, :func:`.replay._row_floor`), and ``packed``: config, counters, sampling
+                      generator, metrics, the spaces table, the running episodes' table, the live
+                      batches and the trees' scalars, as one zlib-compressed safetensors blob (it is
+                      mostly structure JSON: ~6 KB a save uncompressed, most of it the metrics
+                      logger's windows).
 
 A restore turns the four back into :mod:`.replay`'s single ``(replay, replay_meta)`` form
 (:func:`states_to_v1`) and restores that; it then seeds the caches below so the next save goes on
@@ -355,13 +360,19 @@ def _capture(buffer: Any, rid: "R.RowIds", kind: "R._Kind", bname: str, meta: Di
     meta["rows"] = {"next_row_id": int(rid.next_id), "n_rows": int(n), "agent_ids": [], "module_ids": [],
                     "templates": inc.templates}
     meta["spaces"] = spaces.table
-    # the metrics logger's windows and the running episodes' table: small, but mostly structure JSON
-    meta["packed"] = _encode({"metrics": meta.pop("metrics"), "running": _table(running, bname)}, 1).reshape(-1)
+    meta["running"] = _table(running, bname)
     meta["episode_log"] = {"batches": np.array(inc.batches, np.int64).reshape(len(inc.batches), 2),
                            "next_chunk": inc.next_chunk, "next_batch": inc.next_batch, "chunk": CHUNK}
     if kind.prioritized:
         meta["priority"] = _priority_scalars(buffer, inc, bname)
     spaces.prune()
+    # all of it but the ids' floors as one compressed blob: the metrics logger's windows and the
+    # running episodes' table are small but mostly structure JSON (~6 KB a save otherwise)
+    packed = {k: v for k, v in meta.items() if k not in ("format", "buffer_type")}
+    meta.clear()
+    meta.update({"format": META_FORMAT2, "buffer_type": bname, "n_rows": int(n),
+                 "next_ids": {"row": int(rid.next_id), "chunk": int(inc.next_chunk), "log": int(inc.next_log)},
+                 "packed": _encode(packed, 1).reshape(-1)})
     return replay, episodes_state, plog_state
 
 
