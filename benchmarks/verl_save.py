@@ -13,6 +13,7 @@ state exists), then, ``--repeats`` times each:
 * load on 2 ranks (both managers) and on 1 rank (ray_ckpt only: verl's files are per world size).
 
     python benchmarks/verl_save.py [--hidden 768 --layers 6 --vocab 32000 --repeats 3 --dir /tmp/verl_bench]
+                                   [--prefault] [--store-gb 4]
 """
 from __future__ import annotations
 
@@ -113,17 +114,21 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/verl_bench")
+    ap.add_argument("--prefault", action="store_true",
+                    help="engine option prefault_object_store: each rank maps Ray's object store once, ahead")
+    ap.add_argument("--store-gb", type=float, default=4.0, help="Ray's object store size")
     args = ap.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+             object_store_memory=int(args.store_gb * (1 << 30)))
     cfg = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=int(args.hidden * 8 / 3) // 64 * 64,
                num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
                num_key_value_heads=max(1, args.hidden // 256), tie_word_embeddings=False)
     run = "verl-bench"
     ckpt = {"_target_": "ray_ckpt.integrations.verl.RayCkptCheckpointConfig",
             "ray_ckpt": {"run": run, "local_dir": f"{args.dir}/ray_ckpt", "critical_writers": 2,
-                         "best_effort_writers": 0}}
+                         "best_effort_writers": 0, "engine_options": {"prefault_object_store": args.prefault}}}
     actors = [Rank.remote() for _ in range(3)]
 
     def group(world: int, first: int = 0) -> list:
@@ -160,7 +165,7 @@ def main() -> None:
     mb = numel * 4 / 1e6
     print(f"\nQwen2 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: {numel / 1e6:.1f} M parameters, "
           f"{mb:.0f} MB fp32 weights (+ {2 * mb:.0f} MB AdamW moments); 2 FSDP2 ranks (gloo, CPU); "
-          f"median of {args.repeats}\n")
+          f"median of {args.repeats}; prefault_object_store={args.prefault}, object store {args.store_gb} GB\n")
     print("| | ray_ckpt | verl FSDPCheckpointManager | ratio |")
     print("| --- | --- | --- | --- |")
     print(f"| save_checkpoint blocks a rank | {med(rows['ray_ckpt']['block']):.3f} s | "
