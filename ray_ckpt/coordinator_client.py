@@ -6,6 +6,7 @@ import time
 from typing import Any, Dict, Tuple
 
 import ray
+from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from .config import EngineConfig
@@ -22,7 +23,11 @@ def outside_placement_group() -> Dict[str, Any]:
     captures child tasks -- a Tune trial's does -- and the engine's coordinator and its start-up
     tasks do not fit a trial's bundles (nor belong to the trial: the coordinator is detached).
     ``PlacementGroupSchedulingStrategy(placement_group=None)`` is Ray's documented escape; the
-    engine's writers need none, as the coordinator that starts them is outside any group."""
+    engine's writers need none, as the coordinator that starts them is outside any group. Only
+    given inside a group: Ray warns about a restartable detached actor given a placement-group
+    strategy, even this one, and a driver belongs to none."""
+    if get_current_placement_group() is None:
+        return {}
     return {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=None)}
 
 
