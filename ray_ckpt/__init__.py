@@ -6,7 +6,7 @@ in Ray and torch), so ``ray-ckpt`` and other tools that only read checkpoints st
 from typing import Any
 
 from .errors import (CheckpointError, IntegrityError, InvalidArgumentError, OwnershipError, RestoreError, SaveError,
-                     UnsupportedTypeError)
+                     SaveTimeoutError, UnsupportedTypeError)
 from .types import (CheckpointMeta, Durability, OnBusy, RestoreReport, SaveResult, StateReport, StateStatus, Strategy,
                     TierName)
 
@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointEngine", "SaveHandle", "Strategy", "OnBusy", "Durability", "StateStatus", "TierName", "SaveResult", "RestoreReport", "StateReport",
-    "CheckpointMeta", "CheckpointError", "SaveError", "RestoreError", "IntegrityError",
+    "CheckpointMeta", "CheckpointError", "SaveError", "SaveTimeoutError", "RestoreError", "IntegrityError",
     "InvalidArgumentError", "UnsupportedTypeError", "OwnershipError", "actor_provider", "actor_method", "rng_state", "set_rng_state",
     "fence", "state_from_snapshot",
 ]

@@ -25,7 +25,7 @@ import ray
 from .config import EngineConfig
 from .coordinator import NAMESPACE, actor_name
 from .coordinator_client import _ask, _open_coordinator
-from .errors import CheckpointError, InvalidArgumentError, InvalidSaveError, SaveError, one_line
+from .errors import CheckpointError, InvalidArgumentError, InvalidSaveError, SaveError, SaveTimeoutError, one_line
 from .formats.manifest import Manifest
 from .handle import SaveHandle, _shared_wait
 from .lease import OwnerLease
@@ -462,9 +462,9 @@ class CheckpointEngine:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 results.append(h.wait(left))
+            except SaveTimeoutError:
+                raise
             except SaveError as exc:
-                if "is not durable on the local tier after" in str(exc):
-                    raise
                 failures.append(exc)
         self._in_flight = []
         if failures:

@@ -9,6 +9,11 @@ class SaveError(CheckpointError):
     """A save could not be accepted or did not become durable."""
 
 
+class SaveTimeoutError(SaveError, TimeoutError):
+    """A wait for a save ran out of time (the save may still end): a ``TimeoutError`` too, as
+    ``concurrent.futures.Future.result(timeout)`` raises."""
+
+
 class RestoreError(CheckpointError):
     """A restore or load could not bring the requested state back."""
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import ray
 
-from .errors import InvalidArgumentError, SaveError, one_line
+from .errors import InvalidArgumentError, SaveError, SaveTimeoutError, one_line
 from .types import SaveResult
 
 if TYPE_CHECKING:  # the engine imports this module
@@ -169,8 +169,8 @@ class SaveHandle:
                     detail = f"; last upload error: {err}" if err else "; upload still in progress"
                 except Exception:
                     pass
-            raise SaveError(f"version {self.version} (step {self.step}) of run {self._engine.run!r} is not "
-                            f"durable on the {durability} tier after {timeout}s{detail}") from None
+            raise SaveTimeoutError(f"version {self.version} (step {self.step}) of run {self._engine.run!r} is "
+                                   f"not durable on the {durability} tier after {timeout}s{detail}") from None
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
             revived = isinstance(exc, ray.exceptions.ActorDiedError) and (
                 self._engine._coordinator is not self._coordinator or self._engine._revive())
@@ -224,11 +224,23 @@ class SaveHandle:
         """The error the save failed with, or None once it committed (waits up to ``timeout``)."""
         try:
             self.wait(timeout)
+        except SaveTimeoutError:
+            raise
         except SaveError as exc:
-            if "is not durable on the local tier after" in str(exc):
-                raise TimeoutError(str(exc)) from None
             return exc
         return None
+
+    def cancel(self) -> bool:
+        """False: a save is dispatched when ``save()`` returns, and a dispatched save is not
+        cancelled (as ``concurrent.futures.Future.cancel`` on a running future)."""
+        return False
+
+    def cancelled(self) -> bool:
+        return False
+
+    def running(self) -> bool:
+        """True while the save is in flight."""
+        return not self.skipped and not self.done()
 
     def add_done_callback(self, fn: Callable[["SaveHandle"], Any]) -> None:
         """Call ``fn(handle)`` once the local commit finished or failed (at once if it has); from a

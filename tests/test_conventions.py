@@ -215,3 +215,42 @@ def test_orbax_style_steps_and_wait_until_finished(engine, provider):
         eng.wait_until_finished(timeout=120)
     assert eng.latest_step() == base + 4 and base + 3 not in eng.all_steps()
     assert eng.wait_until_finished(timeout=10) == []  # reported once
+
+
+class _Gated:
+    """Its state is handed over only once ``gate`` exists (a file: the test opens it)."""
+
+    def __init__(self, gate: str):
+        self.gate = gate
+
+    def ckpt_get_state(self, name):
+        import os
+        import time as _time
+
+        deadline = _time.monotonic() + 60
+        while not os.path.exists(self.gate) and _time.monotonic() < deadline:
+            _time.sleep(0.05)
+        return {"w": torch.arange(4.0)}
+
+    def ckpt_set_state(self, name, state):
+        pass
+
+
+def test_a_wait_that_runs_out_of_time_is_a_timeout_error(engine, tmp_path):
+    import sys
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    eng, base, _ = engine
+    gate = tmp_path / "gate"
+    actor = ray.remote(num_cpus=0.1)(_Gated).remote(str(gate))
+    eng.register("gated", actor)
+    h = eng.save(base + 1)
+    assert h.running() and not h.cancel() and not h.cancelled()
+    with pytest.raises(TimeoutError, match="not durable on the local tier after 0.5s") as info:
+        h.result(timeout=0.5)
+    assert isinstance(info.value, rc.SaveError)  # a SaveTimeoutError: both, for old and new callers
+    with pytest.raises(rc.SaveTimeoutError):
+        h.exception(timeout=0.2)
+    gate.touch()
+    assert h.result(timeout=60).step == base + 1 and not h.running()
+    ray.kill(actor)
