@@ -19,6 +19,9 @@ class EngineConfig:
     critical_writers: int = 2
     best_effort_writers: int = 1
     critical_cpus: float = 0.25
+    # how long a node's critical writers may take to be placed on it; past that (no CPU left there)
+    # the node's parts are written by the coordinator node's writers, reading over the network
+    writer_placement_s: float = 20.0
     best_effort_cpus: float = 0.1
     keep_last: Optional[int] = None
     keep_every: Optional[int] = None

@@ -91,4 +91,5 @@ class CoordinatorQueries:
             commits=commits, failures=failures, last_error=last_error,
             started_at=started_at, node=node,
             writer_nodes={n[:12]: len(p) for n, p in self.pools.critical_by_node.items()},
+            unplaced_writers={n[:12]: why for n, why in self.pools.unplaced.items()},
             upload_owed=self.uploads.owed, skipped_versions=self.skipped_versions())

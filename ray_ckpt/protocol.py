@@ -145,6 +145,8 @@ class CoordinatorStatus:
     writer_nodes: Dict[str, int]
     upload_owed: bool
     skipped_versions: Dict[int, str] = field(default_factory=dict)  # found in storage, not trusted: why
+    # nodes where no critical writer could be placed (their parts are written elsewhere): why
+    unplaced_writers: Dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
         """The form ``engine.status()`` returns to users (a dict a person or a dashboard reads)."""
@@ -162,7 +164,7 @@ class CoordinatorStatus:
                 "committed": self.committed, "remote_committed": self.remote_committed, "commits": self.commits,
                 "failures": self.failures, "last_error": self.last_error, "started_at": self.started_at,
                 "node": self.node, "writer_nodes": dict(self.writer_nodes), "upload_owed": self.upload_owed,
-                "skipped_versions": dict(self.skipped_versions)}
+                "skipped_versions": dict(self.skipped_versions), "unplaced_writers": dict(self.unplaced_writers)}
 
 
 @dataclass(frozen=True)

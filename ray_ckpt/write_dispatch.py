@@ -73,7 +73,7 @@ class WriteDispatch:
             by_node: Dict[Optional[str], List[Item]] = {}
             for it, node in zip(placed, await self.pools.locate_many([ref for _, ref, _ in placed])):
                 by_node.setdefault(node, []).append(it)
-            groups += [(self.pools.critical_on(node), its) for node, its in by_node.items()]
+            groups += [(await self.pools.critical_placed(node), its) for node, its in by_node.items()]
         # each chunk moves the version on when it ends: a critical chunk never waits for a best-effort one
         await asyncio.gather(*[self._write_chunk(version, writer, chunk)
                                for pool, its in groups for writer, chunk in self.pools.spread(pool, its, BATCH_PARTS)])
@@ -121,7 +121,7 @@ class WriteDispatch:
         if part.strategy is Strategy.BEST_EFFORT and self.pools.best_effort:
             pool = self.pools.best_effort  # may run anywhere: reads the snapshot over the network if needed
         else:
-            pool = self.pools.critical_on(await self.pools.locate(ref))  # node affinity: a shared-memory read
+            pool = await self.pools.critical_placed(await self.pools.locate(ref))  # node affinity: shared memory
         writer = self.pools.least_busy(pool)
         self.pools.add_queued(writer, size)
         reuse = self.catalogue.reuse_for(part) if part.strategy is Strategy.RELOADABLE else None

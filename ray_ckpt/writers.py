@@ -247,6 +247,8 @@ class WriterPools:
         self._locator = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="locate")
         self._nodes: Set[str] = set()
         self._nodes_at = 0.0
+        self._placing: Dict[str, List[Any]] = {}  # node -> its writers' node_id() calls, until answered
+        self.unplaced: Dict[str, str] = {}  # node -> why its writers could not be placed (status())
 
     def _writer(self, pool: str, cpus: float, nice: int, node: Optional[str] = None):
         opts: Dict[str, Any] = {"num_cpus": cpus}
@@ -271,11 +273,37 @@ class WriterPools:
 
     def critical_on(self, node: Optional[str]) -> list:
         """The critical pool of ``node`` (created on first use), or this node's when unknown/gone."""
-        if node and node not in self.critical_by_node:
+        if node and node not in self.critical_by_node and node not in self.unplaced:
             self._nodes_at = 0.0
             if node in self._alive_nodes():
                 self.critical_by_node[node] = self._make_pool(node)
+                self._placing[node] = [w.node_id.remote() for w in self.critical_by_node[node]]
         return self.critical_by_node.get(node) or self.critical_by_node[self.node_id]
+
+    async def critical_placed(self, node: Optional[str]) -> list:
+        """``critical_on(node)`` once its writers run. A pool not placed within
+        ``writer_placement_s`` (no CPU left on that node for ``critical_cpus``) is given up: its
+        actors are killed, the node is listed in ``unplaced`` (status()) and this node's pool is
+        returned, whose writers read the snapshot over the network: a save never waits for a
+        writer that cannot start."""
+        pool = self.critical_on(node)
+        calls = self._placing.get(node) if node else None
+        if not calls:
+            return pool
+        try:
+            await asyncio.wait_for(asyncio.gather(*calls), self.cfg.writer_placement_s)
+            self._placing.pop(node, None)
+            return pool
+        except asyncio.TimeoutError:
+            pass
+        if self._placing.pop(node, None) is not None:  # the first waiter gives the pool up
+            for w in self.critical_by_node.pop(node, []):
+                ray.kill(w)
+            self.unplaced[node] = (f"no critical writer placed within {self.cfg.writer_placement_s:g}s (each needs "
+                                   f"num_cpus={self.cfg.critical_cpus:g} free on that node); its parts are written "
+                                   f"by writers on node {self.node_id[:12]}, reading over the network")
+            log.error("node %s: %s", node[:12], self.unplaced[node])
+        return self.critical_by_node[self.node_id]
 
     def least_busy(self, pool: list) -> Any:
         return min(pool, key=self._load)

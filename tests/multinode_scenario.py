@@ -6,7 +6,9 @@ Run by tests/test_multinode.py in its own process (a Cluster needs its own ray.i
   1. the learner runs on node A; its critical writer runs on A too (files land in A's local tier);
   2. the version is committed remotely; node A is removed (preemption);
   3. the learner restarts on node B, whose local tier lacks the version: restore reads the remote
-     tier, the report says "remote", and training continues bit-identically.
+     tier, the report says "remote", and training continues bit-identically;
+  4. a node C left without CPU for a writer: its learner's state is written by writers elsewhere
+     within a bound, and status() names the node (never a silent hang).
 """
 import os
 import sys
@@ -58,7 +60,7 @@ def main() -> int:
         # every writer is a process to start, and each node's pool is what this scenario is about
         engine = rc.CheckpointEngine.create("multinode", local_dir=os.path.join(root, "local", "{node_id}"),
                                             remote_uri="file://" + os.path.join(root, "remote"),
-                                            critical_writers=1, best_effort_writers=0)
+                                            critical_writers=1, best_effort_writers=0, writer_placement_s=5)
         assert ray.get(learner.node.remote()) == a
         for name in ("policy", "optimizer", "rng"):
             engine.register(name, learner)
@@ -107,6 +109,23 @@ def main() -> int:
         assert engine.save(5).wait(timeout=120).version == 5  # saving works on the new node
         status = engine.status()
         assert (status["node"], status["started_at"]) == (head, coordinator_started), status  # never restarted
+
+        # 4. a node with no CPU left for a writer (critical_cpus=0.25): its learner's state is written,
+        #    once writer_placement_s has passed, by the head node's writers reading it over the network
+        node_c = cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        c = node_c.node_id
+        on_c = NodeAffinitySchedulingStrategy(c, soft=False)
+        learner_c = remote(Learner, num_cpus=0.1, scheduling_strategy=on_c).remote(seed=5, hidden=8192)
+        hog = remote(Learner, num_cpus=0.9, scheduling_strategy=on_c).remote()
+        assert ray.get([learner_c.node.remote(), hog.node.remote()], timeout=120) == [c, c]
+        engine.register("policy_c", rc.actor_method(learner_c, "model"))
+        t = time.monotonic()
+        assert engine.save(6).wait(timeout=120).version == 6
+        unplaced = engine.status()["unplaced_writers"]
+        assert c[:12] in unplaced and "num_cpus=0.25" in unplaced[c[:12]], unplaced
+        say(f"node C has no CPU for a writer: version 6 committed in {time.monotonic() - t:.1f}s by writers "
+            f"elsewhere ({unplaced[c[:12]]})")
         engine.shutdown()
         say("MULTINODE OK")
         return 0
