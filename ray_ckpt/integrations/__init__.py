@@ -11,4 +11,8 @@ requires them:
   retried after a failure). A package: conversion, capture, callback, restore, env_runners, and
   ``_rllib_internals`` (the RLlib internals it relies on, checked by a test). Needs
   ``pip install "ray-ckpt[rllib]"``.
+- :mod:`ray_ckpt.integrations.verl` -- verl 0.9 (FSDP2): ``RayCkptCheckpointManager``, a verl
+  ``BaseCheckpointManager`` built like verl's ``FSDPCheckpointManager``, with its settings under
+  ``checkpoint_config.ray_ckpt``; ``install()`` makes verl's FSDP engine build it (see docs/verl.md).
+  Needs ``pip install "ray-ckpt[verl]"``.
 """
