@@ -115,8 +115,8 @@ class VerlRank:
             self.opt.zero_grad(set_to_none=True)
         return out.logits.detach().clone()
 
-    def save(self, path: str, step: int) -> float:
-        self.mgr.save_checkpoint(path, None, global_step=step)
+    def save(self, path: str, step: int, keep: int = None) -> float:
+        self.mgr.save_checkpoint(path, None, global_step=step, max_ckpt_to_keep=keep)
         return self.mgr.last_block_s
 
     def wait(self, timeout: float):
@@ -387,3 +387,24 @@ def test_settings_block_is_checked_and_verl_imported_lazily():
     code = "import sys, ray_ckpt.integrations.verl; print('verl' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_max_ckpt_to_keep_is_the_runs_retention_applied_after_the_commit(verl_run, saved):
+    """Last: it prunes the steps the tests above load. verl's trainer passes max_actor_ckpt_to_keep
+    to every save_checkpoint; here 1: after step 6 commits, only step 6 is kept (step 2 went only
+    then: the engine never prunes below the versions committed)."""
+    import ray_ckpt as rc
+
+    actors, root = verl_run["actors"], verl_run["root"]
+    ranks = group(actors, 1)
+    ray.get(ranks[0].build.remote(5, verl_run["ckpt"]), timeout=120)
+    ray.get(ranks[0].save.remote(step_path(root, 6), 6, 1), timeout=60)
+    assert ray.get(ranks[0].wait.remote(60), timeout=90) is None
+    leave(ranks)
+    engine = rc.CheckpointEngine.connect(verl_run["run"])
+    deadline = time.monotonic() + 30
+    while [m.step for m in engine.list_checkpoints()] != [6]:
+        assert time.monotonic() < deadline, [m.step for m in engine.list_checkpoints()]
+        time.sleep(0.2)
+    assert engine.config.keep_last == 1
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "6"

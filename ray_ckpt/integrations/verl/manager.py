@@ -105,6 +105,7 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
         self._worker = threading.Thread(target=self._watch, name="ray_ckpt-verl-commits", daemon=True)
         self._worker.start()
         self.engine = self._open_engine()
+        self._kept: Optional[int] = None  # the max_ckpt_to_keep applied as retention (rank 0)
         self.last_block_s: Optional[float] = None  # how long the last save_checkpoint blocked this rank
         self.last_load_wait_s: Optional[float] = None  # how long the last load waited for its step to commit
 
@@ -158,6 +159,22 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
         self._declared = True
 
     # ------------------------------------------------------------------ save
+    def _keep_newest(self, n: int) -> None:
+        """verl's ``max_ckpt_to_keep`` as the run's retention (``keep_last``), changed on the live
+        run when it differs (rank 0). The engine prunes only after a commit, so the versions kept
+        never drop below ``n`` committed ones (verl's own manager deletes before it saves). A
+        ``keep_last`` in the ray_ckpt block wins; a run this manager only connects to keeps its own."""
+        s = self.settings
+        if n == self._kept or "keep_last" in s.create or not s.creates:
+            if n != self._kept and self._kept is None:
+                log.warning("ray_ckpt: max_ckpt_to_keep=%s is not applied; retention is the run's keep_last "
+                            "(checkpoint_config.ray_ckpt.keep_last, or the creator's)", n)
+            self._kept = n
+            return
+        self.engine = rc.CheckpointEngine.create(s.run, **dict(s.create, keep_last=n), reconfigure=True)
+        self._kept = n
+        log.info("ray_ckpt: run %r keeps its newest %d versions (max_ckpt_to_keep)", s.run, n)
+
     def save_checkpoint(self, local_path: str, hdfs_path: str = None, global_step: int = 0,
                         max_ckpt_to_keep: int = None):
         """Push this rank's state as version ``global_step`` and return; the pointer file in
@@ -175,9 +192,8 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
                 "optimizer must be provided when checkpoint_contents.save includes ['optimizer']"
         if hdfs_path is not None and self.rank == 0:
             log.info("ray_ckpt: hdfs_path %s is not used; the run's remote_uri is its remote copy", hdfs_path)
-        if max_ckpt_to_keep and self.rank == 0 and "keep_last" not in self.settings.create:
-            log.warning("ray_ckpt: max_ckpt_to_keep=%s is not applied; retention is the run's keep_last "
-                        "(checkpoint_config.ray_ckpt.keep_last)", max_ckpt_to_keep)
+        if max_ckpt_to_keep and self.rank == 0:
+            self._keep_newest(int(max_ckpt_to_keep))
         if not self._declared:
             self._declare()
         self.previous_global_step = global_step
