@@ -5,6 +5,11 @@ checkpointing (goal >= 0.98x).
 
     python benchmarks/gpu_check.py                      # 4 GB bf16, 200 ms step, a save every 2 s
     python benchmarks/gpu_check.py --device cpu --gb 0.06 --steps 12   # dry run of the script itself
+    python benchmarks/gpu_check.py --only verl --device cpu --verl-hidden 128 --verl-layers 2   # verl step, dry run
+
+The verl step (issue 28; needs the verl extra): verl's FSDP2 wrapping of a Qwen2 (~1.6 GB with AdamW
+at the default size) saved by ``RayCkptCheckpointManager`` and by verl's ``FSDPCheckpointManager``,
+reloaded by ours, bit-equal checked.
 
 Without CUDA it prints why and exits with status 2, measuring nothing (the build VM has no GPU: the
 CUDA path of the overlapped copy — pinned host buffers reused across saves, a side stream, the
@@ -103,6 +108,93 @@ def run(learner, steps, every, save):
     return ray.get(learner.result.remote()), calls
 
 
+def verl_step(device: str, hidden: int, layers: int) -> None:
+    """verl's FSDP2 wrapping (``apply_fsdp2``) of a Qwen2 on ``device`` (one rank: NCCL on CUDA, gloo
+    on CPU), saved by ``RayCkptCheckpointManager`` and by verl's own ``FSDPCheckpointManager``, then
+    loaded by ours into a model of another seed: how long each save blocks the rank, the time to a
+    committed version, the load, and whether every parameter and AdamW moment came back bit-equal
+    (CUDA DTensors pushed through pinned host staging)."""
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    from verl.trainer.config import CheckpointConfig
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
+    from verl.utils.fsdp_utils import apply_fsdp2
+
+    from ray_ckpt.integrations.verl import RayCkptCheckpointManager
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=0, world_size=1)
+    mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (1,), mesh_dim_names=("fsdp",))
+    cfg = Qwen2Config(vocab_size=32000, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=max(1, hidden // 128), num_key_value_heads=max(1, hidden // 256),
+                      max_position_embeddings=256, tie_word_embeddings=False, attn_implementation="eager")
+    root = tempfile.mkdtemp(prefix="gpu-check-verl-")
+    ckpt = omega_conf_to_dataclass(OmegaConf.create({
+        "_target_": "ray_ckpt.integrations.verl.RayCkptCheckpointConfig",
+        "save_contents": ["model", "optimizer", "extra"], "load_contents": ["model", "optimizer", "extra"],
+        "ray_ckpt": {"run": f"gpuverl{int(time.time()) % 10**6}", "local_dir": os.path.join(root, "ckpt"),
+                     "critical_writers": 1, "best_effort_writers": 0}}))
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg).to(device)
+        apply_fsdp2(model, {"mesh": mesh, "reshard_after_forward": True}, {})
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        tokens = torch.randint(0, cfg.vocab_size, (2, 64), device=device)
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return model, opt
+
+    def full(model, opt):
+        out = {n: p.full_tensor().cpu() for n, p in model.named_parameters()}
+        for i, st in enumerate(opt.state.values()):
+            out.update({f"opt{i}.{k}": st[k].full_tensor().cpu() for k in ("exp_avg", "exp_avg_sq")})
+        return out
+
+    model, opt = build(0)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
+    ours = RayCkptCheckpointManager(model=model, optimizer=opt, lr_scheduler=None, processing_class=None,
+                                    checkpoint_config=ckpt)
+    path = os.path.join(root, "trainer", "global_step_1", "actor")
+    t0 = time.perf_counter()
+    ours.save_checkpoint(path, None, global_step=1)
+    block = time.perf_counter() - t0
+    ours.wait_until_finished(timeout=600)
+    committed = time.perf_counter() - t0
+    stock = FSDPCheckpointManager(model=model, optimizer=opt, lr_scheduler=None, processing_class=None,
+                                  checkpoint_config=CheckpointConfig())
+    t0 = time.perf_counter()
+    stock.save_checkpoint(os.path.join(root, "stock", "global_step_1", "actor"), None, global_step=1)
+    stock_s = time.perf_counter() - t0
+    want = full(model, opt)
+    fresh, fresh_opt = build(1)
+    loader = RayCkptCheckpointManager(model=fresh, optimizer=fresh_opt, lr_scheduler=None, processing_class=None,
+                                      checkpoint_config=ckpt)
+    t0 = time.perf_counter()
+    loader.load_checkpoint(path)
+    load_s = time.perf_counter() - t0
+    got = full(fresh, fresh_opt)
+    same = want.keys() == got.keys() and all(torch.equal(want[k].view(torch.uint8), got[k].view(torch.uint8))
+                                             for k in want)
+    print(f"verl step on {device}: Qwen2 hidden {hidden} x {layers} layers, {nbytes / 2**30:.2f} GiB "
+          f"(params + AdamW moments)")
+    print("| what | ray_ckpt | verl FSDPCheckpointManager | ratio |")
+    print(f"| save_checkpoint blocks the rank, s | {block:.3f} | {stock_s:.3f} | {block / stock_s:.3f}x |")
+    print(f"| save to a committed version, s | {committed:.3f} | {stock_s:.3f} | {committed / stock_s:.3f}x |")
+    print(f"| load_checkpoint (same world size), s | {load_s:.3f} | - | - |")
+    print(f"bit-equal after load (parameters and AdamW moments): {'yes' if same else 'NO'}")
+    dist.destroy_process_group()
+    shutil.rmtree(root, ignore_errors=True)
+    if not same:
+        sys.exit(1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, default=4.0)
@@ -110,6 +202,9 @@ def main():
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--every-s", type=float, default=2.0)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--only", choices=("overlap", "verl"), help="run one of the two steps (default: both)")
+    ap.add_argument("--verl-hidden", type=int, default=2048, help="verl step: Qwen2 hidden size")
+    ap.add_argument("--verl-layers", type=int, default=16, help="verl step: Qwen2 layers")
     args = ap.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here (torch.cuda.is_available() is False, torch "
@@ -117,6 +212,11 @@ def main():
               "`--device cpu --gb 0.06` is a dry run of the script.", file=sys.stderr)
         sys.exit(2)
     ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "4"}})
+    if args.only != "overlap":
+        verl_step(args.device, args.verl_hidden, args.verl_layers)
+    if args.only == "verl":
+        ray.shutdown()
+        return
     gpus = 1 if args.device.startswith("cuda") else 0
     learner = ray.remote(num_gpus=gpus, num_cpus=1)(GpuLearner).remote(args.gb, args.step_ms, args.device)
     ray.get(learner.reset.remote())
