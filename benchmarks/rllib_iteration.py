@@ -181,6 +181,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=30_000, help="DQN: random timesteps put in the buffer first")
     ap.add_argument("--configs", default="ppo0,ppo1,dqn")
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--arms", default=None, help="only these arms (comma-separated; 'none' is always run)")
     args = ap.parse_args()
 
     import ray
@@ -194,6 +195,8 @@ def main() -> None:
     try:
         for name in args.configs.split(","):
             make, arms, pre = configs[name]
+            if args.arms:
+                arms = [a for a in arms if a == "none" or a in args.arms.split(",")]
             res = run_arms(make, arms, args.iterations, root, pre)
             base = res["none"]["train_s"]
             for arm, r in res.items():
