@@ -489,14 +489,18 @@ def _same_states(a, b):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["plain", "prioritized"])
-def test_incremental_states_through_append_only_versions_restore_exactly(name, tmp_path):
+@pytest.mark.parametrize("name,compact", [("plain", False), ("prioritized", False), ("prioritized", True)])
+def test_incremental_states_through_append_only_versions_restore_exactly(name, compact, tmp_path, monkeypatch):
     """Captured every few adds (with evictions and priority updates in between), the four states are
     written version after version as the engine writes them; each version restores into a fresh
     buffer exactly; a buffer restored from version 3 and fed the same since captures the same states
-    as the uninterrupted one (its logs continue: same ids, same entries)."""
+    as the uninterrupted one (its logs continue: same ids, same entries). ``compact``: the priority
+    log is compacted at almost every save (the entries that differ from the rows' ``prio``, anew)."""
     from ray_ckpt.integrations.rllib import replay_incremental as ri
     prioritized = name == "prioritized"
+    if compact:
+        monkeypatch.setattr(ri, "COMPACT_FACTOR", 0)
+        monkeypatch.setattr(ri, "COMPACT_MIN", 12)
     tier = Tier(str(tmp_path / "tier"), "local")
     chunks = _sa_chunks(0, steps=150)
     buf = _make(name, capacity=150)
@@ -519,6 +523,9 @@ def test_incremental_states_through_append_only_versions_restore_exactly(name, t
         if v == 3:
             restored = fresh
     assert buf.get_num_episodes_evicted() > 10
+    if compact:  # the log was restarted under new ids: its first live entry is not the first ever
+        log_ids = states["replay_priorities"]["row_id"]
+        assert log_ids[0] > 0 and len(log_ids) < log_ids[-1]
     _assert_same(_sampled(buf, False), _sampled(restored, False), "sample")
 
 
