@@ -445,7 +445,8 @@ class CheckpointCoordinator:
         fut.set_result(outcome_of(manifest, "local", written + len(manifest.to_json()),
                                   stages=dict(pv.stages(), manifest_s=time.perf_counter() - t_commit)))
         self.uploader.on_commit(version)
-        await self._raise_head(self.local, version)
+        # in the background: the version's bookkeeping (finish, retention) does not wait for it
+        self._in_background(self._raise_head(self.local, version))
 
     async def _add_late_parts(self, version: int, pv: PendingVersion) -> None:
         """Best-effort parts that landed after the commit (or while its manifest was being written)
@@ -518,7 +519,7 @@ class CheckpointCoordinator:
 
     async def _after_upload(self) -> None:
         if self.uploads.committed:
-            await self._raise_head(self.remote, max(self.uploads.committed))
+            self._in_background(self._raise_head(self.remote, max(self.uploads.committed)))
         await self.deletions.apply_remote_retention()
         await self.deletions.apply_retention()  # a local version held back for its upload may go now
 
