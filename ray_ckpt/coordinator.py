@@ -558,7 +558,9 @@ class CheckpointCoordinator:
         """The tier's head record names ``step`` once it is committed there (storage/head.py). A
         failed write leaves the version committed and is reported in status()."""
         try:
-            await asyncio.to_thread(self.heads.raise_to, tier, step, self.cfg.signing_key)
+            local = tier is self.local
+            await asyncio.to_thread(self.heads.raise_to, tier, step, self.cfg.signing_key, lambda: step in (
+                self.catalogue.committed if local else self.uploads.committed))
         except Exception as exc:
             self._set_error(f"writing the head record (step {step}) on the {tier.name} tier failed: "
                             f"{tier.scrub(one_line(exc))}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import IntegrityError, one_line
 from ..formats.manifest import sign_record, verify_signature
@@ -74,9 +74,11 @@ class HeadRecords:
         self.steps: Dict[str, int] = dict(found)
         self._lock = threading.Lock()
 
-    def raise_to(self, tier: Tier, step: int, key: Any = None) -> None:
+    def raise_to(self, tier: Tier, step: int, key: Any = None, still: Callable[[], bool] = lambda: True) -> None:
+        """Name ``step`` if it is newer than the head, and ``still()`` holds under the lock (the
+        version is still committed: a ``rewind`` may have deleted it since)."""
         with self._lock:
-            if step > self.steps.get(tier.name, -1):
+            if step > self.steps.get(tier.name, -1) and still():
                 tier.put_bytes(HEAD_FILE, head_bytes(self.run, step, key))
                 self.steps[tier.name] = step
 
