@@ -257,7 +257,7 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
 
     def wait_until_finished(self, timeout: Optional[float] = None) -> None:
         """Return once every save this rank issued has committed (rank 0: its pointer, tracker and
-        hf_model export written too); raise the first failure (``rc.SaveError``), or ``TimeoutError``
+        hf_model export written too); raise the first failure (``rc.SaveError``), or ``rc.SaveTimeoutError``
         after ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
@@ -265,7 +265,7 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
         for save in saves:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not save.done.wait(left):
-                raise TimeoutError(f"ray_ckpt: the save of step {save.step} has not committed after {timeout}s")
+                raise rc.SaveTimeoutError(f"ray_ckpt: the save of step {save.step} has not committed after {timeout}s")
             if save.hf_ref is not None:
                 import ray
 
@@ -273,7 +273,7 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
                 try:
                     ray.get(save.hf_ref, timeout=left)
                 except ray.exceptions.GetTimeoutError:
-                    raise TimeoutError(f"ray_ckpt: the hf_model export of step {save.step} has not finished "
+                    raise rc.SaveTimeoutError(f"ray_ckpt: the hf_model export of step {save.step} has not finished "
                                        f"after {timeout}s") from None
                 except Exception as exc:
                     with self._lock:
