@@ -4,6 +4,7 @@ The provider actors (learner, flaky, frozen, weird, big state, replay buffers) c
 session's pool and are reset at each test (conftest.py's ``provider``): a fresh actor is a process
 that imports torch and, at its first optimizer, torch._dynamo (~6 CPU-s for a Learner on 2 cores),
 which was most of these tests' time."""
+import json
 import os
 import shutil
 import time
@@ -227,7 +228,7 @@ def test_bad_inputs_fail_at_the_call_before_any_byte(engine_factory, tmp_path, r
     eng.register("norm", lambda: {"mean": object()}, loader=lambda s: None)
     with pytest.raises(rc.UnsupportedTypeError, match=r"'norm'.*\['mean'\]"):
         eng.save(11)
-    assert sorted(set(os.listdir(tmp_path / "local" / run_name)) - {"owner.json"}) == ["v000000000010"]  # nothing written
+    assert sorted(set(os.listdir(tmp_path / "local" / run_name)) - {"owner.json", "head.json"}) == ["v000000000010"]  # nothing written
     eng.unregister("norm")
     # an actor's unsupported object is found in the actor: the handle fails, naming state and key path
     eng.register("weird", weird)
@@ -240,7 +241,7 @@ def test_bad_inputs_fail_at_the_call_before_any_byte(engine_factory, tmp_path, r
     # version 12's other parts may still have been writing when its handle failed: their files go
     # once they end (bounded wait)
     deadline = time.time() + 30
-    while sorted(set(os.listdir(tmp_path / "local" / run_name)) - {"owner.json"}) != ["v000000000010", "v000000000013"]:
+    while sorted(set(os.listdir(tmp_path / "local" / run_name)) - {"owner.json", "head.json"}) != ["v000000000010", "v000000000013"]:
         assert time.time() < deadline, os.listdir(tmp_path / "local" / run_name)
         time.sleep(0.1)
     # every name that becomes a path is checked at the call, with the same error class
@@ -290,7 +291,7 @@ def test_retention_keeps_newest_and_never_deletes_early(engine_factory, tmp_path
         ray.get(learner.train.remote())
         eng.save(s).wait(timeout=60, durability="remote")
     deadline = time.time() + 30  # retention runs right after each commit, in the coordinator
-    while sorted(set(os.listdir(tmp_path / "local" / run_name)) - {"owner.json"}) != [f"v{v:012d}" for v in (4, 6, 7)]:
+    while sorted(set(os.listdir(tmp_path / "local" / run_name)) - {"owner.json", "head.json"}) != [f"v{v:012d}" for v in (4, 6, 7)]:
         assert time.time() < deadline, os.listdir(tmp_path / "local" / run_name)
         time.sleep(0.1)
     metas = eng.list_checkpoints()
@@ -392,7 +393,7 @@ def test_remote_cadence_and_per_tier_retention(engine_factory, tmp_path, run_nam
     remote_dir = tmp_path / "remote" / run_name
     deadline = time.time() + 30  # retention of each tier runs after the uploads, in the coordinator
     while True:
-        remote_listing = sorted(p.name for p in remote_dir.iterdir() if p.name != "owner.json")
+        remote_listing = sorted(p.name for p in remote_dir.iterdir() if p.name not in ("owner.json", "head.json"))
         tiers = {m.version: m.tiers for m in eng.list_checkpoints()}
         if remote_listing == ["v000000000004", "v000000000006"] and tiers == {4: ("remote",),
                                                                                6: ("local", "remote")}:
@@ -552,8 +553,8 @@ def test_restore_with_rewind_continues_from_an_older_version(engine_factory, tmp
     report = eng.restore(step=2, rewind=True)
     assert report.rewound == (3, 4) and equal_snapshots(ray.get(learner.snapshot.remote()), snaps[2])
     assert [m.version for m in eng.list_checkpoints()] == [1, 2]
-    assert sorted(set(os.listdir(tmp_path / "local" / run_name)) - {"owner.json"}) == ["v000000000001", "v000000000002"]
-    assert sorted(p.name for p in (tmp_path / "remote" / run_name).iterdir() if p.name != "owner.json") == ["v000000000001",
+    assert sorted(set(os.listdir(tmp_path / "local" / run_name)) - {"owner.json", "head.json"}) == ["v000000000001", "v000000000002"]
+    assert sorted(p.name for p in (tmp_path / "remote" / run_name).iterdir() if p.name not in ("owner.json", "head.json")) == ["v000000000001",
                                                                                  "v000000000002"]
     ray.get(learner.train.remote())
     assert eng.save(3).wait(timeout=60).version == 3   # the same step numbers again
@@ -575,7 +576,7 @@ def test_full_disk_fails_the_save_clearly_and_keeps_older_versions(small_disk, e
     with pytest.raises(rc.SaveError, match="No space left on device"):
         eng.save(2).wait(timeout=120)
     assert [m.version for m in eng.list_checkpoints()] == [1]
-    left = sorted(str(p.relative_to(disk / run_name)) for p in (disk / run_name).rglob("*") if p.name != "owner.json")
+    left = sorted(str(p.relative_to(disk / run_name)) for p in (disk / run_name).rglob("*") if p.name not in ("owner.json", "head.json"))
     assert left == ["v000000000001", "v000000000001/manifest.json", "v000000000001/policy",
                     "v000000000001/policy/rank0.safetensors"], left
     report = eng.restore()
@@ -658,5 +659,6 @@ def test_shutdown_lets_saves_and_retention_in_flight_finish(engine_factory, tmp_
     eng.shutdown()
     run_dir = tmp_path / "local" / run_name
     left = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
-    assert left == ["v000000000003", "v000000000003/manifest.json", "v000000000003/policy",
+    assert left == ["head.json", "v000000000003", "v000000000003/manifest.json", "v000000000003/policy",
                     "v000000000003/policy/rank0.safetensors"], left
+    assert json.loads((run_dir / "head.json").read_bytes())["step"] == 3  # written before shutdown returned
