@@ -482,8 +482,8 @@ class CheckpointEngine:
             elif not h.skipped and (h.version not in asked or h._ack_failed()):
                 asked.add(h.version)
                 exc = h.exception(timeout=0)
-                if exc is not None:
-                    self._ended_failures.append(exc)
+                if exc is not None:  # a copy without the traceback, whose frames hold the handle's snapshot refs
+                    self._ended_failures.append(_detached(exc))
         self._in_flight = kept
 
     # ------------------------------------------------------------------ reading
@@ -568,6 +568,14 @@ class CheckpointEngine:
             every = self.config.remote_every
             out["saves_until_upload"] = 1 if out.get("upload_owed") else every - self._saves % every
         return out
+
+
+def _detached(exc: BaseException) -> BaseException:
+    """The same error, holding no traceback or chained error (nothing that keeps objects alive)."""
+    try:
+        return type(exc)(*exc.args)
+    except Exception:
+        return SaveError(one_line(exc))
 
 
 def _check_metrics(metrics: Optional[Dict[str, float]]) -> Dict[str, float]:
