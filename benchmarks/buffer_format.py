@@ -26,7 +26,7 @@ from typing import Callable, Dict, List
 import numpy as np
 import torch
 
-from ray_ckpt.checkpoint_io import decode_files, read_files, write_flat
+from ray_ckpt.storage.checkpoint_io import decode_files, read_files, write_flat
 from ray_ckpt.formats.tree import flatten
 from ray_ckpt.storage.tier import Tier
 from restore_read import drop_caches  # sync, then drop the page cache where allowed

@@ -62,7 +62,7 @@ import ray
 import torch
 
 import ray_ckpt as rc
-from ray_ckpt.demo import Learner, RolloutWorker
+from ray_ckpt.cli.demo_run import Learner, RolloutWorker
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -505,8 +505,8 @@ class Chaos:
             if ok:
                 self.verified[v] = meta.tiers
         # corrupted local copies must come back from the remote tier
-        from ray_ckpt.checkpoint_io import rank_files
-        from ray_ckpt.snapshot import read_state, tiers_of
+        from ray_ckpt.storage.checkpoint_io import rank_files
+        from ray_ckpt.capture.snapshot import read_state, tiers_of
         for (v, name), tiers in self.corrupted.items():
             if tiers == {"local"} and v in listed and "remote" in listed[v].tiers and final:
                 try:
@@ -516,7 +516,7 @@ class Chaos:
                 except Exception:
                     pass
         if final:  # every remote copy on its own, as its REMOTE manifest lists it
-            from ray_ckpt.checkpoint_io import read_manifest
+            from ray_ckpt.storage.checkpoint_io import read_manifest
             remote = self.eng.config.remote_tier()
             for v, meta in listed.items():
                 if "remote" not in meta.tiers or v not in self.digests:

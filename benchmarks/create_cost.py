@@ -40,11 +40,11 @@ import ray
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import ray_ckpt as rc  # noqa: E402
-from ray_ckpt import run_lifetime  # noqa: E402
+from ray_ckpt.client import run_lifetime  # noqa: E402
 from ray_ckpt.config import EngineConfig  # noqa: E402
-from ray_ckpt.coordinator_client import _ask  # noqa: E402
-from ray_ckpt.lease import OwnerLease, job_alive, ray_identity, read_owner, write_owner  # noqa: E402
-from ray_ckpt.ownership import claim  # noqa: E402
+from ray_ckpt.client.coordinator_client import _ask  # noqa: E402
+from ray_ckpt.coordinator.lease import OwnerLease, job_alive, ray_identity, read_owner, write_owner  # noqa: E402
+from ray_ckpt.storage.ownership import claim  # noqa: E402
 
 _TICK = os.sysconf("SC_CLK_TCK")
 with open("/proc/uptime") as f:  # not /proc/stat's btime: whole seconds, up to 1 s early

@@ -76,7 +76,7 @@ class GpuLearner:
         self.times.append((t0, time.perf_counter()))
 
     def reset(self):
-        from ray_ckpt.overlap import process_copier
+        from ray_ckpt.capture.overlap import process_copier
 
         self.times = []
         c = process_copier()
@@ -84,7 +84,7 @@ class GpuLearner:
             c.history.clear(), c.fence_waits.clear(), c.call_s.clear()
 
     def result(self):
-        from ray_ckpt.overlap import process_copier
+        from ray_ckpt.capture.overlap import process_copier
 
         c = process_copier()
         return {"times": self.times, "copies": list(c.history) if c else [],

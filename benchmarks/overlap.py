@@ -93,7 +93,7 @@ class Learner:
 
     def reset(self):
         self.times = []
-        from ray_ckpt.overlap import process_copier
+        from ray_ckpt.capture.overlap import process_copier
 
         c = process_copier()
         if c is not None:
@@ -219,7 +219,7 @@ class Learner:
         return time.perf_counter() - t
 
     def stats(self):
-        from ray_ckpt.overlap import process_copier
+        from ray_ckpt.capture.overlap import process_copier
 
         c = process_copier()
         waits = list(c.fence_waits) if c is not None else []

@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 _PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.device_mesh", "torch.distributed.checkpoint",
-            "ray_ckpt.sharded_io", "ray_ckpt.writers"]
+            "ray_ckpt.storage.sharded_io", "ray_ckpt.writers.pools"]
 
 
 def _rchar() -> int:
@@ -69,7 +69,7 @@ def _save(rank: int, world: int, d: str, n: int, rows: int) -> None:
 
     from ray_ckpt.formats.tree import flatten
     from ray_ckpt.storage.tier import Tier
-    from ray_ckpt.writers import PartWriter
+    from ray_ckpt.writers.part_writer import PartWriter
 
     mesh = _init(rank, world, os.path.join(d, "store-save"))
     state = _state(world, mesh, n, rows, True)
@@ -85,8 +85,8 @@ def _restore(rank: int, world: int, d: str, n: int, rows: int, which: str) -> No
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from ray_ckpt import sharded_io
-    from ray_ckpt.checkpoint_io import read_manifest
+    from ray_ckpt.storage import sharded_io
+    from ray_ckpt.storage.checkpoint_io import read_manifest
     from ray_ckpt.storage.tier import Tier
 
     mesh = _init(rank, world, os.path.join(d, f"store-{which}{world}"))
@@ -140,8 +140,8 @@ def main(argv=None) -> int:
     rows = max(args.save_world, (args.mb << 20) // (args.tensors * 4096))
     d = args.dir or tempfile.mkdtemp(prefix="reshard_")
     os.makedirs(d, exist_ok=True)
-    from ray_ckpt.catalogue import Catalogue
-    from ray_ckpt.checkpoint_io import write_manifest
+    from ray_ckpt.coordinator.catalogue import Catalogue
+    from ray_ckpt.storage.checkpoint_io import write_manifest
     from ray_ckpt.protocol import WrittenPart
     from ray_ckpt.formats.manifest import FileEntry
     from ray_ckpt.storage.tier import Tier

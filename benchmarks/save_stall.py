@@ -83,7 +83,7 @@ def wait_prefault(actor, engine_options: dict) -> None:
     background; a benchmark waits for it to end (a one-time cost, reported, not timed as a save)."""
     if not engine_options.get("prefault_object_store"):
         return
-    from ray_ckpt.object_store import prefault_in_actor
+    from ray_ckpt.capture.object_store import prefault_in_actor
 
     st = ray.get(actor.__ray_call__.remote(prefault_in_actor, 600))
     print(f"  object store mapped in the learner: {st['bytes_done'] >> 20} of {st['total_bytes'] >> 20} MiB, "

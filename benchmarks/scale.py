@@ -31,7 +31,7 @@ import numpy as np
 import ray
 
 import ray_ckpt as rc
-from ray_ckpt.coordinator import NAMESPACE, actor_name
+from ray_ckpt.protocol import NAMESPACE, actor_name
 from ray_ckpt.formats.manifest import Manifest
 from ray_ckpt.storage.layout import version_dir
 

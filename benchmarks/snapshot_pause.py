@@ -25,8 +25,8 @@ sys.path.insert(0, HERE)
 import ray  # noqa: E402
 
 import save_stall as ss  # noqa: E402
-from ray_ckpt.object_store import prefault_in_actor  # noqa: E402
-from ray_ckpt.snapshot import snapshot_in_actor  # noqa: E402
+from ray_ckpt.capture.object_store import prefault_in_actor  # noqa: E402
+from ray_ckpt.capture.snapshot import snapshot_in_actor  # noqa: E402
 
 
 def measure(sizes, saves: int, prefault: bool = False) -> dict:

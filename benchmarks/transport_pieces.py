@@ -22,8 +22,8 @@ import numpy as np
 import ray
 import torch
 
-from ray_ckpt.object_store import prefault_in_actor
-from ray_ckpt.snapshot import snapshot_in_actor
+from ray_ckpt.capture.object_store import prefault_in_actor
+from ray_ckpt.capture.snapshot import snapshot_in_actor
 
 
 @ray.remote(num_cpus=0.5)

@@ -19,9 +19,9 @@ __all__ = [
     "fence", "state_from_snapshot",
 ]
 
-_LAZY = {"CheckpointEngine": "engine", "SaveHandle": "engine", "actor_provider": "snapshot", "actor_method": "snapshot",
-         "rng_state": "rng", "set_rng_state": "rng", "fence": "overlap",
-         "state_from_snapshot": "snapshot"}
+_LAZY = {"CheckpointEngine": "client.engine", "SaveHandle": "client.handle", "actor_provider": "capture.snapshot",
+         "actor_method": "capture.snapshot", "rng_state": "capture.rng", "set_rng_state": "capture.rng",
+         "fence": "capture.overlap", "state_from_snapshot": "capture.snapshot"}
 
 
 def __getattr__(name: str) -> Any:

@@ -9,6 +9,14 @@ from .storage.layout import join_uri, validate_name
 from .storage.retention import RetentionPolicy
 from .storage.tier import Tier
 
+CHECK_ENV = "RAY_CKPT_OVERLAP_CHECK"
+
+
+def check_enabled() -> bool:
+    """Whether the overlapped copies' debug check (checksums before, in and after the copy) is on
+    in this process: the default of ``EngineConfig.overlap_check``."""
+    return os.environ.get(CHECK_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
 
 @dataclass
 class EngineConfig:
@@ -75,8 +83,6 @@ class EngineConfig:
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
                 raise ValueError(f"{name} must be a number > 0 (MB/s) or None, got {v!r}")
         if self.overlap_check is None:
-            from .overlap import check_enabled
-
             self.overlap_check = check_enabled()
         for name in ("direct_io", "prefault_object_store", "prefault_needed", "overlap", "overlap_check"):
             if not isinstance(getattr(self, name), bool):

@@ -3,13 +3,15 @@
 Engine, coordinator, writers and provider actors talk only through these records (Ray pickles
 them like any other argument): no field is read from a dict by a string key on the other side, and
 a field one side computes reaches the other or is not computed. The call order they belong to is
-spelled out at the top of ``coordinator.py``.
+spelled out at the top of ``coordinator/actor.py``.
 
     engine      --PartPlan-->          coordinator    save(): what each snapshot ref is
     engine      --Declaration-->       coordinator    register(world_size=N): a state ranks push
     coordinator --(ref, reuse)-->      writer         write_part()
     writer      --WrittenPart-->       coordinator    the files one part became
     coordinator --SubmitAck-->         engine         submit(): a rank's part accepted (not committed)
+    engine      --[PushedPart]-->      coordinator    submit_parts(): ranks' parts pushed in one call
+    coordinator --SubmitBatchResult--> engine         which entries of that call were refused
     coordinator --SaveOutcome-->       engine         a version's outcome on one tier (-> SaveResult)
     coordinator --CoordinatorStatus--> engine         status()
     coordinator --StoredState-->       engine         load() / load_into(): one state's manifest entry
@@ -19,10 +21,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 from .formats.manifest import FileEntry, StateEntry
 from .types import SaveResult, Strategy
+
+NAMESPACE = "ray_ckpt"  # the Ray namespace of a run's named actors (coordinator, mailbox)
+
+
+def actor_name(run: str) -> str:
+    """The name of a run's coordinator actor."""
+    return f"ray_ckpt.coordinator.{run}"
 
 
 @dataclass(frozen=True)
@@ -192,3 +201,25 @@ class StoredState:
     names: Tuple[str, ...]
     entry: Optional[StateEntry]
 
+
+class PushedPart(NamedTuple):
+    """One rank's part inside a ``submit_parts`` call (a tuple on the wire: cheap to serialise).
+    ``ref`` is the snapshot's ObjectRef (None for a replica rank, whose rank 0 stores the copy);
+    ``upload`` and ``after`` as ``coordinator.submit`` documents them."""
+
+    name: str
+    rank: int
+    ref: Optional[Any]
+    nbytes: int
+    upload: bool
+    after: int
+
+
+@dataclass(frozen=True)
+class SubmitBatchResult:
+    """The coordinator's answer to one ``submit_parts`` call: ``rejected`` maps the index of each
+    refused entry to its error (the same text ``submit`` raised for it alone); every other entry
+    was accepted and sent to a writer."""
+
+    version: int
+    rejected: Dict[int, str] = field(default_factory=dict)

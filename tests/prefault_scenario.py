@@ -12,7 +12,7 @@ import numpy as np
 import ray
 
 import ray_ckpt as rc
-from ray_ckpt.object_store import prefault_status, store_regions
+from ray_ckpt.capture.object_store import prefault_status, store_regions
 
 STORE = 256 << 20
 

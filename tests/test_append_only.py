@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import ray_ckpt as rc
-from ray_ckpt.checkpoint_io import decode_files, read_files, write_append_only
+from ray_ckpt.storage.checkpoint_io import decode_files, read_files, write_append_only
 from ray_ckpt.errors import IntegrityError, SaveError
 from ray_ckpt.formats import segments
 from ray_ckpt.formats.tree import flatten

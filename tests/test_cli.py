@@ -250,7 +250,7 @@ def test_verify_detects_corruption(ckpt, run_copy, capsys):
 def test_verify_reads_a_large_file_by_blocks_and_finds_a_flip_in_any(tmp_path, capsys):
     """A file of several checksum blocks is verified by threads reading blocks in parallel: OK when
     intact (progress reaches 100 %), CORRUPT for one flipped byte in its third block."""
-    from ray_ckpt.checkpoint_io import write_flat, write_manifest
+    from ray_ckpt.storage.checkpoint_io import write_flat, write_manifest
     from ray_ckpt.formats.checksum import BLOCK
     from ray_ckpt.formats.manifest import Manifest, StateEntry
     from ray_ckpt.formats.tree import flatten

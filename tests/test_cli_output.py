@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ray_ckpt.checkpoint_io import write_flat
+from ray_ckpt.storage.checkpoint_io import write_flat
 from ray_ckpt.cli import main
 from ray_ckpt.formats.manifest import Manifest, StateEntry
 from ray_ckpt.formats.tree import flatten

@@ -2,10 +2,10 @@
 what a starting coordinator rebuilds and cleans from storage (recovery.py)."""
 import json
 
-from ray_ckpt.catalogue import Catalogue
+from ray_ckpt.coordinator.catalogue import Catalogue
 from ray_ckpt.config import EngineConfig
-from ray_ckpt.rank_deadline import expire_missing
-from ray_ckpt.recovery import DECLARED, recover
+from ray_ckpt.coordinator.rank_deadline import expire_missing
+from ray_ckpt.coordinator.recovery import DECLARED, recover
 
 
 def test_a_rank_that_never_pushes_fails_its_version_by_name():

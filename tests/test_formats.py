@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import ray_ckpt as rc
-from ray_ckpt.catalogue import Catalogue
-from ray_ckpt.checkpoint_io import content_hash, decode_files, read_files, write_flat
+from ray_ckpt.coordinator.catalogue import Catalogue
+from ray_ckpt.storage.checkpoint_io import content_hash, decode_files, read_files, write_flat
 from ray_ckpt.formats.manifest import Manifest
 from ray_ckpt.formats.tree import flatten
 from ray_ckpt.storage.layout import validate_name
@@ -98,7 +98,7 @@ def test_a_state_without_tensors_restores_without_importing_torch(tmp_path):
     code = f"""
 import sys
 import numpy as np, pyarrow as pa
-from ray_ckpt.checkpoint_io import decode_files, read_files, write_flat
+from ray_ckpt.storage.checkpoint_io import decode_files, read_files, write_flat
 from ray_ckpt.formats.tree import flatten
 from ray_ckpt.storage.tier import Tier
 state = {{"obs": np.arange(12, dtype=np.float32).reshape(3, 4), "table": pa.table({{"r": [0.5, -1.0]}}),
@@ -197,7 +197,7 @@ def test_a_large_buffer_in_pieces_is_written_by_blocks_with_the_streamed_bytes(t
     through the block writer (threads, O_DIRECT): the same file either way."""
     import pickle
 
-    from ray_ckpt.checkpoint_io import PARALLEL_FROM
+    from ray_ckpt.storage.checkpoint_io import PARALLEL_FROM
 
     state = _replay(PARALLEL_FROM // 56 + 999, seed=3)  # 57 bytes a row
     small = {k: v[:40_000] for k, v in state.items()}  # obs 1.9 MB: travels in pieces
@@ -309,7 +309,7 @@ def test_block_parallel_write_equals_one_stream(tmp_path):
     """A large file written by several threads, block by block, has the same bytes and checksum
     as the single-stream write, the content hash and any split of the stream through the hasher;
     and it restores bit-exactly."""
-    from ray_ckpt.checkpoint_io import PARALLEL_FROM
+    from ray_ckpt.storage.checkpoint_io import PARALLEL_FROM
     from ray_ckpt.formats.checksum import BLOCK, new_hasher
 
     g = torch.Generator().manual_seed(3)
@@ -355,7 +355,7 @@ def test_direct_io_write_has_the_same_bytes_and_leaves_the_page_cache_alone(tmp_
     """O_DIRECT writes go through aligned buffers and pad the last chunk: the file must still be
     byte-for-byte the buffered file (exact size, same checksum), and its pages are not left in
     the page cache (what direct I/O is for)."""
-    from ray_ckpt.checkpoint_io import PARALLEL_FROM
+    from ray_ckpt.storage.checkpoint_io import PARALLEL_FROM
     from ray_ckpt.formats.checksum import BLOCK
 
     g = torch.Generator().manual_seed(threads)
@@ -384,7 +384,7 @@ def test_a_large_table_is_written_by_blocks_with_the_streamed_bytes(tmp_path):
     written like a large tensors file (threads, O_DIRECT, straight from the table's memory); the
     file is byte-for-byte the streamed Arrow IPC file, it leaves the page cache alone, and it reads
     back equal. A compressed table is streamed (its buffers are made while writing)."""
-    from ray_ckpt.checkpoint_io import PARALLEL_FROM
+    from ray_ckpt.storage.checkpoint_io import PARALLEL_FROM
 
     n = PARALLEL_FROM // 12 + 1001  # rows of 12 bytes: just over the limit, not a multiple of 4096
     rng = np.random.default_rng(5)
@@ -413,7 +413,7 @@ def test_a_large_table_is_written_by_blocks_with_the_streamed_bytes(tmp_path):
 
 def test_direct_io_falls_back_to_buffered_writes_where_there_is_none(tmp_path, monkeypatch):
     """A platform without O_DIRECT (macOS) gets the ordinary write, same bytes and checksum."""
-    from ray_ckpt.checkpoint_io import PARALLEL_FROM
+    from ray_ckpt.storage.checkpoint_io import PARALLEL_FROM
 
     flat = flatten({"w": torch.arange(PARALLEL_FROM // 8 + 5, dtype=torch.float64)})
     tier = Tier(str(tmp_path), "local")
@@ -568,7 +568,7 @@ def test_manifest_with_other_checksum_algorithm_is_refused_clearly():
 
 
 def test_deleting_versions_removes_shared_files_once_unreferenced(tmp_path):
-    from ray_ckpt.checkpoint_io import delete_version, write_manifest
+    from ray_ckpt.storage.checkpoint_io import delete_version, write_manifest
     from ray_ckpt.formats.manifest import StateEntry
 
     tier = Tier(str(tmp_path), "local")
@@ -587,7 +587,7 @@ def test_deleting_versions_removes_shared_files_once_unreferenced(tmp_path):
 
 def test_host_staging_path_reuses_buffers_and_keeps_bytes(tmp_path):
     """The device->host staging path (pinned buffers + side stream on CUDA), run on CPU tensors."""
-    from ray_ckpt.snapshot import HostStaging, capture
+    from ray_ckpt.capture.snapshot import HostStaging, capture
 
     staging = HostStaging(stage_cpu=True)
     model = torch.nn.Linear(16, 8)
@@ -639,7 +639,7 @@ def test_write_threads_must_be_a_positive_integer(bad, tmp_path):
 def test_rate_limited_local_writes_take_their_time_and_write_the_same_bytes(tmp_path, path):
     """A tier with a RateLimit schedules each 8 MiB chunk's write at the limit's pace (no burst
     from idle credit), on every write path; the bytes and digest are those of an unlimited write."""
-    from ray_ckpt.checkpoint_io import PARALLEL_FROM
+    from ray_ckpt.storage.checkpoint_io import PARALLEL_FROM
     from ray_ckpt.formats.checksum import CHUNK
     from ray_ckpt.storage.tier import RateLimit
 

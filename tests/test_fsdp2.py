@@ -313,7 +313,7 @@ def test_fsdp2_restores_bit_exact_on_another_world_size(pool, saved, world):
 
 
 def test_2d_mesh_restores_onto_1d_mesh(pool, tmp_path):
-    from ray_ckpt.checkpoint_io import read_manifest
+    from ray_ckpt.storage.checkpoint_io import read_manifest
     from ray_ckpt.formats.shards import ShardIndex
     from ray_ckpt.storage.tier import Tier
 
@@ -394,7 +394,7 @@ def test_restore_with_rank_providers_reshards(pool, saved):
 # -- the saved checkpoint read from the driver (these were tests/test_sharded.py)
 
 def test_manifest_indexes_the_sharded_states(pool, saved):
-    from ray_ckpt.checkpoint_io import read_manifest
+    from ray_ckpt.storage.checkpoint_io import read_manifest
     from ray_ckpt.formats.shards import ShardIndex
     from ray_ckpt.storage.tier import Tier
 
@@ -447,7 +447,7 @@ def test_load_full_tensors_and_strict_keys(pool, saved):
 
 
 def test_corrupt_local_piece_falls_back_to_remote(pool, saved):
-    from ray_ckpt.checkpoint_io import read_manifest
+    from ray_ckpt.storage.checkpoint_io import read_manifest
     from ray_ckpt.formats.shards import ShardIndex
     from ray_ckpt.storage.tier import Tier
 
@@ -476,9 +476,9 @@ def test_corrupt_local_piece_falls_back_to_remote(pool, saved):
 def test_eight_way_rank_reads_about_its_share(pool, saved):
     """One rank of an 8-way Shard(0) restore of "big" (saved by 4 ranks): its box is filled
     through the same RangeReader and load path as load_into, reading <= 1.25x its own bytes."""
-    from ray_ckpt.checkpoint_io import read_manifest
+    from ray_ckpt.storage.checkpoint_io import read_manifest
     from ray_ckpt.formats.shards import load_chunk
-    from ray_ckpt.sharded_io import RangeReader, index_of_entry, read_head
+    from ray_ckpt.storage.sharded_io import RangeReader, index_of_entry, read_head
     from ray_ckpt.storage.tier import Tier
 
     tier = Tier(str(pool["tmp"] / "local" / pool["run"]))

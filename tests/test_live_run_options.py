@@ -11,7 +11,7 @@ import pytest
 import ray_ckpt as rc
 from ray_ckpt.cli import main
 from ray_ckpt.config import EngineConfig
-from ray_ckpt.live_options import LIVE, check, differences, option_names
+from ray_ckpt.coordinator.live_options import LIVE, check, differences, option_names
 
 SMALL = dict(critical_writers=1, best_effort_writers=0)
 
@@ -113,7 +113,7 @@ def test_gc_follows_the_owner_record_lease_without_ray(tmp_path, capsys):
     """A fresh lease refuses (even with nothing to delete); an expired or unreadable one does not."""
     from test_cli_output import make_run
 
-    from ray_ckpt.ownership import OWNER_FILE, OwnerRecord
+    from ray_ckpt.storage.ownership import OWNER_FILE, OwnerRecord
 
     root = make_run(tmp_path / "run", versions=(1, 2, 3))
     now = time.time()

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ray_ckpt.object_store import PrefaultStatus, populate, store_regions
+from ray_ckpt.capture.object_store import PrefaultStatus, populate, store_regions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHM = "/dev/shm"

@@ -3,7 +3,7 @@ fenced by torch's own hooks; a debug check catches a mutation without a fence; a
 mid-copy fails its version loudly and the next one commits; rollout actors fed by a save's refs see
 the learner's weights of that step bit for bit.
 
-The first tests need no Ray: the copier is a plain object (``ray_ckpt/overlap.py``)."""
+The first tests need no Ray: the copier is a plain object (``ray_ckpt/capture/overlap.py``)."""
 import os
 import threading
 import time
@@ -14,7 +14,7 @@ import torch
 
 import ray_ckpt as rc
 from ray_ckpt.formats.tree import flatten
-from ray_ckpt.overlap import HookSet, OverlapCopier, install_hooks
+from ray_ckpt.capture.overlap import HookSet, OverlapCopier, install_hooks
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -111,7 +111,7 @@ def test_the_copy_and_the_threads_it_starts_run_below_the_learners_cpu_priority(
 
 
 def test_prepare_overlap_sets_up_the_copy_thread_and_the_hooks_before_the_first_snapshot():
-    from ray_ckpt import overlap, snapshot
+    from ray_ckpt.capture import overlap, snapshot
 
     class Owner:
         def __init__(self):
@@ -148,7 +148,7 @@ class BigLearner:
         self.copying_at_start = None
 
     def train(self, n=1):
-        from ray_ckpt.overlap import process_copier
+        from ray_ckpt.capture.overlap import process_copier
 
         c = process_copier()
         self.copying_at_start = bool(c and c.pending())
@@ -163,7 +163,7 @@ class BigLearner:
 
     def mutate_until_copied(self, seconds=10.0):
         """Change the 'replay' tensor in place, without a fence, until its copy is done."""
-        from ray_ckpt.overlap import process_copier
+        from ray_ckpt.capture.overlap import process_copier
 
         copier = process_copier()
         was_copying = bool(copier.pending())
@@ -176,7 +176,7 @@ class BigLearner:
 
     def overlapped(self):
         """Whether the last train call began while a copy was in flight, and how many fences waited."""
-        from ray_ckpt.overlap import process_copier
+        from ray_ckpt.capture.overlap import process_copier
 
         c = process_copier()
         return self.copying_at_start, len(c.fence_waits) if c else 0
@@ -252,7 +252,7 @@ def test_restore_after_a_save_that_overlapped_many_optimizer_steps_is_bit_equal(
 
 def _prepared(actor):
     """What register() set up in a provider for its first overlapped snapshot."""
-    from ray_ckpt import overlap, snapshot_mailbox
+    from ray_ckpt.capture import mailbox as snapshot_mailbox, overlap
 
     copier = overlap.process_copier()
     return {"copy thread": bool(copier and copier._thread and copier._thread.is_alive()),
@@ -322,7 +322,7 @@ class Rollout:
         self.zero_copy = None
 
     def set_weights(self, state):
-        from ray_ckpt.object_store import store_regions
+        from ray_ckpt.capture.object_store import store_regions
 
         regions = store_regions()
         t = state["0.weight"]
@@ -362,7 +362,7 @@ def test_rollout_actors_fed_by_a_saves_refs_see_the_weights_of_that_step_bit_for
 
 def _store_residency(actor, wait_s=30.0):
     """Runs in a provider: its needed-pages prefault status and the resident bytes of its store mapping."""
-    from ray_ckpt.object_store import prefix_status, store_regions
+    from ray_ckpt.capture.object_store import prefix_status, store_regions
 
     deadline = time.time() + wait_s
     while prefix_status().running and time.time() < deadline:
@@ -400,7 +400,7 @@ def test_a_provider_maps_only_the_pages_its_first_saves_use_ahead_of_the_first_s
     if before["error"]:
         pytest.skip(before["error"])
     state = 32 << 20
-    from ray_ckpt.object_store import NEEDED_COPIES, PREFIX_MARGIN
+    from ray_ckpt.capture.object_store import NEEDED_COPIES, PREFIX_MARGIN
 
     assert before["target"] == PREFIX_MARGIN + NEEDED_COPIES * state and before["done"] == before["target"]
     assert before["resident"] >= before["target"]
@@ -417,7 +417,7 @@ def test_a_provider_maps_only_the_pages_its_first_saves_use_ahead_of_the_first_s
 
 
 def _grow_and_wait(actor, nbytes):
-    from ray_ckpt.object_store import grow_needed
+    from ray_ckpt.capture.object_store import grow_needed
 
     grow_needed(nbytes)
     return _store_residency(actor)
@@ -425,7 +425,7 @@ def _grow_and_wait(actor, nbytes):
 
 def test_the_runs_mailbox_stops_with_engine_shutdown_and_a_new_engine_of_the_run_saves_again(engine_factory,
                                                                                             run_name):
-    from ray_ckpt.snapshot_mailbox import MAILBOX_NAMESPACE, mailbox_name
+    from ray_ckpt.capture.mailbox import MAILBOX_NAMESPACE, mailbox_name
 
     learner = _actor(Plain).remote(1)
     for attempt in range(2):  # the second engine of the same run opens a new mailbox

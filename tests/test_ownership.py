@@ -9,7 +9,7 @@ import ray
 import torch
 
 import ray_ckpt as rc
-from ray_ckpt.ownership import OwnerRecord, claim, fence_error
+from ray_ckpt.storage.ownership import OwnerRecord, claim, fence_error
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

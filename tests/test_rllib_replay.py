@@ -16,7 +16,7 @@ from ray.rllib.utils.replay_buffers import (EpisodeReplayBuffer, MultiAgentEpiso
                                             PrioritizedEpisodeReplayBuffer)
 
 import ray_ckpt as rc  # noqa: E402
-from ray_ckpt.checkpoint_io import decode_files, read_files, write_flat  # noqa: E402
+from ray_ckpt.storage.checkpoint_io import decode_files, read_files, write_flat  # noqa: E402
 from ray_ckpt.formats.tree import flatten  # noqa: E402
 from ray_ckpt.integrations import rllib as rr  # noqa: E402
 from ray_ckpt.integrations.rllib import replay as rp  # noqa: E402
@@ -459,7 +459,7 @@ def _states_when_written(engine, version, timeout=60):
 def _store_version(tier, v, states, base):
     """Each state written as the engine's writers write it (the logs and rows append-only over
     ``base``, the meta whole) and read back verified: (files, read-back states, bytes written)."""
-    from ray_ckpt.checkpoint_io import write_append_only
+    from ray_ckpt.storage.checkpoint_io import write_append_only
     files, back, written = {}, {}, {}
     for n, st in states.items():
         flat = flatten(st, state_name=n)

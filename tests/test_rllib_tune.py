@@ -18,7 +18,7 @@ from ray import tune  # noqa: E402
 from ray.rllib.callbacks.callbacks import RLlibCallback  # noqa: E402
 
 import ray_ckpt as rc  # noqa: E402
-from ray_ckpt.coordinator import NAMESPACE, actor_name  # noqa: E402
+from ray_ckpt.protocol import NAMESPACE, actor_name  # noqa: E402
 from ray_ckpt.integrations import rllib as rr  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

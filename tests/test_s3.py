@@ -13,7 +13,7 @@ import ray
 import torch
 
 import ray_ckpt as rc
-from ray_ckpt.checkpoint_io import delete_version
+from ray_ckpt.storage.checkpoint_io import delete_version
 from ray_ckpt.storage.tier import Tier, resolve_filesystem
 
 # ----------------------------------------------------------------------------- helpers
@@ -172,9 +172,9 @@ def test_tier_operations_on_s3(s3_server, tmp_path):
 def test_uploads_are_rate_limited(s3_server, tmp_path):
     """upload_max_mb_s: a writer's uploads go out 8 MiB at a time at the limit's pace (a checkpoint
     upload must not take the network from training), and arrive whole and verified."""
-    from ray_ckpt.checkpoint_io import write_flat
+    from ray_ckpt.storage.checkpoint_io import write_flat
     from ray_ckpt.formats.tree import flatten
-    from ray_ckpt.writers import PartWriter
+    from ray_ckpt.writers.part_writer import PartWriter
 
     local = Tier(str(tmp_path / "local"), "local")
     remote = Tier(s3_server.uri("limited/run"), "remote", s3_server.options)

@@ -17,8 +17,8 @@ import tracemalloc
 import pytest
 import torch
 
-from ray_ckpt import sharded_io
-from ray_ckpt.checkpoint_io import shard_record, write_flat
+from ray_ckpt.storage import sharded_io
+from ray_ckpt.storage.checkpoint_io import shard_record, write_flat
 from ray_ckpt.errors import IntegrityError, RestoreError
 from ray_ckpt.formats.manifest import StateEntry
 from ray_ckpt.formats.shard_index import ShardIndex, index_of

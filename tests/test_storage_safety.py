@@ -17,7 +17,7 @@ import pyarrow as pa
 import pytest
 
 import ray_ckpt as rc
-from ray_ckpt.checkpoint_io import (decode_files, delete_version, read_files, read_manifest, scan, stray_files,
+from ray_ckpt.storage.checkpoint_io import (decode_files, delete_version, read_files, read_manifest, scan, stray_files,
                                     write_flat, write_manifest)
 from ray_ckpt.formats import arrow_io, buffer_io, safetensors_io
 from ray_ckpt.formats.checksum import digest

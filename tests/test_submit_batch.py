@@ -8,9 +8,9 @@ import pytest
 import ray
 
 import ray_ckpt as rc
-from ray_ckpt.handle import _shared_wait
-from ray_ckpt.push_batch import PushedPart, Pusher
-from ray_ckpt.snapshot import capture
+from ray_ckpt.client.handle import _shared_wait
+from ray_ckpt.client.push_batch import PushedPart, Pusher
+from ray_ckpt.capture.snapshot import capture
 
 pytestmark = pytest.mark.timeout(120)
 

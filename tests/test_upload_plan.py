@@ -7,7 +7,7 @@ import ray_ckpt as rc
 from ray_ckpt.formats.manifest import FileEntry, Manifest, StateEntry
 from ray_ckpt.protocol import CoordinatorStatus, PartPlan, PartStatus, SaveOutcome, VersionStatus
 from ray_ckpt.storage.retention import RetentionPolicy
-from ray_ckpt.upload_plan import UploadPlan
+from ray_ckpt.coordinator.upload_plan import UploadPlan
 
 
 def _manifest(v, files=("policy",), shared=None):
@@ -106,9 +106,9 @@ def test_status_is_typed_and_reads_as_before():
 
 def test_restore_plan_refuses_a_rank_local_state_on_another_world_size_before_touching_actors():
     ray = pytest.importorskip("ray")  # noqa: F841  (imported by ray_ckpt.restore; no cluster is started)
-    from ray_ckpt.providers import Registration
-    from ray_ckpt.restore import plan
-    from ray_ckpt.snapshot import ActorProvider
+    from ray_ckpt.capture.providers import Registration
+    from ray_ckpt.client.restore import plan
+    from ray_ckpt.capture.snapshot import ActorProvider
 
     m = Manifest("run", 5, 5, 0.0)
     m.states["shard"] = StateEntry("critical", "stored", files={str(r): [
@@ -123,7 +123,7 @@ def test_restore_plan_refuses_a_rank_local_state_on_another_world_size_before_to
 
 
 def test_part_plans_from_the_engine_reach_the_catalogue_typed():
-    from ray_ckpt.catalogue import Catalogue
+    from ray_ckpt.coordinator.catalogue import Catalogue
 
     cat = Catalogue("run")
     cat.begin(1, 1, [PartPlan("policy", rc.Strategy.CRITICAL), PartPlan("ref", rc.Strategy.RELOADABLE, loader=True)])

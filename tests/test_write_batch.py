@@ -9,13 +9,13 @@ import time
 import numpy as np
 import pytest
 
-from ray_ckpt.checkpoint_io import decode_files, read_files
+from ray_ckpt.storage.checkpoint_io import decode_files, read_files
 from ray_ckpt.errors import SaveError
 from ray_ckpt.formats.tree import flatten
 from ray_ckpt.storage.durable_batch import DurableBatch, remove_temporaries
 from ray_ckpt.storage.local_files import TMP_MARK
 from ray_ckpt.storage.tier import Tier
-from ray_ckpt.writers import PartWriter
+from ray_ckpt.writers.part_writer import PartWriter
 
 
 def _state(rank: int, n: int = 256) -> dict:

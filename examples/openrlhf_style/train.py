@@ -52,7 +52,7 @@ import ray
 import torch
 
 import ray_ckpt as rc
-from ray_ckpt.checkpoint_io import read_manifest
+from ray_ckpt.storage.checkpoint_io import read_manifest
 
 OBS_DIM, HIDDEN, N_ACTIONS = 8, 30, 16  # HIDDEN 30: uneven shards on 4 ranks, even on 2 and 3
 N_PROMPTS, PROMPTS_PER_STEP, SAMPLES_PER_PROMPT = 96, 16, 4

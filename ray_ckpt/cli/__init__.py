@@ -22,8 +22,9 @@ shown without credentials.
 
 Modules: ``main`` (parser, entry point, errors), ``run_view`` (a run root on any tier: versions,
 manifests, VERSION arguments), ``common`` (exit codes, safe text output), one module per command
-(``ls``, ``show``, ``verify``, ``gc``, ``export``, ``demo``). Only the Ray-free layers are used
-(``checkpoint_io``, ``storage``, ``formats``); neither Ray nor torch is imported at start-up.
+(``ls``, ``show``, ``verify``, ``gc``, ``export``, ``demo``; the demo itself: ``demo_run``). May import
+every layer below it, but uses the Ray-free ones (``storage``, ``formats``, ``client.progress``);
+neither Ray nor torch is imported at start-up.
 """
 from .main import build_parser, main
 

@@ -9,7 +9,7 @@ import json
 import sys
 from typing import Any, Callable, List, Optional, Sequence
 
-from ..progress import human  # noqa: F401  (the commands import it from here)
+from ..client.progress import human  # noqa: F401  (the commands import it from here)
 
 PROG = "ray-ckpt"
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2

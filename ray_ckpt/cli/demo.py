@@ -1,4 +1,4 @@
-"""``ray-ckpt demo [ARGS...]``: run the preemption demo that ships in the package (``ray_ckpt/demo.py``)."""
+"""``ray-ckpt demo [ARGS...]``: run the preemption demo that ships in the package (``ray_ckpt/cli/demo_run.py``)."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +8,7 @@ from .common import EXIT_OK, CliError
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
-    s = sub.add_parser("demo", help="run the preemption demo (ray_ckpt/demo.py)",
+    s = sub.add_parser("demo", help="run the preemption demo (python -m ray_ckpt.demo)",
                        description="Run the preemption demo shipped in the package (ray_ckpt.demo); extra "
                                    "arguments are passed to it.")
     s.add_argument("demo_args", nargs=argparse.REMAINDER, metavar="ARGS")
@@ -16,7 +16,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..demo import main  # ray and torch are imported here, only when the demo runs
+    from .demo_run import main  # ray and torch are imported here, only when the demo runs
 
     try:
         return main(list(args.demo_args or []))

@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..checkpoint_io import decode_files, rank_files, read_files
+from ..storage.checkpoint_io import decode_files, rank_files, read_files
 from ..errors import CheckpointError, one_line
 from ..formats.manifest import Manifest, StateEntry
 from ..storage import layout
@@ -156,7 +156,7 @@ def parse_size(text: str) -> int:
 
 def _full_tensors(run: Run, m: Manifest, name: str) -> Tuple[StateEntry, Dict[str, Any], int]:
     """(entry, key -> full tensor, bytes read) of a sharded state: every chunk range-read and verified."""
-    from ..sharded_io import full_tensors
+    from ..storage.sharded_io import full_tensors
 
     entry = _stored_entry(m, name)
     try:
@@ -274,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
     run = Run.open(args)
     m = run.manifest(args.version)
     if args.rank is None and _stored_entry(m, name).shards is not None:
-        from ..sharded_io import load_full
+        from ..storage.sharded_io import load_full
 
         entry = _stored_entry(m, name)
         try:

@@ -8,9 +8,9 @@ import argparse
 import time
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from ..checkpoint_io import delete_version
+from ..storage.checkpoint_io import delete_version
 from ..errors import IntegrityError, one_line
-from ..ownership import OWNER_FILE, OwnerRecord
+from ..storage.ownership import OWNER_FILE, OwnerRecord
 from ..storage import layout
 from ..storage.gc_notice import NOTICE_FILE, NOTICE_WAIT_S, write_notice
 from ..storage.retention import RetentionPolicy, VersionInfo, plan_deletions

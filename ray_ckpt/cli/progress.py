@@ -1,11 +1,11 @@
 """One shape for every long CLI command: ``--progress`` / ``--no-progress``, on by itself past a
-threshold the command chooses; the lines themselves are :class:`ray_ckpt.progress.Progress`'s."""
+threshold the command chooses; the lines themselves are :class:`ray_ckpt.client.progress.Progress`'s."""
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from ..progress import Progress  # noqa: F401  (the commands import it from here)
+from ..client.progress import Progress  # noqa: F401  (the commands import it from here)
 
 AUTO_BYTES = 256 << 20  # commands that move bytes show progress by themselves from this many on
 

@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import pyarrow.fs as pafs
 
 from ..errors import CheckpointError, one_line
-from ..checkpoint_io import read_manifest
+from ..storage.checkpoint_io import read_manifest
 from ..formats.manifest import Manifest
 from ..storage import layout
 from ..storage.filesystems import redact_uri, s3_hint

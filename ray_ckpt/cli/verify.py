@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pyarrow.fs as pafs
 
-from ..checkpoint_io import stray_files
+from ..storage.checkpoint_io import stray_files
 from ..errors import CheckpointError, IntegrityError, one_line
 from ..formats.checksum import ALGORITHM, CHUNK, HashingSink
 from ..formats.manifest import FileEntry, Manifest

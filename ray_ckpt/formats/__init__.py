@@ -1,4 +1,6 @@
-"""Serialisation: what bytes a state becomes. Knows nothing of Ray or of where bytes go."""
+"""Serialisation: what bytes a state becomes. Knows nothing of Ray or of where bytes go.
+
+May import only the root's ``errors`` and ``types`` (never ``storage``, which imports this package)."""
 from .manifest import FileEntry, Manifest, StateEntry
 from .tree import Flat, flatten, unflatten
 

@@ -276,7 +276,7 @@ def flatten(state: Any, *, state_name: str = "state", allow_pickle: bool = False
     """Flatten ``state`` without copying tensor or array memory.
 
     ``to_host(tensor, leaf_name)`` moves a device tensor to host memory (default: ``.to("cpu")``);
-    the snapshot path passes a :class:`~ray_ckpt.snapshot.HostStaging` that copies into reused
+    the snapshot path passes a :class:`~ray_ckpt.capture.snapshot.HostStaging` that copies into reused
     pinned buffers on a side stream.
 
     Raises :class:`UnsupportedTypeError` naming the state and the key path of the first object that

@@ -1,7 +1,8 @@
 """Integrations of ray_ckpt with training frameworks.
 
 Each integration is its own module and imports its framework lazily, so ``import ray_ckpt`` never
-requires them:
+requires them. Integrations may import every layer below them (``client`` first, and the layers
+under it where a framework needs them); nothing in the package imports an integration.
 
 - :mod:`ray_ckpt.integrations.rllib` -- RLlib (new API stack): ``RayCkptCallback`` /
   ``make_callback(...)`` save an Algorithm's learner, connector, counter and RNG state every N

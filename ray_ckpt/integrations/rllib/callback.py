@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ray.rllib.callbacks.callbacks import RLlibCallback
 from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS
 
-from ...engine import CheckpointEngine, SaveHandle
+from ...client.engine import CheckpointEngine, SaveHandle
 from ...errors import InvalidArgumentError, SaveError
 from ...storage.layout import validate_name
 from ...types import OnBusy, SaveResult, Strategy

@@ -33,7 +33,7 @@ from ray.rllib.core import (COMPONENT_ENV_TO_MODULE_CONNECTOR, COMPONENT_LEARNER
 from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME, WEIGHTS_SEQ_NO
 
 from ...errors import UnsupportedTypeError
-from ...rng import rng_state
+from ...capture.rng import rng_state
 from .conversion import to_storable
 from .env_runners import CONNECTOR_COMPONENTS
 from .learners import is_remote, reported_weights_seq_no

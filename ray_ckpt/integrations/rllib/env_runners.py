@@ -24,7 +24,7 @@ from ray.rllib.core import (COMPONENT_ENV_TO_MODULE_CONNECTOR, COMPONENT_MODULE_
                             COMPONENT_RL_MODULE, DEFAULT_MODULE_ID)
 from ray.rllib.utils.metrics import NUM_ENV_STEPS_SAMPLED_LIFETIME, WEIGHTS_SEQ_NO
 
-from ...rng import rng_state, set_rng_state
+from ...capture.rng import rng_state, set_rng_state
 from ._rllib_internals import env_rng, remote_env_runner_actors
 from .conversion import _deep_equal, from_storable, to_storable
 from .names import CONNECTORS, ENV_RUNNER_PREFIX

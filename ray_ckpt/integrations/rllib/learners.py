@@ -27,7 +27,7 @@ Consistency: why the state captured is the one after this iteration's update, an
 - The callback calls ``engine.save()`` from ``on_train_result``, in the algorithm's process (the
   driver, or Tune's trainable actor). That is also the process that owns the LearnerGroup and
   submits every learner call (``learner_group.update``); ``save()`` submits its snapshot calls
-  itself, in the caller's thread (``snapshot_calls.take_snapshots``), so both have one caller.
+  itself, in the caller's thread (``capture.calls.take_snapshots``), so both have one caller.
 - Synchronous updates (PPO, DQN, SAC, ...: ``learner_group.update(async_update=False)``) return only
   after every learner finished (``FaultTolerantActorManager.foreach_actor`` gets the results), i.e.
   before ``training_step`` returns and long before ``on_train_result``: the update is complete before
@@ -60,7 +60,7 @@ from ray.rllib.core import COMPONENT_METRICS_LOGGER, COMPONENT_OPTIMIZER, COMPON
 from ray.rllib.utils.metrics import LEARNER_RESULTS, WEIGHTS_SEQ_NO
 
 from ...errors import RestoreError, SaveError
-from ...snapshot import actor_provider
+from ...capture.snapshot import actor_provider
 from ...types import Strategy
 from ._rllib_internals import remote_learners
 from .conversion import from_storable, to_storable

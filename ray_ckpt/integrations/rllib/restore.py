@@ -18,9 +18,9 @@ from typing import Any, Dict, Iterable, Optional, Tuple, Union
 from ray.rllib.core import COMPONENT_LEARNER, COMPONENT_METRICS_LOGGER, COMPONENT_OPTIMIZER, COMPONENT_RL_MODULE
 from ray.rllib.utils.metrics import NUM_ENV_STEPS_SAMPLED_LIFETIME, WEIGHTS_SEQ_NO
 
-from ...engine import CheckpointEngine
+from ...client.engine import CheckpointEngine
 from ...errors import CheckpointError, RestoreError
-from ...rng import set_rng_state
+from ...capture.rng import set_rng_state
 from .capture import algorithm_connectors
 from .conversion import from_storable
 from .env_runners import RunnerSync, push_to_env_runners, saved_runner_states

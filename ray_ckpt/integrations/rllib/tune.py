@@ -33,22 +33,19 @@ import os
 import re
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import ray
 
-from ...catalogue import meta_of
-from ...checkpoint_io import rank_files, read_manifest
+from ...coordinator.catalogue import meta_of
+from ...storage.checkpoint_io import rank_files, read_manifest
 from ...config import EngineConfig
-from ...coordinator import NAMESPACE, actor_name
+from ...protocol import NAMESPACE, actor_name
 from ...errors import CheckpointError, IntegrityError, InvalidArgumentError, RestoreError, one_line
-from ...snapshot import read_state, tiers_of
+from ...capture.snapshot import read_state, tiers_of
 from ...storage.layout import validate_name
 from ...types import CheckpointMeta
 from .names import log
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .callback import RayCkptCallback
 
 POINTER_FILE = "ray_ckpt_version.json"
 POINTER_FORMAT = "ray_ckpt.rllib.version-pointer/1"
@@ -189,7 +186,7 @@ class StoredRun:
 
 
 # ====================================================================== the Algorithm's methods
-def install_hooks(algorithm: Any, callback: "RayCkptCallback") -> None:
+def install_hooks(algorithm: Any, callback: Any) -> None:  # callback: a RayCkptCallback (it imports this module)
     """Wrap the Algorithm's ``cleanup`` (what ``stop()`` calls) and, with
     ``tune_checkpoints="pointer"``, replace its ``save_checkpoint`` / ``load_checkpoint`` (what
     ``Trainable.save()`` / ``restore()`` call). On this instance only; once."""

@@ -1,0 +1,11 @@
+"""Capture: a provider's state -> parts that the object store moves without copies.
+
+``snapshot`` (a state flattened and put into the object store, in the provider's process),
+``calls`` (the engine's snapshot calls to its providers), ``providers`` (actors, actor methods,
+callables), ``overlap`` (copies in the background, fences before a change), ``mailbox`` (where
+overlapped snapshots announce their bytes), ``object_store`` (mapping the store's pages ahead of a
+save), ``rng`` (RNG state as a state).
+
+May import ``formats``, ``storage`` and the root's vocabulary; never ``writers``, ``coordinator`` or
+``client``. Nothing is imported at package import.
+"""

@@ -1,0 +1,590 @@
+"""CheckpointEngine: what drivers and actors use. ``save()`` returns a SaveHandle at once.
+
+The driver submits each provider's snapshot itself (so Ray's per-caller ordering places it right
+after that actor's training call for the same step) and passes the resulting ObjectRefs, inside a
+list, to the coordinator: the driver never touches the bytes of an actor's state.
+
+This module holds the public API and what ties it together (the run's coordinator, its owner
+lease, the registry, step counters, backpressure); the work behind it lives beside it:
+``capture/calls.py`` (which process captures each state, prefault, publish), ``reading.py``
+(load, load_into, restore), ``push_batch.py`` (ranks' pushes), ``coordinator_client.py``
+(starting and calling the coordinator).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+import warnings
+from collections import deque
+from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Union
+
+import ray
+
+from ..config import EngineConfig
+from .coordinator_client import _ask, _open_coordinator
+from ..errors import CheckpointError, InvalidArgumentError, InvalidSaveError, SaveError, SaveTimeoutError, one_line
+from ..formats.manifest import Manifest
+from .handle import SaveHandle, _shared_wait
+from ..coordinator.lease import OwnerLease
+from ..coordinator.live_options import passed_options
+from ..capture.object_store import start_prefault
+from ..storage.ownership import DEFAULT_LEASE_S
+from ..protocol import NAMESPACE, Declaration, PushedPart, actor_name
+from ..capture.providers import CallableProvider, Registration, rank_provider, resolve
+from .push_batch import Pusher
+from .reading import StateReader
+from .run_lifetime import start_run, stop_run
+from ..capture.snapshot import capture
+from ..capture.mailbox import open_mailbox
+from ..capture.calls import prefault, publish_calls, take_snapshots
+from ..storage.layout import validate_name
+from ..types import CheckpointMeta, OnBusy, RestoreReport, SaveResult, StateReport, Strategy
+
+log = logging.getLogger("ray_ckpt")
+# create()'s named options and their defaults: one left at its default counts as not passed
+# (coordinator/live_options.py; the others are in **options only when given)
+_CREATE_DEFAULTS = {"critical_writers": 2, "best_effort_writers": 1, "keep_last": None, "keep_every": None}
+
+
+class CheckpointEngine:
+    """Get one with :meth:`create` (driver) or :meth:`connect` (any process of the cluster)."""
+
+    def __init__(self, coordinator: Any, config: EngineConfig):
+        self._coordinator = coordinator
+        self.config = config
+        self.run = config.run
+        self._registry: Dict[str, Registration] = {}
+        self._in_flight: List[SaveHandle] = []
+        self._ended_failures: Deque[BaseException] = deque(maxlen=16)  # for wait_until_finished()
+        self._declared: Dict[str, Declaration] = {}
+        self._last_pushed: Dict[tuple, int] = {}
+        self._saves = 0  # save() calls sent; every remote_every-th is uploaded
+        self._pushes: Dict[tuple, int] = {}  # submit() calls sent per (state, rank), likewise
+        # this engine's pushes, batched per version into one coordinator call (push_batch.py)
+        self._pusher = Pusher(lambda: self._coordinator, lambda c, v: _shared_wait(c, v, fresh=True))
+        self._owner = False  # set by create()
+        self._closed = False  # set by shutdown()
+        self._token: Optional[int] = None  # the run's fencing token this (creating) engine holds
+        self._lease: Optional[OwnerLease] = None
+        self.reconfigured: List[str] = []  # create(reconfigure=True): the live options it changed
+        self._last_handle: Optional[SaveHandle] = None  # the latest save(), for publish()
+        self._reader = StateReader(config.run, config, self._call, self._registry)  # load / load_into / restore
+        last = _ask(config.run, coordinator.last_version.remote(), "the last version")
+        self._last_saved = last
+        self._step = max(last, 0)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def create(cls, run: str, local_dir: str, remote_uri: Optional[str] = None, *,
+               critical_writers: int = 2, best_effort_writers: int = 1,
+               keep_last: Optional[int] = None, keep_every: Optional[int] = None,
+               startup_timeout: float = 120.0, takeover: bool = False, owner_lease_s: float = DEFAULT_LEASE_S,
+               reconfigure: bool = False, **options: Any) -> "CheckpointEngine":
+        """Get-or-create the named coordinator of ``run`` and its writer pools.
+
+        A run has one owner, the Ray job that created it (see ``storage/ownership.py``): ``create()`` from
+        another live job — on this cluster or another one sharing the storage — raises
+        ``rc.OwnershipError`` naming the owner; ``takeover=True`` takes the run over, and the old
+        owner's later saves fail instead of committing. The owner renews its lease every
+        ``owner_lease_s / 4`` seconds; a driver gone for ``owner_lease_s`` no longer holds the run.
+
+        Other options: see :class:`~ray_ckpt.config.EngineConfig` (remote_options, keep_best,
+        remote_keep_last, remote_every, max_in_flight, compression, critical_cpus, ...).
+
+        On a run whose coordinator runs already (get-or-create), every option passed here (and
+        ``local_dir`` / ``remote_uri`` always) must equal the running one: a difference raises
+        ``InvalidArgumentError`` naming each option with both values (a signing key or remote
+        credentials only as "differs"). Options not passed take the running run's values, so a
+        restarted driver with the same code attaches as before. ``reconfigure=True`` changes the
+        options that can change live (retention, ``rank_timeout_s``, ``signing_key``,
+        ``max_in_flight``, ``compression``: ``live_options.LIVE``, where each is argued) on the
+        running coordinator, logs them and lists them in ``engine.reconfigured``; any other
+        difference still raises ("needs a new run") and nothing is changed."""
+        explicit = {name for name, value in (("critical_writers", critical_writers),
+                                             ("best_effort_writers", best_effort_writers),
+                                             ("keep_last", keep_last), ("keep_every", keep_every))
+                    if value != _CREATE_DEFAULTS[name]}
+        explicit |= set(options) - {"run", "local_dir", "remote_uri"}
+        passed = passed_options(explicit, os.environ.get("RAY_CKPT_SIGNING_KEY"))
+        try:
+            config = EngineConfig(run=run, local_dir=local_dir, remote_uri=remote_uri,
+                                  critical_writers=critical_writers, best_effort_writers=best_effort_writers,
+                                  keep_last=keep_last, keep_every=keep_every, **options)
+        except TypeError as exc:
+            raise InvalidArgumentError(f"CheckpointEngine.create: {exc}") from None
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        started = start_run(config, takeover=takeover, owner_lease_s=owner_lease_s, startup_timeout=startup_timeout,
+                            passed=passed, reconfigure=bool(reconfigure))  # run_lifetime.py
+        record = started.record
+        engine = cls(started.coordinator, started.config)
+        engine.reconfigured = started.reconfigured  # the options reconfigure=True changed (names)
+        engine._owner = True  # the driver's engine brings the coordinator back if it is killed for good
+        engine._token = record.token
+        engine._call(lambda c: c.set_owner.remote(record.token), "the owner token")
+        engine._lease = OwnerLease(started.tiers, record, run)
+        return engine
+
+    def _call(self, method: Callable[[Any], Any], what: str, timeout: float = 60.0,
+              error: type = CheckpointError) -> Any:
+        """Call the coordinator (``method(handle)`` returns the ref); if it died for good, the
+        owning engine creates it again and asks once more."""
+        self._check_open()
+        try:
+            return _ask(self.run, method(self._coordinator), what, timeout, error)
+        except CheckpointError as exc:
+            if not getattr(exc, "actor_died", False) or not self._revive():
+                raise
+        return _ask(self.run, method(self._coordinator), what, timeout, error)
+
+    def _revive(self) -> bool:
+        """The coordinator died for good (``ray.kill`` without restart, or its restarts exhausted):
+        the engine that created it creates it again by name; the new one rebuilds its catalogue
+        from storage. Engines from ``connect()`` (ranks) leave that to the driver, and nothing
+        revives a coordinator after ``shutdown()``. Returns whether a new coordinator answers."""
+        if not self._owner or self._closed:
+            return False
+        log.warning("the coordinator of run %r is gone; creating it again from storage", self.run)
+        try:
+            self._coordinator, _ = _open_coordinator(self.config, 120.0)
+            if self._token is not None:
+                ray.get(self._coordinator.set_owner.remote(self._token), timeout=60)
+        except ray.exceptions.RayError as exc:
+            log.error("the coordinator of run %r could not be created again: %s", self.run, one_line(exc)[:300])
+            return False
+        return True
+
+    @classmethod
+    def connect(cls, run: str, timeout: float = 60.0) -> "CheckpointEngine":
+        """Attach to the coordinator of an existing run (from any driver, task or actor)."""
+        validate_name(run, "run name")
+        if not ray.is_initialized():
+            ray.init()
+        try:
+            coord = ray.get_actor(actor_name(run), namespace=NAMESPACE)
+        except ValueError:
+            raise CheckpointError(f"no checkpoint coordinator for run {run!r}; create it with "
+                                  f"rc.CheckpointEngine.create({run!r}, local_dir=...)") from None
+        return cls(coord, _ask(run, coord.config.remote(), "its configuration", timeout))
+
+    def shutdown(self, timeout: float = 60.0, *, stop_coordinator: Optional[bool] = None) -> None:
+        """Stop the coordinator; its writers, which it owns, stop with it. The engine that created the
+        run (``create()``) stops it; an engine from ``connect()`` (a rank, a tool) only detaches, so
+        that a rank closing its engine does not stop checkpointing for the whole run, unless
+        ``stop_coordinator=True`` (e.g. to stop a detached coordinator whose driver is gone).
+
+        Stopping first waits, at most
+        ``timeout`` seconds, for the saves, retention deletions and uploads in progress to end, so
+        that nothing still writes or deletes files once this returns; what did not end by then is
+        logged as a warning and abandoned (a version whose commit did not happen is never listed).
+        Committed checkpoints stay in storage. Calling it again does nothing; this engine's other
+        methods raise ``CheckpointError`` afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pusher.close()  # parts pushed within the last window reach the coordinator first
+        if not (self._owner if stop_coordinator is None else bool(stop_coordinator)):
+            if self._lease is not None:
+                self._lease.stop(release_record=False)
+            return
+        refs = [h._ref for h in self._in_flight if h._ref is not None and not h.done()]
+        stop_run(self._coordinator, self.run, refs, timeout, self._lease)  # run_lifetime.py
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"this engine of run {self.run!r} was shut down; CheckpointEngine.create() "
+                                  f"or connect() gives a new one (committed checkpoints are still in storage)")
+
+    # ------------------------------------------------------------------ registration
+    def register(self, name: str, provider: Any = None, *, strategy: Union[Strategy, str] = Strategy.CRITICAL,
+                 loader: Optional[Callable[..., Any]] = None, allow_pickle: bool = False,
+                 replace: bool = False, world_size: Optional[int] = None, replicated: bool = False,
+                 overlap: Optional[bool] = None, append_only: bool = False) -> None:
+        """Register a state. ``provider``: an actor handle (``ckpt_get_state`` / ``ckpt_set_state``),
+        ``rc.actor_provider(handle, get=..., set=...)``, or an in-process callable returning the state
+        (``loader(state)`` loads it back). A RELOADABLE state with a ``loader`` and no provider is not
+        stored: restore calls ``loader()`` to rebuild it.
+
+        ``world_size=N`` declares a state that N rank actors push themselves with
+        ``rc.CheckpointEngine.connect(run).submit(step, name, state, rank=r)``; a version commits when
+        every rank's part is durable. ``provider`` may then be the list of rank actor handles, so that
+        ``restore()`` hands rank r its own part. ``replicated=True`` (DDP replicas) stores rank 0's
+        copy once and restores it to every rank.
+
+        ``overlap=True`` (default: ``create(..., overlap=...)``): ``save()``'s snapshot of this state
+        only captures views of its memory and returns; the copy into the object store runs on a
+        background thread of the provider's process, overlapping its next step. Before the state
+        changes in place a fence waits for the copy: optimizers' step pre-hooks and BatchNorm
+        forward pre-hooks do it by themselves; anything else calls ``rc.fence(name)`` first.
+
+        ``append_only=True``: a buffer that only grows (a replay buffer): a dict of equally long
+        numpy arrays with a strictly increasing integer ``row_id`` column, whose rows never change
+        once saved and may be evicted anywhere. Each version writes only the rows whose ``row_id``
+        is above the newest committed version's, plus a small index, and refers to the earlier
+        versions' segment files for the rest (retention keeps a segment while a kept version needs
+        it; a restore verifies every segment). See ``formats/segments.py``."""
+        try:
+            validate_name(name, "state name")
+            strat = Strategy.parse(strategy)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        if name in self._registry and not replace:
+            raise InvalidArgumentError(f"state {name!r} is already registered; pass replace=True to "
+                                       f"replace it (e.g. with a relaunched actor's new handle)")
+        if not isinstance(append_only, bool):
+            raise InvalidArgumentError(f"state {name!r}: append_only must be True or False, got {append_only!r}")
+        if append_only and (strat is Strategy.RELOADABLE or replicated):
+            raise InvalidArgumentError(f"state {name!r}: append_only=True is for a growing buffer (CRITICAL or "
+                                       f"BEST_EFFORT), not for a {'replicated' if replicated else 'RELOADABLE'} state")
+        if world_size is not None:
+            self._register_pushed(name, provider, strat, world_size, replicated, allow_pickle, append_only)
+            return
+        prov = resolve(name, provider, strat, loader)
+        if overlap is not None and not isinstance(overlap, bool):
+            raise InvalidArgumentError(f"state {name!r}: overlap must be True, False or None, got {overlap!r}")
+        overlapped = self.config.overlap if overlap is None else overlap
+        if overlapped:
+            open_mailbox(self.run)  # where the background copies announce their refs
+        if append_only and isinstance(prov, CallableProvider) and prov.fn is None:
+            raise InvalidArgumentError(f"state {name!r}: append_only=True needs a provider that returns the buffer")
+        self._registry[name] = Registration(name, prov, strat, bool(allow_pickle), overlap=overlapped,
+                                            append_only=append_only)
+        prefault(self.config, prov, name, overlapped)  # capture/calls.py
+        self._expect_driver()
+
+    def _expect_driver(self) -> None:
+        """Tell the coordinator which states this (owning) engine's save() brings: a version that
+        its ranks open by pushing first then waits for the driver's save instead of committing
+        without it, so ``h = engine.save(step)`` then the ranks' ``submit(step, ...)`` needs no
+        wait for the open in between, in whichever order the calls arrive."""
+        if self._owner and any(r.world_size is not None for r in self._registry.values()):  # ranks push
+            names = [n for n, r in self._registry.items() if r.world_size is None]
+            self._call(lambda c: c.expect_driver.remote(names), "the driver-side states")
+
+    def _register_pushed(self, name, provider, strat, world_size, replicated, allow_pickle,
+                         append_only=False) -> None:
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise InvalidArgumentError(f"state {name!r}: world_size must be an integer >= 1, got {world_size!r}")
+        handles = None
+        if provider is not None:
+            items = list(provider) if isinstance(provider, (list, tuple)) else None
+            if items is None or len(items) != world_size:
+                raise InvalidArgumentError(f"state {name!r}: with world_size={world_size}, provider must be "
+                                           f"None or a list of {world_size} rank actor handles")
+            handles = [rank_provider(name, h) for h in items]
+        self._call(lambda c: c.declare.remote(name, strat.value, world_size, bool(replicated), bool(allow_pickle),
+                                              append_only), f"declaring {name!r}")
+        self._registry[name] = Registration(name, None, strat, bool(allow_pickle), world_size, handles,
+                                            bool(replicated))
+        self._expect_driver()
+        # ranks push from their own processes: submit() starts their prefault
+
+    def submit(self, step: int, name: str, state: Any, rank: int = 0, *,
+               on_busy: Union[OnBusy, str] = OnBusy.WAIT) -> SaveHandle:
+        """Push this rank's part of a declared state for ``step`` (from inside a rank actor).
+
+        Returns at once with a handle (a bad push raises here: an undeclared state, a rank out of
+        range, a step not after this rank's last); the version commits when every declared rank
+        has pushed. One engine may push for many ranks (a host process of several ranks): the parts
+        it pushes for a version within a few ms travel to the coordinator in ONE call
+        (``push_batch.py``; sent at once when a handle is waited on, and by ``shutdown()``), and
+        their handles share one wait call per version. What only the coordinator can refuse (a part
+        another process already pushed, a version already committed) fails that part's handle
+        alone, when it is waited on, with the coordinator's message.
+
+        Backpressure: at most ``max_in_flight`` of this engine's versions are in flight (pushes
+        for a version already in flight always go). ``on_busy``: "wait" (block until the oldest
+        ends; push every rank of a version before the next version, or this waits for a version
+        that cannot commit until ``rank_timeout_s``), "skip" (return a skipped handle, nothing
+        captured) or "queue" (push anyway)."""
+        t0 = time.perf_counter()
+        self._check_open()
+        try:
+            policy = OnBusy.parse(on_busy)
+        except ValueError as exc:
+            raise InvalidSaveError(str(exc)) from None
+        validate_name(name, "state name")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise InvalidSaveError(f"step must be a non-negative integer, got {step!r}")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise InvalidSaveError(f"rank must be a non-negative integer, got {rank!r}")
+        decl = self._declared.get(name)
+        if decl is None:
+            self._declared = self._call(lambda c: c.declared.remote(), "the declared states")
+            decl = self._declared.get(name)
+        if decl is None:
+            raise InvalidSaveError(f"state {name!r} is not declared for pushing in run {self.run!r}; the "
+                                   f"driver registers it with engine.register({name!r}, world_size=N)")
+        if rank >= decl.world_size:
+            raise InvalidSaveError(f"rank {rank} is out of range for state {name!r} (world_size {decl.world_size})")
+        last = self._last_pushed.get((name, rank), -1)
+        if step <= last:
+            raise InvalidSaveError(f"state {name!r} rank {rank}: step {step} is not after its last submitted "
+                                   f"step {last}; steps must increase")
+        # backpressure is judged when this engine starts a version: pushes for one in flight always go
+        new_version = step not in self._pusher.commits and step not in self._pusher.pending_versions()
+        busy = [v for v in self._pushes_in_flight() if v != step] if new_version else []
+        if len(busy) >= self.config.max_in_flight and policy is not OnBusy.QUEUE:
+            if policy is OnBusy.SKIP:
+                return SaveHandle(self, step, None, time.perf_counter() - t0, skipped=True)
+            self._pusher.send_all()  # the versions it waits for must have reached the coordinator
+            waits = self._pusher.commits
+            refs = [waits[v] for v in busy if v in waits]
+            ray.wait(refs, num_returns=max(0, min(len(refs), len(busy) - self.config.max_in_flight + 1)))
+            self._pushes_in_flight()
+        rank_zero_only = decl.replicated and rank != 0
+        ref, nbytes = None, 0
+        if not rank_zero_only:  # replicas: rank 0's copy is stored; this rank's handle follows the version
+            if self.config.prefault_object_store:
+                start_prefault()  # once per process; this rank's later copies land in mapped pages
+            flat = capture(state, name, decl.allow_pickle)
+            ref, nbytes = ray.put(flat), flat.nbytes
+        pushes = self._pushes[(name, rank)] = self._pushes.get((name, rank), 0) + 1
+        # joins this engine's open batch of the version: one coordinator call per batch (push_batch.py)
+        slot = self._pusher.add(step, PushedPart(name, rank, ref, nbytes, pushes % self.config.remote_every == 0,
+                                                 last))
+        self._last_pushed[(name, rank)] = step
+        handle = SaveHandle(self, step, None, time.perf_counter() - t0, push=slot, rank_zero_only=rank_zero_only)
+        self._in_flight.append(handle)
+        return handle
+
+    def _pushes_in_flight(self) -> List[int]:
+        """This engine's pushed versions not yet committed or failed (those with parts not sent yet
+        included); forgets the others' handles. One ``ray.wait`` over at most ``max_in_flight`` + 1
+        refs: O(1) per submit, however many ranks this engine pushes for."""
+        waits = self._pusher.commits
+        if waits:
+            versions = list(waits)
+            refs = [waits[v] for v in versions]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            if ready:
+                ended = {v for v, r in zip(versions, refs) if r in ready}
+                for v in ended:
+                    waits.pop(v, None)
+                self._drop_ended(lambda h: h._push is None or h.version not in ended)
+        return sorted(set(waits) | set(self._pusher.pending_versions()))
+
+    def unregister(self, name: str) -> None:
+        reg = self._registry.pop(name, None)
+        if reg is None:
+            raise InvalidArgumentError(f"state {name!r} is not registered")
+        if reg.world_size is None:
+            self._expect_driver()
+
+    @property
+    def registered(self) -> Dict[str, Strategy]:
+        return {n: r.strategy for n, r in self._registry.items()}
+
+    # ------------------------------------------------------------------ steps
+    @property
+    def current_step(self) -> int:
+        return self._step
+
+    def advance_step(self, n: int = 1) -> int:
+        self._step += n
+        return self._step
+
+    # ------------------------------------------------------------------ saving
+    def save(self, step: Optional[int] = None, *, on_busy: Union[OnBusy, str] = OnBusy.WAIT,
+             metrics: Optional[Dict[str, float]] = None) -> SaveHandle:
+        """Capture every registered state at ``step`` (default: current_step) and return at once."""
+        t0 = time.perf_counter()
+        self._check_open()
+        step = self._step if step is None else step
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise InvalidSaveError(f"step must be a non-negative integer, got {step!r}")
+        if step <= self._last_saved:
+            raise InvalidSaveError(f"step {step} is not after the last saved step {self._last_saved} of run "
+                                   f"{self.run!r}; steps must increase")
+        try:
+            policy = OnBusy.parse(on_busy)
+        except ValueError as exc:
+            raise InvalidSaveError(str(exc)) from None
+        if not self._registry:
+            raise InvalidSaveError("nothing to save: register at least one state (a provider here, or a "
+                                   "state its ranks push with submit(), declared with world_size=N)")
+        clean_metrics = _check_metrics(metrics)
+        if self._owner and any(h.done() and h._coordinator_died() for h in self._in_flight):
+            self._revive()  # an earlier save found the coordinator dead: this one goes to a new one
+        self._drop_ended(lambda h: not h.done())
+        if len(self._in_flight) >= self.config.max_in_flight:
+            if policy is OnBusy.SKIP:
+                return SaveHandle(self, step, None, time.perf_counter() - t0, skipped=True)
+            if policy is OnBusy.WAIT:
+                ray.wait([h._ref for h in self._in_flight], num_returns=len(self._in_flight)
+                         - self.config.max_in_flight + 1)
+                self._drop_ended(lambda h: not h.done())
+        parts, refs = take_snapshots(self._registry, self.run, self.config)  # capture/calls.py
+        self._saves += 1
+        # remote_every counts this engine's saves, in call order: the coordinator runs concurrent calls
+        # in any order, so the turn is decided here
+        ref = self._coordinator.save.remote(step, parts, refs, clean_metrics,
+                                            self._saves % self.config.remote_every == 0, token=self._token)
+        self._last_saved = step
+        self._step = max(self._step, step)
+        handle = self._last_handle = SaveHandle(self, step, ref, time.perf_counter() - t0)
+        handle._snapshots = {p.name: (r, self._registry[p.name].overlap)
+                             for p, r in zip([p for p in parts if not p.loader], refs)}
+        self._in_flight.append(handle)
+        return handle
+
+    def publish(self, name: str, to: Iterable[Any], method: str, handle: Optional[SaveHandle] = None
+                ) -> List[ray.ObjectRef]:
+        """Hand the snapshot of state ``name`` (of ``handle``, default: this engine's latest save) to
+        each actor of ``to``: ``actor.<method>(state)`` runs with the state read from the object
+        store — the bytes the save already holds, mapped zero-copy by an actor on the same node — so
+        the learner does not copy its weights a second time for the broadcast. Returns at once with
+        the calls' ObjectRefs (``ray.get`` them to wait); a rollout actor's own calls are ordered
+        with the driver's as usual. Works for overlapped states too (the actor waits for the copy)."""
+        self._check_open()
+        return publish_calls(handle or self._last_handle, name, to, method)
+
+    def wait_all(self, timeout: Optional[float] = None) -> List[SaveResult]:
+        """Wait for every save of this engine still in flight."""
+        out = [h.wait(timeout) for h in self._in_flight]
+        self._in_flight = []
+        return out
+
+    def wait_until_finished(self, timeout: Optional[float] = None) -> List[SaveResult]:
+        """Block until every save and push this engine issued has ended (as Orbax's
+        ``CheckpointManager.wait_until_finished``); returns the committed ones' results.
+
+        Raises the first failure among the saves that ended since the previous call, after waiting
+        for all of them: a save that failed in the background is never forgotten, even when its
+        handle was dropped. ``timeout`` bounds the whole wait (a SaveError naming the step)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results, failures = [], list(self._ended_failures)
+        self._ended_failures.clear()
+        for h in [h for h in self._in_flight if not h.skipped]:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                results.append(h.wait(left))
+            except SaveTimeoutError:
+                raise
+            except SaveError as exc:
+                failures.append(exc)
+        self._in_flight = []
+        if failures:
+            raise failures[0]
+        return results
+
+    def _drop_ended(self, keep: Callable[[SaveHandle], bool]) -> None:
+        """Forget the handles ``keep`` rejects (ended saves), remembering their failures for
+        ``wait_until_finished()``; a version's handles in this process share one commit, so one
+        of them is asked (and each whose push was refused on its own)."""
+        kept, asked = [], set()
+        for h in self._in_flight:
+            if keep(h):
+                kept.append(h)
+            elif not h.skipped and (h.version not in asked or h._ack_failed()):
+                asked.add(h.version)
+                exc = h.exception(timeout=0)
+                if exc is not None:  # a copy without the traceback, whose frames hold the handle's snapshot refs
+                    self._ended_failures.append(_detached(exc))
+        self._in_flight = kept
+
+    # ------------------------------------------------------------------ reading
+    def list_checkpoints(self) -> List[CheckpointMeta]:
+        return self._call(lambda c: c.list.remote(), "the list of checkpoints")
+
+    def all_steps(self) -> List[int]:
+        """The steps of the committed versions, oldest first (Orbax's ``all_steps``)."""
+        return [m.step for m in self.list_checkpoints()]
+
+    def latest_step(self) -> Optional[int]:
+        """The newest committed step, or None when the run has none (Orbax's ``latest_step``)."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def _manifest(self, version: int = -1, step: Optional[int] = None) -> Manifest:
+        return self._reader.manifest(version, step)
+
+    def load(self, name: Any = None, step: Any = -1, rank: Optional[int] = 0, *, version: Optional[int] = None,
+             allow_pickle: Optional[bool] = None) -> Any:
+        """Read one state of a committed version into this process (verified against the
+        manifest, local tier first, then remote), without touching any provider.
+
+        ``step=-1``: the latest version (versions are steps). ``rank``: which rank's part of a
+        pushed state; ``rank=None``: a sharded (DTensor) state with every DTensor leaf assembled
+        into its full tensor from all ranks' chunks (ranged reads, each piece verified), or the
+        single part of a state that has one. The older form ``load(version, name, rank)`` still works."""
+        if isinstance(name, int) and not isinstance(name, bool) and isinstance(step, str):
+            warnings.warn("engine.load(version, name) is deprecated; call engine.load(name, step=version)",
+                          DeprecationWarning, stacklevel=2)
+            name, step = step, name
+        if version is not None:
+            step = version
+        return self._reader.load(name, step, rank, allow_pickle)
+
+    def load_into(self, name: str, state: Any, step: int = -1, rank: int = 0, *, strict: bool = True,
+                  world_size: Optional[int] = None, allow_pickle: Optional[bool] = None) -> StateReport:
+        """Fill ``state`` (e.g. ``model.state_dict()`` / ``optim.state_dict()`` of this rank) in
+        place from state ``name`` of a committed version; returns a :class:`StateReport` (tier read,
+        bytes read, skipped keys).
+
+        A sharded state (saved with DTensor leaves) is resharded: each DTensor leaf of ``state``,
+        on any mesh and any world size, gets its local shard, read as the byte ranges it overlaps
+        from each stored file (each piece verified; a corrupt local piece is read from the remote
+        tier), plain tensor leaves and scalars (AdamW's ``step``, param_groups) come from rank 0's
+        part. A state of plain tensors pushed per rank is rank-local: ``rank``'s part is loaded,
+        and a ``world_size`` other than the number of ranks that saved it is a RestoreError naming
+        both, raised before anything changes (``world_size`` defaults to torch.distributed's when
+        a process group is initialised).
+
+        Keys, shapes and dtypes are checked before any tensor of ``state`` changes: a mismatch is
+        a RestoreError naming it; ``strict=False`` skips keys missing on either side and names them
+        in the report's detail. Only tensors and scalars are filled: call ``load_state_dict`` after
+        it for objects that keep state elsewhere."""
+        return self._reader.load_into(name, state, step, rank, strict, world_size, allow_pickle)
+
+    def restore(self, step: int = -1, strict: bool = True, names: Optional[Iterable[str]] = None,
+                rewind: bool = False, fallback: bool = False) -> RestoreReport:
+        """Bring registered providers back to a committed version (-1: the latest).
+
+        Every file is verified against the manifest before use, read from the local tier first and
+        from the remote tier when the local copy is missing or corrupt. With ``strict=True`` nothing
+        is loaded into any provider unless every CRITICAL / RELOADABLE state verified.
+
+        ``fallback=True`` (with ``step=-1``): when the newest version fails verification on every
+        tier, restore the newest older one that passes; the report's ``skipped_versions`` says
+        which were passed over and why. Without it such a restore refuses, loading nothing.
+
+        Versions are steps, so after restoring an older version, saves must go past the newest
+        one. ``rewind=True`` instead deletes every version newer than the restored one (after the
+        restore succeeded), and training goes on from it with the same step numbers."""
+        report = self._reader.restore(step, strict, names, rewind, fallback)  # reading.py
+        self._last_saved = report.step if rewind else max(self._last_saved, report.step)
+        self._step = report.step
+        return report
+
+    def status(self) -> Dict[str, Any]:
+        """Saves in flight with each part's stage, queued bytes per pool, the last error."""
+        out = self._call(lambda c: c.status.remote(), "its status").to_dict()
+        if self.config.remote_uri and (self._owner or self._saves):
+            # this engine counts the saves that take the upload turns: 1 = its next save is uploaded
+            every = self.config.remote_every
+            out["saves_until_upload"] = 1 if out.get("upload_owed") else every - self._saves % every
+        return out
+
+
+def _detached(exc: BaseException) -> BaseException:
+    """The same error, holding no traceback or chained error (nothing that keeps objects alive)."""
+    try:
+        return type(exc)(*exc.args)
+    except Exception:
+        return SaveError(one_line(exc))
+
+
+def _check_metrics(metrics: Optional[Dict[str, float]]) -> Dict[str, float]:
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict):
+        raise InvalidSaveError(f"metrics must be a dict of name -> number, got {type(metrics).__name__}")
+    out = {}
+    for k, v in metrics.items():
+        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise InvalidSaveError(f"metrics must map str -> finite number; bad entry {k!r}: {v!r}")
+        out[k] = float(v)
+    return out

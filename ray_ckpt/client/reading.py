@@ -1,0 +1,165 @@
+"""An engine's reading paths: ``load``, ``load_into`` and ``restore`` (with ``fallback``).
+
+All three start from what the coordinator says is committed (one state's entry for a load, whole
+manifests for a restore) and then read the files themselves, verified, from this process's tiers
+(local first, then remote): the coordinator never moves a state's bytes. ``CheckpointEngine``
+keeps the public methods (their signatures and docstrings) and hands the work to one
+:class:`StateReader`, so the engine module shows the API and this one how reading is done.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+
+from . import restore as stages
+from ..storage import sharded_io
+from ..storage.checkpoint_io import rank_files
+from ..config import EngineConfig
+from ..errors import IntegrityError, InvalidArgumentError, RestoreError, one_line
+from ..formats.manifest import Manifest, StateEntry
+from ..metrics import for_run as metrics_for_run
+from ..capture.providers import Registration
+from ..capture.snapshot import read_state, tiers_of
+from ..storage.layout import validate_name
+from ..types import RestoreReport, StateReport
+
+log = logging.getLogger("ray_ckpt")
+
+# CheckpointEngine._call: (method(coordinator handle) -> ref, what, timeout, error) -> the answer
+Call = Callable[..., Any]
+
+
+class StateReader:
+    """Reads committed states for one engine; ``call`` asks its coordinator (reviving it if the
+    engine owns the run), ``registry`` is the engine's own (a live view, not a copy)."""
+
+    def __init__(self, run: str, config: EngineConfig, call: Call, registry: Mapping[str, Registration]):
+        self.run, self.config, self._call, self._registry = run, config, call, registry
+
+    # ------------------------------------------------------------------ what is committed
+    def manifest(self, version: int = -1, step: Optional[int] = None) -> Manifest:
+        m = self._call(lambda c: c.manifest.remote(version, step), "a manifest", error=RestoreError)
+        if m is None:
+            what = "" if version == -1 and step is None else (
+                f" at step {step}" if step is not None else f" with version {version}")
+            raise RestoreError(f"run {self.run!r} has no committed checkpoint{what}")
+        return m
+
+    def stored_state(self, name: str, step: int, allow_pickle: Optional[bool]) -> Tuple[int, StateEntry, bool]:
+        """(version, the entry of ``name``, allow_pickle) for a load: RestoreError unless stored.
+        Fetches that one state's entry, not the whole manifest (``coordinator.stored_state``)."""
+        found = self._call(lambda c: c.stored_state.remote(name, -1, None if step == -1 else step),
+                           "a manifest", error=RestoreError)
+        if found is None:
+            what = "" if step == -1 else f" at step {step}"
+            raise RestoreError(f"run {self.run!r} has no committed checkpoint{what}")
+        entry = found.entry
+        if entry is None:
+            raise RestoreError(f"version {found.version} of run {self.run!r} has no state {name!r} "
+                               f"(it has: {', '.join(found.names)})")
+        if entry.status != "stored":
+            raise RestoreError(f"state {name!r} of version {found.version} is {entry.status}: {entry.detail}")
+        if allow_pickle is None:
+            reg = self._registry.get(name)
+            allow_pickle = bool(reg and reg.allow_pickle)
+        return found.version, entry, allow_pickle
+
+    # ------------------------------------------------------------------ one state into this process
+    def load(self, name: Any, step: Any, rank: Optional[int], allow_pickle: Optional[bool]) -> Any:
+        """``CheckpointEngine.load`` (its arguments already in the current form)."""
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError(f"load: the state's name is required, e.g. engine.load('policy', step=-1); "
+                                       f"got {name!r}")
+        validate_name(name, "state name")
+        if not isinstance(step, int) or isinstance(step, bool) or step < -1:
+            raise InvalidArgumentError(f"load: step must be a step number or -1 (the latest), got {step!r}")
+        if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
+            raise InvalidArgumentError(f"load: rank must be a non-negative integer or None, got {rank!r}")
+        version, entry, allow_pickle = self.stored_state(name, step, allow_pickle)
+        if rank is None and entry.shards is not None:  # the full tensors of a sharded state
+            try:
+                return sharded_io.load_full(tiers_of(self.config), entry, name, bool(allow_pickle))[0]
+            except IntegrityError as exc:
+                raise RestoreError(f"state {name!r} of version {version}: {exc}") from None
+        if rank is None:
+            if len(entry.files) > 1 and not entry.replicated:
+                raise InvalidArgumentError(
+                    f"load({name!r}, rank=None): state {name!r} of version {version} holds {len(entry.files)} "
+                    f"rank-local parts of plain tensors (no DTensors), which cannot be assembled into full "
+                    f"tensors; load one rank's part with rank=r")
+            rank = 0
+        try:
+            state, _tier, _ = read_state(tiers_of(self.config), rank_files(entry, name, rank), name, allow_pickle)
+        except (IntegrityError, OSError) as exc:
+            raise RestoreError(f"state {name!r} of version {version}: {one_line(exc)}") from None
+        return state
+
+    def load_into(self, name: str, state: Any, step: int, rank: int, strict: bool, world_size: Optional[int],
+                  allow_pickle: Optional[bool]) -> StateReport:
+        """``CheckpointEngine.load_into``."""
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError(f"load_into: the state's name is required, got {name!r}")
+        validate_name(name, "state name")
+        if not isinstance(step, int) or isinstance(step, bool) or step < -1:
+            raise InvalidArgumentError(f"load_into: step must be a step number or -1 (the latest), got {step!r}")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise InvalidArgumentError(f"load_into: rank must be a non-negative integer, got {rank!r}")
+        if world_size is None:
+            dist = getattr(sys.modules.get("torch"), "distributed", None)
+            if dist is not None and dist.is_available() and dist.is_initialized():
+                world_size = dist.get_world_size()
+        version, entry, allow_pickle = self.stored_state(name, step, allow_pickle)
+        tiers = tiers_of(self.config)
+        if entry.shards is not None:
+            return sharded_io.load_into_state(tiers, entry, name, state, strict=strict, allow_pickle=allow_pickle)
+        sharded_io.check_world_size(entry, name, version, world_size)
+        return sharded_io.load_rank_local_into(tiers, entry, name, state, rank, strict=strict,
+                                               allow_pickle=allow_pickle)
+
+    # ------------------------------------------------------------------ registered providers
+    def restore(self, step: int, strict: bool, names: Optional[Iterable[str]], rewind: bool,
+                fallback: bool) -> RestoreReport:
+        """``CheckpointEngine.restore``: plan, stage, verify and apply (``restore.py``), going
+        back version by version with ``fallback``; rewinds the coordinator after, if asked. The
+        engine moves its own step counters to the report's step."""
+        t0 = time.perf_counter()
+        wanted = list(self._registry) if names is None else list(names)
+        for n in wanted:
+            if n not in self._registry:
+                raise InvalidArgumentError(f"state {n!r} is not registered")
+        if fallback and step != -1:
+            raise InvalidArgumentError("restore(fallback=True) goes back from the latest version; it takes "
+                                       f"step=-1, not step={step}")
+        candidates = self._call(lambda c: c.manifests.remote(), "the manifests", error=RestoreError) \
+            if fallback else [self.manifest(-1) if step == -1 else self.manifest(step=step)]
+        if not candidates:
+            raise RestoreError(f"run {self.run!r} has no committed checkpoint")
+        skipped: Dict[int, str] = {}
+        for i, m in enumerate(candidates):
+            try:
+                plan = stages.plan(m, self._registry, wanted)
+                staged = stages.stage(plan, self.config)
+                reports = stages.verify(staged, self._registry, strict, self.run)
+            except RestoreError as exc:
+                if not fallback or i == len(candidates) - 1:
+                    if skipped:
+                        raise RestoreError(f"{exc}; newer versions skipped: "
+                                           + "; ".join(f"{v}: {why}" for v, why in skipped.items())) from None
+                    raise
+                skipped[m.version] = one_line(exc)
+                log.warning("restore(fallback=True): version %d does not verify, trying an older one: %s",
+                            m.version, one_line(exc))
+                continue
+            break
+        stages.apply(staged, reports, self._registry, self.run)
+        # newer versions found in storage but not trusted (unreadable, mis-signed, off the chain)
+        untrusted = self._call(lambda c: c.skipped_versions.remote(), "the skipped versions", error=RestoreError)
+        skipped.update({v: why for v, why in untrusted.items() if v > m.version and v not in skipped})
+        rewound: List[int] = []
+        if rewind:
+            rewound = self._call(lambda c: c.rewind.remote(m.version), "rewind", 300, RestoreError)
+        seconds = time.perf_counter() - t0
+        metrics_for_run(self.run).restored(seconds)
+        return RestoreReport(m.version, m.step, reports, seconds, tuple(rewound), skipped)

@@ -1,0 +1,239 @@
+"""Restore in named stages: plan -> stage -> verify -> apply (-> rewind, by the engine).
+
+1. ``plan``   (no Ray, no I/O): which registered state comes from which files of the manifest, into
+   which provider; what is missing, rebuilt by a loader or skipped. A rank-local state saved by N
+   ranks and restored into M != N rank providers is refused here, before any actor is touched; a
+   sharded (DTensor) state goes to any number of rank providers.
+2. ``stage``  every state is read from its tiers and verified against the manifest's checksums
+   where it will live: inside its provider actor (held there, not applied) or in this process. A
+   sharded state is staged with ``load_into`` semantics: the provider's current state (its
+   ``ckpt_get_state``: DTensors on its own mesh) is copied and the copy filled with this rank's
+   shards, so the provider reshards and its live state is untouched until ``apply``.
+3. ``verify`` the staged outcomes become the per-state reports; with ``strict`` a CRITICAL or
+   RELOADABLE state that did not verify fails the whole restore and every staged state is dropped,
+   so a failed restore changes nothing.
+4. ``apply``  the verified states are handed to their providers (``ckpt_set_state``, a loader,
+   ``load_state_dict``); a provider that refuses its state is named in a RestoreError.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import ray
+
+from ..storage.checkpoint_io import rank_files
+from ..errors import IntegrityError, RestoreError, one_line
+from ..formats.manifest import FileEntry, Manifest, StateEntry
+from ..protocol import StagedState
+from ..capture.providers import Registration
+from ..capture.snapshot import (_STAGED, ActorProvider, _actor_get, apply_in_actor, discard_in_actor, read_state,
+                       stage_in_actor, tiers_of)
+from ..types import StateReport, Strategy
+
+StageKey = Tuple[str, Optional[int]]  # (state, rank) — rank None: the state's single provider
+
+
+@dataclass
+class ActorRead:
+    name: str
+    rank: Optional[int]
+    provider: ActorProvider
+    files: List[FileEntry]
+    allow_pickle: bool
+    sharded: Optional[StateEntry] = None  # a DTensor state: staged with load_into semantics
+
+
+@dataclass
+class LocalRead:
+    name: str
+    files: List[FileEntry]
+    allow_pickle: bool
+
+
+@dataclass
+class RestorePlan:
+    manifest: Manifest
+    reports: Dict[str, StateReport] = field(default_factory=dict)  # decided without reading
+    actor_reads: List[ActorRead] = field(default_factory=list)
+    local_reads: List[LocalRead] = field(default_factory=list)
+    reloads: List[str] = field(default_factory=list)  # RELOADABLE states rebuilt by loader()
+
+
+@dataclass
+class Staged:
+    """What the stage step produced: refs to states held in actors, states read here."""
+
+    plan: RestorePlan
+    in_actors: Dict[StageKey, Any] = field(default_factory=dict)     # -> ObjectRef of a StagedState
+    local: Dict[str, Any] = field(default_factory=dict)              # state read in this process
+    reports: Dict[str, StateReport] = field(default_factory=dict)    # of the local reads
+
+
+def plan(manifest: Manifest, registry: Mapping[str, Registration], names: Sequence[str]) -> RestorePlan:
+    """Stage 1: decide where every wanted state comes from. Raises RestoreError, touching nothing,
+    when a rank-local state would be restored into a different number of ranks than saved it."""
+    p = RestorePlan(manifest)
+    m = manifest
+    for name in names:
+        reg = registry[name]
+        entry = m.states.get(name)
+        if entry is None:
+            p.reports[name] = StateReport("missing", None, False, f"version {m.version} has no state {name!r}")
+        elif entry.status == "loader":
+            p.reports[name] = StateReport("reloaded", None, False, "rebuilt by its loader")
+            p.reloads.append(name)
+        elif entry.status != "stored":
+            p.reports[name] = StateReport("missing", None, False, entry.detail or entry.status)
+        elif reg.world_size is not None:
+            _plan_ranks(p, reg, entry)
+        elif isinstance(reg.provider, ActorProvider):
+            p.actor_reads.append(ActorRead(name, None, reg.provider, rank_files(entry, name, 0), reg.allow_pickle))
+        elif reg.provider.loader is None:
+            p.reports[name] = StateReport("skipped", None, False, "no loader was registered for it")
+        else:
+            p.local_reads.append(LocalRead(name, rank_files(entry, name, 0), reg.allow_pickle))
+    return p
+
+
+def _plan_ranks(p: RestorePlan, reg: Registration, entry: Any) -> None:
+    name, m = reg.name, p.manifest
+    if not reg.rank_providers:
+        how = f"engine.load_into({name!r}, state, step={m.step}, rank=r) (any world size)" \
+            if entry.shards is not None else f"engine.load({name!r}, step={m.step}, rank=r)"
+        p.reports[name] = StateReport("skipped", None, False, f"pushed state: each rank loads its part with {how}")
+        return
+    if entry.shards is not None:  # resharding-capable: any number of rank providers
+        for r, prov in enumerate(reg.rank_providers):
+            p.actor_reads.append(ActorRead(name, r, prov, [], reg.allow_pickle, sharded=entry))
+        return
+    saved = len(entry.files)
+    if not entry.replicated and saved != len(reg.rank_providers):
+        raise RestoreError(f"state {name!r} of version {m.version} was saved by {saved} ranks; it cannot be "
+                           f"restored into {len(reg.rank_providers)} rank providers (world size {saved} != "
+                           f"{len(reg.rank_providers)}): its parts are rank-local, not resharding-capable; "
+                           f"nothing was loaded")
+    for r, prov in enumerate(reg.rank_providers):
+        p.actor_reads.append(ActorRead(name, r, prov, rank_files(entry, name, r), reg.allow_pickle))
+
+
+def stage(p: RestorePlan, config: Any) -> Staged:
+    """Stage 2: read and verify every planned state where it will be applied (not applied yet)."""
+    s = Staged(p)
+    for a in p.actor_reads:
+        if a.sharded is not None:
+            s.in_actors[(a.name, a.rank)] = a.provider.handle.__ray_call__.remote(
+                stage_sharded_in_actor, a.name, config, a.sharded, a.allow_pickle, a.provider.get,
+                a.provider.attribute)
+            continue
+        s.in_actors[(a.name, a.rank)] = a.provider.handle.__ray_call__.remote(
+            stage_in_actor, a.name, config, a.files, a.allow_pickle)
+    for r in p.local_reads:
+        try:
+            state, tier, problems = read_state(tiers_of(config), r.files, r.name, r.allow_pickle)
+            s.local[r.name] = state
+            s.reports[r.name] = StateReport("restored", tier, True, "; ".join(problems), sum(f.size for f in r.files))
+        except (IntegrityError, RestoreError, OSError) as exc:
+            s.reports[r.name] = StateReport("missing", None, False, one_line(exc))
+    return s
+
+
+def _copy_tensors(state: Any) -> Any:
+    """New containers and cloned tensors (DTensors stay DTensors on their mesh); other leaves shared."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if isinstance(state, dict):
+        return {k: _copy_tensors(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_copy_tensors(v) for v in state]
+    if isinstance(state, tuple):
+        return tuple(_copy_tensors(v) for v in state)
+    if torch is not None and isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    return state
+
+
+def stage_sharded_in_actor(actor: Any, name: str, config: Any, entry: StateEntry, allow_pickle: bool,
+                           getter: str, attribute: Optional[str]) -> StagedState:
+    """Runs in a rank provider actor: a copy of its current state (the layout to fill: DTensors on
+    this rank's mesh, any world size) is filled from the sharded state ``entry`` -- only the byte
+    ranges of this rank's shards, each piece verified -- and held until every state verified.
+    Keys, shapes and dtypes are checked against the checkpoint (strict); a mismatch fails the
+    state, naming it. The provider's state must already hold every key (an optimizer's moments:
+    ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` creates them)."""
+    from ..storage.sharded_io import load_into_state
+
+    try:
+        target = _copy_tensors(_actor_get(actor, getter, attribute, name))
+        rep = load_into_state(tiers_of(config), entry, name, target, strict=True, allow_pickle=allow_pickle)
+    except (IntegrityError, RestoreError, OSError) as exc:
+        return StagedState(False, None, one_line(exc))
+    actor.__dict__.setdefault(_STAGED, {})[name] = target
+    return StagedState(True, rep.tier, rep.detail, rep.bytes)
+
+
+def verify(s: Staged, registry: Mapping[str, Registration], strict: bool, run: str) -> Dict[str, StateReport]:
+    """Stage 3: the per-state reports. With ``strict``, raise RestoreError (after dropping every
+    staged state) unless every CRITICAL / RELOADABLE state verified."""
+    reports = dict(s.plan.reports)
+    reports.update(s.reports)
+    per_state: Dict[str, List[StagedState]] = {}
+    for (name, rank), ref in s.in_actors.items():
+        try:
+            r = ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            r = StagedState(False, None, f"provider actor failed: {one_line(exc)[:300]}")
+        if rank is not None and r.detail:
+            r = StagedState(r.ok, r.tier, f"rank {rank}: {r.detail}", r.bytes)
+        per_state.setdefault(name, []).append(r)
+    for name, rs in per_state.items():
+        detail = "; ".join(r.detail for r in rs if r.detail)
+        if all(r.ok for r in rs):
+            tier = "remote" if any(r.tier == "remote" for r in rs) else "local"
+            reports[name] = StateReport("restored", tier, True, detail, sum(r.bytes for r in rs))
+        else:
+            reports[name] = StateReport("missing", None, False, detail)
+    failed = [f"{n}: {r.detail}" for n, r in reports.items()
+              if r.status == "missing" and registry[n].strategy is not Strategy.BEST_EFFORT]
+    if strict and failed:
+        discard(s)
+        m = s.plan.manifest
+        raise RestoreError(f"cannot restore version {m.version} (step {m.step}) of run {run!r}; nothing was "
+                           f"loaded: " + " | ".join(failed))
+    return reports
+
+
+def discard(s: Staged) -> None:
+    """Drop every state held in a provider actor by ``stage`` (a restore that will not apply)."""
+    for a in s.plan.actor_reads:
+        a.provider.handle.__ray_call__.remote(discard_in_actor, a.name)
+
+
+def apply(s: Staged, reports: Mapping[str, StateReport], registry: Mapping[str, Registration], run: str) -> List[str]:
+    """Stage 4: hand every verified state to its provider; returns the names loaded. A provider
+    whose own set_state / loader raises is named in a RestoreError (with what was loaded)."""
+    refused: List[str] = []
+    loaded: List[str] = []
+    applies = [(a, a.provider.handle.__ray_call__.remote(apply_in_actor, a.provider.set, a.name, a.provider.attribute))
+               for a in s.plan.actor_reads if reports[a.name].status == "restored"]
+    for a, ref in applies:
+        try:
+            ray.get(ref)
+            loaded.append(a.name)
+        except ray.exceptions.RayError as exc:
+            cause = getattr(exc, "cause", None) or exc
+            refused.append(f"{a.name}{'' if a.rank is None else f' rank {a.rank}'}: {one_line(cause)[:300]}")
+    calls = [(name, (state,)) for name, state in s.local.items()] + [(name, ()) for name in s.plan.reloads]
+    for name, args in calls:
+        try:
+            registry[name].provider.loader(*args)
+            loaded.append(name)
+        except Exception as exc:
+            refused.append(f"{name}: its loader raised {type(exc).__name__}: {one_line(exc)[:300]}")
+    if refused:
+        m = s.plan.manifest
+        raise RestoreError(f"version {m.version} (step {m.step}) of run {run!r} verified, but loading it into "
+                           f"its providers failed: {' | '.join(refused)}; loaded: "
+                           f"{', '.join(sorted(set(loaded))) or 'nothing'}")
+    return loaded

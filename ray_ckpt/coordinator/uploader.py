@@ -1,0 +1,168 @@
+"""Committed versions to the remote tier (the coordinator's step 6): carrying out the UploadPlan.
+
+:class:`~ray_ckpt.coordinator.upload_plan.UploadPlan` decides (whose turn, which files are owed, when to stop
+or give up); this module does it with the writers: each file is uploaded by a writer on the node
+whose local tier holds it, in calls of at most ``UPLOAD_FILES_PER_CALL`` files so that
+``progress()`` moves; the remote manifest is written last (the remote commit marker), after a
+fence check (a run taken over by another job is not written to). Transient errors retry with
+backoff up to 30 s apart; a bad local copy (IntegrityError) gives the version up: what the attempts
+left on the remote tier is removed and its remote handle fails. Uploads found owed at a restart
+resume (``resume()``, from the coordinator's first async call).
+
+The coordinator holds one :class:`Uploader`; ``futures[v]`` is what ``wait(v, "remote")`` awaits.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple
+
+from .catalogue import Catalogue
+from ..storage.checkpoint_io import delete_version, write_manifest
+from ..errors import IntegrityError, SaveError, one_line
+from ..metrics import Metrics
+from ..protocol import SaveOutcome
+from ..storage.tier import Tier
+from .upload_plan import UploadPlan
+from ..writers.pools import WriterPools
+
+log = logging.getLogger("ray_ckpt.coordinator")
+UPLOAD_FILES_PER_CALL = 16  # files per writer upload call: the grain of progress()
+PROGRESS_VERSIONS = 64      # upload progress is kept for the waits of this many recent versions
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """A provider's or writer's error comes wrapped once per Ray task it crossed."""
+    while getattr(exc, "cause", None) is not None and exc.cause is not exc:
+        exc = exc.cause
+    return exc
+
+
+class Uploader:
+    """Uploads committed versions when the plan says so, and tells their remote handles."""
+
+    def __init__(self, run: str, remote: Optional[Tier], plan: UploadPlan, catalogue: Catalogue,
+                 pools: WriterPools, file_nodes: Dict[str, str], metrics: Metrics,
+                 fence: Callable[[Tier], Optional[str]], outcome: Callable[..., SaveOutcome],
+                 accepted_at: Dict[int, float], in_background: Callable[[Any], Any],
+                 retention: Callable[[], Awaitable[None]], on_error: Callable[[str], None]):
+        self.run, self.remote, self.plan, self.catalogue, self.pools = run, remote, plan, catalogue, pools
+        self.file_nodes, self.metrics, self._fence, self._outcome = file_nodes, metrics, fence, outcome
+        self.accepted_at, self._in_background, self._retention = accepted_at, in_background, retention
+        self._on_error = on_error
+        self.futures: Dict[int, asyncio.Future] = {}
+        self.locks: Dict[int, asyncio.Lock] = {}  # one upload sequence per version at a time
+        self.bytes: Dict[int, Tuple[int, int]] = {}  # version -> (uploaded, to upload) of the current attempt
+
+    def future(self, version: int) -> asyncio.Future:
+        return self.futures.setdefault(version, asyncio.get_running_loop().create_future())
+
+    def on_commit(self, version: int) -> None:
+        """Upload ``version`` (just committed) if its turn has come (see UploadPlan.on_commit)."""
+        if self.remote is None:
+            return
+        fut = self.future(version)
+        why_not = self.plan.on_commit(version)
+        if why_not is not None:
+            fut.set_exception(SaveError(why_not))
+            return
+        self.start(version)
+
+    def start(self, version: int) -> None:
+        self._in_background(self.upload(version))
+
+    def resume(self) -> None:
+        """Start the uploads found undone at start-up (needs the event loop: first async call)."""
+        for v in self.plan.take_resume():
+            if v in self.plan.committed:
+                log.warning("version %d: its remote copy lacks parts its local manifest gained before a restart "
+                            "(late best-effort parts); uploading them now", v)
+            else:
+                log.warning("version %d: committed locally but not uploaded before a restart; uploading it now", v)
+            self.future(v)
+            self.start(v)
+
+    async def upload(self, version: int) -> None:
+        """Upload ``version`` until it is on the remote tier or cannot be (its local copy is bad);
+        transient errors retry with backoff (up to 30 s apart)."""
+        backoff = 0.5
+        async with self.locks.setdefault(version, asyncio.Lock()):
+            while True:
+                manifest = self.catalogue.committed.get(version)
+                if self.plan.should_stop(version, manifest):  # e.g. a re-sync queued behind a failure
+                    return
+                files = self.plan.files_to_upload(manifest)
+                self.note(version, 0, sum(f.size for f in files))
+                try:
+                    await self.copy_files(files, version)
+                    self.plan.files_uploaded(files)
+                    taken_over = await asyncio.to_thread(self._fence, self.remote)
+                    if taken_over:
+                        raise IntegrityError(taken_over)  # no retry helps: given up like a bad local copy
+                    await asyncio.to_thread(write_manifest, self.remote, manifest)
+                except Exception as exc:
+                    msg = one_line(getattr(exc, "cause", None) or exc)
+                    permanent = isinstance(root_cause(exc), IntegrityError)  # the local copy is bad: no retry helps
+                    self.plan.failed(version, msg, permanent)
+                    self._on_error(f"version {version} upload: {msg}")
+                    self.metrics.failed("upload")
+                    if permanent:
+                        await self.give_up(version, msg)
+                        break
+                    log.warning("version %d: remote upload failed, retrying in %.1fs: %s", version, backoff, msg)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 30.0)
+                    continue
+                uploaded = self.plan.succeeded(version, manifest, files)
+                total = self.bytes[version][1]
+                self.note(version, total, total)
+                self.metrics.committed("remote", time.perf_counter() - self.accepted_at.get(version, 0.0), uploaded)
+                fut = self.future(version)
+                if not fut.done():
+                    fut.set_result(self._outcome(manifest, "remote", self.plan.bytes.get(version, 0)))
+                break
+        await self._retention()
+
+    async def copy_files(self, files: List[Any], version: Optional[int] = None) -> None:
+        """Each file is uploaded by a writer on the node whose local tier holds it, in calls of at
+        most ``UPLOAD_FILES_PER_CALL`` files, so that ``progress`` moves as they end."""
+        by_node: Dict[str, list] = {}
+        for f in files:
+            by_node.setdefault(self.file_nodes.get(f.path, self.pools.node_id), []).append(f)
+
+        async def one(node: str, fs: List[Any]) -> None:
+            await self.pools.least_busy(self.pools.critical_on(node)).upload.remote(fs)
+            if version in self.bytes:
+                done, total = self.bytes[version]
+                self.note(version, done + sum(f.size for f in fs), total)
+
+        await asyncio.gather(*[one(node, fs[i:i + UPLOAD_FILES_PER_CALL]) for node, fs in by_node.items()
+                               for i in range(0, len(fs), UPLOAD_FILES_PER_CALL)])
+
+    def note(self, version: int, done: int, total: int) -> None:
+        self.bytes[version] = (done, total)
+        while len(self.bytes) > PROGRESS_VERSIONS:  # bookkeeping for the waits of recent versions only
+            del self.bytes[min(self.bytes)]
+
+    def progress(self, version: int) -> Optional[Tuple[int, int]]:
+        """(bytes uploaded, bytes to upload) of ``version``'s current attempt, or None before it starts."""
+        return self.bytes.get(version)
+
+    async def give_up(self, version: int, msg: str) -> None:
+        """Remove what the attempts left on the remote tier (never listed: no manifest), then fail
+        the remote handle."""
+        log.error("version %d: not uploaded, its local copy cannot be: %s", version, msg)
+        try:
+            kept = {p for m in self.plan.committed.values() for p in m.referenced_paths()}
+            await asyncio.to_thread(delete_version, self.remote, version, kept, [])
+        except Exception as cleanup:
+            log.warning("version %d: removing its partial upload failed: %s", version, one_line(cleanup))
+        fut = self.future(version)
+        if not fut.done():
+            fut.set_exception(SaveError(f"version {version} of run {self.run!r} cannot be uploaded: {msg}"))
+
+    def forget(self, version: int) -> None:
+        """Drop the future and lock of an old, finished version (see the coordinator's pruning)."""
+        self.futures.pop(version, None)
+        self.locks.pop(version, None)

@@ -1,0 +1,88 @@
+"""Answering ``wait()``: a version's outcome once it is committed on a tier.
+
+Every handle's wait ends here (a driver's save, a rank's push: one call per version and process).
+A version in flight is answered from its commit future (and the uploader's, for the remote tier); an
+older one, or one committed before a restart, from the catalogue and the upload plan; a failed one
+with its error. Kept apart from the actor because which source answers which version is a rule of
+its own, read in one place; the futures it awaits are the coordinator's (shared dicts, not copies).
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Dict, Optional
+
+from .catalogue import Catalogue
+from ..errors import SaveError
+from ..formats.manifest import Manifest
+from ..protocol import SaveOutcome
+from ..storage.tier import Tier
+from .upload_plan import UploadPlan
+from .uploader import Uploader
+
+UNKNOWN_WAIT_S = 30.0  # how long an unknown version is waited for (the save() call may come after)
+
+
+def outcome_of(m: Manifest, durability: str, bytes_written: Optional[int] = None, **extra: Any) -> SaveOutcome:
+    """A committed manifest as the outcome a handle returns."""
+    missing = tuple(sorted(n for n, e in m.states.items() if e.status == "missing"))
+    pending = tuple(sorted(n for n, e in m.states.items() if e.status == "pending"))
+    return SaveOutcome(m.version, m.step, durability, m.bytes if bytes_written is None else bytes_written,
+                       tuple(sorted(m.states)), missing=missing, pending=pending, **extra)
+
+
+class VersionWaits:
+    """The coordinator's ``wait()``: from the futures of versions in flight, or from what is committed."""
+
+    def __init__(self, run: str, remote: Optional[Tier], rank_timeout_s: float, catalogue: Catalogue,
+                 uploads: UploadPlan, uploader: Uploader, commit_futures: Dict[int, asyncio.Future],
+                 settled_futures: Dict[int, asyncio.Future]):
+        self.run, self.remote, self.rank_timeout_s = run, remote, rank_timeout_s
+        self.catalogue, self.uploads, self.uploader = catalogue, uploads, uploader
+        self.commit_futures, self.settled_futures = commit_futures, settled_futures
+
+    async def wait(self, version: int, durability: str = "local", best_effort: bool = False,
+                   pushed: bool = False) -> SaveOutcome:
+        """See ``CheckpointCoordinator.wait``."""
+        if durability not in ("local", "remote"):
+            raise SaveError(f"durability must be 'local' or 'remote', got {durability!r}")
+        if best_effort:
+            return await self._wait_settled(version, durability)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (max(UNKNOWN_WAIT_S, self.rank_timeout_s) if pushed else UNKNOWN_WAIT_S)
+        # an async actor may run this call before the save() submitted just before it: wait a little
+        while (version not in self.commit_futures and version not in self.catalogue.committed
+               and version not in self.uploads.committed and version not in self.catalogue.failed
+               and loop.time() < deadline):
+            await asyncio.sleep(0.02)
+        if version in self.commit_futures:
+            outcome = await self.commit_futures[version]
+            if durability == "local":
+                return outcome
+            if self.remote is None:
+                raise SaveError(f"run {self.run!r} has no remote tier (remote_uri was not given)")
+            return await self.uploader.future(version)
+        if version in self.catalogue.failed:
+            raise SaveError(f"version {version} of run {self.run!r} failed: {self.catalogue.failed[version]}")
+        if version in self.catalogue.committed and durability == "local":
+            return outcome_of(self.catalogue.committed[version], "local")
+        if version in self.uploads.committed:
+            return outcome_of(self.uploads.committed[version], durability)
+        if version in self.uploader.futures and version in self.catalogue.committed:  # resumed upload
+            return await self.uploader.futures[version]
+        raise SaveError(f"version {version} is unknown to the coordinator of run {self.run!r} "
+                        f"(it may have restarted while the save was in flight)")
+
+    async def _wait_settled(self, version: int, durability: str) -> SaveOutcome:
+        await self.wait(version, "local")
+        settled = self.settled_futures.get(version)
+        if settled is not None:
+            await settled
+        if durability == "local":
+            m = self.catalogue.committed.get(version)
+            outcome = await self.wait(version, "local")
+            return outcome if m is None else outcome_of(m, "local", outcome.bytes_written,
+                                                        seconds=outcome.seconds, stages=outcome.stages)
+        # a manifest updated by late best-effort parts is uploaded again: wait for that copy
+        while self.uploads.needs_resync(version, self.catalogue.committed.get(version)):
+            await asyncio.sleep(0.05)
+        return await self.wait(version, "remote")

@@ -1,0 +1,484 @@
+"""Sharded (DTensor) states on the tiers: ranged, verified reads for ``load_into`` and ``load(rank=None)``.
+
+No Ray here: the engine calls these in whatever process wants the state (a rank actor, a driver,
+``ray-ckpt export``). The formats side (``formats.shards``) plans which byte ranges a target layout
+needs and checks them against per-piece digests; this module supplies the bytes:
+
+* :class:`RangeReader` reads a byte range of one of a state's files from the first tier whose copy
+  passes the check (local first, then remote: like every other read), and counts what it read;
+* :func:`read_head` reads rank 0's file header and its non-sharded leaves (AdamW's ``step``, the
+  nested structure with its scalars) by their recorded ranges and digests, never the whole file;
+* :func:`load_into_state` fills a target state in place (DTensors on any mesh: resharding);
+  :func:`load_full` assembles every DTensor leaf into its full tensor;
+* :func:`load_rank_local_into` is ``load_into`` of a state that is not resharding-capable (plain
+  tensors pushed per rank): refused, naming both sizes, when the world size differs.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import xxhash
+
+from .checkpoint_io import decode_files, rank_files, read_files
+from ..errors import IntegrityError, RestoreError, one_line
+from ..formats import safetensors_io
+from ..formats.manifest import StateEntry
+from ..formats.tree import leaf_key, unflatten, walk_sharded
+from .tier import Tier
+from ..types import StateReport
+
+
+class RangeReader:
+    """``read_range(file, begin, end)`` over the files of one state entry on ``tiers`` (in order).
+
+    ``read_checked(file, begin, end, check)`` returns the first tier's bytes for which ``check``
+    (raising IntegrityError) passes: a corrupt or missing local copy falls back to the remote tier.
+    A file id that is not one of the entry's files is refused (the index comes from storage).
+    ``bytes`` counts every byte read (failed attempts too); ``tier`` is "remote" once any range
+    came from there; ``problems`` lists what was passed over."""
+
+    def __init__(self, tiers: Sequence[Tier], entry: StateEntry, name: str):
+        if not tiers:
+            raise RestoreError("no storage tier to read from")
+        self.tiers = list(tiers)
+        self.name = name
+        self.paths = {f.path for f in entry.all_files()}
+        self.bytes = 0
+        self.calls = 0
+        self.tier = self.tiers[0].name
+        self.problems: List[str] = []
+        self.sizes = {f.path: f.size for f in entry.all_files()}
+        self.heads = {f.path: h for r, fs in entry.files.items() for f in fs
+                      for h in [((entry.shards or {}).get("heads") or {}).get(str(r))] if f.role == "tensors"}
+        self.index: Any = None  # set: the header of every file a chunk is read from is checked first
+        self.headers_checked: set = set()
+
+    def __call__(self, file: str, begin: int, end: int) -> Any:
+        return self.read_checked(file, begin, end, None)
+
+    def check_header(self, file: str) -> None:
+        """Read ``file``'s safetensors header (verified against its "head" record when the manifest
+        has one) and cross-check the chunks the index places in it (:func:`check_header_chunks`);
+        a tier whose copy does not agree is passed over like a corrupt one."""
+        self.headers_checked.add(file)
+        size = self.sizes.get(file, 0)
+        head = self.heads.get(file)
+        try:
+            n = int(head["n"]) if isinstance(head, dict) else None
+            want = str(head["xxh3"]) if isinstance(head, dict) else None
+        except (KeyError, TypeError, ValueError):
+            n = want = None
+        if n is None:
+            if size < 8:
+                raise IntegrityError(f"{file}: {size} bytes: not a safetensors file")
+            (hn,) = struct.unpack_from("<Q", bytes(self.read_checked(file, 0, 8, None)), 0)
+            n = hn + 8
+        if not 8 <= n <= min(size, safetensors_io.MAX_HEADER):
+            raise IntegrityError(f"{file}: header length {n} does not fit the file ({size} bytes)")
+
+        def check(head_bytes: Any) -> None:
+            if want is not None:
+                _digest_check(want, f"{file}: header")(head_bytes)
+            structure, header, names, offsets, sizes = _parse_header(file, head_bytes, n, size)
+            check_header_chunks(self.index, file, structure, header, names, offsets, sizes)
+
+        self.read_checked(file, 0, n, check)
+
+    def read_checked(self, file: str, begin: int, end: int, check: Optional[Callable[[Any], None]]) -> Any:
+        if file not in self.paths:
+            raise IntegrityError(f"state {self.name!r}: the shard index names {file!r}, which is not one of the "
+                                 f"state's files in the manifest: refused")
+        if not 0 <= begin <= end <= self.sizes.get(file, 0):
+            raise IntegrityError(f"{file}: bytes {begin}..{end} lie outside the file ({self.sizes.get(file)} "
+                                 f"bytes in the manifest): refused")
+        if self.index is not None and file not in self.headers_checked:
+            self.check_header(file)
+        errors = []
+        for tier in self.tiers:
+            try:
+                data = tier.read_range(file, begin, end)
+                self.bytes += len(data)
+                self.calls += 1
+                if check is not None:
+                    check(data)
+            except FileNotFoundError:
+                errors.append(f"{tier.name}: {file} missing")
+                continue
+            except IntegrityError as exc:
+                errors.append(f"{tier.name}: {one_line(exc)}")
+                continue
+            except OSError as exc:
+                errors.append(f"{tier.name}: {tier.scrub(one_line(exc))}")
+                continue
+            if tier is not self.tiers[0]:
+                self.tier = tier.name
+            self.problems.extend(errors)
+            return data
+        raise IntegrityError(f"no good copy of bytes {begin}..{end} of {file} ({'; '.join(errors)})")
+
+
+def _digest_check(want: str, what: str) -> Callable[[Any], None]:
+    def check(data: Any) -> None:
+        if xxhash.xxh3_128_hexdigest(memoryview(data).cast("B")) != want:
+            raise IntegrityError(f"{what}: checksum mismatch")
+    return check
+
+
+def index_of_entry(entry: StateEntry, name: str) -> Any:
+    """The state's shard index, checked before anything is read or allocated: strict fields, a known
+    dtype, chunks that tile each tensor, piece digests on every chunk (a chunk without them is
+    refused rather than read unverified: every ray_ckpt writer records them, so their absence means
+    an edited or damaged index), and every chunk's byte range inside one of the state's tensors
+    files, by the sizes the manifest records (a small file cannot claim a huge chunk)."""
+    from ..formats.shard_index import ShardIndex
+
+    sizes = {f.path: f.size for f in entry.all_files() if f.role == "tensors"}
+    try:
+        return ShardIndex.from_json(entry.shards, file_sizes=sizes)
+    except IntegrityError as exc:
+        raise IntegrityError(f"state {name!r}: {exc}") from None
+
+
+def check_header_chunks(index: Any, file: str, structure: Any, header: Dict[str, Any], names: List[str],
+                        offsets: List[int], sizes: List[int]) -> None:
+    """Cross-check the chunks the shard index places in ``file`` against that file's own header:
+    every chunk the index places in the file is, by the file's structure and safetensors header, a
+    chunk of that tensor at that byte offset with that box and byte size (and the file's record of
+    the tensor has the index's global shape and dtype). A file chunk the index omits is not an error
+    here (the index's chunks tile each tensor, each one checked against its own file). A chunk whose
+    box was swapped with another's, or that points at other bytes of the file, is an
+    :class:`IntegrityError` naming the file and the chunk."""
+    from ..formats.shard_index import _prod
+
+    def bad(key: str, why: str) -> IntegrityError:
+        return IntegrityError(f"{file}: {key}: the shard index does not match the file's header: {why}")
+
+    want: Dict[Tuple[str, int], Tuple[Tuple[int, ...], Tuple[int, ...]]] = {}
+    try:
+        for path, node in walk_sharded(structure):
+            key, i = leaf_key(path), node["DT"]
+            if i is None or _prod(node["sh"]) == 0:
+                continue
+            m = index.get(key)
+            if m is None:
+                continue  # a tensor the index does not list: nothing of it is read through the index
+            if list(node["g"]) != list(m.global_shape) or node["dt"] != m.dtype:
+                raise bad(key, f"the file holds shape {node['g']} {node['dt']}, the index "
+                               f"{list(m.global_shape)} {m.dtype}")
+            if not isinstance(i, int) or not 0 <= i < len(names) or list(header[names[i]]["shape"]) != list(node["sh"]):
+                raise bad(key, f"array {i} of the header is not the chunk of sizes {node['sh']}")
+            want[(key, offsets[i])] = (tuple(node["o"]), tuple(node["sh"]), sizes[i])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise IntegrityError(f"{file}: the header's DTensor records are malformed ({exc})") from None
+    by_file = getattr(index, "_chunks_by_file", None)
+    if by_file is None:  # once per index: a reader checks the header of every file it reads from
+        by_file = {}
+        for key, m in index.items():
+            for c in m.chunks:
+                by_file.setdefault(c.file, []).append((key, c))
+        try:
+            index._chunks_by_file = by_file
+        except AttributeError:
+            pass
+    for key, c in by_file.get(file, ()):
+        box = (list(c.chunk.offsets), list(c.chunk.sizes))
+        w = want.get((key, c.offset))
+        if w is None:
+            raise bad(key, f"the index's chunk at {box[0]} of sizes {box[1]} (bytes {c.offset}.."
+                           f"{c.offset + c.nbytes}) is not a chunk of this tensor in the file")
+        if (w[0], w[1]) != tuple(map(tuple, box)) or w[2] != c.nbytes:
+            raise bad(key, f"the index's chunk at {box[0]} of sizes {box[1]} ({c.nbytes} bytes at "
+                           f"{c.offset}) is, by the file's header, the chunk at {list(w[0])} of sizes "
+                           f"{list(w[1])} ({w[2]} bytes)")
+
+
+def _parse_header(file: str, head: Any, n: int, size: int) -> Tuple[Any, Dict[str, Any], List[str], List[int], List[int]]:
+    """(structure, header, array names, byte offsets, byte sizes) of a ray_ckpt safetensors file's
+    first ``n`` bytes (its length prefix and header)."""
+    try:
+        (hn,) = struct.unpack_from("<Q", head, 0)
+        if hn != n - 8:
+            raise ValueError(f"header length {hn} != recorded {n - 8}")
+        header = json.loads(bytes(head[8:n]))
+        safetensors_io.check_header(header, size - n)
+        meta = header.pop("__metadata__")
+        structure = json.loads(meta[safetensors_io.STRUCTURE_KEY])
+        names = json.loads(meta["ray_ckpt.leaves"])
+        offsets = [n + header[x]["data_offsets"][0] for x in names]
+        sizes = [header[x]["data_offsets"][1] - header[x]["data_offsets"][0] for x in names]
+    except (KeyError, ValueError, TypeError, struct.error, RecursionError) as exc:
+        raise IntegrityError(f"{file}: not a ray_ckpt safetensors header ({exc})") from None
+    return structure, header, names, offsets, sizes
+
+
+def read_head(entry: StateEntry, name: str, reader: RangeReader, tiers: Sequence[Tier],
+              allow_pickle: bool = False, index: Any = None) -> Tuple[Any, List[Any], List[Any]]:
+    """(structure, arrays, tables) of rank 0's part without its sharded chunks: the header and the
+    non-sharded arrays are read by range and checked against the digests the writer recorded;
+    the DTensor nodes' array indices are cleared (their bytes come from the shard index). With
+    ``index``, the chunks it places in rank 0's file are cross-checked against the header
+    (:func:`check_header_chunks`)."""
+    files = rank_files(entry, name, 0)
+    tensors = [f for f in files if f.role == "tensors"]
+    if len(tensors) != 1:
+        raise IntegrityError(f"state {name!r}: rank 0 has {len(tensors)} tensors files, expected 1")
+    f = tensors[0]
+    try:
+        h = (entry.shards or {})["heads"]["0"]
+        n, head_digest = int(h["n"]), str(h["xxh3"])
+        plain = [(int(i), int(off), int(nb), str(dg)) for i, off, nb, dg in h["plain"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise IntegrityError(f"state {name!r}: the manifest's shard heads are malformed ({exc})") from None
+    if not 8 <= n <= min(f.size, safetensors_io.MAX_HEADER):
+        raise IntegrityError(f"{f.path}: recorded header length {n} does not fit the file ({f.size} bytes)")
+    reader.headers_checked.add(f.path)  # checked here, against the index when one is given
+    head = reader.read_checked(f.path, 0, n, _digest_check(head_digest, f"{f.path}: header"))
+    structure, header, names, offsets, sizes = _parse_header(f.path, head, n, f.size)
+    if index is not None:
+        check_header_chunks(index, f.path, structure, header, names, offsets, sizes)
+    arrays: List[Any] = [None] * len(names)
+    for i, off, nb, dg in plain:
+        if not 0 <= i < len(names) or offsets[i] != off or sizes[i] != nb:
+            raise IntegrityError(f"{f.path}: the manifest's record of array {i} does not match the file's header")
+        arrays[i] = reader.read_checked(f.path, off, off + nb, _digest_check(dg, f"{f.path}: {names[i]}"))
+    for _path, node in walk_sharded(structure):
+        node["DT"] = None  # the chunk's bytes are read through the shard index, not from here
+    tables_f = [x for x in files if x.role == "table"]
+    tables: List[Any] = []
+    if tables_f:
+        bufs, used, problems = read_files(tiers, tables_f)
+        from ..formats import arrow_io
+
+        tables = [arrow_io.read(b, path=x.path) for x, b in zip(tables_f, bufs)]
+        reader.bytes += sum(x.size for x in tables_f)
+        if used != tiers[0].name:
+            reader.tier = used
+        reader.problems.extend(problems)
+    return structure, arrays, tables
+
+
+def _plain_of(entry, name, reader, tiers, allow_pickle, index: Any = None) -> Any:
+    structure, arrays, tables = read_head(entry, name, reader, tiers, allow_pickle, index)
+    try:
+        return unflatten(structure, arrays, tables, allow_pickle=allow_pickle, state_name=name,
+                         on_sharded=lambda leaf: None)
+    except TypeError as exc:  # an array index the record did not cover
+        raise IntegrityError(f"state {name!r}: rank 0's part refers to an array the manifest did not record "
+                             f"({exc})") from None
+
+
+def load_full(tiers: Sequence[Tier], entry: StateEntry, name: str, allow_pickle: bool = False,
+              verify: bool = True) -> Tuple[Any, RangeReader]:
+    """The state with every DTensor leaf assembled into its full (plain, CPU) tensor; non-sharded
+    leaves as rank 0 saved them. Returns (state, the reader: bytes read, tier used)."""
+    from ..formats.shards import full_state
+
+    index = index_of_entry(entry, name)
+    reader = RangeReader(tiers, entry, name)
+    reader.index = index
+    structure, arrays, tables = read_head(entry, name, reader, tiers, allow_pickle, index)
+    return full_state(structure, arrays, tables, index, reader, verify=verify, allow_pickle=allow_pickle,
+                      state_name=name), reader
+
+
+def full_tensors(tiers: Sequence[Tier], entry: StateEntry, name: str, verify: bool = True
+                 ) -> Tuple[Dict[str, Any], RangeReader]:
+    """key -> full tensor of every tensor leaf of a sharded state (what ``ray-ckpt export`` writes):
+    DTensor leaves assembled one at a time, plain tensor leaves of rank 0."""
+    from ..formats.shards import assemble_full, iter_tensor_leaves
+
+    index = index_of_entry(entry, name)
+    reader = RangeReader(tiers, entry, name)
+    reader.index = index
+    plain = _plain_of(entry, name, reader, tiers, False, index)
+    out: Dict[str, Any] = {}
+    for path, t in iter_tensor_leaves(plain):
+        out[leaf_key(path)] = t
+    for key, m in index.items():
+        out[key] = assemble_full(m, reader, verify=verify)
+    return out, reader
+
+
+# ------------------------------------------------------------------------------------------ in place
+def _torch():
+    import torch
+
+    return torch
+
+
+def _lookup(state: Any, path: list) -> Any:
+    from ..formats.shards import _lookup as lookup
+
+    return lookup(state, path)
+
+
+def _merge_scalars(target: Any, src: Any) -> None:
+    """Put the non-tensor leaves of ``src`` (scalars, strings, tuples of them: an optimizer's
+    param_groups) into ``target`` where both have them; tensors are left to the tensor pass."""
+    torch = _torch()
+
+    def has_tensor(x: Any) -> bool:
+        if isinstance(x, torch.Tensor):
+            return True
+        if isinstance(x, dict):
+            return any(has_tensor(v) for v in x.values())
+        if isinstance(x, (list, tuple)):
+            return any(has_tensor(v) for v in x)
+        return False
+
+    def merge(t: Any, s: Any) -> None:
+        if isinstance(t, dict) and isinstance(s, dict):
+            keys = [k for k in t if k in s]
+        elif isinstance(t, list) and isinstance(s, (list, tuple)) and len(t) == len(s):
+            keys = range(len(t))
+        else:
+            return
+        for k in keys:
+            tv, sv = t[k], s[k]
+            if isinstance(tv, (dict, list)):
+                merge(tv, sv)
+            elif isinstance(tv, torch.Tensor) or has_tensor(tv) or sv is None and tv is not None:
+                continue
+            elif not has_tensor(sv):
+                t[k] = sv
+
+    merge(target, src)
+
+
+def _tensor_keys(state: Any) -> Dict[str, Any]:
+    from ..formats.shards import iter_tensor_leaves
+
+    return {leaf_key(p): t for p, t in iter_tensor_leaves(state)}
+
+
+def _mismatch(key: str, t: Any, shape: Sequence[int], dtype: str) -> Optional[str]:
+    tdt = str(t.dtype).replace("torch.", "")
+    if tuple(t.shape) != tuple(shape) or tdt != dtype:
+        return f"{key}: the target is shape {list(t.shape)} {tdt} but the checkpoint holds shape {list(shape)} {dtype}"
+    return None
+
+
+def _check_keys(name: str, missing: List[str], unexpected: List[str], strict: bool) -> str:
+    def few(keys: List[str]) -> str:
+        return ", ".join(keys[:8]) + (f" (+{len(keys) - 8} more)" if len(keys) > 8 else "")
+
+    parts = []
+    if missing:
+        parts.append(f"not in the checkpoint: {few(missing)}")
+    if unexpected:
+        parts.append(f"in the checkpoint but not in the target: {few(unexpected)}")
+    if strict and parts:
+        raise RestoreError(f"state {name!r}: keys do not match ({'; '.join(parts)}); nothing was loaded "
+                           f"(strict=False skips them)")
+    return ("skipped keys " + "; ".join(parts)) if parts else ""
+
+
+def load_into_state(tiers: Sequence[Tier], entry: StateEntry, name: str, state: Any, *, strict: bool = True,
+                    allow_pickle: bool = False, verify: bool = True) -> StateReport:
+    """Fill ``state`` in place from a sharded state entry: each DTensor leaf gets its local shard
+    (any mesh, any world size), a plain tensor leaf in the index the whole tensor, other tensor
+    leaves (AdamW's ``step``) and scalars rank 0's values. Only the byte ranges the target's chunks
+    overlap are read (plus rank 0's header and small non-sharded arrays), each piece verified.
+
+    Every key, shape and dtype is checked before the first byte of the target changes: a mismatch
+    is a RestoreError naming it; keys missing on either side are one too unless ``strict=False``
+    (then skipped and named in the report's detail). A range with no good copy on any tier raises
+    RestoreError after part of the target was filled (the report of a successful call says which
+    tier was read)."""
+    from ..formats.shards import load_into_tensor
+
+    torch = _torch()
+    index = index_of_entry(entry, name)
+    reader = RangeReader(tiers, entry, name)
+    reader.index = index
+    try:
+        plain = _plain_of(entry, name, reader, tiers, allow_pickle, index)
+    except IntegrityError as exc:
+        raise RestoreError(f"state {name!r}: {exc}; nothing was loaded") from None
+    targets = _tensor_keys(state)
+    saved_plain = {k: v for k, v in _tensor_keys(plain).items()}
+    jobs, missing, bad = [], [], []
+    for key, t in targets.items():
+        m = index.get(key)
+        if m is not None:
+            why = _mismatch(key, t, m.global_shape, m.dtype)
+            if why is None and t.__class__ is not torch.Tensor:
+                try:
+                    from ..formats.shards import target_chunk
+
+                    target_chunk(t)
+                except ValueError as exc:
+                    why = f"{key}: {exc}"
+            bad.append(why) if why else jobs.append((t, m))
+            continue
+        src = saved_plain.get(key)
+        if src is None:
+            missing.append(key)
+            continue
+        why = _mismatch(key, t, src.shape, str(src.dtype).replace("torch.", ""))
+        bad.append(why) if why else jobs.append((t, src))
+    if bad:
+        raise RestoreError(f"state {name!r}: " + "; ".join(bad[:8]) + "; nothing was loaded")
+    unexpected = sorted(k for k in list(index) + list(saved_plain) if k not in targets)
+    detail = _check_keys(name, sorted(missing), unexpected, strict)
+    try:
+        for t, src in jobs:
+            if isinstance(src, torch.Tensor):
+                with torch.no_grad():
+                    t.copy_(src)
+            else:
+                load_into_tensor(t, src, reader, verify=verify)
+    except IntegrityError as exc:
+        raise RestoreError(f"state {name!r}: {exc}; the target is partly filled") from None
+    _merge_scalars(state, plain)
+    if reader.problems:
+        detail = "; ".join([detail] * bool(detail) + reader.problems[:4])
+    return StateReport("restored", reader.tier, verify, detail, reader.bytes)
+
+
+def check_world_size(entry: StateEntry, name: str, version: int, world_size: Optional[int]) -> None:
+    """A rank-local (not sharded) state saved by N ranks cannot be restored by M != N ranks."""
+    saved = len(entry.files)
+    if entry.shards is None and not entry.replicated and world_size is not None and world_size != saved:
+        raise RestoreError(f"state {name!r} of version {version} was saved by {saved} ranks; it cannot be "
+                           f"restored with world size {world_size} (world size {saved} != {world_size}): its "
+                           f"parts are rank-local plain tensors, not DTensors, so not resharding-capable; "
+                           f"nothing was loaded")
+
+
+def load_rank_local_into(tiers: Sequence[Tier], entry: StateEntry, name: str, state: Any, rank: int, *,
+                         strict: bool = True, allow_pickle: bool = False) -> StateReport:
+    """``load_into`` of a state that is not sharded: rank ``rank``'s part, read and verified whole,
+    copied into the target's tensors (keys, shapes and dtypes checked first) and scalars."""
+    torch = _torch()
+    files = rank_files(entry, name, rank)
+    try:
+        bufs, tier, problems = read_files(tiers, files)
+    except IntegrityError as exc:
+        raise RestoreError(f"state {name!r}: {exc}; nothing was loaded") from None
+    src = decode_files(files, bufs, name=name, allow_pickle=allow_pickle)
+    targets, saved = _tensor_keys(state), _tensor_keys(src)
+    bad, jobs, missing = [], [], []
+    for key, t in targets.items():
+        s = saved.get(key)
+        if s is None:
+            missing.append(key)
+            continue
+        why = _mismatch(key, t, s.shape, str(s.dtype).replace("torch.", ""))
+        bad.append(why) if why else jobs.append((t, s))
+    if bad:
+        raise RestoreError(f"state {name!r}: " + "; ".join(bad[:8]) + "; nothing was loaded")
+    detail = _check_keys(name, sorted(missing), sorted(k for k in saved if k not in targets), strict)
+    with torch.no_grad():
+        for t, s in jobs:
+            t.copy_(s)
+    _merge_scalars(state, src)
+    if problems:
+        detail = "; ".join([detail] * bool(detail) + problems[:4])
+    return StateReport("restored", tier, True, detail, sum(f.size for f in files))
+
+
+__all__ = ["RangeReader", "read_head", "load_full", "full_tensors", "load_into_state", "check_world_size",
+           "load_rank_local_into", "index_of_entry", "check_header_chunks"]

@@ -1,0 +1,283 @@
+"""Writer actors: ``WriterActor`` is the thin Ray shell over ``part_writer.PartWriter`` (the plain
+object that does the work), created in two pools by the coordinator (``WriterPools``): a critical
+pool and a smaller, lower-priority best-effort pool, each with its own resources.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import time
+import uuid
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ..capture.mailbox import PendingSnapshot, resolve_snapshot
+from ..errors import SaveError, UnsupportedTypeError, one_line
+from ..formats.manifest import FileEntry
+from ..protocol import WrittenPart
+from ..storage.checkpoint_io import delete_version
+from ..storage.durable_batch import remove_temporaries
+from .part_writer import PartWriter
+
+log = logging.getLogger("ray_ckpt.writers")
+
+
+@ray.remote(max_restarts=-1, max_task_retries=2, concurrency_groups={"upload": 2})
+class WriterActor:
+    """Ray shell over PartWriter. Snapshot refs arrive inside a list so Ray does not resolve them in
+    the coordinator; the writer fetches them from the object store (zero-copy on its node).
+
+    Uploads run in their own concurrency group: a slow or unreachable remote store never delays
+    the local writes that commits wait for."""
+
+    def __init__(self, config: Any, pool: str, nice: int = 0):
+        # tiers are resolved here, in the writer's own process: a local_dir with "{node_id}" is this node's
+        self.pool = pool
+        self.node = ray.get_runtime_context().get_node_id()
+        limit = config.best_effort_max_mb_s if pool == "best_effort" else None
+        self.writer = PartWriter(config.local_tier(), config.remote_tier(), nice=nice,
+                                 upload_retries=config.upload_retries, write_threads=config.write_threads,
+                                 direct_io=config.direct_io,
+                                 max_bytes_per_s=None if limit is None else limit * 1e6,
+                                 upload_bytes_per_s=None if config.upload_max_mb_s is None
+                                 else config.upload_max_mb_s * 1e6)
+
+    def write_part(self, version: int, name: str, rank: int, refs: List[Any], **kw) -> WrittenPart:
+        t0 = time.perf_counter()
+        flat = self._snapshot(name, rank, refs[0])
+        waited = time.perf_counter() - t0
+        return self.writer.write_part(version, name, rank, flat, **kw).with_node(self.node, waited)
+
+    def write_parts(self, version: int, keys: List[Tuple[str, int]], refs: List[Any],
+                    compression: Optional[str] = None) -> List[Union[WrittenPart, BaseException]]:
+        """Many parts of one version (``keys[i]`` is ``refs[i]``'s (state, rank)) written as one
+        durable batch (``PartWriter.write_parts``); per part, its WrittenPart or its error."""
+        t0 = time.perf_counter()
+        flats: List[Any] = []
+        try:
+            flats = ray.get(refs)  # one call for the batch; per part below only if one of them failed
+            if any(isinstance(f, PendingSnapshot) for f in flats):
+                raise ray.exceptions.RayError("overlapped snapshots are resolved one by one")
+        except ray.exceptions.RayError:
+            flats = []
+            for (name, rank), ref in zip(keys, refs):
+                try:
+                    flats.append(self._snapshot(name, rank, ref))
+                except (SaveError, UnsupportedTypeError) as exc:
+                    flats.append(exc)
+        waited = time.perf_counter() - t0
+        written = self.writer.write_parts(version, [(n, r, f) for (n, r), f in zip(keys, flats)],
+                                          compression=compression)
+        return [w if isinstance(w, BaseException) else w.with_node(self.node, waited) for w in written]
+
+    @staticmethod
+    def _snapshot(name: str, rank: int, ref: Any) -> Any:
+        try:
+            return resolve_snapshot(ray.get(ref))  # an overlapped snapshot: waits for its copy
+        except ray.exceptions.RayTaskError as exc:  # the snapshot itself failed in the provider
+            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+            error = UnsupportedTypeError if isinstance(cause, UnsupportedTypeError) else SaveError
+            raise error(f"snapshot of state {name!r} (rank {rank}) failed: {one_line(cause)}") from None
+        except ray.exceptions.RayError as exc:
+            raise SaveError(f"snapshot of state {name!r} (rank {rank}) was lost: {one_line(exc)}") from None
+
+    def delete_version(self, version: int, keep_paths: set, referenced: List[str]) -> List[str]:
+        """Retention on this node's local tier (each node's local tier is its own disk)."""
+        return delete_version(self.writer.local, version, keep_paths, referenced)
+
+    def remove_temporaries(self, version: int) -> List[str]:
+        """The ``*.tmp-*`` files a killed writer left in ``version`` on this node (see
+        ``durable_batch.remove_temporaries``)."""
+        return remove_temporaries(self.writer.local, version)
+
+    @ray.method(concurrency_group="upload", max_task_retries=0)  # the coordinator retries uploads itself
+    def upload(self, files: List[FileEntry]) -> int:
+        return self.writer.upload(files)
+
+    def node_id(self) -> str:
+        return self.node
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class WriterPools:
+    """The coordinator's writers: a critical pool per node that holds snapshots (created on first
+    use: each node's local tier is its own disk, and a writer beside the snapshot reads it from
+    shared memory), and one best-effort pool that runs anywhere. Each writer's queued bytes decide
+    which one gets the next part."""
+
+    def __init__(self, config: Any):
+        self.cfg = config
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.critical_by_node: Dict[str, list] = {self.node_id: self._make_pool(self.node_id)}
+        self.best_effort = [self._writer("best_effort", config.best_effort_cpus, config.best_effort_nice)
+                            for _ in range(config.best_effort_writers)]
+        self.queued: Dict[int, int] = {}  # id(writer) -> bytes queued
+        self.queued_parts: Dict[int, int] = {}  # id(writer) -> parts queued (pushes may not say their size)
+        self._locator = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="locate")
+        self._nodes: Set[str] = set()
+        self._nodes_at = 0.0
+        self._placing: Dict[str, List[Any]] = {}  # node -> its writers' node_id() calls, until answered
+        self.unplaced: Dict[str, str] = {}  # node -> why its writers could not be placed (status())
+
+    def _writer(self, pool: str, cpus: float, nice: int, node: Optional[str] = None):
+        opts: Dict[str, Any] = {"num_cpus": cpus}
+        if node is not None:
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+        # named per run and pool, so the Ray dashboard tells runs and pools apart (a suffix keeps the
+        # name unique while a restarted coordinator's old writers are still going away)
+        opts["name"] = f"ray_ckpt.writer.{self.cfg.run}.{pool}.{(node or self.node_id)[:8]}.{uuid.uuid4().hex[:6]}"
+        opts["namespace"] = "ray_ckpt"
+        return WriterActor.options(**opts).remote(self.cfg, pool, nice)
+
+    def _make_pool(self, node: str) -> list:
+        return [self._writer("critical", self.cfg.critical_cpus, self.cfg.critical_nice, node)
+                for _ in range(self.cfg.critical_writers)]
+
+    @property
+    def critical(self) -> list:
+        return [w for pool in self.critical_by_node.values() for w in pool]
+
+    def all(self) -> list:
+        return self.critical + self.best_effort
+
+    def critical_on(self, node: Optional[str]) -> list:
+        """The critical pool of ``node`` (created on first use), or this node's when unknown/gone."""
+        if node and node not in self.critical_by_node and node not in self.unplaced:
+            self._nodes_at = 0.0
+            if node in self._alive_nodes():
+                self.critical_by_node[node] = self._make_pool(node)
+                self._placing[node] = [w.node_id.remote() for w in self.critical_by_node[node]]
+        return self.critical_by_node.get(node) or self.critical_by_node[self.node_id]
+
+    async def critical_placed(self, node: Optional[str]) -> list:
+        """``critical_on(node)`` once its writers run. A pool not placed within
+        ``writer_placement_s`` (no CPU left on that node for ``critical_cpus``) is given up: its
+        actors are killed, the node is listed in ``unplaced`` (status()) and this node's pool is
+        returned, whose writers read the snapshot over the network: a save never waits for a
+        writer that cannot start."""
+        pool = self.critical_on(node)
+        calls = self._placing.get(node) if node else None
+        if not calls:
+            return pool
+        try:
+            await asyncio.wait_for(asyncio.gather(*calls), self.cfg.writer_placement_s)
+            self._placing.pop(node, None)
+            return pool
+        except asyncio.TimeoutError:
+            pass
+        if self._placing.pop(node, None) is not None:  # the first waiter gives the pool up
+            for w in self.critical_by_node.pop(node, []):
+                ray.kill(w)
+            self.unplaced[node] = (f"no critical writer placed within {self.cfg.writer_placement_s:g}s (each needs "
+                                   f"num_cpus={self.cfg.critical_cpus:g} free on that node); its parts are written "
+                                   f"by writers on node {self.node_id[:12]}, reading over the network")
+            log.error("node %s: %s", node[:12], self.unplaced[node])
+        return self.critical_by_node[self.node_id]
+
+    def least_busy(self, pool: list) -> Any:
+        return min(pool, key=self._load)
+
+    def _load(self, writer: Any) -> Tuple[int, int]:
+        return self.queued.get(id(writer), 0), self.queued_parts.get(id(writer), 0)
+
+    def add_queued(self, writer: Any, nbytes: int, parts: int = 0) -> None:
+        self.queued[id(writer)] = max(0, self.queued.get(id(writer), 0) + nbytes)
+        self.queued_parts[id(writer)] = max(0, self.queued_parts.get(id(writer), 0) + parts)
+
+    def spread(self, pool: list, items: List[Any], most: int) -> List[Tuple[Any, List[Any]]]:
+        """``items`` (parts of one version) in chunks of at most ``most``, spread over ``pool``'s
+        writers, least busy first: a version's parts are written by all of a node's writers at
+        once, not queued on one."""
+        if not items:
+            return []
+        n = max(-(-len(items) // most), min(len(pool), len(items)))
+        size = -(-len(items) // n)
+        order = sorted(pool, key=self._load)
+        return [(order[i % len(order)], items[i * size:(i + 1) * size]) for i in range(n) if items[i * size:]]
+
+    def queued_bytes(self, pool: list) -> int:
+        return sum(self.queued.get(id(w), 0) for w in pool)
+
+    def other_nodes(self) -> list:
+        """One critical writer on every node but this one (for deletions on their local tiers)."""
+        return [pool[0] for node, pool in self.critical_by_node.items() if node != self.node_id and pool]
+
+    def _alive_nodes(self) -> Set[str]:
+        now = time.monotonic()
+        if now - self._nodes_at > 5.0:
+            self._nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            self._nodes_at = now
+        return self._nodes
+
+    @staticmethod
+    def _locate_blocking(ref: Any) -> Optional[str]:
+        ray.wait([ref], num_returns=1, fetch_local=False)
+        # the coordinator only borrows the ref: the owner's location report can lag the object's
+        # readiness a little (more on a busy head node), so ask again for a bounded moment (3 s)
+        # before giving up on affinity
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            locs = ray.experimental.get_object_locations([ref]).get(ref) or {}
+            if locs.get("node_ids"):
+                return locs["node_ids"][0]
+            if 0 < (locs.get("object_size") or 0) < 100 * 1024:
+                return None  # small objects are inlined in their owner's memory: no node to prefer
+            time.sleep(0.025)
+        return None
+
+    @staticmethod
+    def _locate_many_blocking(refs: List[Any]) -> List[Optional[str]]:
+        """``_locate_blocking`` for many refs with one wait and one location query per round."""
+        ray.wait(refs, num_returns=len(refs), fetch_local=False)
+        out: List[Optional[str]] = [None] * len(refs)
+        todo = list(range(len(refs)))
+        deadline = time.monotonic() + 3.0
+        while todo and time.monotonic() < deadline:
+            locs = ray.experimental.get_object_locations([refs[i] for i in todo])
+            rest = []
+            for i in todo:
+                loc = locs.get(refs[i]) or {}
+                if loc.get("node_ids"):
+                    out[i] = loc["node_ids"][0]
+                elif not 0 < (loc.get("object_size") or 0) < 100 * 1024:  # small ones are inlined: no node
+                    rest.append(i)
+            todo = rest
+            if todo:
+                time.sleep(0.025)
+        return out
+
+    async def locate_many(self, refs: List[Any]) -> List[Optional[str]]:
+        """``locate`` for the parts of one batch (one thread-pool call, not one per part)."""
+        if len(self._alive_nodes()) <= 1:
+            return [None] * len(refs)
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._locator, self._locate_many_blocking, refs)
+        except Exception as exc:  # a failed snapshot has no location: the writer reports its error
+            log.info("no location for %d snapshot(s) (%s); writing them from this node", len(refs), one_line(exc))
+            return [None] * len(refs)
+
+    async def locate(self, ref: Any) -> Optional[str]:
+        """The node holding a snapshot once it is ready (not fetched here: fetch_local=False).
+
+        The wait may last as long as the provider's current training call, so it runs on its own
+        thread pool, never on the one that writes manifests."""
+        if len(self._alive_nodes()) <= 1:
+            return None
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._locator, self._locate_blocking, ref)
+        except Exception as exc:  # a failed snapshot has no location: the writer reports its error
+            log.info("no location for a snapshot (%s); writing it from this node", one_line(exc))
+            return None
+
+
+def preload() -> None:
+    """Does nothing. Run as a Ray task, it has an idle worker process import this module (what a
+    writer needs) before a writer actor takes that process: ``run_lifetime.start_run``."""
