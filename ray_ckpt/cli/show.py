@@ -9,6 +9,7 @@ from typing import Any, Dict, Tuple
 
 from ..errors import CheckpointError, one_line
 from ..formats.manifest import FileEntry, Manifest
+from ..formats.safetensors_io import LEAVES_KEY, STRUCTURE_KEY
 from ..storage import layout
 from ..storage.tier import Tier
 from .common import (EXIT_OK, add_json_flag, human, iso_time, non_negative_int, plural, print_json, printable,
@@ -95,11 +96,11 @@ def tensor_summary(header: Dict[str, Any]) -> Dict[str, Any]:
     """Leaves of a ray_ckpt safetensors header: name, dtype, shape, bytes, kind (in leaf order)."""
     meta = header.get("__metadata__") or {}
     try:
-        names = json.loads(meta["ray_ckpt.leaves"])
+        names = json.loads(meta[LEAVES_KEY])
     except (KeyError, ValueError, TypeError):
         names = [k for k in header if k != "__metadata__"]
     try:
-        kinds, other = _leaf_kinds(json.loads(meta["ray_ckpt.structure"]))
+        kinds, other = _leaf_kinds(json.loads(meta[STRUCTURE_KEY]))
     except (KeyError, ValueError, TypeError):
         kinds, other = {}, None
     leaves = []

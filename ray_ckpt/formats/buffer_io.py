@@ -21,12 +21,13 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import IntegrityError
+from . import safetensors_io
 from .arrow_io import open_validated
 from .tree import Flat, pieces_of, structure_to_json
 
-STRUCTURE_KEY = b"ray_ckpt.structure"
-LEAVES_KEY = b"ray_ckpt.leaves"
-FORMAT_KEY = b"ray_ckpt.format"
+STRUCTURE_KEY = safetensors_io.STRUCTURE_KEY.encode()  # Arrow schema metadata: the same keys, as bytes
+LEAVES_KEY = safetensors_io.LEAVES_KEY.encode()
+FORMAT_KEY = safetensors_io.FORMAT_KEY.encode()
 FORMAT_VERSION = b"buffer/1"
 _KINDS = "fiub"  # float, signed, unsigned, bool: the dtypes Arrow has (complex and the rest are not)
 

@@ -14,7 +14,9 @@ from typing import Any, List, Tuple
 from ..errors import IntegrityError
 from .tree import Flat, pieces_of, structure_to_json
 
+# the keys of ray_ckpt's entries in a file's metadata (buffer_io writes the same into Arrow's)
 STRUCTURE_KEY = "ray_ckpt.structure"
+LEAVES_KEY = "ray_ckpt.leaves"
 FORMAT_KEY = "ray_ckpt.format"
 FORMAT_VERSION = "1"
 
@@ -26,7 +28,7 @@ def _header(flat: Flat) -> Tuple[bytes, List[int]]:
             "format": "pt",
             FORMAT_KEY: FORMAT_VERSION,
             STRUCTURE_KEY: structure_to_json(flat.structure),
-            "ray_ckpt.leaves": json.dumps([flat.leaf_info[i]["name"] for i in range(len(flat.arrays))]),
+            LEAVES_KEY: json.dumps([flat.leaf_info[i]["name"] for i in range(len(flat.arrays))]),
         }
     }
     off = 0
@@ -122,10 +124,10 @@ def read(buf: Any, *, path: str = "<buffer>") -> Tuple[Any, List[memoryview]]:
         base = 8 + n
         check_header(header, len(mv) - base)
         meta = header.pop("__metadata__", None) or {}
-        if STRUCTURE_KEY not in meta or "ray_ckpt.leaves" not in meta:
+        if STRUCTURE_KEY not in meta or LEAVES_KEY not in meta:
             raise ValueError(f"no {STRUCTURE_KEY!r} in its __metadata__")
         structure = json.loads(meta[STRUCTURE_KEY])
-        names = json.loads(meta["ray_ckpt.leaves"])
+        names = json.loads(meta[LEAVES_KEY])
         if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
             raise ValueError("ray_ckpt.leaves is not a list of tensor names")
         if len(set(names)) != len(names):

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..errors import IntegrityError
 from .pieces import PIECE_SIZE, PieceHasher
+from .safetensors_io import LEAVES_KEY
 from .tree import Flat, leaf_key, pieces_of, walk_sharded
 
 INDEX_FORMAT = 1
@@ -356,5 +357,5 @@ def safetensors_array_offsets(head: Any) -> List[int]:
     mv = memoryview(head).cast("B")
     (n,) = struct.unpack_from("<Q", mv, 0)
     header = json.loads(bytes(mv[8: 8 + n]))
-    names = json.loads(header["__metadata__"]["ray_ckpt.leaves"])
+    names = json.loads(header["__metadata__"][LEAVES_KEY])
     return [8 + n + header[name]["data_offsets"][0] for name in names]

@@ -205,7 +205,7 @@ def _parse_header(file: str, head: Any, n: int, size: int) -> Tuple[Any, Dict[st
         safetensors_io.check_header(header, size - n)
         meta = header.pop("__metadata__")
         structure = json.loads(meta[safetensors_io.STRUCTURE_KEY])
-        names = json.loads(meta["ray_ckpt.leaves"])
+        names = json.loads(meta[safetensors_io.LEAVES_KEY])
         offsets = [n + header[x]["data_offsets"][0] for x in names]
         sizes = [header[x]["data_offsets"][1] - header[x]["data_offsets"][0] for x in names]
     except (KeyError, ValueError, TypeError, struct.error, RecursionError) as exc:
