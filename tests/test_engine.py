@@ -489,7 +489,7 @@ def test_an_upload_a_killed_coordinator_left_undone_is_resumed(engine_factory, t
     while (tiers := {m.version: m.tiers for m in eng2.list_checkpoints()}).get(2) != ("local", "remote"):
         assert time.time() < deadline, tiers
         time.sleep(0.1)
-    assert eng2.wait_all(timeout=60) == []
+    assert eng2.wait_until_finished(timeout=60) == []
     shutil.rmtree(tmp_path / "local" / run_name / "v000000000002")  # as on a fresh node
     report = eng2.restore()
     assert report.version == 2 and report.states["policy"].tier == "remote"

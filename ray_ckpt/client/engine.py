@@ -442,10 +442,10 @@ class CheckpointEngine:
         return publish_calls(handle or self._last_handle, name, to, method)
 
     def wait_all(self, timeout: Optional[float] = None) -> List[SaveResult]:
-        """Wait for every save of this engine still in flight."""
-        out = [h.wait(timeout) for h in self._in_flight]
-        self._in_flight = []
-        return out
+        """The older name of :meth:`wait_until_finished`."""
+        warnings.warn("engine.wait_all() is deprecated; call engine.wait_until_finished()", DeprecationWarning,
+                      stacklevel=2)
+        return self.wait_until_finished(timeout)
 
     def wait_until_finished(self, timeout: Optional[float] = None) -> List[SaveResult]:
         """Block until every save and push this engine issued has ended (as Orbax's
