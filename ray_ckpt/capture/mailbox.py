@@ -18,6 +18,8 @@ from typing import Any, Dict, List, Optional
 
 import ray
 
+from ..ray_internals import actor_ready
+
 MAILBOX_NAMESPACE = "ray_ckpt"
 
 
@@ -154,7 +156,7 @@ def open_mailbox(run: str, timeout: float = 120.0) -> Any:
             mb = None
     if mb is None:
         mb = _spawn_mailbox(None, name)
-    ray.get(mb.__ray_ready__.remote(), timeout=timeout)
+    ray.get(actor_ready(mb), timeout=timeout)
     _MAILBOXES[name] = mb
     return mb
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 import ray
 
 from ..errors import InvalidArgumentError, SaveError, SaveTimeoutError, one_line
+from ..ray_internals import actor_id_hex
 from ..types import SaveResult
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ def _shared_wait(coord: Any, version: int, durability: str = "local", best_effor
     coordinator; they hold no slot the parts need, but thousands of them would still be thousands
     of calls.) ``fresh``: a new push for ``version`` — a cached call that already ended (the
     version committed or failed before) is replaced, since the push starts a new attempt."""
-    key = (coord._actor_id.hex(), version, durability, best_effort, pushed)
+    key = (actor_id_hex(coord), version, durability, best_effort, pushed)
     with _WAITS_LOCK:
         ref = _WAITS.get(key)
         if ref is not None and fresh and ray.wait([ref], timeout=0)[0]:

@@ -22,7 +22,8 @@ from ..protocol import NAMESPACE, actor_name
 from .coordinator_client import _coordinator_placement, _open_coordinator
 from ..errors import CheckpointError, InvalidArgumentError, one_line
 from ..coordinator.live_options import check as check_options, shown
-from ..coordinator.lease import OwnerLease, job_alive, ray_identity, read_owner, write_owner
+from ..coordinator.lease import OwnerLease, ray_identity, read_owner, write_owner
+from ..ray_internals import actor_ready, job_alive
 from ..storage.ownership import OwnerRecord, claim
 from ..storage.tier import Tier
 
@@ -130,7 +131,7 @@ def stop_run(coordinator: Any, run: str, in_flight: List[Any], timeout: float,
     deadline = time.monotonic() + STOP_WAIT_S
     while time.monotonic() < deadline:
         try:
-            ray.get(coordinator.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
+            ray.get(actor_ready(coordinator), timeout=max(0.1, deadline - time.monotonic()))
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
             return
         except ray.exceptions.GetTimeoutError:

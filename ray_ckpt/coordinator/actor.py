@@ -59,6 +59,7 @@ from ..formats.manifest import Manifest
 from .lease import ray_identity, read_owner
 from ..metrics import Metrics
 from ..storage.ownership import fence_error
+from ..ray_internals import actor_ready
 from ..protocol import (CoordinatorStatus, Declaration, PartPlan, PushedPart, SaveOutcome, StoredState, SubmitAck,
                         SubmitBatchResult)
 from .rank_deadline import expire_missing
@@ -589,7 +590,7 @@ class CheckpointCoordinator:
         """Wait until every writer has started, so the first save does not pay for worker start-up."""
         self._resume_uploads()
         self._watch_gc()
-        await asyncio.gather(*[w.__ray_ready__.remote() for w in self.pools.all()])
+        await asyncio.gather(*[actor_ready(w) for w in self.pools.all()])
         return True
 
 

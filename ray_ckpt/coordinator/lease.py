@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import List, Optional, Sequence, Tuple
 
 from ..errors import IntegrityError, one_line
+from ..ray_internals import cluster_id
 from ..storage.ownership import OWNER_FILE, OwnerRecord
 from ..storage.tier import Tier
 
@@ -20,29 +21,8 @@ def ray_identity() -> Tuple[str, str]:
     import ray
 
     ctx = ray.get_runtime_context()
-    cluster = ""
-    try:
-        from ray._private import worker
-
-        node = getattr(worker.global_worker, "node", None)
-        cid = getattr(node, "cluster_id", None)
-        cluster = cid.hex() if cid is not None else ""
-    except Exception:  # private API moved: the GCS address tells clusters apart on one host too
-        cluster = ""
-    return cluster or str(getattr(ctx, "gcs_address", "unknown")), ctx.get_job_id()
-
-
-def job_alive(job: str) -> Optional[bool]:
-    """Whether job ``job`` of this Ray cluster still runs (None: cannot tell)."""
-    try:
-        from ray._private import state
-
-        for j in state.jobs():
-            if str(j.get("JobID")) == job:
-                return not j.get("IsDead", False)
-        return False
-    except Exception:
-        return None
+    # where Ray moved its cluster id, the GCS address tells clusters apart on one host too
+    return cluster_id() or str(getattr(ctx, "gcs_address", "unknown")), ctx.get_job_id()
 
 
 def read_owner(tiers: Sequence[Tier], quiet: bool = False) -> Optional[OwnerRecord]:

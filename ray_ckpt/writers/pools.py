@@ -19,6 +19,7 @@ from ..capture.mailbox import PendingSnapshot, resolve_snapshot
 from ..errors import SaveError, UnsupportedTypeError, one_line
 from ..formats.manifest import FileEntry
 from ..protocol import WrittenPart
+from ..ray_internals import object_locations
 from ..storage.checkpoint_io import delete_version
 from ..storage.durable_batch import remove_temporaries
 from .part_writer import PartWriter
@@ -223,7 +224,7 @@ class WriterPools:
         # before giving up on affinity
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline:
-            locs = ray.experimental.get_object_locations([ref]).get(ref) or {}
+            locs = object_locations([ref]).get(ref) or {}
             if locs.get("node_ids"):
                 return locs["node_ids"][0]
             if 0 < (locs.get("object_size") or 0) < 100 * 1024:
@@ -239,7 +240,7 @@ class WriterPools:
         todo = list(range(len(refs)))
         deadline = time.monotonic() + 3.0
         while todo and time.monotonic() < deadline:
-            locs = ray.experimental.get_object_locations([refs[i] for i in todo])
+            locs = object_locations([refs[i] for i in todo])
             rest = []
             for i in todo:
                 loc = locs.get(refs[i]) or {}
