@@ -13,7 +13,7 @@ See docs/dcp.md.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from ...errors import InvalidArgumentError, InvalidSaveError
 from ...storage.layout import validate_name
@@ -26,7 +26,7 @@ DEFAULT_STATE = "dcp"
 
 
 def _tiers(run: Any, local_dir: Optional[str], remote_uri: Optional[str],
-           remote_options: Optional[Dict[str, Any]], signing_key: Any) -> tuple:
+           remote_options: Optional[Dict[str, Any]], signing_key: Any) -> Tuple[str, List[Any], Any]:
     """(run name, tiers local first, signing key) for ``run``: an engine, or a run name with the
     same ``local_dir`` / ``remote_uri`` given to ``CheckpointEngine.create`` (either or both), or a
     run name alone inside a Ray job where the run's coordinator runs (its configuration is asked)."""
@@ -52,12 +52,13 @@ def _tiers(run: Any, local_dir: Optional[str], remote_uri: Optional[str],
                 f"or call it inside a Ray job where the run's coordinator runs")
         from ...client.engine import CheckpointEngine
 
-        cfg = CheckpointEngine.connect(run).config
-        return run, tiers_of(cfg), cfg.signing_key
+        eng = CheckpointEngine.connect(run)
+        eng.shutdown()  # only its configuration was wanted: a connected engine detaches, the run goes on
+        return run, tiers_of(eng.config), eng.config.signing_key
     key = signing_key if signing_key is not None else env_signing_key()
     try:
         if local_dir is not None:
-            cfg = EngineConfig(run=run, local_dir=local_dir, remote_uri=remote_uri, remote_options=remote_options or {},
+            cfg = EngineConfig(run=run, local_dir=local_dir, remote_uri=remote_uri, remote_options=remote_options,
                                signing_key=key)
             return run, tiers_of(cfg), cfg.signing_key
         return run, [Tier(join_uri(remote_uri, run), "remote", remote_options)], key
