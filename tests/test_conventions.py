@@ -4,6 +4,7 @@ The tests share one engine (``engine``: one run, local tier only), each with its
 and with nothing registered at its start: none of them is about the run's own history, and an
 engine is a coordinator and writer processes to start (~3 s each on a 2-core machine)."""
 import asyncio
+import concurrent.futures
 import threading
 import uuid
 
@@ -12,7 +13,7 @@ import ray
 import torch
 
 import ray_ckpt as rc
-from actors import FreshLearner, FreshWeird
+from actors import FreshFlaky, FreshLearner, FreshWeird
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -128,6 +129,28 @@ def test_save_handle_is_a_future_and_awaitable(engine, provider):
         return await eng.save(base + 2)
 
     assert asyncio.run(main()).version == base + 2
+
+
+def test_concurrent_futures_wait_and_as_completed_take_handles(engine, provider):
+    learner = provider(FreshLearner, seed=8)
+    eng, base, _ = engine
+    eng.register("policy", learner)
+    handles = [eng.save(base + i) for i in (1, 2, 3)]
+    assert all(isinstance(h, concurrent.futures.Future) for h in handles)
+    done, not_done = concurrent.futures.wait(handles, timeout=120)
+    assert not not_done and done == set(handles)
+    assert sorted(h.result().version for h in done) == [base + 1, base + 2, base + 3]
+    seen = [h.result(timeout=0).version for h in concurrent.futures.as_completed(
+        [eng.save(base + 4), eng.save(base + 5)], timeout=120)]
+    assert sorted(seen) == [base + 4, base + 5]
+    # a failed save is a finished future carrying its SaveError
+    flaky = provider(FreshFlaky)
+    ray.get(flaky.set_failing.remote(True))
+    eng.register("counter", flaky)
+    (finished,), _ = concurrent.futures.wait([eng.save(base + 6)], timeout=120)
+    assert isinstance(finished.exception(timeout=0), rc.SaveError)
+    with pytest.raises(rc.SaveError, match="capture failed on purpose"):
+        eng.wait_until_finished(timeout=60)  # the engine reports it too, once
 
 
 def test_load_by_name_step_and_rank(engine, provider):

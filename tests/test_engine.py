@@ -19,6 +19,14 @@ from actors import FreshBigState, FreshFlaky, FreshFrozen, FreshLearner, FreshRe
 pytestmark = pytest.mark.timeout(240)
 
 
+_RUN_RECORDS = ("owner.json", "head.json")  # with their ".tmp-*" while the engine rewrites them
+
+
+def _listing(run_dir) -> list:
+    """A run directory's entries other than its owner and head records (rewritten in the background)."""
+    return sorted(n for n in os.listdir(run_dir) if not n.startswith(_RUN_RECORDS))
+
+
 # One critical writer and no best-effort pool, for tests that save one version at a time and where
 # the pools' sizes are not the point: every writer is a process to start (seconds on 2 cores).
 LEAN = {"critical_writers": 1, "best_effort_writers": 0}
@@ -228,7 +236,7 @@ def test_bad_inputs_fail_at_the_call_before_any_byte(engine_factory, tmp_path, r
     eng.register("norm", lambda: {"mean": object()}, loader=lambda s: None)
     with pytest.raises(rc.UnsupportedTypeError, match=r"'norm'.*\['mean'\]"):
         eng.save(11)
-    assert sorted(set(os.listdir(tmp_path / "local" / run_name)) - {"owner.json", "head.json"}) == ["v000000000010"]  # nothing written
+    assert _listing(tmp_path / "local" / run_name) == ["v000000000010"]  # nothing written
     eng.unregister("norm")
     # an actor's unsupported object is found in the actor: the handle fails, naming state and key path
     eng.register("weird", weird)
@@ -241,7 +249,7 @@ def test_bad_inputs_fail_at_the_call_before_any_byte(engine_factory, tmp_path, r
     # version 12's other parts may still have been writing when its handle failed: their files go
     # once they end (bounded wait)
     deadline = time.time() + 30
-    while sorted(set(os.listdir(tmp_path / "local" / run_name)) - {"owner.json", "head.json"}) != ["v000000000010", "v000000000013"]:
+    while _listing(tmp_path / "local" / run_name) != ["v000000000010", "v000000000013"]:
         assert time.time() < deadline, os.listdir(tmp_path / "local" / run_name)
         time.sleep(0.1)
     # every name that becomes a path is checked at the call, with the same error class
@@ -291,7 +299,7 @@ def test_retention_keeps_newest_and_never_deletes_early(engine_factory, tmp_path
         ray.get(learner.train.remote())
         eng.save(s).wait(timeout=60, durability="remote")
     deadline = time.time() + 30  # retention runs right after each commit, in the coordinator
-    while sorted(set(os.listdir(tmp_path / "local" / run_name)) - {"owner.json", "head.json"}) != [f"v{v:012d}" for v in (4, 6, 7)]:
+    while _listing(tmp_path / "local" / run_name) != [f"v{v:012d}" for v in (4, 6, 7)]:
         assert time.time() < deadline, os.listdir(tmp_path / "local" / run_name)
         time.sleep(0.1)
     metas = eng.list_checkpoints()
@@ -393,7 +401,7 @@ def test_remote_cadence_and_per_tier_retention(engine_factory, tmp_path, run_nam
     remote_dir = tmp_path / "remote" / run_name
     deadline = time.time() + 30  # retention of each tier runs after the uploads, in the coordinator
     while True:
-        remote_listing = sorted(p.name for p in remote_dir.iterdir() if p.name not in ("owner.json", "head.json"))
+        remote_listing = _listing(remote_dir)
         tiers = {m.version: m.tiers for m in eng.list_checkpoints()}
         if remote_listing == ["v000000000004", "v000000000006"] and tiers == {4: ("remote",),
                                                                                6: ("local", "remote")}:
@@ -553,9 +561,8 @@ def test_restore_with_rewind_continues_from_an_older_version(engine_factory, tmp
     report = eng.restore(step=2, rewind=True)
     assert report.rewound == (3, 4) and equal_snapshots(ray.get(learner.snapshot.remote()), snaps[2])
     assert [m.version for m in eng.list_checkpoints()] == [1, 2]
-    assert sorted(set(os.listdir(tmp_path / "local" / run_name)) - {"owner.json", "head.json"}) == ["v000000000001", "v000000000002"]
-    assert sorted(p.name for p in (tmp_path / "remote" / run_name).iterdir() if p.name not in ("owner.json", "head.json")) == ["v000000000001",
-                                                                                 "v000000000002"]
+    assert _listing(tmp_path / "local" / run_name) == ["v000000000001", "v000000000002"]
+    assert _listing(tmp_path / "remote" / run_name) == ["v000000000001", "v000000000002"]
     ray.get(learner.train.remote())
     assert eng.save(3).wait(timeout=60).version == 3   # the same step numbers again
     assert eng.restore().version == 3
@@ -576,7 +583,7 @@ def test_full_disk_fails_the_save_clearly_and_keeps_older_versions(small_disk, e
     with pytest.raises(rc.SaveError, match="No space left on device"):
         eng.save(2).wait(timeout=120)
     assert [m.version for m in eng.list_checkpoints()] == [1]
-    left = sorted(str(p.relative_to(disk / run_name)) for p in (disk / run_name).rglob("*") if p.name not in ("owner.json", "head.json"))
+    left = sorted(str(p.relative_to(disk / run_name)) for p in (disk / run_name).rglob("*") if not p.name.startswith(_RUN_RECORDS))
     assert left == ["v000000000001", "v000000000001/manifest.json", "v000000000001/policy",
                     "v000000000001/policy/rank0.safetensors"], left
     report = eng.restore()

@@ -1,13 +1,14 @@
 """SaveHandle: the future of one save, and the wait calls handles share.
 
-A handle follows ``concurrent.futures.Future`` (``result``, ``done``, ``exception``,
-``add_done_callback``, awaitable); ``wait()`` is the form that also waits for the remote tier or
+A handle *is* a ``concurrent.futures.Future`` (``result``, ``done``, ``exception``,
+``add_done_callback``, ``concurrent.futures.wait`` / ``as_completed``, awaitable); ``wait()`` is the form that also waits for the remote tier or
 for best-effort parts. A rank's push is acknowledged at once by the coordinator; the handles of one
 process share one ``wait`` call per version (``_shared_wait``), so thousands of ranks cost the
 coordinator a few calls, not one each.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import threading
 import time
@@ -51,12 +52,21 @@ def _shared_wait(coord: Any, version: int, durability: str = "local", best_effor
         return ref
 
 
-class SaveHandle:
+_PENDING, _FINISHED = "PENDING", "FINISHED"  # concurrent.futures' state names
+
+
+class SaveHandle(concurrent.futures.Future):
     """The future of one save. ``wait()`` raises SaveError on failure: never silent.
 
-    It follows ``concurrent.futures.Future``: ``result(timeout)``, ``done()``, ``exception()``,
-    ``add_done_callback(fn)``, and ``await handle`` in asyncio code; ``wait()`` is the form that
-    also waits for the remote tier (``durability="remote"``) or for best-effort parts.
+    A ``concurrent.futures.Future``: ``result(timeout)`` (``SaveTimeoutError``, a ``TimeoutError``,
+    when time runs out), ``done()``, ``exception()``, ``add_done_callback(fn)``, ``cancel()``, and
+    ``concurrent.futures.wait`` / ``as_completed`` take handles; ``await handle`` in asyncio code.
+    ``wait()`` is the form that also waits for the remote tier (``durability="remote"``) or for
+    best-effort parts.
+
+    The base class's state is settled lazily: the answers above ask Ray directly, and only
+    ``concurrent.futures``' own functions (which read the state under the future's lock) or
+    ``add_done_callback`` start a watcher, so thousands of rank handles cost no thread each.
 
     A rank's handle (``submit()``) holds its place in a batch of pushed parts (``_push``, see
     ``push_batch.py``): the coordinator's answer for the batch (a refused part raises its own
@@ -68,6 +78,8 @@ class SaveHandle:
     def __init__(self, engine: Any, step: int, ref: Optional[ray.ObjectRef],
                  submit_s: float, skipped: bool = False, push: Optional["PushSlot"] = None,
                  rank_zero_only: bool = False):
+        self._watching = False
+        super().__init__()
         self._engine = engine
         self._coordinator = engine._coordinator  # the one this save went to
         self.step = step
@@ -79,6 +91,45 @@ class SaveHandle:
         self.submit_seconds = submit_s  # how long save() took to return
         self.skipped = skipped
         self._snapshots: Dict[str, Tuple[ray.ObjectRef, bool]] = {}  # state -> (snapshot ref, overlapped)
+        if skipped:
+            self._watching = True
+            concurrent.futures.Future.set_result(self, SaveResult(None, step, 0, "skipped"))
+
+    # concurrent.futures.wait / as_completed read ``_state`` under ``_condition``: reading it is what
+    # tells a handle that someone waits on the base class, so it starts settling then
+    @property
+    def _state(self) -> str:
+        state = self.__dict__["_future_state"]
+        if state == _PENDING and not self._watching:
+            self._watch()
+            state = self.__dict__["_future_state"]
+        return state
+
+    @_state.setter
+    def _state(self, value: str) -> None:
+        self.__dict__["_future_state"] = value
+
+    def _watch(self) -> None:
+        """Settle the base class's state: at once if the save already ended, else from a thread
+        that waits for it (the local commit, as ``result()``)."""
+        self._watching = True
+        if self.done():
+            self._settle()
+        else:
+            threading.Thread(target=self._settle, name=f"ray_ckpt-done-{self.step}", daemon=True).start()
+
+    def _settle(self) -> None:
+        try:
+            outcome: Any = self.wait()
+        except BaseException as exc:  # noqa: BLE001 - the future carries whatever the save raised
+            outcome = exc
+        try:
+            if isinstance(outcome, BaseException):
+                concurrent.futures.Future.set_exception(self, outcome)
+            else:
+                concurrent.futures.Future.set_result(self, outcome)
+        except concurrent.futures.InvalidStateError:
+            pass  # settled by another path first
 
     @property
     def _ref(self) -> Optional[ray.ObjectRef]:
@@ -246,19 +297,9 @@ class SaveHandle:
     def add_done_callback(self, fn: Callable[["SaveHandle"], Any]) -> None:
         """Call ``fn(handle)`` once the local commit finished or failed (at once if it has); from a
         background thread, as ``concurrent.futures`` does for a future that is not done yet."""
-        if self.done():
-            fn(self)
-            return
-        import threading
-
-        def watch():
-            if self._push is not None:
-                self._push.wait_answered()
-            if not self._ack_failed():
-                ray.wait([self._ref], num_returns=1, timeout=None)
-            fn(self)
-
-        threading.Thread(target=watch, name=f"ray_ckpt-done-{self.step}", daemon=True).start()
+        if not self._watching:
+            self._watch()
+        concurrent.futures.Future.add_done_callback(self, fn)
 
     def __await__(self):
         import asyncio
