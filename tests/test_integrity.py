@@ -2,6 +2,7 @@
 something they are not, and what was passed over is said (restore report, status)."""
 import json
 import shutil
+import time
 
 import pytest
 import ray
@@ -108,6 +109,37 @@ def test_keys_rotate_with_a_key_ring_and_untrusted_versions_are_never_written_ov
     assert [m.version for m in eng4.list_checkpoints()] == [4, 5]
     with pytest.raises(rc.InvalidArgumentError, match="empty key ring"):
         engine_factory(remote_uri=None, signing_key=[])
+
+
+def test_an_untrusted_remote_copy_is_never_uploaded_over(engine_factory, tmp_path, run_name, provider):
+    old, new = b"o" * 32, b"n" * 32
+    remote = {"remote_uri": f"file://{tmp_path / 'remote'}", "critical_writers": 1, "best_effort_writers": 0}
+    learner = provider(FreshLearner, seed=4)
+    eng = engine_factory(**remote, signing_key=old)
+    eng.register("policy", learner)
+    eng.save(1).wait(timeout=60, durability="remote")
+    remote_v1 = tmp_path / "remote" / run_name / "v000000000001" / "manifest.json"
+    signed_by_old = remote_v1.read_bytes()
+    eng.shutdown()
+    # the run goes on elsewhere with a new key and its own local tier, first without the remote tier
+    other = {"local_dir": str(tmp_path / "other")}
+    eng2 = engine_factory(**LEAN, **other, signing_key=new)
+    eng2.register("policy", learner)
+    ray.get(learner.train.remote())
+    eng2.save(1).result(timeout=60)
+    eng2.shutdown()
+    # with the remote tier back, local version 1 (trusted) is owed an upload, but the remote tier
+    # holds another version 1 that the new key does not verify: it stays as found
+    eng3 = engine_factory(**remote, **other, signing_key=new)
+    eng3.register("policy", learner)
+    deadline = time.monotonic() + 60
+    while "is not uploaded: the remote tier holds a copy" not in (eng3.status()["last_error"] or ""):
+        assert time.monotonic() < deadline, eng3.status()
+        time.sleep(0.1)
+    assert "version 1" in eng3.status()["last_error"] and "never written over" in eng3.status()["last_error"]
+    assert eng3.save(2).wait(timeout=60, durability="remote").version == 2  # later versions upload as usual
+    assert remote_v1.read_bytes() == signed_by_old
+    assert [m.version for m in eng3.list_checkpoints()] == [1, 2]
 
 
 def test_newest_versions_deleted_behind_the_engines_back_are_reported_and_their_steps_not_reused(

@@ -87,6 +87,10 @@ class Uploader:
         """Upload ``version`` until it is on the remote tier or cannot be (its local copy is bad);
         transient errors retry with backoff (up to 30 s apart)."""
         backoff = 0.5
+        untrusted = self.catalogue.untrusted.get(version)
+        if untrusted is not None and version not in self.plan.committed:
+            await self.refuse(version, untrusted)
+            return
         async with self.locks.setdefault(version, asyncio.Lock()):
             while True:
                 manifest = self.catalogue.committed.get(version)
@@ -161,6 +165,19 @@ class Uploader:
         fut = self.future(version)
         if not fut.done():
             fut.set_exception(SaveError(f"version {version} of run {self.run!r} cannot be uploaded: {msg}"))
+
+    async def refuse(self, version: int, why: str) -> None:
+        """The remote tier holds a copy of ``version`` that no key verifies (or that is damaged):
+        it is kept as found, never uploaded over, and the version stays local only."""
+        msg = (f"version {version} of run {self.run!r} is not uploaded: the remote tier holds a copy of it that "
+               f"is not trusted ({why}); that copy is kept as found and never written over: inspect it "
+               f"(ray-ckpt verify) and move it aside to upload this one")
+        self.plan.failed(version, msg, True)
+        self._on_error(msg)
+        log.error(msg)
+        fut = self.future(version)
+        if not fut.done():
+            fut.set_exception(SaveError(msg))
 
     def forget(self, version: int) -> None:
         """Drop the future and lock of an old, finished version (see the coordinator's pruning)."""
