@@ -221,32 +221,38 @@ class RayCkptStorageReader(StorageReader):
                 planner.load_bytes(item, buf)
                 continue
             offsets = [a + b for a, b in zip(item.storage_index.offset, item.storage_offsets)]
-            src = self._box(fqn, offsets, list(item.lengths))
             target = planner.resolve_tensor(item).detach()
-            if tuple(target.shape) != tuple(src.shape):
+            if list(target.shape) != list(item.lengths):
                 raise RestoreError(f"{fqn}: DCP asked for a box of sizes {list(item.lengths)} into a target of "
                                    f"shape {list(target.shape)}")
-            target.copy_(src)
+            self._fill(fqn, target, offsets, list(item.lengths))
             planner.commit_tensor(item, target)
         fut: Future = Future()
         fut.set_result(None)
         return fut
 
-    def _box(self, fqn: str, offsets: List[int], sizes: List[int]) -> torch.Tensor:
-        """The box (global offsets, sizes) of tensor ``fqn``, read and verified."""
+    def _fill(self, fqn: str, target: torch.Tensor, offsets: List[int], sizes: List[int]) -> None:
+        """Copy the box (global offsets, sizes) of tensor ``fqn``, read and verified, into ``target``."""
         if fqn in self._plain:
-            t = self._plain[fqn]
-            return t[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+            with torch.no_grad():
+                target.copy_(self._plain[fqn][tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])
+            return
         if fqn not in self._sharded:
             raise RestoreError(f"{self.checkpoint_id}: {fqn} is not a tensor of the version")
         s, meta = self._sharded[fqn]
-        out = torch.empty(sizes, dtype=torch_dtype(meta.dtype, fqn))
+        dtype = torch_dtype(meta.dtype, fqn)
+        # straight into DCP's target where it is a CPU tensor of the stored dtype (load_chunk copies
+        # into views); else through a buffer, and DCP's copy_ casts or moves it
+        direct = target.device.type == "cpu" and target.dtype == dtype
+        out = target if direct else torch.empty(sizes, dtype=dtype)
         try:
             load_chunk(out, meta, offsets, sizes, s.reader, verify=True)
         except IntegrityError as exc:
             raise RestoreError(f"state {s.name!r} of step {self.step}: {one_line(exc)}; not loaded") from None
+        if not direct:
+            with torch.no_grad():
+                target.copy_(out)
         self.bytes_read = sum(st.reader.bytes for st in self._states.values())
-        return out
 
 
 def env_signing_key() -> Optional[bytes]:
