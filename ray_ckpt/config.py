@@ -59,16 +59,14 @@ class EngineConfig:
     upload_retries: int = 1  # per upload call; the coordinator retries with backoff on top
     rank_timeout_s: float = 600.0  # a pushed version fails if a rank's part has not arrived by then
     # manifests carry an HMAC-SHA256 under this key and unsigned or mis-signed ones are refused
-    # (default: the RAY_CKPT_SIGNING_KEY environment variable of the creating process, if set).
-    # A list is a key ring, so keys rotate without losing the versions signed before: the first
-    # key signs, every key verifies
+    # (default: the creating process's environment, see ``signing_key_from_env``). A list is a key
+    # ring, so keys rotate without losing the versions signed before: the first key signs, every
+    # key verifies
     signing_key: Union[None, bytes, Tuple[bytes, ...]] = field(default=None, repr=False)
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.signing_key is None and os.environ.get("RAY_CKPT_SIGNING_KEY"):
-            self.signing_key = os.environ["RAY_CKPT_SIGNING_KEY"]
-        self.signing_key = _key_or_ring(self.signing_key)
+        self.signing_key = signing_key_from_env() if self.signing_key is None else _key_or_ring(self.signing_key)
         validate_name(self.run, "run name")
         if not isinstance(self.local_dir, str) or not self.local_dir:
             raise ValueError(f"local_dir must be a directory path or file:// URI, got {self.local_dir!r}")
@@ -124,6 +122,23 @@ class EngineConfig:
     def remote_tier(self) -> Optional[Tier]:
         root = self.remote_root()
         return Tier(root, "remote", self.remote_options) if root else None
+
+
+SIGNING_KEY_ENV = "RAY_CKPT_SIGNING_KEY"
+VERIFY_KEYS_ENV = "RAY_CKPT_VERIFY_KEYS"
+
+
+def signing_key_from_env() -> Union[None, bytes, Tuple[bytes, ...]]:
+    """The key ring the environment gives: ``RAY_CKPT_SIGNING_KEY`` signs (and verifies), and
+    ``RAY_CKPT_VERIFY_KEYS``, older keys separated by commas, still verify (a rotation in progress).
+    The engine's default and what every ``ray-ckpt`` command checks manifests with. A key holding a
+    comma goes through the API's list instead."""
+    key = os.environ.get(SIGNING_KEY_ENV) or None
+    older = [k for k in os.environ.get(VERIFY_KEYS_ENV, "").split(",") if k.strip()]
+    if older and key is None:
+        raise ValueError(f"{VERIFY_KEYS_ENV} is set but {SIGNING_KEY_ENV} is not: the first key of a ring signs; "
+                         f"set {SIGNING_KEY_ENV} to the current key")
+    return _key_or_ring([key] + [k.strip() for k in older]) if key is not None else None
 
 
 def _key_or_ring(key: Any) -> Union[None, bytes, Tuple[bytes, ...]]:

@@ -221,6 +221,13 @@ def test_verify_with_a_signing_key_refuses_unsigned_and_mis_signed_manifests(tmp
     monkeypatch.setenv("RAY_CKPT_SIGNING_KEY", "another-key")
     code, out, err = cli(capsys, "verify", tmp_path / "r", "1")
     assert code != 0 and "signature does not verify" in err and "another-key" not in err
+    # a rotation in progress: the new key signs, the old one still verifies
+    monkeypatch.setenv("RAY_CKPT_VERIFY_KEYS", "older-key,secret-key")
+    code, out, err = cli(capsys, "verify", tmp_path / "r", "1")
+    assert code == 0, err
+    monkeypatch.delenv("RAY_CKPT_SIGNING_KEY")
+    code, out, err = cli(capsys, "verify", tmp_path / "r", "1")
+    assert code != 0 and "RAY_CKPT_VERIFY_KEYS is set but RAY_CKPT_SIGNING_KEY is not" in err
 
 
 def test_verify_reports_a_leftover_file_inside_a_committed_version(tmp_path, capsys):

@@ -87,3 +87,16 @@ def test_node_id_in_local_dir():
     assert cfg.local_root(node_id="0123456789abcdef") == "/mnt/nvme/0123456789ab/ckpt/ppo-run"
     cfg = config(None, local_dir="file:///mnt/{node_id}?x=1")
     assert cfg.local_root(node_id="abcdef0123456789") == "file:///mnt/abcdef012345/ppo-run?x=1"
+
+
+def test_the_environment_gives_a_key_ring_the_first_key_signs(monkeypatch, tmp_path):
+    monkeypatch.setenv("RAY_CKPT_SIGNING_KEY", "new")
+    monkeypatch.setenv("RAY_CKPT_VERIFY_KEYS", "old, older")
+    assert EngineConfig(run="r", local_dir=str(tmp_path)).signing_key == (b"new", b"old", b"older")
+    assert EngineConfig(run="r", local_dir=str(tmp_path), signing_key=b"mine").signing_key == b"mine"
+    monkeypatch.delenv("RAY_CKPT_VERIFY_KEYS")
+    assert EngineConfig(run="r", local_dir=str(tmp_path)).signing_key == b"new"
+    monkeypatch.delenv("RAY_CKPT_SIGNING_KEY")
+    monkeypatch.setenv("RAY_CKPT_VERIFY_KEYS", "old")
+    with pytest.raises(ValueError, match="RAY_CKPT_VERIFY_KEYS is set but RAY_CKPT_SIGNING_KEY is not"):
+        EngineConfig(run="r", local_dir=str(tmp_path))

@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import pyarrow.fs as pafs
 
+from ..config import signing_key_from_env
 from ..errors import CheckpointError, one_line
 from ..storage.checkpoint_io import read_manifest
 from ..formats.manifest import Manifest
@@ -167,9 +168,8 @@ class Run:
         if v in self._errors:
             return None
         try:
-            # RAY_CKPT_SIGNING_KEY set: the run's manifests must be signed with it (as the engine checks)
-            key = os.environ.get("RAY_CKPT_SIGNING_KEY")
-            m = read_manifest(self.tier, v, key.encode() if key else None)
+            # a key ring in the environment: the run's manifests must verify under it (as the engine checks)
+            m = read_manifest(self.tier, v, signing_key_from_env())
             if m.version != v:
                 raise CheckpointError(f"{self.tier.describe(layout.manifest_path(v))}: manifest says version "
                                       f"{m.version}, but it lies in {layout.version_dir(v)}/")

@@ -22,7 +22,7 @@ from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Union
 
 import ray
 
-from ..config import EngineConfig
+from ..config import SIGNING_KEY_ENV, EngineConfig
 from .coordinator_client import _ask, _open_coordinator
 from ..errors import CheckpointError, InvalidArgumentError, InvalidSaveError, SaveError, SaveTimeoutError, one_line
 from ..formats.manifest import Manifest
@@ -49,7 +49,7 @@ _CREATE_DEFAULTS = {"critical_writers": 2, "best_effort_writers": 1, "keep_last"
 
 
 class CheckpointEngine:
-    """Get one with :meth:`create` (driver) or :meth:`connect` (any process of the cluster)."""
+    """Get one with ``create()`` (driver) or ``connect()`` (any process of the cluster)."""
 
     def __init__(self, coordinator: Any, config: EngineConfig):
         self._coordinator = coordinator
@@ -90,7 +90,7 @@ class CheckpointEngine:
         owner's later saves fail instead of committing. The owner renews its lease every
         ``owner_lease_s / 4`` seconds; a driver gone for ``owner_lease_s`` no longer holds the run.
 
-        Other options: see :class:`~ray_ckpt.config.EngineConfig` (remote_options, keep_best,
+        Other options: see ``EngineConfig`` (remote_options, keep_best,
         remote_keep_last, remote_every, max_in_flight, compression, critical_cpus, ...).
 
         On a run whose coordinator runs already (get-or-create), every option passed here (and
@@ -107,7 +107,7 @@ class CheckpointEngine:
                                              ("keep_last", keep_last), ("keep_every", keep_every))
                     if value != _CREATE_DEFAULTS[name]}
         explicit |= set(options) - {"run", "local_dir", "remote_uri"}
-        passed = passed_options(explicit, os.environ.get("RAY_CKPT_SIGNING_KEY"))
+        passed = passed_options(explicit, os.environ.get(SIGNING_KEY_ENV))
         try:
             config = EngineConfig(run=run, local_dir=local_dir, remote_uri=remote_uri,
                                   critical_writers=critical_writers, best_effort_writers=best_effort_writers,
@@ -367,6 +367,7 @@ class CheckpointEngine:
         return sorted(set(waits) | set(self._pusher.pending_versions()))
 
     def unregister(self, name: str) -> None:
+        """Stop saving state ``name`` from the next save on; its stored versions stay."""
         reg = self._registry.pop(name, None)
         if reg is None:
             raise InvalidArgumentError(f"state {name!r} is not registered")
@@ -375,14 +376,17 @@ class CheckpointEngine:
 
     @property
     def registered(self) -> Dict[str, Strategy]:
+        """The registered states and their strategies."""
         return {n: r.strategy for n, r in self._registry.items()}
 
     # ------------------------------------------------------------------ steps
     @property
     def current_step(self) -> int:
+        """The step ``save()`` uses when called without one: the newest saved or advanced step."""
         return self._step
 
     def advance_step(self, n: int = 1) -> int:
+        """Move ``current_step`` on by ``n`` and return it."""
         self._step += n
         return self._step
 
@@ -442,7 +446,7 @@ class CheckpointEngine:
         return publish_calls(handle or self._last_handle, name, to, method)
 
     def wait_all(self, timeout: Optional[float] = None) -> List[SaveResult]:
-        """The older name of :meth:`wait_until_finished`."""
+        """The older name of ``wait_until_finished()``."""
         warnings.warn("engine.wait_all() is deprecated; call engine.wait_until_finished()", DeprecationWarning,
                       stacklevel=2)
         return self.wait_until_finished(timeout)
@@ -521,7 +525,7 @@ class CheckpointEngine:
     def load_into(self, name: str, state: Any, step: int = -1, rank: int = 0, *, strict: bool = True,
                   world_size: Optional[int] = None, allow_pickle: Optional[bool] = None) -> StateReport:
         """Fill ``state`` (e.g. ``model.state_dict()`` / ``optim.state_dict()`` of this rank) in
-        place from state ``name`` of a committed version; returns a :class:`StateReport` (tier read,
+        place from state ``name`` of a committed version; returns a ``StateReport`` (tier read,
         bytes read, skipped keys).
 
         A sharded state (saved with DTensor leaves) is resharded: each DTensor leaf of ``state``,
