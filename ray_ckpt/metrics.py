@@ -113,7 +113,7 @@ _run_metrics: "dict[str, Metrics]" = {}
 
 def for_run(run: str) -> Metrics:
     """This process's Metrics of ``run``, made once per run and process (the driver's restores, an
-    actor's snapshot pauses). Making them registers 8 metrics with Ray, about 10 ms: ``register()``
+    actor's snapshot pauses). Making them registers 8 metrics with Ray, which takes a while: ``register()``
     calls this in the provider's process so that the first save's pause does not carry it."""
     m = _run_metrics.get(run)
     if m is None:

@@ -38,8 +38,8 @@ class PendingSnapshot:
     notices when it died or was restarted (None for an in-process state). The handle travels as
     ``[ObjectRef]`` of it (:func:`self_handle_ref`), fetched only by a reader whose wait runs long:
     fetching an actor handle makes Ray import the actor's class, so every writer that took a
-    snapshot's handle imported the learner's module and torch (~3.5 CPU-s and ~300 MB per writer
-    process, measured with py-spy in ``WriterActor.write_parts``) for a check it rarely needs."""
+    snapshot's handle would import the learner's module and torch (seconds of CPU and hundreds of
+    MB per writer process) for a check it rarely needs."""
 
     name: str
     key: str

@@ -4,8 +4,8 @@ Why: a snapshot is one copy of the state into the object store, and the learner 
 Ray maps the store's file into every worker, but each page is only entered into a process's page
 tables the first time that process touches it, and Ray's allocator keeps handing out parts of the
 store this process has not touched yet until it has touched all of it. On a VM each such fault
-costs microseconds: measured on the build VM, putting 64 MB into a fresh 4 GB store took 55 ms
-against a 5.5 ms memcpy, and 11 ms once the store was mapped (``benchmarks/snapshot_pause.py``).
+costs microseconds, so a put into a fresh store takes several times a memcpy of the same bytes
+(``benchmarks/snapshot_pause.py``).
 
 ``start_prefault()`` maps the whole store into this process once, on a background thread, with
 ``madvise(MADV_POPULATE_WRITE)`` (Linux >= 5.14). The cost is the reason it is opt-in
@@ -124,10 +124,8 @@ def prefault_status(wait_s: float = 0.0) -> PrefaultStatus:
 # ---------------------------------------------------------------------------- only the pages needed
 # Ray's object store allocates from the low end of its mapping first, but it does not reuse a freed
 # snapshot's space at once: the raylet frees objects in batches (about once a second), so while
-# saves follow each other the next snapshot lands above the last ones. Measured on the build VM
-# (512 MB puts, 0.2 s apart, 2 kept alive): offsets 0, 512, 1024, 1536, 0, 512, 0, 1024, 1536,
-# 2048 MB; each put that reached pages this process had never touched took 380-430 ms against
-# 75-100 ms (131,000 page faults: every page of the snapshot). The pages a process's saves touch are
+# saves follow each other the next snapshot lands above the last ones, and a put that reaches
+# pages this process never touched pays a fault for every page. The pages a process's saves touch are
 # therefore the first few snapshots' bytes of the mapping: ``NEEDED_COPIES`` of them are mapped
 # ahead of the first save, and a copy that still met untouched pages extends the mapped prefix by
 # ``GROW_COPIES`` more (``grow_needed``), so the prefix follows the run's real working set instead

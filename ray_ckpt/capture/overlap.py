@@ -25,8 +25,8 @@ its tensors.
 This module is plain Python + torch hooks, no Ray: ``put`` (how bytes reach the store) and
 ``deliver`` (where the result goes) are given by the caller, so it is unit-testable on its own.
 CUDA tensors are staged into reused pinned host buffers on a side stream (``snapshot.HostStaging``);
-their fence makes the training stream wait for the copy's CUDA event, without blocking the host.
-That path cannot run on the build machine (no GPU): it is written, not measured.
+their fence makes the training stream wait for the copy's CUDA event, without blocking the host
+(``benchmarks/gpu_check.py`` exercises that path where a GPU is available).
 """
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ log = logging.getLogger("ray_ckpt.overlap")
 NICE_ENV = "RAY_CKPT_OVERLAP_NICE"
 # below the learner (nice 0), above the critical writers (EngineConfig.critical_nice, 5): the
 # learner's next fence waits for this copy, not for the writer, so on a shared core the copy must
-# win. At 10 (below the writers) a 512 MB copy beside a writing writer took 607-913 ms instead of
-# ~180 ms and the fences before opt.step waited for it (benchmarks/overlap.py, RESULTS.md)
+# win: below the writers, a copy beside a writing writer takes several times longer and the fences
+# before opt.step wait for it (benchmarks/overlap.py)
 DEFAULT_NICE = 3
 
 

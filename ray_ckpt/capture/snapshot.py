@@ -325,15 +325,14 @@ def prepare_in_actor(actor: Any, run: Optional[str], overlap: bool = False) -> L
     """Runs in a provider actor at ``register``: what its first snapshot would otherwise set up
     inside the learner's pause, done ahead of it.
 
-    - The run's metrics in this process (about 10 ms of Ray metric registration: the first pause
-      was 2x its tenth, ``benchmarks/overlap.py``).
+    - The run's metrics in this process (Ray's metric registration would otherwise lengthen the
+      first pause).
     - With ``overlap``: the copier, its thread and the hooks (:func:`prepare_overlap`), and this
       process's own handle ref (:func:`self_handle_ref`), which is *returned*: an overlapped
-      snapshot returns it to the caller inside its ``PendingSnapshot``, and after a process's
-      first such return Ray took longer to start the actor's next call (0.9-1.6 ms more than
-      after later snapshots; 0.3-0.6 ms once this call had returned the ref first; 16 fresh
-      64 MB learners per arm, RESULTS.md). Presumably Ray setting up its tracking of the caller's
-      borrow (not traced inside Ray). Returns ``[]`` or ``[ObjectRef]``."""
+      snapshot returns it to the caller inside its ``PendingSnapshot``, and the first such return
+      from a process makes Ray set up its tracking of the caller's borrow, which delays the
+      actor's next call; returning it here moves that cost out of the first pause. Returns ``[]``
+      or ``[ObjectRef]``."""
     from ..metrics import for_run
 
     if run is not None:

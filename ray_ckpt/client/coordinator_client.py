@@ -50,7 +50,7 @@ def _start_coordinator(config: EngineConfig) -> Any:
         # max_concurrency: every call is a coroutine on one event loop and none holds a slot while
         # it waits for a commit (submit() only accepts; handles share one wait() per version and
         # process), but thousands of ranks' pushes and waits arrive at once: Ray's default of 1,000
-        # slots queued the parts that complete a version behind calls waiting for it (issue 15).
+        # slots would queue the parts that complete a version behind calls waiting for it.
         # A slot costs a coroutine, not a thread, so the ceiling is set far above any world size.
         max_restarts=-1, num_cpus=0, max_concurrency=100_000, **_coordinator_placement(),
     ).remote(config)

@@ -1,9 +1,9 @@
 """Ranks' pushes travel to the coordinator in batches: one call per engine and version, not per part.
 
-A host process that pushes for hundreds of ranks (ranks share nodes, hence processes) used to make
-one ``coordinator.submit`` call per part; at thousands of parts per version Ray's own work on each
-incoming call (argument deserialisation, the hand-off to the actor's event loop, the reply) was the
-coordinator's largest cost, and the queries (``list_checkpoints()``) waited behind them (issue 15).
+Why: a host process pushes for hundreds of ranks (ranks share nodes, hence processes). With one
+``coordinator.submit`` call per part, at thousands of parts per version Ray's own work on each
+incoming call (argument deserialisation, the hand-off to the actor's event loop, the reply) would be
+the coordinator's largest cost, and the queries (``list_checkpoints()``) would wait behind them.
 
 ``engine.submit()`` still validates at the call and returns a handle at once; its part joins the
 *open batch* of its version (:class:`PushBatch`). A batch is sent as ONE

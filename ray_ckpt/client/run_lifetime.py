@@ -92,8 +92,8 @@ def prestart_writer_processes(config: EngineConfig) -> None:
     coordinator, each leaving an idle worker process that has imported the writers' modules.
 
     Why: the coordinator creates its writers (it owns them: they live and die with it) only once
-    its own process is up, so their process starts used to queue behind it; a create() spent most
-    of its ~4 s starting processes one after the other (``benchmarks/create_cost.py``). Nothing
+    its own process is up, so their process starts would queue behind it and a create() would
+    spend most of its time starting processes one after the other (``benchmarks/create_cost.py``). Nothing
     depends on these tasks: if Ray gives the writers other processes, or none of these is needed
     (the coordinator exists already: nothing is started then), only their start-up was spent."""
     try:

@@ -77,8 +77,8 @@ SWITCH_INTERVAL_S = 0.0005  # the GIL switch interval of the coordinator's proce
 class CheckpointCoordinator:
     def __init__(self, config: EngineConfig):
         # Every call crosses threads of this process (Ray's task thread, each concurrency group's
-        # event loop) that take turns holding the GIL: at Python's default 5 ms per turn a query
-        # waited behind thousands of pushes' turns; 0.5 ms keeps list/status quick (issue 15)
+        # event loop) that take turns holding the GIL: at Python's default turn a query waits
+        # behind thousands of pushes' turns; a shorter turn keeps list/status quick
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.init_times = {"init": time.time()}  # wall clock of start-up steps (benchmarks/create_cost.py)
         self.cfg = config

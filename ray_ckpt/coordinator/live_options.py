@@ -10,7 +10,7 @@ counts as passed when the ``RAY_CKPT_SIGNING_KEY`` environment variable supplies
 out take the running run's values. Why not compare every field against its default: a restarted
 driver, a Tune trial relaunched or ``integrations.rllib.restore(run, local_dir=...)`` attach to a
 run without restating every option, and must keep attaching; a caller that states an option
-either gets it or an error naming it -- never the silent keep of issue 29.
+either gets it or an error naming it, never a silent keep.
 
 Which options change live (``LIVE``), and why each:
 

@@ -4,7 +4,7 @@ pools, so the answers are computed the same way whoever asks and are testable wi
 
 The actor runs these calls in their own concurrency group ("queries": their own thread and event
 loop), so that they answer within milliseconds while thousands of ranks' submit() calls queue on
-the main loop (issue 15). They only read, and copy a dict (one C-level step under the GIL) before
+the main loop. They only read, and copy a dict (one C-level step under the GIL) before
 iterating it in Python, since the main loop may change it meanwhile.
 """
 from __future__ import annotations

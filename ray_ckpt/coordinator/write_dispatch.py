@@ -1,7 +1,7 @@
 """Parts to writers: which writer writes each snapshot, and in which call (the coordinator's step 2-3).
 
 Parts that arrive together (thousands of ranks' pushes) go to writers in batches: one writer call
-and one durable sync per batch instead of per part (issue 15: a Ray call per part was the
+and one durable sync per batch instead of per part (a Ray call per part would be the
 coordinator's largest cost). A version's parts arriving within ``BATCH_WINDOW_S`` are gathered,
 and, while every critical writer still has a call queued, for longer (up to ``MAX_HOLD_S``): a
 call sent then would only queue behind the others, and meanwhile the batch grows, so the number of

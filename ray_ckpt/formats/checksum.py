@@ -4,10 +4,9 @@ The digest of a file is a two-level xxh3-128: each 64 MiB block of the file is h
 and the digest is the xxh3-128 of the blocks' digests followed by the file size. Why blocks: a
 large file can then be written (and verified) by several threads at once, each hashing the blocks
 it writes, and still get the same digest as a single stream over the file (an upload, ``ray-ckpt
-verify``). xxh3 runs at ~8 GB/s on one core of the build VM over a buffer much larger than the
-cache (memory-bound) and ~34 GB/s over one that sits in L2, which is why the O_DIRECT writer hashes
-each 512 KiB step right after copying it (``storage.local_files``); either way hashing does not
-limit a disk write. The same digest is the content hash used to store a RELOADABLE state once.
+verify``). xxh3 is memory-bound over a buffer much larger than the cache and several times faster
+over one that sits in L2, which is why the O_DIRECT writer hashes each 512 KiB step right after
+copying it (``storage.local_files``); either way hashing does not limit a disk write. The same digest is the content hash used to store a RELOADABLE state once.
 """
 from __future__ import annotations
 

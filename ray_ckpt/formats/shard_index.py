@@ -286,7 +286,7 @@ def part_record(flat_or_structure: Any, file: str, array_offsets: Sequence[int],
     """What one rank's file contributes to the shard index (JSON-able; merge with :func:`index_of`).
 
     ``flat_or_structure`` is the part's :class:`~ray_ckpt.formats.tree.Flat` (its DTensor chunks'
-    piece digests are computed from its arrays; xxh3 runs at ~20 GB/s) or only its structure (then
+    piece digests are computed from its arrays, at memory speed) or only its structure (then
     ``arrays`` gives the bytes, or no digests are recorded). ``array_offsets[i]`` is the byte offset
     of ``arrays[i]`` in ``file``. A writer that hashes while streaming may instead fill the digests
     itself with :class:`PieceHasher` over each DTensor array."""

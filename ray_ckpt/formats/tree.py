@@ -87,13 +87,10 @@ def st_dtype_of_numpy(dt: np.dtype) -> str:
 
 
 # How a Flat travels through Ray's object store. Ray copies each out-of-band buffer larger than
-# 1 MiB with six threads that it starts for that buffer alone; for buffers of a few MiB starting
-# them costs more than the copy (build VM, 2 vCPUs: 64 buffers of 1 MiB + 64 bytes put in 23 ms,
-# 64 of exactly 1 MiB in 7.6 ms). So arrays up to SPLIT_UP_TO travel as 1 MiB pieces, which Ray
-# copies with one memcpy each: a 256 MB state of 1.5 MB tensors pauses the learner 28 ms instead
-# of 53 ms (memcpy 22 ms); 512 MB of 4 MB tensors 49 ms instead of 58 ms. Larger arrays travel
-# whole: at 8 MB tensors pieces gained nothing here, and Ray's parallel copy pays off on machines
-# with the cores for it (`python benchmarks/transport_pieces.py`).
+# 1 MiB with threads that it starts for that buffer alone; for buffers of a few MiB starting them
+# costs more than the copy. So arrays up to SPLIT_UP_TO travel as 1 MiB pieces, which Ray copies
+# with one memcpy each; larger arrays travel whole, where Ray's parallel copy pays off on machines
+# with the cores for it (figures: `benchmarks/transport_pieces.py`, RESULTS.md).
 PIECE = 1 << 20
 SPLIT_UP_TO = 4 << 20
 

@@ -2,13 +2,11 @@
 
 Why: a version of 1,000 ranks x 2 states of 1 KB is 2,000 tiny files. Written one by one with
 ``Tier.open_atomic`` each costs an fsync of the file and an fsync of its directory (two journal
-commits on ext4): 2.2 ms per file on the build VM's disk, longer than all the rest of the write.
-A batch writes every file to a temporary name first, then syncs the contents of all of them at
-once from a pool of threads (the filesystem folds concurrent syncs into one journal commit), then
-renames them, then fsyncs each directory once. Measured on this VM's ext4 for 1,000 files of
-1.2 KB (``benchmarks/RESULTS.md``, scale section): 2.17 ms/file one by one, 1.56 ms/file with one
-directory fsync per batch, 0.60 ms/file with the contents synced by 16 threads (0.57 ms/file with
-two ``syncfs`` calls, which also flush every other process's dirty data on the disk: not used).
+commits on ext4), longer than all the rest of a small file's write. A batch writes every file to
+a temporary name first, then syncs the contents of all of them at once from a pool of threads (the
+filesystem folds concurrent syncs into one journal commit), then renames them, then fsyncs each
+directory once (figures: ``benchmarks/RESULTS.md``, scale section). ``syncfs`` would be a little
+faster but also flushes every other process's dirty data on the disk: not used.
 
 The guarantee, exactly (the same as ``open_atomic``'s, for the batch as a whole):
 

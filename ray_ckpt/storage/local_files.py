@@ -70,10 +70,8 @@ class WholeWrites:
     a ``limit``, 8 MiB at a time at the limit's pace. Also wraps object-store output streams when
     uploads are rate-limited.
 
-    (Tried and measured, then dropped: queueing each 64 MiB window for writeback with
-    sync_file_range and waiting for the one before. It won 0.83 s vs 1.31 s for 2 GiB in a loop
-    alone, but lost inside the engine, 1.76-1.85 s without vs 2.14-2.88 s with, A/B in one session:
-    the waits stall the writer while the object-store copy could go on. See RESULTS.md.)
+    No ``sync_file_range`` writeback windows: waiting for the previous window stalls the writer
+    while the object-store copy could go on, which costs more inside the engine than it saves.
     """
 
     def __init__(self, f: Any, limit: Optional[RateLimit] = None):
@@ -162,7 +160,7 @@ BOUNCE = BounceBuffers()
 def _copy_and_hash(buf: mmap.mmap, pieces: List[memoryview], h: Any) -> None:
     """Copy ``pieces`` one after the other to the start of ``buf`` and hash the copy, ``_SUB``
     bytes at a time: each step is hashed right after it is copied, while it is still in the
-    core's L2 cache (1 MiB per core on the build VM), instead of reading the whole 8 MiB chunk
+    core's L2 cache, instead of reading the whole 8 MiB chunk
     back from L3 or memory, where a learner streaming its own state evicts it. The bytes hashed
     are the bytes written. ``numpy.copyto`` releases the GIL while it copies (a memoryview slice
     assignment holds it), so a writer's threads copy at the same time."""
@@ -185,8 +183,8 @@ def write_chunks(fd: int, views: List[memoryview], size: int, threads: int,
     block by one of ``threads`` threads, ``CHUNK`` (8 MiB) at a time, hashed while in cache and
     then written. Returns the blocks' digests.
 
-    ``aligned`` (for O_DIRECT, which needs aligned memory, offsets and lengths; the build VM's disk
-    wants 512-byte aligned memory and snapshot buffers in the object store are only 64-byte
+    ``aligned`` (for O_DIRECT, which needs aligned memory, offsets and lengths; disks want at
+    least 512-byte aligned memory and snapshot buffers in the object store are only 64-byte
     aligned): each chunk is first copied into a page-aligned buffer of ``BOUNCE`` and hashed
     there (``_copy_and_hash``: the bytes hashed are the bytes written); the file's last chunk is
     padded to the alignment, so the caller truncates the file to ``size`` afterwards."""
@@ -225,10 +223,8 @@ def write_direct(path: str, views: List[memoryview], size: int, threads: int,
     """``write_chunks`` with O_DIRECT into a new file at ``path``, fsynced; None when this platform
     or filesystem refuses O_DIRECT (the caller then writes through the page cache).
 
-    Why: no page-cache pages are allocated, filled and written back for the checkpoint. Measured
-    on the build VM (``benchmarks/write_path.py``, a 2 GB state, two write threads, A/B in one run):
-    time to durable 1.14 s and 0.78 CPU seconds against 1.58 s and 0.92 s buffered, and 1.63 s
-    against 5.34 s (4.5 CPU seconds) in a run where the VM's page cache was slow."""
+    Why: no page-cache pages are allocated, filled and written back for the checkpoint, which
+    saves time and CPU, most where the page cache is slow (``benchmarks/write_path.py``)."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return None
@@ -257,8 +253,9 @@ def hash_file(path: Any, threads: int, on_bytes: Optional[Callable[[int], None]]
     """(size, digest) of a local file, its checksum blocks read and hashed by ``threads`` threads
     (``pread`` into one reused 8 MiB buffer per block; ``on_bytes(n)`` after each piece, from any
     thread). ``path``: a path (a link or a non-regular file there is refused with NotOurs, an
-    IntegrityError) or a descriptor from ``open_regular``, which this closes. Several reads in flight: a single stream is the slowest and least steady way to read
-    this build VM's disk (``benchmarks/restore_read.py``)."""
+    IntegrityError) or a descriptor from ``open_regular``, which this closes. Several reads in
+    flight: a single stream is the slowest and least steady way to read a virtual disk
+    (``benchmarks/restore_read.py``)."""
     fd = path if isinstance(path, int) else open_regular_path(path)  # never a link, FIFO or device
     try:
         size = os.fstat(fd).st_size
@@ -286,8 +283,8 @@ def map_file(path: str) -> Optional[mmap.mmap]:
     """A private, copy-on-write mapping of a local file (None if it cannot be mapped).
 
     Why not read(): reading 2 GiB into fresh memory costs the copy *and* faulting in 2 GiB of new
-    anonymous pages (2.6 s on the build VM against 0.9 s for dd); a private mapping reuses the page
-    cache's pages, so restore costs about one disk read plus the copy into the parameters (1.1 s).
+    anonymous pages; a private mapping reuses the page cache's pages, so restore costs about one
+    disk read plus the copy into the parameters (``benchmarks/restore_read.py``).
     Writable (tensors built on it are ordinary writable tensors), private (a write copies that page
     and never reaches the file). Not populated up front: MAP_POPULATE on a writable private
     mapping copies every page. Checkpoint files are replaced by rename and deleted by unlink, never
@@ -315,8 +312,8 @@ def host_buffer(size: int) -> Any:
     """Writable host memory for a file being restored; the restored tensors own it.
 
     Large buffers are anonymous mappings populated up front (MAP_POPULATE): page tables are filled
-    in one kernel call instead of one fault per page while reading, which measured 0.85 s against
-    1.5 s for a zero-filled bytearray of 2 GiB on the build VM."""
+    in one kernel call instead of one fault per page while reading, markedly faster than a
+    zero-filled bytearray for buffers of GiBs."""
     populate = getattr(mmap, "MAP_POPULATE", 0)
     if size >= _POPULATE_FROM and populate:
         try:

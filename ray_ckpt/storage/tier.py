@@ -105,7 +105,7 @@ class Tier:
         ``threads`` threads, each hashing and writing whole checksum blocks at their offsets.
 
         Why threads: one thread copying into the page cache is CPU-bound well below what the disk
-        takes (build VM, 2 GiB: 1.10 s with one thread, 0.88 s with two, 0.82 s with four).
+        takes (``benchmarks/write_path.py``).
 
         ``direct=True`` writes with O_DIRECT through small page-aligned buffers (see
         ``write_direct``): no page-cache pages are allocated, filled and written back for the
