@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -48,7 +48,7 @@ def check_dtype(dtype: torch.dtype, fqn: str) -> None:
                                f"record; nothing was written")
 
 
-def _world() -> tuple:
+def _world() -> Tuple[int, int]:
     dist = getattr(sys.modules.get("torch"), "distributed", None)
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
