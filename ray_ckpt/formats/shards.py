@@ -176,8 +176,10 @@ def _torch_dtype(name: str) -> Any:
 def target_chunk(target: Any) -> Tuple[Any, List[int], List[int]]:
     """(local tensor to fill, global offsets, sizes) of a target: a DTensor's local shard, or a plain
     tensor standing for the whole tensor."""
-    from .tree import _dtensor_types
+    from .tree import TensorChunk, _dtensor_types
 
+    if isinstance(target, TensorChunk):
+        return target.local, list(target.offsets), list(target.local.shape)
     dt = _dtensor_types()
     if dt is not None and isinstance(target, dt):
         offsets, sizes = dtensor_chunk(target)
@@ -270,8 +272,11 @@ def assemble_full(meta: ShardedTensorMeta, read_range: ReadRange, *, verify: boo
 
 
 def iter_tensor_leaves(state: Any, path: Optional[list] = None) -> Iterator[Tuple[list, Any]]:
-    """(path, tensor) of every tensor leaf (DTensors included) of a nested dict/list/tuple state."""
+    """(path, tensor) of every tensor leaf (DTensors and ``TensorChunk`` boxes included) of a nested
+    dict/list/tuple state."""
     import torch
+
+    from .tree import TensorChunk
 
     path = path or []
     if isinstance(state, dict):
@@ -280,7 +285,7 @@ def iter_tensor_leaves(state: Any, path: Optional[list] = None) -> Iterator[Tupl
     elif isinstance(state, (list, tuple)):
         for i, v in enumerate(state):
             yield from iter_tensor_leaves(v, path + [i])
-    elif isinstance(state, torch.Tensor):
+    elif isinstance(state, (torch.Tensor, TensorChunk)):
         yield path, state
 
 

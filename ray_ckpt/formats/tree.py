@@ -199,6 +199,39 @@ class ShardedLeaf:
         return self.array is not None
 
 
+
+class TensorChunk:
+    """A plain tensor ``local`` that is the box ``offsets`` + ``local.shape`` of a global tensor of
+    ``global_shape``, whose other boxes other ranks hold: a sharded leaf whose layout no DTensor
+    placement describes (a DeepSpeed ZeRO partition of a flattened parameter starts and ends
+    anywhere). Stored and resharded like a DTensor chunk ("DT" node, shard index); as a
+    ``load_into`` target its ``local`` is filled in place with exactly that box."""
+
+    __slots__ = ("local", "global_shape", "offsets")
+
+    def __init__(self, local: Any, global_shape: Any, offsets: Any):
+        self.local = local
+        self.global_shape = tuple(int(x) for x in global_shape)
+        self.offsets = tuple(int(x) for x in offsets)
+        sizes = tuple(local.shape)
+        if len(sizes) != len(self.global_shape) or len(self.offsets) != len(sizes) or any(
+                o < 0 or s < 0 or o + s > g for o, s, g in zip(self.offsets, sizes, self.global_shape)):
+            raise ValueError(f"TensorChunk: a box at {list(self.offsets)} of sizes {list(sizes)} does not fit "
+                             f"a tensor of shape {list(self.global_shape)}")
+
+    @property
+    def shape(self) -> Any:
+        """The global shape (what a target's shape is checked against)."""
+        return _torch().Size(self.global_shape)
+
+    @property
+    def dtype(self) -> Any:
+        return self.local.dtype
+
+    def __repr__(self) -> str:
+        return f"TensorChunk(offsets={list(self.offsets)}, sizes={list(self.local.shape)}, global={list(self.global_shape)})"
+
+
 def _sharded_leaf(node: dict, path: list, local: Any = None) -> ShardedLeaf:
     return ShardedLeaf(key=leaf_key(path), path=list(path), dtype=node["dt"], global_shape=list(node["g"]),
                        offsets=list(node["o"]), sizes=list(node["sh"]), mesh_shape=list(node["m"]),
@@ -348,6 +381,14 @@ def flatten(state: Any, *, state_name: str = "state", allow_pickle: bool = False
             node = {"DT": tensor_array(obj.to_local(), path)[0] if writes else None,
                     "dt": str(obj.dtype).replace("torch.", ""), **node}
             return node
+        if t is TensorChunk:  # every rank stores its own box (no replicas)
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+            idx, x = tensor_array(obj.local, path)
+            return {"DT": idx, "dt": str(x.dtype).replace("torch.", ""), "sh": list(x.shape),
+                    "g": list(obj.global_shape), "o": list(obj.offsets), "m": [1], "p": ["box"], "c": None,
+                    "r": rank, "w": rank}
         if torch is not None and isinstance(obj, torch.Tensor):
             idx, x = tensor_array(obj, path)
             return {"T": idx, "dt": str(x.dtype).replace("torch.", ""), "sh": list(x.shape)}

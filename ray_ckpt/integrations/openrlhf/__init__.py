@@ -1,0 +1,44 @@
+"""OpenRLHF integration: ``RayCkptDeepspeedStrategy``, OpenRLHF's ``DeepspeedStrategy`` whose
+``save_ckpt`` / ``load_ckpt`` go through ray_ckpt. See docs/openrlhf.md.
+
+=================== ===============================================================================
+module              holds
+=================== ===============================================================================
+``settings``        the ``--ray_ckpt.*`` flags and ``args.ray_ckpt`` (:func:`read_settings`); no import
+                    of OpenRLHF or DeepSpeed
+``tracker``         the pointer file and DeepSpeed's ``latest`` file, written when a version commits
+``zero``            a rank's ZeRO-1/2/3 partition as boxes of each flattened parameter, and back
+``strategy``        :class:`RayCkptDeepspeedStrategy`
+=================== ===============================================================================
+
+OpenRLHF and DeepSpeed are imported on first use of a name that needs them
+(``pip install "ray-ckpt[openrlhf]"``; see docs/openrlhf.md for the install lines).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .settings import OpenRLHFSettings, add_arguments, read_settings
+from .tracker import POINTER, read_pointer
+
+__all__ = ["RayCkptDeepspeedStrategy", "add_arguments", "read_settings", "OpenRLHFSettings", "read_pointer",
+           "POINTER"]
+
+_LAZY = {"RayCkptDeepspeedStrategy": "strategy"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        try:
+            module = importlib.import_module(f".{_LAZY[name]}", __name__)
+        except ImportError as exc:
+            if not any(m in str(exc) for m in ("openrlhf", "deepspeed", "flash_attn", "peft")):
+                raise
+            raise ImportError(f'ray_ckpt.integrations.openrlhf.{name} needs OpenRLHF and DeepSpeed: pip install '
+                              f'"ray-ckpt[openrlhf]" ({exc})') from None
+        value = getattr(module, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

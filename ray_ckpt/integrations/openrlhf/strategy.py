@@ -1,0 +1,391 @@
+"""``RayCkptDeepspeedStrategy``: OpenRLHF's ``DeepspeedStrategy`` with ``save_ckpt`` / ``load_ckpt``
+on ray_ckpt.
+
+OpenRLHF's actors call ``strategy.save_ckpt(model, <ckpt.path>/_actor, "global_stepN", max_num,
+max_mem, client_states)`` on every rank and resume with ``strategy.load_ckpt(model,
+<ckpt.path>/_actor)``; this class keeps both signatures and their meaning. What a version of step
+N holds, by state name (run ``<args.ray_ckpt.run>-<basename of save_dir>``):
+
+======== ================================== ===================================================
+state    pushed by                          holds
+======== ================================== ===================================================
+optim    every rank (``TensorChunk`` boxes) fp32 masters and Adam moments of the rank's ZeRO range
+                                            of every parameter, placed in the flattened parameter
+module   rank 0's copy (replicated)         the 16-bit module weights (ZeRO-1/2, which replicate
+                                            them; ZeRO-3 casts its fp32 range on load)
+extra    rank 0's copy (replicated)         client_state, LR scheduler, optimizer step and lrs,
+                                            engine counters, world size, stage, tag
+rng      every rank (rank-local)            ``rc.rng_state()`` (restored at the same world size)
+======== ================================== ===================================================
+
+``save_ckpt`` pushes and returns: no barrier, no file written by the call; a background thread
+per run waits for the commit, then rank 0 writes the pointer, OpenRLHF's ``metric.json`` and
+DeepSpeed's ``latest`` (``tracker.py``). Retention is the run's ``keep_last`` (``max_num`` by
+default), applied by the engine after a commit, so a failed save never leaves fewer than
+``max_num`` committed versions."""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from openrlhf.utils.deepspeed import DeepspeedStrategy
+
+import ray_ckpt as rc
+from ray_ckpt import InvalidArgumentError, RestoreError, SaveError
+
+from . import zero
+from .settings import OpenRLHFSettings, read_settings
+from .tracker import advance_latest, read_latest, read_pointer, step_of_tag, write_pointer
+
+log = logging.getLogger("ray_ckpt.openrlhf")
+
+OPTIM, MODULE, EXTRA, RNG = "optim", "module", "extra", "rng"
+
+
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:500]
+
+
+@dataclass
+class _Save:
+    step: int
+    tag: str
+    tag_dir: str
+    handles: List[Any]
+    save_latest: bool
+    metric: Optional[Tuple[Any, Any]]
+    done: threading.Event = field(default_factory=threading.Event)
+    error: Optional[str] = None
+
+
+class _Run:
+    """One save_dir's run on this rank: its engine, what it declared, its saves in flight."""
+
+    def __init__(self, name: str, engine: "rc.CheckpointEngine"):
+        self.name, self.engine = name, engine
+        self.declared: Optional[tuple] = None
+        self.kept: Optional[int] = None
+        self.saves: List[_Save] = []
+        self.failures: List[str] = []
+        self.jobs: "queue.Queue[_Save]" = queue.Queue()
+
+
+class RayCkptDeepspeedStrategy(DeepspeedStrategy):
+    """OpenRLHF's ``DeepspeedStrategy`` whose checkpoints are ray_ckpt versions: ``save_ckpt``
+    returns once this rank's ZeRO partition is in Ray's object store; ``load_ckpt`` reads a version
+    saved on any data-parallel size and ZeRO stage (1, 2, 3). Needs ``args.ray_ckpt.run`` (see
+    ``settings.py``: ``--ray_ckpt.*`` flags); with ``args.ray_ckpt.local_dir`` rank 0 creates the
+    run, without it every rank connects to a run the driver created."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        settings = read_settings(self.args)
+        if settings is None:
+            raise InvalidArgumentError("RayCkptDeepspeedStrategy needs args.ray_ckpt.run (--ray_ckpt.run) and, on "
+                                       "the ranks that create the run, --ray_ckpt.local_dir; see docs/openrlhf.md")
+        self.ray_ckpt: OpenRLHFSettings = settings
+        self._runs: Dict[str, _Run] = {}
+        self._lock = threading.Lock()
+        self.last_block_s: Optional[float] = None  # how long the last save_ckpt blocked this rank
+        self.last_load_wait_s: Optional[float] = None
+
+    # ------------------------------------------------------------------ set-up (collective once per run)
+    def _world(self) -> Tuple[int, int]:
+        if dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
+    def _collective_error(self, error: Optional[str]) -> None:
+        """Rank 0's error (or None) to every rank; every rank raises it (nobody waits forever)."""
+        if self._world()[1] > 1:
+            box = [error]
+            dist.broadcast_object_list(box, src=0)
+            error = box[0]
+        if error:
+            raise rc.CheckpointError(error)
+
+    def _run(self, save_dir: str, max_num: Optional[int] = None) -> _Run:
+        """This rank's engine of ``save_dir``'s run: rank 0 creates it (get-or-create, with
+        ``max_num`` as its ``keep_last``) or connects, then the others connect (a collective, on
+        the first save only)."""
+        key = os.path.abspath(save_dir)
+        run = self._runs.get(key)
+        if run is not None:
+            return run
+        s, name = self.ray_ckpt, self.ray_ckpt.run_of(save_dir)
+        keep = self._keep_last(max_num)
+        engine, error = None, None
+        if self._world()[0] == 0:
+            try:
+                if s.creates and keep is not None:
+                    engine = rc.CheckpointEngine.create(name, **dict(s.create, keep_last=keep), reconfigure=True)
+                elif s.creates:
+                    engine = rc.CheckpointEngine.create(name, **s.create)
+                else:
+                    engine = rc.CheckpointEngine.connect(name, timeout=s.connect_timeout_s)
+            except Exception as exc:
+                error = f"ray_ckpt run {name!r} could not be {'created' if s.creates else 'connected'} on rank 0: " \
+                        f"{_one_line(exc)}"
+        self._collective_error(error)
+        if engine is None:
+            engine = rc.CheckpointEngine.connect(name, timeout=s.connect_timeout_s)
+        run = self._runs[key] = _Run(name, engine)
+        run.kept = keep
+        threading.Thread(target=self._watch, args=(run,), name=f"ray_ckpt-{name}", daemon=True).start()
+        return run
+
+    # (name, replicated) of every version, whatever the stage: a run's declarations outlive a
+    # change of stage (ZeRO-3 pushes an empty module state: its 16-bit weights are the cast of fp32)
+    STATES = ((OPTIM, False), (MODULE, True), (EXTRA, True), (RNG, False))
+
+    def _declare(self, run: _Run, states: tuple) -> None:
+        """First save of this run (or of another stage): rank 0 declares the states, then every
+        rank goes on; OpenRLHF calls save_ckpt on every rank, so this collective is matched."""
+        rank, world = self._world()
+        error = None
+        if rank == 0:
+            try:
+                for name, replicated in states:
+                    run.engine.register(name, world_size=world, replicated=replicated, replace=True)
+            except Exception as exc:
+                error = f"ray_ckpt run {run.name!r}: declaring the states failed: {_one_line(exc)}"
+        self._collective_error(error)
+        run.declared = (states, world)
+
+    def _keep_last(self, max_num: Optional[int]) -> Optional[int]:
+        """The ``keep_last`` that ``max_num`` asks for, or None when the run's own applies (an
+        explicit ``--ray_ckpt.keep_last``, a run this strategy only connects to, or no max_num)."""
+        s = self.ray_ckpt
+        if not max_num or "keep_last" in s.create or not s.creates or not s.apply_max_num:
+            return None
+        return int(max_num)
+
+    def _keep_newest(self, run: _Run, max_num: Optional[int]) -> None:
+        """``max_num`` as the run's ``keep_last`` (rank 0, only when it changes); the engine prunes
+        after a commit, so the versions kept never drop below ``max_num`` committed ones (OpenRLHF's
+        own rotation deletes before it saves)."""
+        keep = self._keep_last(max_num)
+        if keep is None or keep == run.kept:
+            return
+        run.engine = rc.CheckpointEngine.create(run.name, **dict(self.ray_ckpt.create, keep_last=keep),
+                                                reconfigure=True)
+        run.kept = keep
+
+    # ------------------------------------------------------------------ save
+    def save_ckpt(self, model, save_dir, tag=None, max_num=3, max_mem=1000, client_state=None, save_latest=True,
+                  metric_value=None, metric_key=None):
+        """Push this rank's share of version ``tag`` (``global_step<N>``: step N; another tag: the
+        engine's ``global_steps``) and return. ``<save_dir>/<tag>/ray_ckpt.json``, ``metric.json``
+        and ``<save_dir>/latest`` are written by rank 0 once the version commits. ``max_mem`` is
+        not applied (the run's retention counts versions). A save of this run that failed in the
+        background is raised here (``rc.SaveError`` naming its step) before anything is pushed."""
+        t0 = time.perf_counter()
+        assert isinstance(model, deepspeed.DeepSpeedEngine)
+        rank, world = self._world()
+        if self.ring_attn_size != 1 or self.ds_tensor_parallel_size != 1:
+            raise InvalidArgumentError("RayCkptDeepspeedStrategy saves data-parallel ZeRO only (ring_attn_size and "
+                                       "tensor_parallel_size must be 1)")
+        tag = tag or f"global_step{model.global_steps}"
+        step = step_of_tag(tag)
+        step = int(model.global_steps) if step is None else step
+        run = self._run(save_dir, max_num)
+        self._raise_failures(run)
+        if rank == 0:
+            self._keep_newest(run, max_num)
+        if run.declared != (self.STATES, world):
+            self._declare(run, self.STATES)
+        eng = run.engine
+        module = model.module.state_dict() if zero.stage_of(model) in (1, 2) and rank == 0 else {}
+        handles = [eng.submit(step, OPTIM, zero.partition_state(model), rank=rank),
+                   eng.submit(step, MODULE, module, rank=rank)]
+        if rank == 0:
+            sched = model.lr_scheduler.state_dict() if model.lr_scheduler is not None else None
+            extra = {"client_state": dict(client_state or {}), "lr_scheduler": sched, "tag": tag,
+                     "optimizer": zero.optimizer_scalars(model), "moments": zero.moment_keys(model),
+                     "zero_stage": zero.stage_of(model), "world_size": world,
+                     "global_steps": int(model.global_steps), "global_samples": int(model.global_samples),
+                     "skipped_steps": int(model.skipped_steps)}
+        else:
+            extra = {}  # a replicated state: rank 0's copy is stored
+        handles.append(eng.submit(step, EXTRA, extra, rank=rank))
+        handles.append(eng.submit(step, RNG, rc.rng_state(), rank=rank))
+        metric = (metric_value, metric_key) if metric_value is not None or metric_key is not None else None
+        save = _Save(step, tag, os.path.join(os.path.abspath(save_dir), tag), handles, bool(save_latest), metric)
+        with self._lock:
+            run.saves.append(save)
+        run.jobs.put(save)
+        self.last_block_s = time.perf_counter() - t0
+        return None
+
+    def _watch(self, run: _Run) -> None:
+        """Background: wait for each save's commit (in order); rank 0 then writes the files
+        OpenRLHF's resume reads."""
+        while True:
+            save = run.jobs.get()
+            try:
+                results = [h.wait() for h in save.handles]
+                if self._world()[0] == 0:
+                    self._committed(run, save, results)
+            except Exception as exc:
+                save.error = _one_line(exc)
+                with self._lock:
+                    run.failures.append(f"the save of {save.tag} (step {save.step}, run {run.name!r}) failed: "
+                                        f"{save.error}")
+                log.error("ray_ckpt: the save of %s failed: %s", save.tag, save.error)
+            finally:
+                save.done.set()
+
+    def _committed(self, run: _Run, save: _Save, results: List[Any]) -> None:
+        version = results[0].version if results else save.step
+        write_pointer(save.tag_dir, {"run": run.name, "step": save.step, "version": version, "tag": save.tag,
+                                     "world_size": self._world()[1], "format": "ray_ckpt",
+                                     "committed_at": time.time()})
+        if save.metric is not None:
+            self._write_ckpt_metric(save.tag_dir, save.metric[0], metric_key=save.metric[1])
+        if save.save_latest:
+            advance_latest(os.path.dirname(save.tag_dir), save.tag, save.step)
+
+    def _raise_failures(self, run: _Run) -> None:
+        with self._lock:
+            failures, run.failures = run.failures, []
+            run.saves = [s for s in run.saves if not s.done.is_set()]
+        if failures:
+            raise SaveError("ray_ckpt: " + "; ".join(failures))
+
+    def wait_until_finished(self, timeout: Optional[float] = None) -> None:
+        """Return once every save this rank issued has committed (rank 0: its files written);
+        raise the first failure (``rc.SaveError``), or ``rc.SaveTimeoutError`` after ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for run in list(self._runs.values()):
+            with self._lock:
+                saves = list(run.saves)
+            for save in saves:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not save.done.wait(left):
+                    raise rc.SaveTimeoutError(f"ray_ckpt: the save of {save.tag} has not committed after {timeout}s")
+            self._raise_failures(run)
+
+    # ------------------------------------------------------------------ load
+    def _wait_committed(self, engine: "rc.CheckpointEngine", run: str, step: int) -> None:
+        """Return once ``step`` is committed; one in flight is waited for (``load_wait_s``), one
+        neither committed nor in flight is a RestoreError naming it."""
+        start = time.monotonic()
+        deadline = start + self.ray_ckpt.load_wait_s
+        grace = start + min(2.0, self.ray_ckpt.load_wait_s)  # a push may still be on its way
+        pause = 0.05
+        while True:
+            committed = engine.all_steps()
+            if step in committed:
+                self.last_load_wait_s = time.monotonic() - start
+                return
+            in_flight = {d.get("step") for d in engine.status().get("in_flight", {}).values()}
+            now = time.monotonic()
+            if step not in in_flight and now >= grace:
+                raise RestoreError(f"step {step} of ray_ckpt run {run!r} never committed (not in flight either); "
+                                   f"committed steps: {committed[-8:] or 'none'}")
+            if now >= deadline:
+                raise RestoreError(f"step {step} of ray_ckpt run {run!r} is still being written after "
+                                   f"{self.ray_ckpt.load_wait_s}s (load_wait_s)")
+            time.sleep(min(pause, max(0.0, deadline - now)))
+            pause = min(pause * 2, 1.0)
+
+    def _locate(self, load_dir: str, tag: Optional[str]) -> Optional[Tuple[str, str, int]]:
+        """(tag_dir, run, step) of what ``load_ckpt(load_dir, tag)`` names, or None (nothing there)."""
+        tag = tag or read_latest(load_dir)
+        if tag is None:
+            return None
+        tag_dir = os.path.join(os.path.abspath(load_dir), tag)
+        pointer = read_pointer(tag_dir)
+        if pointer is not None:
+            return tag_dir, str(pointer["run"]), int(pointer["step"])
+        step = step_of_tag(tag)  # a version still in flight has no pointer yet
+        return (tag_dir, self.ray_ckpt.run_of(load_dir), step) if step is not None else None
+
+    def load_ckpt(self, model, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                  load_lr_scheduler_states=True, load_module_only=False):
+        """Fill this rank's ZeRO partition, 16-bit weights, scheduler, engine counters (and RNG,
+        at the same world size) from the version ``tag`` of ``load_dir`` (default: the tag in
+        ``<load_dir>/latest``), saved on any data-parallel size and ZeRO stage. Returns
+        ``(path, client_state)``, or ``(None, {})`` when ``load_dir`` holds no checkpoint."""
+        assert isinstance(model, deepspeed.DeepSpeedEngine)
+        where = self._locate(load_dir, tag)
+        if where is None:
+            self.print(f"Warning: [ray_ckpt] No checkpoint found at {load_dir}, skipping checkpoint loading.")
+            return None, {}
+        tag_dir, run_name, step = where
+        known = self._runs.get(os.path.abspath(load_dir))
+        engine = known.engine if known is not None and known.name == run_name else \
+            rc.CheckpointEngine.connect(run_name, timeout=self.ray_ckpt.connect_timeout_s)
+        self._wait_committed(engine, run_name, step)
+        extra = engine.load(EXTRA, step=step, rank=0)
+        module = self._module_weights(engine, step)
+        if load_module_only or not load_optimizer_states:
+            self._load_module(model, engine, step, module, load_module_strict)
+        else:
+            self._load_partition(model, engine, step, extra, module)
+        if not load_module_only:
+            if load_lr_scheduler_states and model.lr_scheduler is not None and extra.get("lr_scheduler") is not None:
+                model.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+            model.global_steps = int(extra["global_steps"])
+            model.global_samples = int(extra["global_samples"])
+            model.skipped_steps = int(extra["skipped_steps"])
+        rank, world = self._world()
+        if int(extra["world_size"]) == world:
+            rc.set_rng_state(engine.load(RNG, step=step, rank=rank))
+        elif rank == 0:
+            log.warning("ray_ckpt: %s was saved by %s ranks and is loaded on %s: the RNG states were not restored "
+                        "(they are per rank); the ZeRO partitions were resharded", tag_dir, extra["world_size"], world)
+        return tag_dir, dict(extra.get("client_state") or {})
+
+    def _module_weights(self, engine: "rc.CheckpointEngine", step: int) -> Dict[str, Any]:
+        """The stored 16-bit weights (a version saved by ZeRO-1/2; empty when saved by ZeRO-3)."""
+        return engine.load(MODULE, step=step, rank=0)
+
+    def _full_fp32(self, engine: "rc.CheckpointEngine", step: int):
+        """name -> the full fp32 parameter (read once, on first use: only a ZeRO-1/2 load of a
+        version saved by ZeRO-3 needs it)."""
+        cache: Dict[str, Any] = {}
+
+        def full(name: str) -> Any:
+            if not cache:
+                cache.update(engine.load(OPTIM, step=step, rank=None)[zero.FP32])
+            return cache[name]
+        return full
+
+    def _load_partition(self, model, engine, step: int, extra: Dict[str, Any], module) -> None:
+        keys = list(extra.get("moments") or [])
+        if keys:
+            zero.ensure_optimizer_state(model)
+        target, ss = zero.target_state(model, keys)
+        engine.load_into(OPTIM, target, step=step, rank=self._world()[0])
+        with torch.no_grad():  # the fp32 partitions are leaves that require grad
+            for s in ss:
+                if s.count:
+                    for key in [None] + keys:
+                        s.set(key, target[key or zero.FP32][s.name].local)
+        zero.set_optimizer_scalars(model, extra.get("optimizer") or {})
+        zero.refresh_lp(model, ss, module, self._full_fp32(engine, step))
+
+    def _load_module(self, model, engine, step: int, module, strict: bool) -> None:
+        """``load_module_only`` / no optimizer states: the 16-bit weights, and the fp32 masters
+        refreshed from them (what DeepSpeed's ``refresh_fp32_params`` does after such a load)."""
+        ss = zero.slots(model)
+        zero.refresh_lp(model, ss, module, self._full_fp32(engine, step))
+        if zero.stage_of(model) == 3:  # ds_tensor holds the cast of the loaded fp32 range
+            target, ss = zero.target_state(model, [])
+            engine.load_into(OPTIM, target, step=step, rank=self._world()[0])
+            with torch.no_grad():
+                for s in ss:
+                    if s.count:
+                        s.param.ds_tensor.data.reshape(-1)[:s.count].copy_(target[zero.FP32][s.name].local)
+        refresh = getattr(model.optimizer, "refresh_fp32_params", None)
+        if refresh is not None:
+            refresh()

@@ -1,0 +1,203 @@
+"""A rank's DeepSpeed ZeRO partition as boxes of each flattened parameter, and back.
+
+ZeRO keeps, per rank, the fp32 master copy and the Adam moments of a slice of the parameters:
+
+* ZeRO-1/2: the parameters of a group are flattened one after another into one buffer, cut into
+  equal partitions; rank r's partition covers a range of that buffer, so a range (possibly empty)
+  of each parameter it touches, starting and ending anywhere (``param._hp_mapping``:
+  ``lp_fragment_address`` is the range within the parameter, ``hp_fragment`` the fp32 view);
+* ZeRO-3: every parameter is flattened and padded to a multiple of the world size, rank r holds
+  elements ``[r * n, (r + 1) * n)`` (``safe_get_local_fp32_param`` /
+  ``safe_get_local_optimizer_state``).
+
+Either way a rank's share of parameter ``name`` is one contiguous range of the flattened
+parameter, so it is pushed as a :class:`~ray_ckpt.formats.tree.TensorChunk`: the range and its
+place in a 1-D tensor of ``numel`` elements. The stored version then does not depend on the world
+size or the stage; loading reads, for each range the new layout gives this rank, only the bytes
+of the stored ranges it overlaps, and sets them (``safe_set_local_fp32_param`` /
+``safe_set_local_optimizer_state`` on ZeRO-3; the fragment views on ZeRO-1/2, for which DeepSpeed
+has no local setter)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ray_ckpt import InvalidArgumentError, RestoreError
+from ray_ckpt.formats.tree import TensorChunk
+
+FP32 = "fp32"
+
+
+@dataclass
+class Slot:
+    """This rank's range of one trainable parameter, and how to reach its fp32 / moment views."""
+    name: str
+    param: Any
+    numel: int
+    start: int   # in the flattened parameter
+    count: int   # elements this rank holds (0: none)
+    view: Callable[[Optional[str]], Any]  # key None: the fp32 master range; else that moment's range
+    set: Callable[[Optional[str], Any], None]  # writes a range of ``count`` elements
+
+
+def stage_of(engine: Any) -> int:
+    return int(engine.zero_optimization_stage())
+
+
+def _moment_keys(state: Dict[str, Any], flat: Any) -> List[str]:
+    return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == flat.shape)
+
+
+def _flat_groups(engine: Any) -> List[Any]:
+    """The fp32 flat partitions the base optimizer steps (its ``state`` is keyed by them)."""
+    opt = engine.optimizer
+    if stage_of(engine) == 3:
+        return list(opt.fp32_partitioned_groups_flat)
+    return list(opt.single_partition_of_fp32_groups)
+
+
+def slots(engine: Any) -> List[Slot]:
+    """This rank's range of every trainable parameter of a ZeRO-1/2/3 DeepSpeedEngine, in
+    ``named_parameters`` order. ZeRO-0 (no partition) is refused."""
+    stage = stage_of(engine)
+    if stage not in (1, 2, 3):
+        raise InvalidArgumentError(f"RayCkptDeepspeedStrategy saves ZeRO stages 1, 2 and 3 (zero_stage={stage})")
+    opt = engine.optimizer
+    base_state = opt.optimizer.state
+    out = []
+    if stage == 3:
+        from deepspeed.utils import (safe_get_local_fp32_param, safe_get_local_optimizer_state,
+                                     safe_set_local_fp32_param, safe_set_local_optimizer_state)
+
+        rank = dist.get_rank(group=opt.dp_process_group)
+        for name, p in engine.module.named_parameters():
+            if not p.requires_grad:
+                continue
+            numel, part = int(p.ds_numel), int(p.ds_tensor.ds_numel)
+            start = min(rank * part, numel)
+            count = max(0, min(part, numel - start))
+
+            def view(key, p=p, count=count):
+                t = safe_get_local_fp32_param(p) if key is None else safe_get_local_optimizer_state(p, key)
+                return t.reshape(-1).narrow(0, 0, count)
+
+            def put(key, value, p=p, count=count):
+                full = (safe_get_local_fp32_param(p) if key is None else
+                        safe_get_local_optimizer_state(p, key)).reshape(-1).clone()  # keeps the padding
+                full[:count].copy_(value.reshape(-1))
+                if key is None:
+                    safe_set_local_fp32_param(p, full)
+                else:
+                    safe_set_local_optimizer_state(p, full, key)
+
+            out.append(Slot(name, p, numel, start, count, view, put))
+        return out
+    flats = _flat_groups(engine)
+    for name, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            continue
+        m = getattr(p, "_hp_mapping", None)
+        if m is None:
+            out.append(Slot(name, p, p.numel(), 0, 0, lambda key: torch.empty(0), lambda key, v: None))
+            continue
+
+        def view(key, m=m):
+            if key is None:
+                return m.hp_fragment
+            a = m.hp_fragment_address
+            return base_state[flats[m.param_group_index]][key].narrow(0, a.start, a.numel)
+
+        def put(key, value, view=view):
+            view(key).copy_(value.reshape(-1))
+
+        out.append(Slot(name, p, p.numel(), m.lp_fragment_address.start, m.lp_fragment_address.numel, view, put))
+    return out
+
+
+def moment_keys(engine: Any) -> List[str]:
+    """The optimizer's per-element states (Adam: exp_avg, exp_avg_sq); [] before its first step."""
+    flats = _flat_groups(engine)
+    state = engine.optimizer.optimizer.state
+    return _moment_keys(state[flats[0]], flats[0]) if flats and flats[0] in state else []
+
+
+def optimizer_scalars(engine: Any) -> Dict[str, Any]:
+    """What is the same on every rank: each group's ``step`` and learning rate."""
+    flats = _flat_groups(engine)
+    state = engine.optimizer.optimizer.state
+    steps = []
+    for f in flats:
+        s = state.get(f, {}).get("step")
+        steps.append(None if s is None else (s.item() if torch.is_tensor(s) else s))
+    return {"steps": steps, "lrs": [g["lr"] for g in engine.optimizer.param_groups]}
+
+
+def partition_state(engine: Any) -> Dict[str, Dict[str, TensorChunk]]:
+    """This rank's partition: ``{"fp32": {name: chunk}, "<moment>": {name: chunk}}`` (views, no
+    copy: ``submit`` copies them into the object store before it returns)."""
+    keys = moment_keys(engine)
+    out: Dict[str, Dict[str, TensorChunk]] = {FP32: {}}
+    out.update({k: {} for k in keys})
+    for s in slots(engine):
+        for key in [None] + keys:
+            out[key or FP32][s.name] = TensorChunk(s.view(key), (s.numel,), (s.start,))
+    return out
+
+
+def target_state(engine: Any, keys: List[str]) -> tuple:
+    """Fresh buffers shaped as this rank's partition (the ``load_into`` target), and the slots."""
+    ss = slots(engine)
+    out = {key: {s.name: TensorChunk(torch.empty(s.count, dtype=torch.float32), (s.numel,), (s.start,))
+                 for s in ss} for key in [FP32] + keys}
+    return out, ss
+
+
+def ensure_optimizer_state(engine: Any) -> None:
+    """A fresh engine's base optimizer has no moments before its first step; give it zeroed ones
+    (and ``step`` 0), as torch's Adam would create them, so that loaded ranges have a place."""
+    state = engine.optimizer.optimizer.state
+    for f in _flat_groups(engine):
+        st = state[f]
+        if not st:
+            st["step"] = torch.tensor(0.0)
+            st["exp_avg"] = torch.zeros_like(f, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(f, memory_format=torch.preserve_format)
+
+
+def set_optimizer_scalars(engine: Any, scalars: Dict[str, Any]) -> None:
+    flats = _flat_groups(engine)
+    state = engine.optimizer.optimizer.state
+    steps = [s for s in scalars.get("steps", []) if s is not None]
+    if steps:
+        if len(set(steps)) != 1:
+            raise RestoreError(f"the saved optimizer groups disagree on their step: {steps}")
+        for f in flats:
+            old = state[f].get("step")
+            state[f]["step"] = torch.tensor(float(steps[0]), dtype=old.dtype if torch.is_tensor(old) else torch.float32)
+    lrs = scalars.get("lrs") or []
+    groups = engine.optimizer.param_groups
+    if len(lrs) == len(groups):
+        for g, lr in zip(groups, lrs):
+            g["lr"] = lr
+
+
+def refresh_lp(engine: Any, ss: List[Slot], module_weights: Dict[str, Any],
+               full_fp32: Callable[[str], Any]) -> None:
+    """Bring the 16-bit weights in line with the loaded fp32 masters (DeepSpeed's step writes
+    ``lp = hp.to(lp dtype)`` too): ZeRO-3 casts this rank's range into ``ds_tensor``; ZeRO-1/2
+    replicate every weight, so each takes the stored 16-bit weights (``module_weights``) or, for a
+    version saved by ZeRO-3, casts the full fp32 parameter read from the checkpoint."""
+    with torch.no_grad():
+        if stage_of(engine) == 3:
+            for s in ss:
+                if s.count:
+                    s.param.ds_tensor.data.reshape(-1)[:s.count].copy_(s.view(None))
+            return
+        for s in ss:
+            if s.name in module_weights:
+                s.param.data.copy_(module_weights[s.name])
+            else:
+                s.param.data.copy_(full_fp32(s.name).reshape(s.param.shape))
