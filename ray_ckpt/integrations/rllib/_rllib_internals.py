@@ -42,6 +42,9 @@ and segment trees'): the buffer *is* the state to save and RLlib has no complete
 it (``get_state()`` misses the sampling generator, among others). Those attributes are listed in
 ``REPLAY_INTERNALS`` (checked by :func:`missing_internals` too); replay.py also refuses, by name, any
 attribute of a buffer that it does not know.
+
+Where RLlib's behaviour differs between the Ray releases the package supports, the fix is here too,
+chosen by what the installed RLlib does (never by its version string): :func:`load_learner_state`.
 """
 from __future__ import annotations
 
@@ -189,3 +192,34 @@ def env_rng(env: Any) -> Optional[np.random.Generator]:
     """A gymnasium env's generator, or None where it has none yet (never creates one)."""
     gen = getattr(getattr(env, "unwrapped", env), "_np_random", None)
     return gen if isinstance(gen, np.random.Generator) else None
+
+
+# ---------------------------------------------------------------------- differences between RLlib releases
+def load_learner_state(learner: Any, state: Dict[str, Any]) -> None:
+    """``learner.set_state(state)``, with the optimizers' ``param_groups`` values as saved.
+
+    RLlib before 2.60 converts a whole optimizer state dict to tensors on load, ``param_groups``
+    included: ``lr`` 5e-05 comes back as a float32 tensor (4.99999987e-05), so training resumes with
+    another learning rate and the restored state no longer equals the saved one. Where a value came
+    back as a tensor and was saved as none, the saved one is put back (as RLlib 2.60 keeps it)."""
+    from ray.rllib.core import COMPONENT_OPTIMIZER
+
+    learner.set_state(state)
+    for name, saved in (state.get(COMPONENT_OPTIMIZER) or {}).items():
+        groups = (saved.get("state") or {}).get("param_groups") or []
+        try:
+            optimizer = learner.get_optimizer(saved.get("module_id"), name)
+        except KeyError:  # an optimizer of a module this learner does not hold: RLlib skipped it too
+            continue
+        for group, saved_group in zip(optimizer.param_groups, groups):
+            for key, value in saved_group.items():
+                if key != "params" and _has_tensor(group.get(key)) and not _has_tensor(value):
+                    group[key] = value
+
+
+def _has_tensor(value: Any) -> bool:
+    import torch
+
+    if isinstance(value, (list, tuple)):
+        return any(_has_tensor(v) for v in value)
+    return isinstance(value, torch.Tensor)

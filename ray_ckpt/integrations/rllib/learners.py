@@ -62,7 +62,7 @@ from ray.rllib.utils.metrics import LEARNER_RESULTS, WEIGHTS_SEQ_NO
 from ...errors import RestoreError, SaveError
 from ...capture.snapshot import actor_provider
 from ...types import Strategy
-from ._rllib_internals import remote_learners
+from ._rllib_internals import load_learner_state, remote_learners
 from .conversion import from_storable, to_storable
 from .names import COUNTERS, METRICS, OPTIMIZER, POLICY, log
 
@@ -231,7 +231,7 @@ def _learner_seq(learner: Any) -> int:
 
 def _apply_on_learner(learner: Any, state: Dict[str, Any]) -> Dict[str, Any]:
     """Runs inside each learner actor: load the state, then report what the learner now holds."""
-    learner.set_state(state)
+    load_learner_state(learner, state)
     held = learner.get_state(components=[COMPONENT_RL_MODULE, COMPONENT_OPTIMIZER])
     return {WEIGHTS_SEQ_NO: int(held.get(WEIGHTS_SEQ_NO, 0) or 0),
             POLICY: state_digest(held[COMPONENT_RL_MODULE]),

@@ -21,6 +21,7 @@ from ray.rllib.utils.metrics import NUM_ENV_STEPS_SAMPLED_LIFETIME, WEIGHTS_SEQ_
 from ...client.engine import CheckpointEngine
 from ...errors import CheckpointError, RestoreError
 from ...capture.rng import set_rng_state
+from ._rllib_internals import load_learner_state
 from .capture import algorithm_connectors
 from .conversion import from_storable
 from .env_runners import RunnerSync, push_to_env_runners, saved_runner_states
@@ -130,7 +131,7 @@ def _restore_learner(learner_group: Any, loaded: Dict[str, Any], metrics: Option
         learner_state[COMPONENT_OPTIMIZER] = from_storable(loaded[OPTIMIZER])
     if metrics is not None and metrics.get("learner") is not None:
         learner_state[COMPONENT_METRICS_LOGGER] = metrics["learner"]
-    learner_group.set_state({COMPONENT_LEARNER: learner_state})
+    learner_group.foreach_learner(load_learner_state, state=learner_state)  # the local learner
     return new_seq, {}
 
 
