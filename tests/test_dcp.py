@@ -286,6 +286,8 @@ def test_bad_input_is_refused_before_anything_is_read_or_written(pool, pushed, w
         rc.dcp.reader(ENGINE_RUN, 999, **d)
     with pytest.raises(rc.RestoreError, match="'plain' of step 10 is not sharded"):
         rc.dcp.reader(ENGINE_RUN, SAVED, state="plain", **d)
+    with pytest.raises(rc.RestoreError, match="passed over: .*manifest is not signed"):  # a key: signed manifests only
+        rc.dcp.reader(ENGINE_RUN, SAVED, signing_key="k", **d)
     with pytest.raises(rc.RestoreError, match="has no state 'nope'"):
         rc.dcp.reader(eng, SAVED, state="nope")
     with pytest.raises(rc.InvalidArgumentError, match="run must be a run name or a CheckpointEngine"):

@@ -17,12 +17,30 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ...errors import InvalidArgumentError, InvalidSaveError
 from ...storage.layout import validate_name
-from .storage_reader import RayCkptStorageReader, env_signing_key, find_version, sharded_states
+from .storage_reader import RayCkptStorageReader, find_version, sharded_states
 from .storage_writer import RayCkptStorageWriter, declared_world_size
 
 __all__ = ["reader", "writer", "RayCkptStorageReader", "RayCkptStorageWriter"]
 
 DEFAULT_STATE = "dcp"
+
+
+def _key_ring(key: Any) -> Any:
+    """``signing_key`` as ``read_manifest`` takes it (a key or a ring, as bytes); None: the
+    environment's ring (``RAY_CKPT_SIGNING_KEY`` + ``RAY_CKPT_VERIFY_KEYS``), as every command reads it."""
+    from ...config import signing_key_from_env
+
+    if key is None:
+        try:
+            return signing_key_from_env()
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+    items = list(key) if isinstance(key, (list, tuple)) else [key]
+    ring = tuple(k.encode() if isinstance(k, str) else k for k in items)
+    if not ring or any(not isinstance(k, (bytes, bytearray)) or not k for k in ring):
+        raise InvalidArgumentError("rc.dcp.reader: signing_key must be non-empty bytes or str, or a list of them "
+                                   "(a key ring)")
+    return ring
 
 
 def _tiers(run: Any, local_dir: Optional[str], remote_uri: Optional[str],
@@ -55,7 +73,7 @@ def _tiers(run: Any, local_dir: Optional[str], remote_uri: Optional[str],
         eng = CheckpointEngine.connect(run)
         eng.shutdown()  # only its configuration was wanted: a connected engine detaches, the run goes on
         return run, tiers_of(eng.config), eng.config.signing_key
-    key = signing_key if signing_key is not None else env_signing_key()
+    key = _key_ring(signing_key)
     try:
         if local_dir is not None:
             cfg = EngineConfig(run=run, local_dir=local_dir, remote_uri=remote_uri, remote_options=remote_options,
@@ -80,7 +98,8 @@ def reader(run: Any, step: Optional[int] = None, *, state: Optional[str] = None,
     "model.0.weight", "optim.state.0.exp_avg"); ``state=NAME``: that state's tree alone (what
     ``rc.dcp.writer`` stored under NAME: the keys ``dcp.save`` saved). An unknown step, a state that
     is not sharded or a version without one is a RestoreError here, before DCP reads anything.
-    ``signing_key`` (default ``RAY_CKPT_SIGNING_KEY``): the run's manifests must verify under it."""
+    ``signing_key`` (a key or a ring; default the environment's, ``RAY_CKPT_SIGNING_KEY`` and
+    ``RAY_CKPT_VERIFY_KEYS``, as every ``ray-ckpt`` command): the manifests must verify under it."""
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < -1):
         raise InvalidArgumentError(f"rc.dcp.reader: step must be a step number, -1 or None (the newest), got {step!r}")
     if state is not None:

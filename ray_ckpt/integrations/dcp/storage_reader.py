@@ -21,7 +21,6 @@ wraps it (``CheckpointException``) and the target is never filled with unverifie
 from __future__ import annotations
 
 import io
-import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -253,9 +252,3 @@ class RayCkptStorageReader(StorageReader):
             with torch.no_grad():
                 target.copy_(out)
         self.bytes_read = sum(st.reader.bytes for st in self._states.values())
-
-
-def env_signing_key() -> Optional[bytes]:
-    """``RAY_CKPT_SIGNING_KEY``, as the CLI reads it: the run's manifests must be signed with it."""
-    key = os.environ.get("RAY_CKPT_SIGNING_KEY")
-    return key.encode() if key else None
