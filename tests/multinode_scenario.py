@@ -126,6 +126,19 @@ def main() -> int:
         assert c[:12] in unplaced and "num_cpus=0.25" in unplaced[c[:12]], unplaced
         say(f"node C has no CPU for a writer: version 6 committed in {time.monotonic() - t:.1f}s by writers "
             f"elsewhere ({unplaced[c[:12]]})")
+        # ... and once the node has a CPU free again, a later attempt places its writers (the first
+        # after 2 x writer_placement_s): its learner's state is written on its own disk again
+        ray.kill(hog)
+        step, deadline = 7, time.monotonic() + 120
+        while c[:12] in engine.status()["unplaced_writers"]:
+            assert time.monotonic() < deadline, f"node C's writers were never placed again: {engine.status()}"
+            assert engine.save(step).wait(timeout=120).version == step
+            step += 1
+            time.sleep(0.5)
+        assert engine.save(step).wait(timeout=120).version == step
+        on_c_disk = os.path.join(root, "local", c[:12], "multinode", f"v{step:012d}", "policy_c", "rank0.safetensors")
+        assert os.path.exists(on_c_disk) and c[:12] in engine.status()["writer_nodes"], engine.status()
+        say(f"node C's writers placed again after its CPU was freed; version {step} written on its disk")
         engine.shutdown()
         say("MULTINODE OK")
         return 0

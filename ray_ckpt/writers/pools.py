@@ -10,6 +10,7 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 import ray
@@ -106,6 +107,20 @@ class WriterActor:
         return os.getpid()
 
 
+RETRY_PLACEMENT_MAX_S = 600.0  # the longest wait between two placement attempts on an unplaced node
+
+
+@dataclass
+class _Retry:
+    """The next attempt to place an unplaced node's critical pool (see ``WriterPools._retry_unplaced``)."""
+
+    next_at: float
+    backoff: float
+    pool: Optional[list] = None
+    calls: List[Any] = field(default_factory=list)
+    started: float = 0.0
+
+
 class WriterPools:
     """The coordinator's writers: a critical pool per node that holds snapshots (created on first
     use: each node's local tier is its own disk, and a writer beside the snapshot reads it from
@@ -125,6 +140,7 @@ class WriterPools:
         self._nodes_at = 0.0
         self._placing: Dict[str, List[Any]] = {}  # node -> its writers' node_id() calls, until answered
         self.unplaced: Dict[str, str] = {}  # node -> why its writers could not be placed (status())
+        self._retries: Dict[str, _Retry] = {}  # unplaced node -> its next placement attempt
 
     def _writer(self, pool: str, cpus: float, nice: int, node: Optional[str] = None):
         opts: Dict[str, Any] = {"num_cpus": cpus}
@@ -149,6 +165,8 @@ class WriterPools:
 
     def critical_on(self, node: Optional[str]) -> list:
         """The critical pool of ``node`` (created on first use), or this node's when unknown/gone."""
+        if node and node in self.unplaced:
+            self._retry_unplaced(node)
         if node and node not in self.critical_by_node and node not in self.unplaced:
             self._nodes_at = 0.0
             if node in self._alive_nodes():
@@ -161,7 +179,7 @@ class WriterPools:
         ``writer_placement_s`` (no CPU left on that node for ``critical_cpus``) is given up: its
         actors are killed, the node is listed in ``unplaced`` (status()) and this node's pool is
         returned, whose writers read the snapshot over the network: a save never waits for a
-        writer that cannot start."""
+        writer that cannot start. The node is tried again later (``_retry_unplaced``)."""
         pool = self.critical_on(node)
         calls = self._placing.get(node) if node else None
         if not calls:
@@ -177,9 +195,37 @@ class WriterPools:
                 ray.kill(w)
             self.unplaced[node] = (f"no critical writer placed within {self.cfg.writer_placement_s:g}s (each needs "
                                    f"num_cpus={self.cfg.critical_cpus:g} free on that node); its parts are written "
-                                   f"by writers on node {self.node_id[:12]}, reading over the network")
+                                   f"by writers on node {self.node_id[:12]}, reading over the network, until a later "
+                                   f"attempt places them")
             log.error("node %s: %s", node[:12], self.unplaced[node])
+            wait = 2 * self.cfg.writer_placement_s
+            self._retries[node] = _Retry(time.monotonic() + wait, wait)
         return self.critical_by_node[self.node_id]
+
+    def _retry_unplaced(self, node: str) -> None:
+        """Try an unplaced node's pool again, in the background: its CPUs may have been freed (a
+        learner gone). The node's parts keep going to this node's writers until the new pool runs;
+        a pool that does not start within ``writer_placement_s`` is given up again, and the next
+        attempt waits twice as long (up to ``RETRY_PLACEMENT_MAX_S``)."""
+        r = self._retries.get(node)
+        now = time.monotonic()
+        if r is None:
+            return
+        if r.pool is None:
+            if now >= r.next_at and node in self._alive_nodes():
+                r.pool, r.started = self._make_pool(node), now
+                r.calls = [w.node_id.remote() for w in r.pool]
+            return
+        ready, _ = ray.wait(r.calls, num_returns=len(r.calls), timeout=0)
+        if len(ready) == len(r.calls):
+            self.critical_by_node[node] = r.pool
+            del self.unplaced[node], self._retries[node]
+            log.warning("node %s: its critical writers are placed now; its parts are written there again", node[:12])
+        elif now - r.started > self.cfg.writer_placement_s:
+            for w in r.pool:
+                ray.kill(w)
+            r.backoff = min(2 * r.backoff, RETRY_PLACEMENT_MAX_S)
+            r.pool, r.calls, r.next_at = None, [], now + r.backoff
 
     def least_busy(self, pool: list) -> Any:
         return min(pool, key=self._load)
