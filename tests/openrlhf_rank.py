@@ -77,7 +77,7 @@ class DSRank:
             getattr(groups, name).clear()
 
     def build(self, stage: int, ray_ckpt: Optional[dict] = None, seed: int = 0, hidden: int = 64,
-              layers: int = 2) -> str:
+              layers: int = 2, ds: Optional[dict] = None) -> str:
         """OpenRLHF's strategy (ours with ``ray_ckpt`` settings, else the stock one) and a Qwen2
         prepared by it: the same initial weights on every rank (seeded)."""
         from openrlhf.utils.deepspeed import DeepspeedStrategy
@@ -87,8 +87,10 @@ class DSRank:
 
         base = RayCkptDeepspeedStrategy if ray_ckpt is not None else DeepspeedStrategy
         cls = cpu.torch_adam(base)
+        args = strategy_args(ray_ckpt)
+        vars(args.ds).update(ds or {})  # e.g. use_universal_ckpt (--ds.use_universal_ckpt)
         self.strategy = cls(seed=seed, micro_train_batch_size=1, train_batch_size=self.world, zero_stage=stage,
-                            args=strategy_args(ray_ckpt))
+                            args=args)
         cpu.setup_distributed(self.strategy, self.rank, self.world, self.port)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(qwen2_config(hidden, layers))

@@ -12,6 +12,7 @@ Three rank actors (``tests/openrlhf_rank.py``) import OpenRLHF and DeepSpeed onc
   back, and the replayed step gives bit-identical logits;
 * 1 and 3 ranks (other processes first) load it: the same full tensors, bit-equal;
 * ZeRO-2's version loads into ZeRO-3 and ZeRO-3's into ZeRO-2, bit-equal;
+* docs/openrlhf.md's CPU recipe runs as written (one rank, ZeRO-2, save and load);
 * retention (``max_num``) keeps the newest committed versions only after a commit; a rank killed
   before its push fails that version alone: the previous one stays, ``latest`` does not move,
   loading the failed tag is an error naming it.
@@ -23,8 +24,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -150,6 +154,21 @@ def test_another_zero_stage_loads_it(setup, saved_stage, load_stage):
     assert not errors, errors
     full_equal(want, ray.get([r.full.remote() for r in rk], timeout=60)[0],
                f"ZeRO-{saved_stage} loaded as ZeRO-{load_stage}")
+
+
+def _run_snippet(self, code: str) -> None:
+    self.leave()  # the snippet forms its own one-rank group
+    os.chdir(tempfile.mkdtemp())
+    exec(compile(code, "docs/openrlhf.md", "exec"), {"__name__": "docs_openrlhf"})
+
+
+def test_docs_cpu_recipe_runs_as_written(setup):
+    """docs/openrlhf.md's "Try it on a CPU" block, run as written in a rank actor's process."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "openrlhf.md").read_text(encoding="utf-8")
+    section = re.search(r"^## Try it on a CPU$(.*?)(?=^## |\Z)", text, re.M | re.S).group(1)
+    blocks = re.findall(r"^```python\n(.*?)^```", section, re.M | re.S)
+    assert len(blocks) == 1
+    ray.get(setup["actors"][0].call.remote(_run_snippet, blocks[0]), timeout=240)
 
 
 def test_retention_and_a_rank_killed_before_its_push(setup):

@@ -10,7 +10,9 @@ the way a CPU test has to:
 * ``torch_dist_barrier_and_cuda_sync`` (stock ``save_ckpt``) calls ``torch.cuda.synchronize()``:
   on a build without CUDA :func:`prepare` makes it a no-op (there is nothing to synchronise);
 * ``DeepspeedStrategy.setup_distributed`` calls ``torch.cuda.set_device`` and builds a "cuda"
-  device mesh: :func:`setup_distributed` does the same set-up with gloo and a "cpu" mesh.
+  device mesh: :func:`setup_distributed` does the same set-up with gloo and a "cpu" mesh;
+* DeepSpeed compiles ops on first use unless told otherwise: :func:`torch_adam` asks for torch's
+  AdamW (not FusedAdam) and :func:`prepare` turns off the CPU backend's shared-memory all-reduce.
 
 DeepSpeed itself needs ``DS_ACCELERATOR=cpu`` and ``LOCAL_RANK`` in the environment before it is
 imported (:func:`prepare` sets both when unset)."""
@@ -45,6 +47,11 @@ def prepare() -> None:
 
     if not torch.cuda.is_available():
         torch.cuda.synchronize = lambda device=None: None
+        import deepspeed.ops
+
+        # DeepSpeed's CPU backend compiles a shared-memory all-reduce (a C++ op, for inference) when
+        # its communication starts; gloo's own all-reduce serves training, and nothing is compiled
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def setup_distributed(strategy: Any, rank: int, world_size: int, port: int, host: str = "127.0.0.1") -> None:

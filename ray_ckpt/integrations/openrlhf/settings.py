@@ -16,7 +16,7 @@ from ray_ckpt import InvalidArgumentError
 # the CheckpointEngine.create() options a flag may name directly
 _CREATE = ("local_dir", "remote_uri", "keep_last", "keep_every", "critical_writers", "best_effort_writers",
            "rank_timeout_s")
-_OWN = ("run", "load_wait_s", "connect_timeout_s", "apply_max_num")
+_OWN = ("run", "load_wait_s", "connect_timeout_s", "apply_max_num", "engine_options")
 
 
 @dataclass(frozen=True)
@@ -80,5 +80,12 @@ def read_settings(args: Any) -> Optional[OpenRLHFSettings]:
     if unknown:
         raise InvalidArgumentError(f"args.ray_ckpt: unknown setting(s) {unknown}; known: {sorted(_CREATE + _OWN)}")
     create = {k: block[k] for k in _CREATE if k in block}
+    extra = block.get("engine_options") or {}  # any other CheckpointEngine.create option
+    if not isinstance(extra, Mapping):
+        raise InvalidArgumentError("args.ray_ckpt.engine_options must be a mapping")
+    clash = sorted(set(extra) & set(create))
+    if clash:
+        raise InvalidArgumentError(f"args.ray_ckpt: {clash} given both directly and in engine_options")
+    create.update(extra)
     kw = {k: block[k] for k in ("load_wait_s", "connect_timeout_s", "apply_max_num") if k in block}
     return OpenRLHFSettings(run=str(block["run"]), create=create, **kw)
