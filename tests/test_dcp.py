@@ -119,7 +119,10 @@ class Rank:
         hs = [eng.submit(step, "model", self.model.state_dict(), rank=self.rank),
               eng.submit(step, "optim", self.opt.state_dict(), rank=self.rank),
               eng.submit(step, "plain", {"w": torch.full((3,), float(self.rank))}, rank=self.rank)]
-        return [h.wait(timeout=120).version for h in hs]
+        versions = [h.wait(timeout=120).version for h in hs]
+        if self.rank == 0:  # the corruption test reads the remote copy: uploaded before it runs
+            hs[0].wait(timeout=120, durability="remote")
+        return versions
 
     def dcp_save(self, step: int, asynchronous: bool = False) -> float:
         import torch.distributed.checkpoint as dcp
@@ -244,7 +247,13 @@ def _as_full(loaded: dict) -> dict:
 def test_dcp_save_with_our_writer_is_one_committed_version(pool, written):
     eng = pool["engines"][WRITER_RUN]
     assert eng.all_steps() == [WRITTEN, ASYNC]
-    m = eng._manifest(step=WRITTEN)
+    from ray_ckpt.storage.checkpoint_io import read_manifest
+    from ray_ckpt.storage.tier import Tier
+
+    d = pool["dirs"][WRITER_RUN]
+    tier = Tier(f"{d['local_dir']}/{WRITER_RUN}")
+    assert sorted(v for v, has in tier.version_dirs().items() if has) == [WRITTEN, ASYNC]  # one version each
+    m = read_manifest(tier, WRITTEN)
     assert list(m.states) == ["dcp"] and m.states["dcp"].shards is not None and sorted(m.states["dcp"].files) == ["0", "1"]
     for step in (WRITTEN, ASYNC):  # our own reader: full tensors, param groups as saved
         assert_same(_as_full(eng.load("dcp", step=step, rank=None)), written[step])

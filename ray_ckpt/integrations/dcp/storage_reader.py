@@ -170,6 +170,8 @@ class RayCkptStorageReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's Metadata of the version; reads rank 0's header of each state (a few KiB, verified)."""
+        # DCP's own flattening (a private module, but the one its planners use): the keys match a
+        # target of the same structure by construction
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
         states = {n: _State(self.tiers, self.manifest.states[n], n) for n in self.names}

@@ -136,6 +136,7 @@ class RayCkptStorageWriter(StorageWriter):
                 part[fqn] = obj
         mappings = plan.planner_data if isinstance(plan.planner_data, dict) else getattr(planner, "mappings", None)
         if isinstance(mappings, dict) and all(k in mappings for k in part):
+            # the inverse of the planner's flatten_state_dict (private module, the one DCP uses)
             from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 
             return unflatten_state_dict(part, {k: mappings[k] for k in part})
