@@ -3,8 +3,9 @@ tested against DCP itself with FSDP2 on gloo.
 
 Three Ray rank actors (num_cpus=0.1) are started once and join fresh gloo groups of 2 or 3 ranks
 (as in test_fsdp2.py). Two runs: "dcp-engine", whose ranks push FSDP2 model / AdamW states with
-``engine.submit`` (and a plain per-rank state), and "dcp-writer", whose only declared state is the
-one ``rc.dcp.writer`` stores (a version holds every state its ranks are declared to push).
+``engine.submit`` (and a rank-local plain state and a replicated one), and "dcp-writer", whose only
+declared state is the one ``rc.dcp.writer`` stores (a version holds every state its ranks are
+declared to push).
 
 * an engine-saved sharded version loads through ``dcp.load`` with our reader on the saving world
   size and on another one: every parameter, both AdamW moments, the step counters and the param
@@ -12,6 +13,7 @@ one ``rc.dcp.writer`` stores (a version holds every state its ranks are declared
 * ``dcp.save`` and ``dcp.async_save`` with our writer on 2 ranks commit ONE version each, listed by
   ``engine.all_steps()``; ``engine.load(..., rank=None)``, ``engine.load_into`` and ``dcp.load``
   with our reader on 3 ranks give back the saved state bit for bit;
+* a replicated (single-copy) state loads by name, plain tensors and Python values;
 * a plain process (no process group, no Ray engine: just the tier paths) reads through DCP; one
   flipped byte of a stored chunk makes ``dcp.load`` raise instead of returning wrong data (and the
   remote tier's good copy is used when both tiers are given);
@@ -118,7 +120,8 @@ class Rank:
         eng = self.engine(ENGINE_RUN)
         hs = [eng.submit(step, "model", self.model.state_dict(), rank=self.rank),
               eng.submit(step, "optim", self.opt.state_dict(), rank=self.rank),
-              eng.submit(step, "plain", {"w": torch.full((3,), float(self.rank))}, rank=self.rank)]
+              eng.submit(step, "plain", {"w": torch.full((3,), float(self.rank))}, rank=self.rank),
+              eng.submit(step, "meta", {"lr": 0.1, "count": torch.tensor(5), "rows": [1, 2]}, rank=self.rank)]
         versions = [h.wait(timeout=120).version for h in hs]
         if self.rank == 0:  # the corruption test reads the remote copy: uploaded before it runs
             hs[0].wait(timeout=120, durability="remote")
@@ -165,6 +168,7 @@ def pool(ray_session, tmp_path_factory):
                for run in dirs}
     for name in ("model", "optim", "plain"):
         engines[ENGINE_RUN].register(name, world_size=2)
+    engines[ENGINE_RUN].register("meta", world_size=2, replicated=True)  # stored once: a single-copy state
     engines[WRITER_RUN].register("dcp", world_size=2)
     ray.get([a.__ray_ready__.remote() for a in actors], timeout=120)
     yield {"actors": actors, "engines": engines, "dirs": dirs}
@@ -196,10 +200,11 @@ def assert_same(got: dict, want: dict) -> None:
 
 @pytest.fixture(scope="module")
 def pushed(pool):
-    """2 FSDP2 ranks, 3 AdamW steps; model, optim and a plain state pushed by the engine at SAVED."""
+    """2 FSDP2 ranks, 3 AdamW steps; model, optim, a rank-local plain state and a replicated one
+    pushed by the engine at SAVED."""
     ranks = group(pool, 2)
     ray.get([r.build.remote(0, 3) for r in ranks], timeout=60)
-    assert ray.get([r.push.remote(SAVED) for r in ranks], timeout=180) == [[SAVED] * 3] * 2
+    assert ray.get([r.push.remote(SAVED) for r in ranks], timeout=180) == [[SAVED] * 4] * 2
     want = ray.get([r.full.remote() for r in ranks], timeout=60)[0]
     leave(ranks)
     return want
@@ -293,7 +298,7 @@ def test_bad_input_is_refused_before_anything_is_read_or_written(pool, pushed, w
     d = pool["dirs"][ENGINE_RUN]
     with pytest.raises(rc.RestoreError, match=r"no committed version at step 999 .*committed steps: \[10\]"):
         rc.dcp.reader(ENGINE_RUN, 999, **d)
-    with pytest.raises(rc.RestoreError, match="'plain' of step 10 is not sharded"):
+    with pytest.raises(rc.RestoreError, match="'plain' of step 10 is not sharded: its 2 ranks pushed rank-local"):
         rc.dcp.reader(ENGINE_RUN, SAVED, state="plain", **d)
     with pytest.raises(rc.RestoreError, match="passed over: .*manifest is not signed"):  # a key: signed manifests only
         rc.dcp.reader(ENGINE_RUN, SAVED, signing_key="k", **d)
@@ -327,6 +332,14 @@ def test_bad_input_is_refused_before_anything_is_read_or_written(pool, pushed, w
     target = _plain_target(pushed)
     with pytest.raises(BaseException, match="nope"):
         dcp.load({**target, "nope": torch.zeros(2)}, storage_reader=rc.dcp.reader(eng, SAVED), no_dist=True)
+
+
+def test_a_single_copy_state_loads_by_name(pool, pushed):
+    import torch.distributed.checkpoint as dcp
+
+    target = {"lr": 0.0, "count": torch.tensor(0), "rows": []}
+    dcp.load(target, storage_reader=rc.dcp.reader(pool["engines"][ENGINE_RUN], SAVED, state="meta"), no_dist=True)
+    assert target["lr"] == 0.1 and target["count"].item() == 5 and target["rows"] == [1, 2]
 
 
 def test_plain_process_reads_verified_and_a_flipped_byte_fails_the_load(pool, pushed):

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ...errors import InvalidArgumentError, InvalidSaveError
 from ...storage.layout import validate_name
-from .storage_reader import RayCkptStorageReader, find_version, sharded_states
+from .storage_reader import RayCkptStorageReader, dcp_states, find_version
 from .storage_writer import RayCkptStorageWriter, declared_world_size
 
 __all__ = ["reader", "writer", "RayCkptStorageReader", "RayCkptStorageWriter"]
@@ -96,8 +96,10 @@ def reader(run: Any, step: Optional[int] = None, *, state: Optional[str] = None,
 
     ``state=None``: DCP sees ``{state name: state}`` of every sharded state of the version (keys
     "model.0.weight", "optim.state.0.exp_avg"); ``state=NAME``: that state's tree alone (what
-    ``rc.dcp.writer`` stored under NAME: the keys ``dcp.save`` saved). An unknown step, a state that
-    is not sharded or a version without one is a RestoreError here, before DCP reads anything.
+    ``rc.dcp.writer`` stored under NAME: the keys ``dcp.save`` saved), which may also be a
+    single-copy state (pushed ``replicated=True``, or saved by the driver): every rank reads it
+    whole. An unknown step, a state of rank-local plain parts or a version without a sharded state
+    (with ``state=None``) is a RestoreError here, before DCP reads anything.
     ``signing_key`` (a key or a ring; default the environment's, ``RAY_CKPT_SIGNING_KEY`` and
     ``RAY_CKPT_VERIFY_KEYS``, as every ``ray-ckpt`` command): the manifests must verify under it."""
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < -1):
@@ -106,7 +108,7 @@ def reader(run: Any, step: Optional[int] = None, *, state: Optional[str] = None,
         validate_name(state, "state name")
     name, tiers, key = _tiers(run, local_dir, remote_uri, remote_options, signing_key)
     m = find_version(tiers, name, None if step in (None, -1) else step, key)
-    names = list(sharded_states(m, state))
+    names = list(dcp_states(m, state))
     return RayCkptStorageReader(tiers, m, names, prefixed=state is None)
 
 

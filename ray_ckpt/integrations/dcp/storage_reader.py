@@ -35,10 +35,10 @@ from ...formats.manifest import Manifest, StateEntry
 from ...formats.shards import load_chunk
 from ...formats.tree import unflatten
 from ...storage import sharded_io
-from ...storage.checkpoint_io import read_manifest
+from ...storage.checkpoint_io import decode_files, rank_files, read_files, read_manifest
 from ...storage.tier import Tier
 
-__all__ = ["RayCkptStorageReader", "find_version", "torch_dtype"]
+__all__ = ["RayCkptStorageReader", "dcp_states", "find_version", "single_copy", "torch_dtype"]
 
 
 def torch_dtype(name: str, what: str) -> torch.dtype:
@@ -88,8 +88,15 @@ def find_version(tiers: Sequence[Tier], run: str, step: Optional[int], key: Any)
     return max(hits, key=lambda m: m.version)
 
 
-def sharded_states(m: Manifest, state: Optional[str]) -> Dict[str, StateEntry]:
-    """The states of ``m`` the reader exposes: ``state`` alone, or every stored sharded one."""
+def single_copy(entry: StateEntry) -> bool:
+    """A state stored once for every rank (replicated, or saved by the driver): no shard index, but
+    the same value whatever the reader's rank, so DCP may read it as replicated."""
+    return entry.shards is None and (entry.replicated or list(entry.files) == ["0"])
+
+
+def dcp_states(m: Manifest, state: Optional[str]) -> Dict[str, StateEntry]:
+    """The states of ``m`` the reader exposes: ``state`` alone (sharded or single-copy), or every
+    stored sharded one (a single-copy state is read whole by every rank: only when named)."""
     if state is not None:
         e = m.states.get(state)
         if e is None:
@@ -97,15 +104,16 @@ def sharded_states(m: Manifest, state: Optional[str]) -> Dict[str, StateEntry]:
                                f"(it has: {', '.join(sorted(m.states)) or 'none'})")
         if e.status != "stored":
             raise RestoreError(f"state {state!r} of step {m.step} is {e.status}: {e.detail}")
-        if e.shards is None:
-            raise RestoreError(f"state {state!r} of step {m.step} is not sharded (its ranks pushed no DTensors): "
-                               f"DCP reads sharded states only; read it with engine.load({state!r}, step={m.step})")
+        if e.shards is None and not single_copy(e):
+            raise RestoreError(f"state {state!r} of step {m.step} is not sharded: its {len(e.files)} ranks pushed "
+                               f"rank-local plain tensors (no DTensors), which DCP cannot reshard; read a rank's "
+                               f"part with engine.load({state!r}, step={m.step}, rank=r)")
         return {state: e}
     out = {n: e for n, e in sorted(m.states.items()) if e.status == "stored" and e.shards is not None}
     if not out:
         raise RestoreError(f"step {m.step} of run {m.run!r} holds no sharded (DTensor) state: it is not a "
-                           f"sharded version (states: {', '.join(sorted(m.states)) or 'none'}); DCP reads "
-                           f"sharded states only")
+                           f"sharded version (states: {', '.join(sorted(m.states)) or 'none'}); name a "
+                           f"single-copy state with state=NAME")
     return out
 
 
@@ -115,6 +123,16 @@ class _State:
 
     def __init__(self, tiers: Sequence[Tier], entry: StateEntry, name: str):
         self.name = name
+        self.placeholders: Dict[int, str] = {}
+        self.reader: Any = None
+        if entry.shards is None:  # a single-copy state: its files read whole, each checked against the manifest
+            files = rank_files(entry, name, 0)
+            try:
+                bufs, _tier, _problems = read_files(tiers, files)
+            except (IntegrityError, OSError) as exc:
+                raise RestoreError(f"state {name!r}: {one_line(exc)}") from None
+            self.tree = decode_files(files, bufs, name=name, allow_pickle=False)
+            return
         try:
             self.index = sharded_io.index_of_entry(entry, name)
             self.reader = sharded_io.RangeReader(tiers, entry, name)
@@ -122,7 +140,6 @@ class _State:
             structure, arrays, tables = sharded_io.read_head(entry, name, self.reader, tiers, False, self.index)
         except IntegrityError as exc:
             raise RestoreError(f"state {name!r}: {one_line(exc)}") from None
-        self.placeholders: Dict[int, str] = {}
 
         def placeholder(leaf: Any) -> Any:
             m = self.index.get(leaf.key)
@@ -253,4 +270,4 @@ class RayCkptStorageReader(StorageReader):
         if not direct:
             with torch.no_grad():
                 target.copy_(out)
-        self.bytes_read = sum(st.reader.bytes for st in self._states.values())
+        self.bytes_read = sum(st.reader.bytes for st in self._states.values() if st.reader is not None)
