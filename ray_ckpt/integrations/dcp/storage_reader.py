@@ -186,7 +186,8 @@ class RayCkptStorageReader(StorageReader):
         return False  # never picked for a bare path: a version is named by rc.dcp.reader(run, step)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """DCP's Metadata of the version; reads rank 0's header of each state (a few KiB, verified)."""
+        """DCP's Metadata of the version. Every rank reads, verified, rank 0's header and small plain
+        leaves of each sharded state (a few KiB) and a named single-copy state whole."""
         # DCP's own flattening (a private module, but the one its planners use): the keys match a
         # target of the same structure by construction
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict

@@ -143,7 +143,8 @@ class RayCkptStorageWriter(StorageWriter):
         return part
 
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
-        """On the coordinator: the version must be committed and listed by the engine."""
+        """On the coordinator, after every rank's ``write_data`` waited (bounded) for the commit: the
+        version must be committed and listed by the engine, else a SaveError saying which."""
         if self.result is None:
             raise SaveError(f"rc.dcp.writer: step {self.step} of run {self.engine.run!r} was not committed "
                             f"(this rank's write did not complete)")
