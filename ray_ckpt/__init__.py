@@ -25,6 +25,12 @@ _LAZY = {"CheckpointEngine": "client.engine", "SaveHandle": "client.handle", "ac
 
 
 def __getattr__(name: str) -> Any:
+    if name == "dcp":  # torch.distributed.checkpoint interop (rc.dcp.reader / rc.dcp.writer): imports torch
+        import importlib
+
+        module = importlib.import_module(".integrations.dcp", __name__)
+        globals()["dcp"] = module
+        return module
     if name in _LAZY:
         import importlib
 
@@ -35,4 +41,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | {"dcp"})

@@ -12,8 +12,8 @@ relative ones resolved. Fails, naming the edges, on
 ``LAYERS`` is DESIGN's "integrations / cli -> client -> coordinator, writers -> capture -> formats,
 storage -> vocabulary", with the root's vocabulary in two rows: ``config`` and ``protocol`` speak in
 the terms of storage and formats (``EngineConfig`` builds the tiers and retention policies it names;
-the messages carry manifest entries), and everything else stands on ``errors``, ``types`` and
-``metrics``, which import nothing of the package.
+the messages carry manifest entries), and everything else stands on ``errors``, ``types``,
+``metrics`` and ``ray_internals`` (the private Ray APIs), which import nothing of the package.
 """
 import ast
 import pathlib
@@ -29,7 +29,7 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("ray_ckpt.capture",),
     ("ray_ckpt.config", "ray_ckpt.protocol"),
     ("ray_ckpt.formats", "ray_ckpt.storage"),
-    ("ray_ckpt.errors", "ray_ckpt.types", "ray_ckpt.metrics"),
+    ("ray_ckpt.errors", "ray_ckpt.types", "ray_ckpt.metrics", "ray_ckpt.ray_internals"),
 )
 ROW = {unit: i for i, row in enumerate(LAYERS) for unit in row}
 
