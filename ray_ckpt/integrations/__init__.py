@@ -16,4 +16,11 @@ under it where a framework needs them); nothing in the package imports an integr
   ``BaseCheckpointManager`` built like verl's ``FSDPCheckpointManager``, with its settings under
   ``checkpoint_config.ray_ckpt``; ``install()`` makes verl's FSDP engine build it (see docs/verl.md).
   Needs ``pip install "ray-ckpt[verl]"``.
+- :mod:`ray_ckpt.integrations.dcp` -- torch Distributed Checkpoint: ``rc.dcp.reader(run, step)``, a
+  ``StorageReader`` that lets ``dcp.load`` read a committed sharded version on any world size
+  (verified ranged reads, no Ray needed), and ``rc.dcp.writer(engine, step)``, a ``StorageWriter``
+  that stores ``dcp.save`` / ``dcp.async_save`` as one ray_ckpt version (see docs/dcp.md).
+- :mod:`ray_ckpt.integrations.openrlhf` -- OpenRLHF with DeepSpeed ZeRO-1/2/3:
+  ``RayCkptDeepspeedStrategy``, OpenRLHF's ``DeepspeedStrategy`` whose ``save_ckpt`` / ``load_ckpt``
+  store each rank's ZeRO partition world-size independently (see docs/openrlhf.md).
 """
