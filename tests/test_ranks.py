@@ -81,6 +81,8 @@ def test_version_commits_when_every_rank_pushed_and_restores_per_rank(engine_fac
     ranks = pooled_ranks(provider, run_name)
     eng = engine_factory(**LEAN)
     eng.register("shard", ranks, world_size=2)
+    decl = eng.declarations()["shard"]
+    assert decl.world_size == 2 and not decl.replicated
     assert ray.get(ranks[0].train_and_submit.remote(1)) < 2.0  # returns before rank 1 pushed: never waits for the commit
     wait_until(lambda: 1 in eng.status()["in_flight"])
     assert eng.status()["in_flight"][1]["parts"]["shard/rank1"] == "pending"

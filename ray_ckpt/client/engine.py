@@ -572,6 +572,12 @@ class CheckpointEngine:
             out["saves_until_upload"] = 1 if out.get("upload_owed") else every - self._saves % every
         return out
 
+    def declarations(self) -> Dict[str, Declaration]:
+        """The states ranks push in this run (``register(name, world_size=N)``), by name: each one's
+        world size, strategy and whether it is replicated (rank 0's copy stored)."""
+        self._declared = self._call(lambda c: c.declared.remote(), "the declared states")
+        return dict(self._declared)
+
 
 def _detached(exc: BaseException) -> BaseException:
     """The same error, holding no traceback or chained error (nothing that keeps objects alive)."""

@@ -157,7 +157,7 @@ class RayCkptStorageWriter(StorageWriter):
 def declared_world_size(engine: Any, name: str) -> int:
     """The world size ``name`` is declared with in the engine's run; a clear error when it is not
     declared for pushing (the driver's ``engine.register(name, world_size=N)``) or is replicated."""
-    decl = engine._call(lambda c: c.declared.remote(), "the declared states").get(name)
+    decl = engine.declarations().get(name)
     if decl is None:
         raise InvalidArgumentError(
             f"rc.dcp.writer: state {name!r} is not declared for pushing in run {engine.run!r}; the driver "
