@@ -17,7 +17,19 @@ PYPI_INDEX ?= https://pypi.org/simple
 # lookup fails over to the cache in seconds instead of retrying five times per package
 TORCH_SOURCE := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url $(PYPI_INDEX) --retries 1 --timeout 15)
 
-.PHONY: install demo test bench clean
+# `make test` then runs a fast subset on the oldest Ray the package supports, in a second venv: the checks
+# that name a moved Ray / RLlib internal, an engine's exact resume and rewind, ranks, the RLlib callback
+RAY_OLDEST ?= 2.55.0
+OLDEST_VENV ?= .venv-ray-oldest
+OLDEST_PY := $(OLDEST_VENV)/bin/python
+OLDEST_TESTS ?= tests/test_ray_internals.py tests/test_rllib_internals.py tests/test_architecture.py \
+  tests/test_engine.py::test_exact_resume_after_killed_learner \
+  tests/test_engine.py::test_restore_with_rewind_continues_from_an_older_version \
+  tests/test_ranks.py::test_version_commits_when_every_rank_pushed_and_restores_per_rank \
+  tests/test_rllib.py::test_storable_roundtrip_keeps_rllib_state_exact \
+  tests/test_rllib.py::test_ppo_saved_by_callback_restores_into_fresh_algorithm
+
+.PHONY: install install-oldest demo test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
@@ -28,20 +40,35 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q torch==$(TORCH_VERSION) $(TORCH_SOURCE)
 	# the test and verl extras (tests/test_verl.py runs verl itself); torch held at the build installed above
 	echo "torch==$(TORCH_VERSION)" > $(VENV)/constraints.txt
-	$(PY) -m pip install -q -e ".[test,verl]" -c $(VENV)/constraints.txt
+	$(PY) -m pip install -q -e ".[test,verl,docs]" -c $(VENV)/constraints.txt
+	# OpenRLHF's DeepSpeed path (tests/test_openrlhf.py): DeepSpeed with no op built, then OpenRLHF without its pins
+	DS_BUILD_OPS=0 DS_ACCELERATOR=cpu $(PY) -m pip install -q -e ".[openrlhf]" -c $(VENV)/constraints.txt
+	$(PY) -m pip install -q --no-deps openrlhf==0.11.2
 	$(PY) -c "import torch, ray_ckpt; print('installed torch', torch.__version__, '(CUDA', str(torch.version.cuda) + ')')"
 	touch $@
 
 install: $(VENV)/.installed
 
+# the same recipe with Ray held at $(RAY_OLDEST) (and RLlib, for the callback's tests)
+$(OLDEST_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_PY) -m pip install -q --upgrade pip
+	$(OLDEST_PY) -m pip install -q torch==$(TORCH_VERSION) $(TORCH_SOURCE)
+	echo "torch==$(TORCH_VERSION)" > $(OLDEST_VENV)/constraints.txt
+	$(OLDEST_PY) -m pip install -q -e ".[test]" "ray[default,rllib]==$(RAY_OLDEST)" -c $(OLDEST_VENV)/constraints.txt
+	touch $@
+
+install-oldest: $(OLDEST_VENV)/.installed
+
 demo: install
 	$(VENV)/bin/ray-ckpt demo
 
-test: install
+test: install install-oldest
 	$(PY) -m pytest -q --durations=15
+	$(OLDEST_PY) -m pytest -q $(OLDEST_TESTS)
 
 bench: install
 	$(PY) benchmarks/save_stall.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(OLDEST_VENV) *.egg-info .pytest_cache
