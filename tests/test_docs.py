@@ -60,7 +60,8 @@ def test_readme_is_short_and_its_links_resolve():
     assert local, "the README links no guide"
     missing = [link for link in local if not (ROOT / link).exists()]
     assert not missing, f"README links to missing files: {missing}"
-    for guide in ("docs/rllib.md", "docs/verl.md", "docs/own-trainers.md", "docs/dcp.md", "benchmarks/RESULTS.md"):
+    for guide in ("docs/rllib.md", "docs/verl.md", "docs/openrlhf.md", "docs/own-trainers.md", "docs/dcp.md",
+                  "benchmarks/RESULTS.md"):
         assert guide in local, f"README does not link {guide}"
 
 
