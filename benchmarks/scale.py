@@ -31,6 +31,7 @@ import numpy as np
 import ray
 
 import ray_ckpt as rc
+from ray_ckpt.ray_internals import actor_ready
 from ray_ckpt.protocol import NAMESPACE, actor_name
 from ray_ckpt.formats.manifest import Manifest
 from ray_ckpt.storage.layout import version_dir
@@ -84,7 +85,7 @@ def one(ranks: int, states: int, kb: int, hosts: int, base: str, timeout: float)
         actors = [ray.remote(num_cpus=0.05)(Host).remote(run, range(h * per, min(ranks, (h + 1) * per)), names,
                                                          kb * 1024)
                   for h in range(hosts) if h * per < ranks]
-        ray.get([a.__ray_ready__.remote() for a in actors])
+        ray.get([actor_ready(a) for a in actors])
         cpu0 = ray.get(coord.cpu_seconds.remote())
         counts0 = ray.get(coord.call_counts.remote())
         store_total = ray.cluster_resources().get("object_store_memory", 0.0)

@@ -30,6 +30,7 @@ import torch
 
 import gloo_util
 import ray_ckpt as rc
+from ray_ckpt.ray_internals import actor_ready
 from gloo_util import free_port, mlp, same_bits
 
 pytestmark = [pytest.mark.timeout(300),
@@ -170,7 +171,7 @@ def pool(ray_session, tmp_path_factory):
         engines[ENGINE_RUN].register(name, world_size=2)
     engines[ENGINE_RUN].register("meta", world_size=2, replicated=True)  # stored once: a single-copy state
     engines[WRITER_RUN].register("dcp", world_size=2)
-    ray.get([a.__ray_ready__.remote() for a in actors], timeout=120)
+    ray.get([actor_ready(a) for a in actors], timeout=120)
     yield {"actors": actors, "engines": engines, "dirs": dirs}
     for a in actors:
         ray.kill(a)

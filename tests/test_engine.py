@@ -14,6 +14,7 @@ import ray
 import torch
 
 import ray_ckpt as rc
+from ray_ckpt.ray_internals import actor_ready
 from actors import FreshBigState, FreshFlaky, FreshFrozen, FreshLearner, FreshReplay, FreshWeird
 
 pytestmark = pytest.mark.timeout(240)
@@ -288,7 +289,7 @@ def test_a_provider_that_refuses_its_state_fails_the_restore_by_name(engine_fact
             call()
     # the coordinator is gone when shutdown() returns (ray.kill alone only asks)
     with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(eng._coordinator.__ray_ready__.remote(), timeout=10)
+        ray.get(actor_ready(eng._coordinator), timeout=10)
 
 
 def test_retention_keeps_newest_and_never_deletes_early(engine_factory, tmp_path, run_name, provider):

@@ -33,6 +33,7 @@ import torch
 
 import gloo_util
 import ray_ckpt as rc
+from ray_ckpt.ray_internals import actor_ready
 from gloo_util import free_port, mlp, same_bits
 
 pytestmark = pytest.mark.timeout(300)
@@ -256,7 +257,7 @@ def pool(ray_session, tmp_path_factory):
                                      critical_writers=1, best_effort_writers=0)
     for name in ("model", "optim", "big"):
         eng.register(name, world_size=4)
-    ray.get([a.__ray_ready__.remote() for a in actors], timeout=120)
+    ray.get([actor_ready(a) for a in actors], timeout=120)
     yield {"engine": eng, "actors": actors, "tmp": tmp, "run": run, "t0": t0}
     for a in actors:
         ray.kill(a)

@@ -32,6 +32,7 @@ import torch
 
 import gloo_util
 from gloo_util import free_port, same_bits
+from ray_ckpt.ray_internals import actor_ready
 
 if importlib.util.find_spec("verl") is None:  # (not importorskip: importing verl here costs the driver ~10 s)
     pytest.skip('verl is not installed: pip install -e ".[verl]"', allow_module_level=True)
@@ -228,7 +229,7 @@ def verl_run(ray_session, tmp_path_factory):
             "ray_ckpt": {"run": run, "local_dir": str(tmp / "ckpt"), "critical_writers": 1,
                          "best_effort_writers": 0, "load_wait_s": 60,
                          "engine_options": {"rank_timeout_s": RANK_TIMEOUT_S}}}
-    ray.get([a.__ray_ready__.remote() for a in actors], timeout=180)
+    ray.get([actor_ready(a) for a in actors], timeout=180)
     print(f"\n3 verl rank actors ready: {time.perf_counter() - t0:.1f} s")
     yield {"actors": actors, "ckpt": ckpt, "run": run, "root": tmp / "trainer"}
     import ray_ckpt as rc
