@@ -119,17 +119,21 @@ def main() -> None:
     conv, stock_other = None, None
     try:
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                        os.path.join(stock_dir, last), "--output_folder", os.path.join(stock_dir, last + "_universal")],
+        # as OpenRLHF's examples/scripts/ckpt_ds_zero_to_universal.sh runs it
+        subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--inject_missing_state",
+                        "--input_folder", os.path.join(stock_dir, last),
+                        "--output_folder", os.path.join(stock_dir, last + "_uni")],
                        check=True, capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
         conv = time.perf_counter() - t0
+        with open(os.path.join(stock_dir, "latest_universal"), "w") as f:
+            f.write(last + "_uni")
     except subprocess.CalledProcessError as exc:
         print("ds_to_universal failed:", (exc.stderr or "")[-600:])
     if conv is not None:
         try:
             rk = group(actors, a.other)
             ray.get([r.build.remote(a.stage, None, 1, a.hidden, a.layers, {"use_universal_ckpt": True}) for r in rk])
-            stock_other = timed_load(rk, stock_dir, last + "_universal")
+            stock_other = timed_load(rk, stock_dir, last + "_uni")
         except Exception as exc:  # reported in the table, not hidden
             print("stock universal load failed:", str(exc)[-600:])
     rows[f"load, other size ({a.other} rank{'s' * (a.other > 1)})"] = (other, (conv, stock_other))

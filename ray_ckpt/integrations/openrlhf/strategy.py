@@ -364,23 +364,20 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
         keys = list(extra.get("moments") or [])
         if keys:
             zero.ensure_optimizer_state(model)
-        target, ss = zero.target_state(model, keys)
+        target, ss, in_place = zero.target_state(model, keys)
         engine.load_into(OPTIM, target, step=step, rank=self._world()[0])
-        with torch.no_grad():  # the fp32 partitions are leaves that require grad
-            for s in ss:
-                if s.count:
-                    for key in [None] + keys:
-                        s.set(key, target[key or zero.FP32][s.name].local)
+        if not in_place:
+            zero.set_ranges(target, ss, keys)
         zero.set_optimizer_scalars(model, extra.get("optimizer") or {})
         zero.refresh_lp(model, ss, module, self._full_fp32(engine, step))
 
     def _load_module(self, model, engine, step: int, module, strict: bool) -> None:
         """``load_module_only`` / no optimizer states: the 16-bit weights, and the fp32 masters
         refreshed from them (what DeepSpeed's ``refresh_fp32_params`` does after such a load)."""
-        ss = zero.slots(model)
-        zero.refresh_lp(model, ss, module, self._full_fp32(engine, step))
-        if zero.stage_of(model) == 3:  # ds_tensor holds the cast of the loaded fp32 range
-            target, ss = zero.target_state(model, [])
+        if zero.stage_of(model) in (1, 2):
+            zero.refresh_lp(model, zero.slots(model), module, self._full_fp32(engine, step))
+        else:  # ds_tensor takes the cast of the stored fp32 range
+            target, ss, _ = zero.target_state(model, [])
             engine.load_into(OPTIM, target, step=step, rank=self._world()[0])
             with torch.no_grad():
                 for s in ss:

@@ -148,11 +148,29 @@ def partition_state(engine: Any) -> Dict[str, Dict[str, TensorChunk]]:
 
 
 def target_state(engine: Any, keys: List[str]) -> tuple:
-    """Fresh buffers shaped as this rank's partition (the ``load_into`` target), and the slots."""
+    """This rank's partition as the ``load_into`` target, the slots, and whether the target is the
+    live memory itself: ZeRO-1/2's fragment views are filled in place; ZeRO-3's ranges go through
+    fresh buffers, then ``safe_set_local_*`` (:func:`set_ranges`)."""
     ss = slots(engine)
-    out = {key: {s.name: TensorChunk(torch.empty(s.count, dtype=torch.float32), (s.numel,), (s.start,))
-                 for s in ss} for key in [FP32] + keys}
-    return out, ss
+    in_place = stage_of(engine) in (1, 2)
+
+    def local(s: Slot, key: Optional[str]) -> Any:
+        if in_place and s.count:
+            return s.view(key)
+        return torch.empty(s.count, dtype=torch.float32)
+
+    out = {key or FP32: {s.name: TensorChunk(local(s, key), (s.numel,), (s.start,)) for s in ss}
+           for key in [None] + keys}
+    return out, ss, in_place
+
+
+def set_ranges(target: Dict[str, Dict[str, TensorChunk]], ss: List[Slot], keys: List[str]) -> None:
+    """Hand each loaded range to DeepSpeed (a target that was not filled in place)."""
+    with torch.no_grad():  # the fp32 partitions are leaves that require grad
+        for s in ss:
+            if s.count:
+                for key in [None] + keys:
+                    s.set(key, target[key or FP32][s.name].local)
 
 
 def ensure_optimizer_state(engine: Any) -> None:
