@@ -1,4 +1,4 @@
-"""Exceptions. Every failure a user can see derives from :class:`CheckpointError`."""
+"""Exceptions. Every failure a user can see derives from ``CheckpointError``."""
 
 
 class CheckpointError(Exception):

@@ -74,12 +74,24 @@ class StateStatus(_StrEnum):
 
 
 class TierName(_StrEnum):
+    """The tier a state was read from: the node-local disk or the remote store."""
+
     LOCAL = "local"
     REMOTE = "remote"
 
 
 @dataclass(frozen=True)
 class SaveResult:
+    """What a save's handle resolves to once its version is committed on a tier.
+
+    ``version`` and ``step`` (equal: versions are steps), ``bytes_written``, ``durability``
+    (``"local"``, ``"remote"``, or ``"skipped"`` for ``save(on_busy="skip")``), the ``states`` stored,
+    ``seconds`` from the coordinator accepting the version to its commit on that tier, and ``stages``
+    (``snapshot_wait_s``, ``write_s``, ``manifest_s``: where the local commit's time went). Best-effort
+    states are reported, not fatal: ``missing`` failed, ``pending`` were still being written when the
+    version committed. ``rank_zero_only``: this was a replica rank's push (``replicated=True``) and rank
+    0's copy is the one stored."""
+
     version: Optional[int]
     step: int
     bytes_written: int
@@ -98,11 +110,17 @@ class SaveResult:
 
     @property
     def skipped(self) -> bool:
+        """Whether ``save(on_busy="skip")`` skipped this save (nothing was captured)."""
         return self.durability == "skipped"
 
 
 @dataclass(frozen=True)
 class StateReport:
+    """What a restore did with one state: ``status`` (``"restored"``, ``"reloaded"``, ``"skipped"`` or
+    ``"missing"``), the ``tier`` it was read from (None when nothing was read), whether its checksums
+    were ``verified``, a ``detail`` saying why when it was not restored from the local tier, and the
+    ``bytes`` read."""
+
     status: str  # "restored" | "reloaded" | "skipped" | "missing"
     tier: Optional[str]  # "local" | "remote" | None
     verified: bool
@@ -117,6 +135,12 @@ class StateReport:
 
 @dataclass(frozen=True)
 class RestoreReport:
+    """What ``restore()`` returns: the ``version`` and ``step`` restored, a ``StateReport`` per
+    state in ``states``, the ``seconds`` it took, the versions ``rewound`` (deleted by
+    ``restore(..., rewind=True)``) and ``skipped_versions``: newer versions passed over
+    (``restore(fallback=True)``, unreadable or mis-signed manifests), each with why. ``str(report)`` is
+    a table a person can read."""
+
     version: int
     step: int
     states: Dict[str, StateReport]
@@ -139,6 +163,11 @@ class RestoreReport:
 
 @dataclass(frozen=True)
 class CheckpointMeta:
+    """One committed version, as ``list_checkpoints()`` lists it: ``version`` and ``step``,
+    ``created_at`` (unix time), the ``states`` it holds, its ``bytes``, the ``tiers`` it is committed
+    on, the ``metrics`` passed to ``save(step, metrics=...)``, and the best-effort states ``missing``
+    or still ``pending``."""
+
     version: int
     step: int
     created_at: float

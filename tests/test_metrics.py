@@ -1,5 +1,5 @@
 """Ray metrics of saves and restores reach the Prometheus endpoint of Ray's metrics agent, named by
-Prometheus' conventions and documented in the README under the names a user scrapes."""
+Prometheus' conventions and documented (docs/operations.md) under the names a user scrapes."""
 import os
 import re
 import subprocess
@@ -11,7 +11,7 @@ import pytest
 from ray_ckpt import metrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-README = os.path.join(os.path.dirname(HERE), "README.md")
+OPERATIONS = os.path.join(os.path.dirname(HERE), "docs", "operations.md")
 
 
 def test_names_follow_prometheus_conventions():
@@ -26,10 +26,10 @@ def test_names_follow_prometheus_conventions():
     assert metrics.SCRAPED == tuple("ray_" + n for n in metrics.NAMES)
 
 
-def test_readme_documents_the_scraped_names():
-    text = open(README, encoding="utf-8").read()
+def test_docs_document_the_scraped_names():
+    text = open(OPERATIONS, encoding="utf-8").read()
     missing = [n for n in metrics.SCRAPED if f"`{n}`" not in text]
-    assert not missing, f"README does not name {missing}"
+    assert not missing, f"docs/operations.md does not name {missing}"
     unscraped = set(re.findall(r"`(ray_ckpt_\w+)`", text)) - set(metrics.NAMES)  # a name without Ray's prefix
     documented_wrong = set(re.findall(r"`ray_ray_ckpt_(\w+)`", text)) - {n[len("ray_ckpt_"):] for n in metrics.NAMES}
     assert not unscraped and not documented_wrong, (unscraped, documented_wrong)
