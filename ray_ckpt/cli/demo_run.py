@@ -13,7 +13,6 @@ It ships inside the package, so an installed ray_ckpt runs it without the source
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import shutil
@@ -256,12 +255,9 @@ def train(run: str, root: str, steps: int, save_every: int, kill_at=None, seed: 
 
 
 def main(argv=None, prog: str = "ray-ckpt demo") -> int:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--save-every", type=int, default=5)
-    ap.add_argument("--kill-at", type=int, default=17)
-    ap.add_argument("--dir", default=None, help="checkpoint root (default: a temporary directory)")
-    args = ap.parse_args(argv)
+    from .demo import parser  # one declaration of the demo's options, with their help
+
+    args = parser(prog).parse_args(argv)
     root = args.dir or tempfile.mkdtemp(prefix="ray_ckpt_demo_")
     started = not ray.is_initialized()
     if started:
