@@ -94,7 +94,7 @@ def run_arms(make_config, arms, iterations: int, root: str, prefill_steps: int) 
     so that a slow minute of the shared machine falls on every arm alike."""
     from ray_ckpt.integrations import rllib as rr
     from ray_ckpt.integrations.rllib import capture as rr_capture
-    from ray_ckpt.integrations.rllib import replay as rr_replay
+    from ray_ckpt.integrations.rllib.replay import algorithm as rr_replay
 
     built = {}
     capture_ms = {arm: [] for arm in arms}

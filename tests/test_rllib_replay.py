@@ -1,4 +1,4 @@
-"""RLlib replay buffers (integrations/rllib/replay.py): every new-API-stack EpisodeReplayBuffer class
+"""RLlib replay buffers (integrations/rllib/replay/): every new-API-stack EpisodeReplayBuffer class
 Ray ships, captured as rows (one per stored timestep, stable increasing row ids) + a meta state,
 stored through ray_ckpt's real formats and restored into a fresh buffer that then samples exactly
 as the original; DQN (prioritized, CartPole) and SAC (Pendulum) saved by the callback and restored
@@ -19,7 +19,9 @@ import ray_ckpt as rc  # noqa: E402
 from ray_ckpt.storage.checkpoint_io import decode_files, read_files, write_flat  # noqa: E402
 from ray_ckpt.formats.tree import flatten  # noqa: E402
 from ray_ckpt.integrations import rllib as rr  # noqa: E402
-from ray_ckpt.integrations.rllib import replay as rp  # noqa: E402
+from ray_ckpt.integrations.rllib.replay import (compare, incremental_capture, incremental_priorities,  # noqa: E402
+                                                incremental_restore, incremental_state, row_ids, segment_trees,
+                                                two_state)
 from ray_ckpt.storage.tier import Tier  # noqa: E402
 
 ID_COLS = ("row_id", "episode", "t", "tree", "agent", "module")
@@ -149,7 +151,7 @@ def _sampled(buf, multi_agent):
 
 def _assert_same(a, b, what):
     diffs = []
-    rp._cmp(a, b, what, diffs)
+    compare._cmp(a, b, what, diffs)
     assert not diffs, diffs
 
 
@@ -164,7 +166,7 @@ def test_every_buffer_class_round_trips_exactly_and_samples_the_same(name, tmp_p
         _fill(buf, _chunks_for(name, nested), prioritized, multi_agent)
         assert buf.get_num_episodes_evicted() > 0  # evictions happened: rows were removed
 
-        replay, meta = rp.capture_replay(buf)
+        replay, meta = two_state.capture_replay(buf)
         files, replay_back = _through_storage(tmp_path / f"r{nested}", "replay", replay)
         _, meta_back = _through_storage(tmp_path / f"m{nested}", "replay_meta", meta)
         # the rows are a ray_ckpt buffer: one Arrow IPC file, one row per stored timestep
@@ -176,17 +178,17 @@ def test_every_buffer_class_round_trips_exactly_and_samples_the_same(name, tmp_p
         assert ("obs/img" in replay and "obs/pos" in replay) if nested else replay["obs"].shape[1:] == (4,)
 
         fresh = cls(capacity=120, **kw)
-        rp.restore_replay(fresh, replay_back, meta_back, agent_to_module_mapping_fn=_ma_mapping)
+        two_state.restore_replay(fresh, replay_back, meta_back, agent_to_module_mapping_fn=_ma_mapping)
         assert len(fresh) == len(buf) and fresh.get_num_timesteps() == buf.get_num_timesteps()
         assert fresh.get_num_episodes() == buf.get_num_episodes()
         assert fresh.get_added_timesteps() == buf.get_added_timesteps()
         # every attribute: episodes (data, lookbacks, infos, spaces), indices, counters, trees
         # (values and their Python/numpy types), free nodes, the sampling generator, metrics
-        assert rp.buffer_state_equal(buf, fresh) == []
+        assert compare.buffer_state_equal(buf, fresh) == []
         # the next samples are the same batches, and both buffers are in the same state afterwards
         for _ in range(2):
             _assert_same(_sampled(buf, multi_agent), _sampled(fresh, multi_agent), "sample")
-        assert rp.buffer_state_equal(buf, fresh) == []
+        assert compare.buffer_state_equal(buf, fresh) == []
 
 
 @pytest.mark.timeout(120)
@@ -200,14 +202,14 @@ def test_rows_are_append_only_across_captures_and_restores(name):
     capacity = 150 if multi_agent else 90
     buf = _make(name, capacity)
     _fill(buf, chunks, prioritized, multi_agent, 0, half)
-    r1, m1 = rp.capture_replay(buf)
+    r1, m1 = two_state.capture_replay(buf)
     restored = BUFFERS[name][0](capacity=capacity, **BUFFERS[name][1])
-    rp.restore_replay(restored, r1, m1, agent_to_module_mapping_fn=_ma_mapping)
+    two_state.restore_replay(restored, r1, m1, agent_to_module_mapping_fn=_ma_mapping)
     _fill(buf, chunks, prioritized, multi_agent, half, None, seed=7)
     _fill(restored, chunks, prioritized, multi_agent, half, None, seed=7)
     assert buf.get_num_episodes_evicted() > m1["counters"]["_num_episodes_evicted"]  # more evictions
-    r2, m2 = rp.capture_replay(buf)
-    r2b, _ = rp.capture_replay(restored)
+    r2, m2 = two_state.capture_replay(buf)
+    r2b, _ = two_state.capture_replay(restored)
 
     common, i1, i2 = np.intersect1d(r1["row_id"], r2["row_id"], return_indices=True)
     assert 0 < len(common) < len(r1["row_id"])  # some rows survived, some were evicted
@@ -242,7 +244,7 @@ def test_trees_rebuilt_from_row_leaves_equal_rllibs_incremental_ones(tree_cls):
                 tree[i] = used[i]
         idx = np.array(sorted(used), np.int64)
         again = cls(64)
-        rp._rebuild_tree(again, idx, rp._tree_leaves(tree, idx, "t"))
+        segment_trees._rebuild_tree(again, idx, segment_trees._tree_leaves(tree, idx, "t"))
         assert again.value[1:] == tree.value[1:]
         assert [type(x) for x in again.value[1:]] == [type(x) for x in tree.value[1:]]
 
@@ -251,7 +253,7 @@ def test_unsupported_buffers_are_refused_by_name():
     from ray.rllib.utils.replay_buffers import ReplayBuffer
     with pytest.raises(rc.UnsupportedTypeError,
                        match=r"ray\.rllib\.utils\.replay_buffers\.replay_buffer\.ReplayBuffer is not supported"):
-        rp.capture_replay(ReplayBuffer(capacity=10))
+        two_state.capture_replay(ReplayBuffer(capacity=10))
 
     class WithState(EpisodeReplayBuffer):
         def __init__(self, **kw):
@@ -260,22 +262,22 @@ def test_unsupported_buffers_are_refused_by_name():
             self.sampler = lambda: None               # not storable: refused by name
     buf = WithState(capacity=50)
     with pytest.raises(rc.UnsupportedTypeError, match=r"WithState: attribute 'sampler'"):
-        rp.capture_replay(buf)
+        two_state.capture_replay(buf)
     del buf.sampler
-    _, meta = rp.capture_replay(buf)
+    _, meta = two_state.capture_replay(buf)
     assert meta["extra_attrs"] == {"extra_counter": 3}
 
 
 def test_restore_into_a_buffer_of_another_capacity_or_type_fails_and_changes_nothing():
     buf = _make("prioritized", capacity=120)
     _fill(buf, _sa_chunks(0), True, False)
-    replay, meta = rp.capture_replay(buf)
+    replay, meta = two_state.capture_replay(buf)
     other = PrioritizedEpisodeReplayBuffer(capacity=200, alpha=0.6)
     with pytest.raises(rc.RestoreError, match="capacity is 200 here but 120 in the checkpoint"):
-        rp.restore_replay(other, replay, meta)
+        two_state.restore_replay(other, replay, meta)
     assert other.get_num_timesteps() == 0 and not other.episodes
     with pytest.raises(rc.RestoreError, match="PrioritizedEpisodeReplayBuffer.*EpisodeReplayBuffer"):
-        rp.restore_replay(EpisodeReplayBuffer(capacity=120), replay, meta)
+        two_state.restore_replay(EpisodeReplayBuffer(capacity=120), replay, meta)
 
 
 # ---------------------------------------------------------------- real algorithms
@@ -360,10 +362,10 @@ def _run_and_restore(make_config, engine_factory, run_name, iterations, rollback
         assert got.get_num_episodes() == buf.get_num_episodes()
         assert got.get_num_episodes_evicted() == buf.get_num_episodes_evicted()
         # contents, priorities (both trees, leaf by leaf, with their types), free nodes, counters, rng
-        assert rp.buffer_state_equal(buf, got) == []
+        assert compare.buffer_state_equal(buf, got) == []
         # the next batch the learner would draw from the restored buffer is the uninterrupted one's
         _assert_same(_episodes_state(_replay_sample(algo)), _episodes_state(_replay_sample(fresh)), "batch")
-        assert rp.buffer_state_equal(buf, got) == []
+        assert compare.buffer_state_equal(buf, got) == []
         # training continues; the next version writes only the new rows (ids continue after the restore)
         fresh.train()
         rr.wait_for_saves(fresh, timeout=120)
@@ -382,7 +384,7 @@ def _run_and_restore(make_config, engine_factory, run_name, iterations, rollback
             assert v_back == v_next + 1
             r_back = engine.load(name="replay", version=v_back)
             assert r_back["row_id"].min() > r_next["row_id"].max()
-            want, _ = rp.capture_replay(got, row_ids=rp.RowIds())  # the buffer as it is now, ids aside
+            want, _ = two_state.capture_replay(got, row_ids=row_ids.RowIds())  # the buffer as it is now, ids aside
             for col, v in want.items():
                 if isinstance(v, np.ndarray) and col != "row_id":
                     assert np.array_equal(v, r_back[col]), col
@@ -455,7 +457,7 @@ def _states_when_written(engine, version, timeout=60):
         time.sleep(0.2)
 
 
-# ---------------------------------------------------------------- incremental capture (replay_incremental.py)
+# ---------------------------------------------------------------- incremental capture (format /2)
 def _store_version(tier, v, states, base):
     """Each state written as the engine's writers write it (the logs and rows append-only over
     ``base``, the meta whole) and read back verified: (files, read-back states, bytes written)."""
@@ -475,13 +477,12 @@ def _store_version(tier, v, states, base):
 
 def _same_states(a, b):
     """Equal states, the buffers' metrics aside (the metrics logger keeps throughput timings)."""
-    from ray_ckpt.integrations.rllib import replay_incremental as ri
     assert set(a) == set(b)
     for n in a:
         x, y = dict(a[n]), dict(b[n])
         if n == "replay_meta":
-            x.update(ri._decode(x.pop("packed"), "a"))
-            y.update(ri._decode(y.pop("packed"), "b"))
+            x.update(incremental_state._decode(x.pop("packed"), "a"))
+            y.update(incremental_state._decode(y.pop("packed"), "b"))
             x.pop("metrics"), y.pop("metrics")
         assert set(x) == set(y), n
         for k in x:
@@ -496,11 +497,10 @@ def test_incremental_states_through_append_only_versions_restore_exactly(name, c
     buffer exactly; a buffer restored from version 3 and fed the same since captures the same states
     as the uninterrupted one (its logs continue: same ids, same entries). ``compact``: the priority
     log is compacted at almost every save (the entries that differ from the rows' ``prio``, anew)."""
-    from ray_ckpt.integrations.rllib import replay_incremental as ri
     prioritized = name == "prioritized"
     if compact:
-        monkeypatch.setattr(ri, "COMPACT_FACTOR", 0)
-        monkeypatch.setattr(ri, "COMPACT_MIN", 12)
+        monkeypatch.setattr(incremental_priorities, "COMPACT_FACTOR", 0)
+        monkeypatch.setattr(incremental_priorities, "COMPACT_MIN", 12)
     tier = Tier(str(tmp_path / "tier"), "local")
     chunks = _sa_chunks(0, steps=150)
     buf = _make(name, capacity=150)
@@ -508,18 +508,18 @@ def test_incremental_states_through_append_only_versions_restore_exactly(name, c
     for v, i in enumerate(range(0, len(chunks), step), 1):
         for b in (buf, restored) if restored is not None else (buf,):
             _fill(b, chunks, prioritized, False, i, i + step, seed=v)
-        states = ri.capture_states(buf, rp.row_ids_of(buf))
+        states = incremental_capture.capture_states(buf, row_ids.row_ids_of(buf))
         assert set(states) == {"replay", "replay_meta", "replay_episodes"} | ({"replay_priorities"} if prioritized
                                                                               else set())
         files, back, _ = _store_version(tier, v, states, base)
         base = files
         if restored is not None:
-            _same_states(states, ri.capture_states(restored, rp.row_ids_of(restored)))
+            _same_states(states, incremental_capture.capture_states(restored, row_ids.row_ids_of(restored)))
         fresh = _make(name, capacity=150, seed=99)
-        replay, meta, seeds = ri.states_to_v1(back)
-        rp.restore_replay(fresh, replay, meta)
-        ri.seed(rp.row_ids_of(fresh), seeds, fresh)
-        assert rp.buffer_state_equal(buf, fresh) == [], v
+        replay, meta, seeds = incremental_restore.states_to_v1(back)
+        two_state.restore_replay(fresh, replay, meta)
+        incremental_restore.seed(row_ids.row_ids_of(fresh), seeds, fresh)
+        assert compare.buffer_state_equal(buf, fresh) == [], v
         if v == 3:
             restored = fresh
     assert buf.get_num_episodes_evicted() > 10
@@ -535,7 +535,6 @@ def test_incremental_save_writes_what_changed_not_the_buffer(tmp_path):
     priorities each: every version's bytes for the whole buffer (its new rows, the newly done
     episodes, the changed priorities, the small meta and the indexes) stay a few KB, far below the
     buffer's own size, and do not grow with it."""
-    from ray_ckpt.integrations.rllib import replay_incremental as ri
     tier = Tier(str(tmp_path / "tier"), "local")
     chunks = _sa_chunks(1, steps=1500, chunk=50)
     buf = _make("prioritized", capacity=100_000)
@@ -545,7 +544,7 @@ def test_incremental_save_writes_what_changed_not_the_buffer(tmp_path):
     for v, i in enumerate(range(first, len(chunks), 2), 1):
         if v > 1:
             _fill(buf, chunks, True, False, i, i + 2, seed=v)
-        states = ri.capture_states(buf, rp.row_ids_of(buf))
+        states = incremental_capture.capture_states(buf, row_ids.row_ids_of(buf))
         base, back, written = _store_version(tier, v, states, base)
         per_version.append(written)
     n_rows = buf.get_num_timesteps()
@@ -555,6 +554,6 @@ def test_incremental_save_writes_what_changed_not_the_buffer(tmp_path):
         assert sum(w.values()) < 0.1 * whole, (w, whole)
         assert w["replay_priorities"] < 3000 and w["replay_episodes"] < 6000 and w["replay_meta"] < 12000, w
     fresh = _make("prioritized", capacity=100_000, seed=5)
-    replay, meta, seeds = ri.states_to_v1(back)
-    rp.restore_replay(fresh, replay, meta)
-    assert rp.buffer_state_equal(buf, fresh) == []
+    replay, meta, seeds = incremental_restore.states_to_v1(back)
+    two_state.restore_replay(fresh, replay, meta)
+    assert compare.buffer_state_equal(buf, fresh) == []

@@ -33,7 +33,7 @@ from .capture import capture_algorithm_state
 from .env_runners import runner_snapshot_actors
 from .learners import LearnerCapture
 from .names import CONNECTORS, COUNTERS, METRICS, OPTIMIZER, POLICY, RNG, log
-from .replay import check_replay_strategy, replay_strategy, sync_replay_registrations
+from .replay.algorithm import check_replay_strategy, replay_strategy, sync_replay_registrations
 from .restore import AlgorithmRestoreReport, restore_algorithm
 from .tune import coordinator_exists, install_hooks, open_run, trial_run_name, tune_trial_id
 

@@ -38,7 +38,7 @@ from .conversion import to_storable
 from .env_runners import CONNECTOR_COMPONENTS
 from .learners import is_remote, reported_weights_seq_no
 from .names import CONNECTORS, COUNTERS, METRICS, OPTIMIZER, POLICY, RNG, TRAINING_ITERATION
-from .replay import capture_algorithm_replay
+from .replay.algorithm import capture_algorithm_replay
 
 
 def _learner_components(metrics: bool) -> List[str]:

@@ -28,7 +28,7 @@ from .env_runners import RunnerSync, push_to_env_runners, saved_runner_states
 from .learners import is_remote, restore_remote_learners
 from .names import (CONNECTORS, COUNTERS, CRITICAL_STATES, ENV_RUNNER_PREFIX, METRICS, OPTIMIZER, POLICY, REPLAY,
                     REPLAY_META, RNG, TRAINING_ITERATION)
-from .replay import restore_algorithm_replay
+from .replay.algorithm import restore_algorithm_replay
 
 
 @dataclass

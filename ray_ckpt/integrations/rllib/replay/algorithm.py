@@ -1,0 +1,176 @@
+"""The entry points the RLlib callback and restore call: which strategy the replay states are saved
+with, capturing the algorithm's buffer into a save (format /2 single-agent, /1 multi-agent), keeping
+the engine's registrations in step, and restoring a version's buffer into the algorithm.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional
+
+from ....errors import InvalidArgumentError, RestoreError, SaveError
+from ....types import Strategy
+from ..conversion import from_storable
+from ..names import REPLAY, REPLAY_META, log
+from .buffers import META_FORMAT, buffer_kind, replay_buffer_of
+from .row_ids import RowIds, row_ids_of
+from .incremental_capture import capture_states
+from .incremental_restore import seed, states_to_v1
+from .incremental_state import META_FORMAT2, REPLAY_EPISODES, REPLAY_PRIORITIES
+from .two_state import capture_replay, restore_replay
+
+
+REPLAY_STRATEGIES = ("auto", "critical", "best_effort", "off")
+
+
+def check_replay_strategy(setting: Any) -> None:
+    if setting not in REPLAY_STRATEGIES:
+        raise InvalidArgumentError(f"replay_strategy must be one of {', '.join(map(repr, REPLAY_STRATEGIES))}, "
+                                   f"got {setting!r}")
+
+
+def replay_strategy(setting: str, algorithm: Any):
+    """The Strategy the replay states are saved with (None: not saved). ``"auto"``: CRITICAL when the
+    algorithm has a local replay buffer (off-policy: DQN, SAC, APPO...), which on-policy algorithms
+    (PPO) have not -- after a preemption an off-policy run that lost its buffer restarts from an empty
+    one, so a version without it is not a resumable version."""
+    check_replay_strategy(setting)
+    if setting == "off" or replay_buffer_of(algorithm) is None:
+        return None
+    return Strategy.BEST_EFFORT if setting == "best_effort" else Strategy.CRITICAL
+
+
+def _row_floor(engine: Any, rid: RowIds, v2: bool = False) -> Optional[int]:
+    """Where the ids of a buffer about to be saved into ``engine``'s run must start so that no id
+    of the run's newest version is given to another row (None: the ids are that version's own).
+    The ids are the run's own only after a restore of its newest version; a buffer restored from an
+    older version or another run (a PBT exploit), or a new buffer on a run that has versions, gets
+    new ids for all its rows (its next save writes them all once); so does a single-agent buffer
+    (``v2``: captured by :mod:`.incremental_capture`, rows with ``prio`` columns) whose run's newest
+    version is of format /1, and the episode / priority logs start at that version's next ids."""
+    metas = sorted(engine.list_checkpoints(), key=lambda m: m.version)
+    if not metas:
+        return None
+    newest = metas[-1]
+    if REPLAY_META not in newest.states:
+        return None  # the engine checks new rows against the newest version only
+    meta = from_storable(engine.load(name=REPLAY_META, version=newest.version))
+    if rid.restored_from == (engine.run, newest.version) and (meta.get("format") == META_FORMAT2) == v2:
+        return None
+    # ids of another run / version, or the stored rows have other columns (format /1): all anew
+    if meta.get("format") == META_FORMAT2:
+        ids = meta["next_ids"]
+        rid.floors = {"chunk": int(ids["chunk"]), "log": int(ids["log"])}
+        return int(ids["row"])
+    rid.floors = None
+    return int(meta["rows"]["next_row_id"])
+
+
+def capture_algorithm_replay(algorithm: Any, out: Dict[str, Any], strategy: Any, engine: Any = None,
+                             errors: Optional[Dict[str, str]] = None) -> None:
+    """Put ``replay`` and ``replay_meta`` of the algorithm's buffer into ``out``. A BEST_EFFORT one
+    that cannot be captured is left out with its reason in ``errors``; a CRITICAL one raises."""
+    buf = replay_buffer_of(algorithm)
+    try:
+        rid = row_ids_of(buf)
+        if engine is not None and rid.checked_run != engine.run:
+            floor = _row_floor(engine, rid, v2=not buffer_kind(buf).multi_agent)
+            if floor is not None:
+                log.info("ray_ckpt: run %r: the replay buffer's rows get new row ids from %d (its state is not "
+                         "the run's newest version's): this save writes all of them", engine.run, floor)
+                rid.renumber(floor, rid.floors)
+            rid.checked_run = engine.run
+        if buffer_kind(buf).multi_agent:
+            out[REPLAY], out[REPLAY_META] = capture_replay(buf, row_ids=rid)
+        else:
+            out.update(capture_states(buf, rid))
+    except Exception as exc:  # best effort: this save goes on without the buffer, the reason logged
+        if strategy is Strategy.CRITICAL or errors is None:
+            raise
+        for name in REPLAY_STATES:
+            out.pop(name, None)
+        errors[REPLAY] = f"{type(exc).__name__}: {exc}"
+
+
+REPLAY_APPEND_ONLY = True  # ``replay`` (and the logs) are registered append_only=True: a version writes what is new
+REPLAY_STATES = ("replay", "replay_meta", "replay_episodes", "replay_priorities")
+
+
+def sync_replay_registrations(engine: Any, algorithm: Any, setting: str, pending_now: Dict[str, Any],
+                              pending: Callable[[], Dict[str, Any]]) -> None:
+    """Register ``replay`` (append-only) and ``replay_meta`` when this save captured them (read from
+    ``pending()`` when the engine snapshots), unregister them when it did not."""
+    strat = replay_strategy(setting, algorithm)
+
+    def getter(name: str) -> Callable[[], Any]:
+        def get() -> Any:
+            try:
+                return pending()[name]
+            except KeyError:
+                raise SaveError(f"RLlib state {name!r} was not captured for this save") from None
+        get.__name__ = f"rllib_{name}"
+        return get
+
+    for name in REPLAY_STATES:
+        if name in pending_now and strat is not None:
+            if engine.registered.get(name) != strat:
+                engine.register(name, getter(name), strategy=strat, replace=True,
+                                append_only=REPLAY_APPEND_ONLY and name != REPLAY_META)
+        elif name in engine.registered:
+            engine.unregister(name)
+
+
+def restore_algorithm_replay(algorithm: Any, engine: Any, meta: Any, loaded: Dict[str, Any], states: Dict[str, str],
+                             *, strict: bool, enabled: bool) -> None:
+    """Restore the version's replay buffer into the algorithm's (called before anything else of the
+    algorithm is changed: a buffer that does not fit raises RestoreError with nothing changed). A
+    replay state that the version committed but that cannot be read raises with ``strict``; one the
+    version does not hold (saved with replay_strategy="off", or a best-effort one that failed) is
+    reported in ``states`` and the buffer is left as it is."""
+    buf = replay_buffer_of(algorithm)
+    committed = [n for n in (REPLAY, REPLAY_META) if n in meta.states]
+    if not enabled:
+        for n in committed:
+            states[n] = "not restored: restore_replay=False"
+        return
+    if buf is None:
+        for n in committed:
+            states[n] = "not restored: the algorithm has no local replay buffer"
+        return
+    if not committed:
+        missing = [n for n in (REPLAY, REPLAY_META) if n in (getattr(meta, "missing", ()) or ())
+                   or n in (getattr(meta, "pending", ()) or ())]
+        states[REPLAY] = (f"missing: version {meta.version} lists {missing} as not written (best-effort)" if missing
+                          else f"missing: version {meta.version} has no replay buffer "
+                               f"(saved with replay_strategy='off'?)")
+        log.warning("ray_ckpt: run %r version %d: %s; the replay buffer stays empty", engine.run, meta.version,
+                    states[REPLAY])
+        return
+    absent = [n for n in (REPLAY, REPLAY_META) if n not in loaded]
+    if absent:
+        why = "; ".join(f"{n}: {states.get(n, 'not read')}" for n in absent)
+        if strict:
+            raise RestoreError(f"cannot restore version {meta.version} of run {engine.run!r}: its replay buffer "
+                               f"could not be read ({why}); nothing was changed")
+        for n in (REPLAY, REPLAY_META):
+            states[n] = f"not restored: {why}"
+        return
+    fn = getattr(algorithm.config, "policy_mapping_fn", None)
+    fmt = from_storable(loaded[REPLAY_META]).get("format") if isinstance(loaded[REPLAY_META], dict) else None
+    if fmt == META_FORMAT:
+        restore_replay(buf, loaded[REPLAY], loaded[REPLAY_META], agent_to_module_mapping_fn=fn)
+    else:  # format /2 (:mod:`.incremental_state`): the episode and priority logs are read here
+        got = dict(loaded)
+        for n in (REPLAY_EPISODES, REPLAY_PRIORITIES):
+            if n in meta.states:
+                try:
+                    got[n] = engine.load(name=n, version=meta.version)
+                except Exception as exc:
+                    raise RestoreError(f"cannot restore version {meta.version} of run {engine.run!r}: its replay "
+                                       f"state {n!r} could not be read ({type(exc).__name__}: {exc}); nothing "
+                                       f"was changed") from None
+        replay, meta_v1, seeds = states_to_v1(got)
+        restore_replay(buf, replay, meta_v1, agent_to_module_mapping_fn=fn)
+        seed(row_ids_of(buf), seeds, buf)
+        for n in (REPLAY_EPISODES, REPLAY_PRIORITIES):
+            if n in got:
+                states[n] = "restored"
+    row_ids_of(buf).restored_from = (engine.run, int(meta.version))

@@ -1,0 +1,246 @@
+"""A single-agent buffer captured incrementally into the four states of format /2
+(:mod:`.incremental_state`): a save splits only the running episodes and those added since the
+previous one, gathers only the new rows, and appends only the newly done episodes and changed leaves.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import numpy as np
+
+from ....errors import UnsupportedTypeError
+from ..names import REPLAY, REPLAY_META, log
+from .buffers import _Kind, _attributes, buffer_kind, common_meta, extra_attrs, handled_attrs
+from .episode_parts import LAYOUT, _EpisodeParts, _int32, _split_episode, _table
+from .incremental_priorities import _append_log, _priorities, _priority_scalars
+from .incremental_state import (CHUNK, EPISODE_LOG, META_FORMAT2, PRIORITY_LOG, REPLAY_EPISODES, REPLAY_PRIORITIES,
+                                Incremental, _empty_ep_log, _empty_plog, _encode)
+from .row_ids import RowIds, _update_ids
+from .values import _type_name
+
+
+def capture_states(buffer: Any, rid: RowIds) -> Dict[str, Any]:
+    """The states of a single-agent buffer (names: ``replay``, ``replay_meta``, ``replay_episodes``,
+    ``replay_priorities`` if prioritized); advances the buffer's caches (``rid``)."""
+    kind = buffer_kind(buffer)
+    if kind.multi_agent:
+        raise TypeError("capture_states is for single-agent buffers")
+    attrs = _attributes(buffer)
+    bname = _type_name(buffer)
+    meta = common_meta(buffer, attrs, bname, META_FORMAT2)
+    meta["module_counters"] = {}
+    meta["extra_attrs"] = extra_attrs(attrs, handled_attrs(kind), bname)
+    for _ in range(2):
+        try:
+            out = _capture(buffer, rid, kind, bname, meta)
+            break
+        except _Misaligned as exc:
+            log.warning("ray_ckpt: replay buffer %s: %s: every row, episode and priority gets a new id "
+                        "(this save rewrites the buffer)", bname, exc)
+            rid.renumber(rid.next_id)
+    else:  # pragma: no cover - a full capture never misaligns
+        raise UnsupportedTypeError(f"replay buffer {bname}: could not be captured")
+    replay, episodes, plog = out
+    states = {REPLAY: replay, REPLAY_META: meta, REPLAY_EPISODES: episodes}
+    if kind.prioritized:
+        states[REPLAY_PRIORITIES] = plog
+    return states
+
+
+class _Misaligned(Exception):
+    pass
+
+
+def _capture(buffer: Any, rid: RowIds, kind: _Kind, bname: str, meta: Dict[str, Any]):
+    """``(replay, replay_episodes, replay_priorities)`` of this save; ``meta`` becomes format /2's
+    ``replay_meta``. Raises _Misaligned where the caches no longer describe the buffer."""
+    evicted = int(buffer._num_episodes_evicted)
+    full = rid.inc is None
+    inc, newly_done = _split_changed(buffer, rid, evicted, bname)
+    replay, entries = _new_rows(buffer, rid, inc, kind, full, evicted, bname)
+    n = len(replay["row_id"])
+    episodes_state = _append_episodes(inc, newly_done, evicted, bname)
+    plog_state = None
+    if kind.prioritized:
+        _append_log(inc, entries, n)
+        plog_state = {**inc.plog, "layout": PRIORITY_LOG}
+    rid.inc = inc
+    rid.floors = None
+    _pack_meta(buffer, rid, inc, kind, meta, n, bname)
+    return replay, episodes_state, plog_state
+
+
+def _split_changed(buffer: Any, rid: RowIds, evicted: int, bname: str) -> Tuple[Incremental, List[_EpisodeParts]]:
+    """Split the episodes that may have changed since the previous capture (all of them on a full
+    capture; else the running ones and those added since), forget the evicted ones; returns the
+    cache to advance and the episodes that became done (in no batch of the episode log yet)."""
+    inc = rid.inc
+    episodes = buffer.episodes
+    E = len(episodes)
+    if len(buffer.episode_id_to_index) != E:
+        raise UnsupportedTypeError(f"{bname}: episode_id_to_index has {len(buffer.episode_id_to_index)} entries "
+                                   f"for {E} episodes")
+    if inc is None:
+        todo = list(range(evicted, evicted + E))
+        floors = getattr(rid, "floors", None) or {}
+        inc = Incremental(np.empty(0, np.int64), {}, {}, {}, evicted=evicted)
+        inc.ep_log = _empty_ep_log()
+        inc.plog = _empty_plog()
+        inc.next_chunk = int(floors.get("chunk", 0))
+        inc.next_log = int(floors.get("log", 0))
+        rid.parts = {}
+    else:
+        todo = sorted(k for k in inc.open_keys if k >= evicted)
+        todo += list(range(max(inc.max_key + 1, evicted), evicted + E))
+    for k in range(inc.evicted, evicted):  # forget evicted episodes
+        rid.parts.pop((k, -1), None)
+        inc.logged.discard(k)
+        inc.open_keys.discard(k)
+    newly_done: List[_EpisodeParts] = []
+    for key in todo:
+        ep = episodes[key - evicted]
+        if buffer.episode_id_to_index.get(ep.id_) != key:
+            raise UnsupportedTypeError(f"{bname}: episode_id_to_index[{ep.id_!r}] is "
+                                       f"{buffer.episode_id_to_index.get(ep.id_)}, expected {key}")
+        hit = rid.parts.get((key, -1))
+        done = bool(ep.is_done)
+        p = hit[1] if hit is not None and hit[0] is ep and hit[1].done and done else \
+            _split_episode(ep, (key, -1), rid.spaces, f"{bname} episode {key}")
+        rid.parts[(key, -1)] = (ep, p)
+        if done:
+            inc.open_keys.discard(key)
+            if key not in inc.logged:
+                newly_done.append(p)
+        else:
+            inc.open_keys.add(key)
+    inc.max_key = max(inc.max_key, evicted + E - 1)
+    return inc, newly_done
+
+
+def _new_rows(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, full: bool, evicted: int,
+              bname: str) -> Tuple[Dict[str, Any], List[Dict[str, np.ndarray]]]:
+    """The live rows (survivors keep their ids and columns, the new ones follow, gathered from their
+    episodes) and the priority log's entries for the survivors whose leaves changed."""
+    width = 3 if kind.prioritized else 2
+    keys, ids = _update_ids(rid, buffer, [("_indices", buffer._indices, width, tuple)], evicted,
+                            int(buffer._num_timesteps_added))
+    n = len(ids)
+    if n != int(buffer._num_timesteps):
+        raise UnsupportedTypeError(f"{bname}: {n} index entries for {buffer._num_timesteps} timesteps")
+    if full:
+        keep = np.zeros(0, bool)
+        s = 0
+    else:
+        keep = inc.cols["episode"] >= evicted
+        s = int(np.count_nonzero(keep))
+        if n < s or not np.array_equal(ids[:s], inc.ids[keep]):
+            raise _Misaligned("its index list changed other than by appends and evictions")
+    new_keys = keys[s:]
+    new = _gather(new_keys, rid.parts, inc, bname)
+    new["episode"] = new_keys[:, 0].copy()
+    new["t"] = _int32(new_keys[:, 1], "t")
+    if kind.prioritized:
+        new["tree"] = _int32(new_keys[:, 2], "tree")
+    entries: List[Dict[str, np.ndarray]] = []
+    if kind.prioritized:
+        entries = _priorities(buffer, inc, keep, new, ids, s, full, bname)
+    cols = {}
+    for c, v in new.items():
+        cols[c] = v if full else (np.concatenate([inc.cols[c][keep], v]) if s < len(keep)
+                                  else np.concatenate([inc.cols[c], v]))
+    if not full and set(cols) != set(inc.cols):
+        raise _Misaligned(f"its columns changed ({sorted(set(cols) ^ set(inc.cols))})")
+    inc.cols, inc.ids, inc.evicted = cols, ids, evicted
+    return {"row_id": ids, **cols, "layout": LAYOUT}, entries
+
+
+def _append_episodes(inc: Incremental, newly_done: List[_EpisodeParts], evicted: int,
+                     bname: str) -> Dict[str, Any]:
+    """The episode log: a batch of the newly done episodes appended; batches whose episodes are all
+    evicted leave it."""
+    newly_done.sort(key=lambda p: p.key)
+    if newly_done:
+        blob = _encode(_table(newly_done, bname))
+        m = len(blob)
+        add = {"row_id": np.arange(inc.next_chunk, inc.next_chunk + m, dtype=np.int64),
+               "batch": np.full(m, inc.next_batch, np.int64), "blob": blob}
+        inc.ep_log = {k: np.concatenate([inc.ep_log[k], add[k]]) for k in add}
+        inc.batches.append([inc.next_batch, newly_done[-1].key[0]])
+        inc.logged.update(p.key[0] for p in newly_done)
+        inc.next_chunk += m
+        inc.next_batch += 1
+    dead = [b for b, top in inc.batches if top < evicted]
+    if dead:
+        inc.batches = [x for x in inc.batches if x[1] >= evicted]
+        alive = ~np.isin(inc.ep_log["batch"], np.array(dead, np.int64))
+        inc.ep_log = {k: v[alive] for k, v in inc.ep_log.items()}
+    return {**inc.ep_log, "layout": EPISODE_LOG}
+
+
+def _pack_meta(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, meta: Dict[str, Any], n: int,
+               bname: str) -> None:
+    """``meta`` as format /2's ``replay_meta``: the ids' floors in the open, the rest packed."""
+    running = [rid.parts[(k, -1)][1] for k in sorted(inc.open_keys)]
+    meta["rows"] = {"next_row_id": int(rid.next_id), "n_rows": int(n), "agent_ids": [], "module_ids": [],
+                    "templates": inc.templates}
+    meta["spaces"] = rid.spaces.table
+    meta["running"] = _table(running, bname)
+    meta["episode_log"] = {"batches": np.array(inc.batches, np.int64).reshape(len(inc.batches), 2),
+                           "next_chunk": inc.next_chunk, "next_batch": inc.next_batch, "chunk": CHUNK}
+    if kind.prioritized:
+        meta["priority"] = _priority_scalars(buffer, inc, bname)
+    rid.spaces.prune()
+    # all of it but the ids' floors as one compressed blob: the metrics logger's windows and the
+    # running episodes' table are small but mostly structure JSON, which compresses well
+    packed = {k: v for k, v in meta.items() if k not in ("format", "buffer_type")}
+    meta.clear()
+    meta.update({"format": META_FORMAT2, "buffer_type": bname, "n_rows": int(n),
+                 "next_ids": {"row": int(rid.next_id), "chunk": int(inc.next_chunk), "log": int(inc.next_log)},
+                 "packed": _encode(packed, 1).reshape(-1)})
+
+
+def _gather(new_keys: np.ndarray, parts: Dict[Tuple[int, int], Any], inc: Incremental,
+            bname: str) -> Dict[str, np.ndarray]:
+    """The data columns of the new rows, read from their episodes' timesteps."""
+    m = len(new_keys)
+    pieces: Dict[str, List[np.ndarray]] = {c: [] for c in inc.sig}
+    if m == 0:
+        return {c: np.empty((0,) + sh, dt) for c, (dt, sh) in inc.sig.items()}
+    e, t = new_keys[:, 0], new_keys[:, 1]
+    uniq, inv = np.unique(e, return_inverse=True)
+    order = np.argsort(inv, kind="stable")
+    counts = np.bincount(inv)
+    start = 0
+    for j, ek in enumerate(uniq.tolist()):
+        hit = parts.get((ek, -1))
+        if hit is None:
+            raise UnsupportedTypeError(f"{bname}: an index refers to episode {ek}, which the buffer does not hold")
+        p = hit[1]
+        tt = t[order[start:start + counts[j]]]
+        start += counts[j]
+        if tt.max() >= p.n:
+            raise UnsupportedTypeError(f"{bname}: an index refers to a timestep beyond episode {ek}'s end")
+        for f in p.fields:
+            if f.template is None:
+                continue
+            old = inc.templates.setdefault(f.name, f.template)
+            if old != f.template:
+                raise UnsupportedTypeError(f"replay buffer {bname}: {f.name} of episode {ek} has the structure "
+                                           f"{f.template!r}, other episodes {old!r}")
+            for col, arr in f.body.items():
+                sg = (arr.dtype, arr.shape[1:])
+                first = inc.sig.setdefault(col, sg)
+                if first != sg:
+                    raise UnsupportedTypeError(
+                        f"replay buffer {bname}: column {col!r} of episode {ek} is {sg[0]}{list(sg[1])}, other "
+                        f"episodes' {first[0]}{list(first[1])}")
+                pieces.setdefault(col, []).append(arr[tt])
+    back = np.empty_like(order)
+    back[order] = np.arange(m)
+    out = {}
+    for col, ps in pieces.items():
+        if sum(len(x) for x in ps) != m:
+            raise UnsupportedTypeError(f"replay buffer {bname}: column {col!r} is missing from some episodes "
+                                       f"(extra_model_outputs keys differ between episodes)")
+        out[col] = np.concatenate(ps)[back]
+    return out

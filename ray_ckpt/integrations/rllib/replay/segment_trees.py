@@ -1,0 +1,150 @@
+"""RLlib's prioritized segment trees and free-node deques <-> their row leaves. Inner nodes are not
+stored: each is ``op(left, right)`` of its children, so they are recomputed from the leaves, with the
+same values and the same Python/numpy types.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import operator
+from typing import Any, Dict, List
+
+import numpy as np
+
+from ....errors import UnsupportedTypeError
+from .values import pack_scalars, unpack_scalars
+
+
+def _tree_leaves(tree: Any, idx: np.ndarray, what: str) -> Dict[str, Any]:
+    if len(idx) == 0:
+        return pack_scalars([], what)
+    got = operator.itemgetter(*(idx + tree.capacity).tolist())(tree.value)
+    return pack_scalars(list(got) if len(idx) > 1 else [got], what)
+
+
+def _check_neutral(tree: Any, used: np.ndarray, what: str) -> None:
+    """Leaves that belong to no row must hold the neutral element (else they could not be rebuilt)."""
+    cap = tree.capacity
+    leaves = np.fromiter(itertools.islice(tree.value, cap, 2 * cap), np.float64, cap)
+    mask = np.ones(cap, bool)
+    mask[used] = False
+    bad = np.flatnonzero(mask & (leaves != tree.neutral_element))
+    if len(bad):
+        raise UnsupportedTypeError(f"replay buffer: {what}: leaves {bad[:5].tolist()} belong to no stored timestep "
+                                   f"but hold {leaves[bad[:5]].tolist()} (expected {tree.neutral_element}): the "
+                                   f"tree cannot be rebuilt from its rows")
+
+
+def _rebuild_tree(tree: Any, idx: np.ndarray, packed: Dict[str, Any]) -> None:
+    """The tree's values from its row leaves: the leaves, then every inner node as ``op(left, right)``
+    of its children, as RLlib's ``__setitem__`` leaves them (same values, same Python/numpy types)."""
+    cap = tree.capacity
+    neutral = tree.neutral_element
+    kinds = set(packed["kinds"])
+    v = np.asarray(packed["v"])
+    if kinds <= {"float", "np:<f8"} and type(neutral) is float and not np.isnan(v).any():
+        tree.value = _rebuild_tree_f64(tree, idx, v, packed)
+        return
+    value = [neutral] * (2 * cap)
+    for i, x in zip(idx.tolist(), unpack_scalars(packed)):
+        value[cap + i] = x
+    op = tree.operation
+    for i in range(cap - 1, 0, -1):
+        value[i] = op(value[2 * i], value[2 * i + 1])
+    tree.value = value
+
+
+def _rebuild_tree_f64(tree: Any, idx: np.ndarray, v: np.ndarray, packed: Dict[str, Any]) -> List[Any]:
+    """:func:`_rebuild_tree` for leaves that are Python floats / ``np.float64`` (what RLlib's trees
+    hold with float64 priorities), level by level in numpy: a Python float add and an ``np.float64``
+    add are the same IEEE double add, so the values are identical; an inner node is an ``np.float64``
+    where RLlib's would be one (sum: a child is; min: the child ``min`` returns is)."""
+    cap = tree.capacity
+    vals = np.full(2 * cap, tree.neutral_element, np.float64)
+    is_np = np.zeros(2 * cap, bool)
+    vals[cap + idx] = v
+    kinds = list(packed["kinds"])
+    if "k" in packed:
+        is_np[cap + idx] = np.asarray(packed["k"]) == kinds.index("np:<f8")
+    elif kinds == ["np:<f8"]:
+        is_np[cap + idx] = True
+    is_sum = tree.operation is operator.add
+    lo = cap
+    while lo > 1:
+        hi, lo = lo, lo // 2
+        left, right = vals[2 * lo:2 * hi:2], vals[2 * lo + 1:2 * hi:2]
+        lnp, rnp = is_np[2 * lo:2 * hi:2], is_np[2 * lo + 1:2 * hi:2]
+        if is_sum:
+            vals[lo:hi] = left + right
+            is_np[lo:hi] = lnp | rnp
+        else:  # Python's min(a, b) returns a unless b < a
+            take_right = right < left
+            vals[lo:hi] = np.where(take_right, right, left)
+            is_np[lo:hi] = np.where(take_right, rnp, lnp)
+    as_float = vals.tolist()
+    as_np = list(vals)
+    out = [as_np[i] if f else as_float[i] for i, f in enumerate(is_np.tolist())]
+    out[0] = tree.neutral_element  # index 0 is never written by RLlib
+    return out
+
+
+def _free_nodes_state(dq: Any) -> Dict[str, Any]:
+    """A free-node deque as ``prefix + range(start, stop)``: RLlib pops free nodes from the left and
+    puts freed ones back on the left, so the deque is the freed nodes (LIFO) followed by the part of
+    the initial ``range(2 * tree_capacity)`` not handed out yet."""
+    n = len(dq)
+    stop = dq.maxlen if dq.maxlen is not None else (max(dq) + 1 if n else 0)
+    k = 0
+    prefix = []
+    for k, x in enumerate(dq):
+        if x == stop - (n - k):
+            break
+        prefix.append(x)
+    else:
+        k = n
+    start = stop - (n - k)
+    if n - k <= 65536:
+        tail_ok = list(itertools.islice(dq, k, n)) == list(range(start, stop))
+    else:  # spot checks (indexing a deque's middle is not O(1)); RLlib's add/evict keep the invariant
+        tail_ok = all(dq[k + j] == start + j for j in np.linspace(0, n - k - 1, 17).astype(int).tolist())
+    if not tail_ok:
+        return {"all": np.array(list(dq), np.int64), "maxlen": dq.maxlen}
+    return {"prefix": np.array(prefix, np.int64), "start": int(start), "stop": int(stop), "maxlen": dq.maxlen}
+
+
+def _free_nodes_from(st: Dict[str, Any]) -> collections.deque:
+    maxlen = st["maxlen"]
+    if "all" in st:
+        return collections.deque(np.asarray(st["all"]).tolist(), maxlen=maxlen)
+    items = np.asarray(st["prefix"]).tolist() + list(range(int(st["start"]), int(st["stop"])))
+    return collections.deque(items, maxlen=maxlen)
+
+
+def _same_leaves(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
+    """``b`` (a min tree's row leaves), or a marker where it equals ``a`` (the sum tree's): RLlib sets
+    both trees' leaf of a row to the same value, so this halves the per-row meta."""
+    same = (list(a["kinds"]) == list(b["kinds"]) and np.array_equal(a["v"], b["v"], equal_nan=True)
+            and ("k" in a) == ("k" in b) and ("k" not in a or np.array_equal(a["k"], b["k"])))
+    return {"same_as_sum": True} if same else b
+
+
+def _leaves_of(packed: Dict[str, Any], sum_packed: Dict[str, Any]) -> Dict[str, Any]:
+    return sum_packed if packed.get("same_as_sum") else packed
+
+
+pos0 = np.empty(0, np.int64)
+
+
+def _check_maps(mapping: Dict[int, int], tidx: np.ndarray, what: str) -> None:
+    """``mapping`` must be {tree index of entry i: i} (it is then rebuilt from the rows)."""
+    if len(mapping) != len(tidx):
+        raise UnsupportedTypeError(f"replay buffer: {what} has {len(mapping)} entries for {len(tidx)} indices")
+    # spot checks (evenly spaced, first and last): RLlib's add/evict keep this map in step with the
+    # index list; a full check per save would cost O(rows) of Python on the training thread
+    pos = np.unique(np.linspace(0, len(tidx) - 1, min(len(tidx), 257)).astype(np.int64)) if len(tidx) else pos0
+    got = np.fromiter((mapping.get(t, -1) for t in tidx[pos].tolist()), np.int64, len(pos))
+    bad = pos[got != pos]
+    if len(bad):
+        i = int(bad[0])
+        raise UnsupportedTypeError(f"replay buffer: {what}[{int(tidx[i])}] is {mapping.get(int(tidx[i]))}, "
+                                   f"expected {i}")
