@@ -41,9 +41,9 @@ class Learner:
         return time.perf_counter()
 
     def set_split(self, up_to: int) -> None:
-        from ray_ckpt.formats import tree
+        from ray_ckpt.formats import flat
 
-        tree.SPLIT_UP_TO = up_to
+        flat.SPLIT_UP_TO = up_to
 
     def memcpy_ms(self) -> float:
         dst = {k: torch.empty_like(v) for k, v in self.sd.items()}
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--store-gb", type=float, default=6)
     args = ap.parse_args(argv)
-    from ray_ckpt.formats.tree import SPLIT_UP_TO
+    from ray_ckpt.formats.flat import SPLIT_UP_TO
 
     layouts = [(int(a), float(b)) for a, b in (x.split(":") for x in args.layouts.split(","))]
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,

@@ -675,7 +675,7 @@ def test_a_flat_travels_in_pieces_and_writes_the_same_file(tmp_path):
     import pickle
 
     from ray_ckpt.formats import safetensors_io
-    from ray_ckpt.formats.tree import PIECE, SPLIT_UP_TO, Pieces
+    from ray_ckpt.formats.flat import PIECE, SPLIT_UP_TO, Pieces
 
     sizes = [0, 100, PIECE, PIECE + 1, SPLIT_UP_TO - 5, SPLIT_UP_TO, SPLIT_UP_TO + 1, 2 * SPLIT_UP_TO + 3]
     rng = np.random.default_rng(7)

@@ -52,7 +52,7 @@ RANK_TIMEOUT_S = 4.0
 def test_tensor_chunks_are_resharded_by_their_boxes(engine_factory):
     """Two ranks push uneven, arbitrary ranges of a flattened tensor (a ZeRO-1/2 partition starts
     and ends anywhere; one rank holds nothing of ``b``); three other boxes read back bit-equal."""
-    from ray_ckpt.formats.tree import TensorChunk
+    from ray_ckpt.formats.sharded_leaf import TensorChunk
 
     eng = engine_factory()
     eng.register("optim", world_size=2)

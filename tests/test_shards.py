@@ -18,7 +18,8 @@ from ray_ckpt.formats.pieces import PieceHasher, piece_digests, pieces_for_range
 from ray_ckpt.formats.shard_index import ChunkMeta, ShardedTensorMeta, ShardIndex, StoredChunk, index_of
 from ray_ckpt.formats.shards import (assemble_full, box_ranges, load_chunk, load_into_tensor, plan_bytes,
                                      plan_reads)
-from ray_ckpt.formats.tree import flatten, sharded_leaves, unflatten
+from ray_ckpt.formats.sharded_leaf import sharded_leaves
+from ray_ckpt.formats.tree import flatten, unflatten
 
 MiB = 1 << 20
 

@@ -110,7 +110,7 @@ class CopyJob:
 
     name: str
     key: str
-    flat: Any  # formats.tree.Flat of views into the live state (or into staging buffers)
+    flat: Any  # formats.flat.Flat of views into the live state (or into staging buffers)
     ranges: List[Tuple[int, int]] = field(default_factory=list)  # host memory the copy reads
     cuda_events: List[Any] = field(default_factory=list)  # device->host copies still running
     before: Optional[List[int]] = None  # checksums at capture (debug check)

@@ -21,7 +21,8 @@ import ray
 from ..storage.checkpoint_io import decode_files, read_files
 from ..errors import IntegrityError, RestoreError, one_line
 from ..formats.manifest import FileEntry
-from ..formats.tree import Flat, Pieces, flatten, pieces_of
+from ..formats.flat import Flat, Pieces, pieces_of
+from ..formats.tree import flatten
 from .object_store import grow_needed, prefault_needed, start_prefault, state_nbytes
 from .overlap import OverlapCopier, candidates, install_hooks, process_copier, process_hooks
 from ..protocol import StagedState

@@ -40,10 +40,10 @@ def _to_torch(arr: Any, info: Dict[str, Any]):
     """A flat uint8 leaf (from tree.flatten) -> a torch tensor of its safetensors dtype and shape."""
     import torch
 
-    from ..formats.tree import _torch_to_st
+    from ..formats.dtypes import torch_to_st
 
     st = info["dtype"]
-    dt = {v: k for k, v in _torch_to_st().items()}.get(st)
+    dt = {v: k for k, v in torch_to_st().items()}.get(st)
     u8 = torch.from_numpy(arr.copy()) if arr.size else torch.empty(0, dtype=torch.uint8)
     if dt is None or (st == "U8" and info["itemsize"] != 1):
         return u8, False  # no safetensors dtype: exported as raw bytes
@@ -263,7 +263,8 @@ def _run_file(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..formats.tree import flatten, structure_to_json
+    from ..formats.nodes import structure_to_json
+    from ..formats.tree import flatten
 
     if str(args.to).endswith(".safetensors"):
         return _run_file(args)

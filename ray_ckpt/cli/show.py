@@ -85,7 +85,7 @@ def _leaf_kinds(structure: Any) -> Tuple[Dict[int, Tuple[str, str]], int]:
     return kinds, other
 
 
-# safetensors dtype -> torch dtype name (ray_ckpt.formats.tree._torch_to_st reversed, without torch)
+# safetensors dtype -> torch dtype name (ray_ckpt.formats.dtypes.torch_to_st reversed, without torch)
 _ST_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U16": "uint16",
              "U32": "uint32", "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",

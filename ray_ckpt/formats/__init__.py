@@ -2,6 +2,7 @@
 
 May import only the root's ``errors`` and ``types`` (never ``storage``, which imports this package)."""
 from .manifest import FileEntry, Manifest, StateEntry
-from .tree import Flat, flatten, unflatten
+from .flat import Flat
+from .tree import flatten, unflatten
 
 __all__ = ["Flat", "flatten", "unflatten", "Manifest", "StateEntry", "FileEntry"]

@@ -23,7 +23,8 @@ import pyarrow as pa
 from ..errors import IntegrityError
 from . import safetensors_io
 from .arrow_io import open_validated
-from .tree import Flat, pieces_of, structure_to_json
+from .flat import Flat, pieces_of
+from .nodes import structure_to_json
 
 STRUCTURE_KEY = safetensors_io.STRUCTURE_KEY.encode()  # Arrow schema metadata: the same keys, as bytes
 LEAVES_KEY = safetensors_io.LEAVES_KEY.encode()

@@ -12,7 +12,8 @@ import struct
 from typing import Any, List, Tuple
 
 from ..errors import IntegrityError
-from .tree import Flat, pieces_of, structure_to_json
+from .flat import Flat, pieces_of
+from .nodes import structure_to_json
 
 # the keys of ray_ckpt's entries in a file's metadata (buffer_io writes the same into Arrow's)
 STRUCTURE_KEY = "ray_ckpt.structure"

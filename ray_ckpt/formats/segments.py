@@ -34,7 +34,8 @@ import pyarrow as pa
 
 from ..errors import IntegrityError
 from .buffer_io import STRUCTURE_KEY, _columns
-from .tree import Flat, pieces_of, structure_to_json
+from .flat import Flat, pieces_of
+from .nodes import structure_to_json
 
 INDEX_FORMAT = "ray_ckpt.append_only/1"
 ROW_ID = "row_id"

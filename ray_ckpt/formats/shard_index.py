@@ -20,7 +20,9 @@ import numpy as np
 from ..errors import IntegrityError
 from .pieces import PIECE_SIZE, PieceHasher
 from .safetensors_io import LEAVES_KEY
-from .tree import Flat, leaf_key, pieces_of, walk_sharded
+from .flat import Flat, pieces_of
+from .nodes import leaf_key
+from .sharded_leaf import walk_sharded
 
 INDEX_FORMAT = 1
 
@@ -251,7 +253,7 @@ class ShardedTensorMeta:
 
 
 class ShardIndex(Dict[str, ShardedTensorMeta]):
-    """key (``tree.leaf_key`` of the leaf's path, "optim/state/0/exp_avg") -> its metadata."""
+    """key (``nodes.leaf_key`` of the leaf's path, "optim/state/0/exp_avg") -> its metadata."""
 
     def to_json(self) -> dict:
         return {"format": INDEX_FORMAT, "tensors": {k: m.to_json() for k, m in self.items()}}
@@ -285,7 +287,7 @@ def part_record(flat_or_structure: Any, file: str, array_offsets: Sequence[int],
                 arrays: Optional[Sequence[Any]] = None, piece_size: int = PIECE_SIZE) -> dict:
     """What one rank's file contributes to the shard index (JSON-able; merge with :func:`index_of`).
 
-    ``flat_or_structure`` is the part's :class:`~ray_ckpt.formats.tree.Flat` (its DTensor chunks'
+    ``flat_or_structure`` is the part's :class:`~ray_ckpt.formats.flat.Flat` (its DTensor chunks'
     piece digests are computed from its arrays, at memory speed) or only its structure (then
     ``arrays`` gives the bytes, or no digests are recorded). ``array_offsets[i]`` is the byte offset
     of ``arrays[i]`` in ``file``. A writer that hashes while streaming may instead fill the digests

@@ -39,7 +39,8 @@ import numpy as np
 from ..errors import IntegrityError, RestoreError
 from .pieces import verify_pieces
 from .shard_index import ShardedTensorMeta, ShardIndex, StoredChunk, _prod
-from .tree import dtensor_chunk, leaf_key
+from .nodes import leaf_key
+from .sharded_leaf import dtensor_chunk
 
 ReadRange = Callable[[str, int, int], Any]  # (file id, begin, end) -> bytes-like of end - begin bytes
 
@@ -176,11 +177,11 @@ def _torch_dtype(name: str) -> Any:
 def target_chunk(target: Any) -> Tuple[Any, List[int], List[int]]:
     """(local tensor to fill, global offsets, sizes) of a target: a DTensor's local shard, or a plain
     tensor standing for the whole tensor."""
-    from .tree import TensorChunk, _dtensor_types
+    from .sharded_leaf import TensorChunk, dtensor_type
 
     if isinstance(target, TensorChunk):
         return target.local, list(target.offsets), list(target.local.shape)
-    dt = _dtensor_types()
+    dt = dtensor_type()
     if dt is not None and isinstance(target, dt):
         offsets, sizes = dtensor_chunk(target)
         return target.to_local(), offsets, sizes
@@ -276,7 +277,7 @@ def iter_tensor_leaves(state: Any, path: Optional[list] = None) -> Iterator[Tupl
     dict/list/tuple state."""
     import torch
 
-    from .tree import TensorChunk
+    from .sharded_leaf import TensorChunk
 
     path = path or []
     if isinstance(state, dict):
@@ -312,9 +313,9 @@ def load_state_into(state: Any, index: ShardIndex, read_range: ReadRange, *, pla
     of another shape or dtype, is a :class:`RestoreError`."""
     import torch
 
-    from .tree import _dtensor_types
+    from .sharded_leaf import dtensor_type
 
-    dt = _dtensor_types()
+    dt = dtensor_type()
     filled, rest = [], []
     for path, t in iter_tensor_leaves(state):
         key = leaf_key(path)

@@ -13,7 +13,8 @@ from ..errors import CheckpointError, IntegrityError, RestoreError, SaveError, o
 from ..formats import arrow_io, buffer_io, safetensors_io, segments
 from ..formats.checksum import BLOCK, HashingSink
 from ..formats.manifest import FileEntry, Manifest, StateEntry
-from ..formats.tree import Flat, unflatten
+from ..formats.flat import Flat
+from ..formats.tree import unflatten
 from . import layout
 from .durable_batch import DurableBatch
 from .tier import Tier
@@ -139,7 +140,8 @@ def shard_record(flat: Flat, rel: str, piece_size: Optional[int] = None) -> Opti
     header and the byte ranges it needs, each verified, never the whole file. The offsets come from
     the same header ``write_flat`` writes (serialisation is deterministic): nothing is read back."""
     from ..formats import shard_index
-    from ..formats.tree import pieces_of, walk_sharded
+    from ..formats.flat import pieces_of
+    from ..formats.sharded_leaf import walk_sharded
 
     sharded = {node["DT"] for _, node in walk_sharded(flat.structure)}
     if not sharded:

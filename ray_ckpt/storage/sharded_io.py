@@ -25,7 +25,9 @@ from .checkpoint_io import decode_files, rank_files, read_files
 from ..errors import IntegrityError, RestoreError, one_line
 from ..formats import safetensors_io
 from ..formats.manifest import StateEntry
-from ..formats.tree import leaf_key, unflatten, walk_sharded
+from ..formats.nodes import leaf_key
+from ..formats.sharded_leaf import walk_sharded
+from ..formats.tree import unflatten
 from .tier import Tier
 from ..types import StateReport
 

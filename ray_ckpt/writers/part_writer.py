@@ -10,7 +10,7 @@ from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 from ..errors import CheckpointError, IntegrityError, SaveError, one_line
 from ..formats.manifest import FileEntry
-from ..formats.tree import Flat
+from ..formats.flat import Flat
 from ..protocol import WrittenPart
 from ..storage.checkpoint_io import content_hash, shard_record, write_append_only, write_flat
 from ..storage.durable_batch import DurableBatch

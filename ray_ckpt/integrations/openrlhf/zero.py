@@ -11,7 +11,7 @@ ZeRO keeps, per rank, the fp32 master copy and the Adam moments of a slice of th
   ``safe_get_local_optimizer_state``).
 
 Either way a rank's share of parameter ``name`` is one contiguous range of the flattened
-parameter, so it is pushed as a :class:`~ray_ckpt.formats.tree.TensorChunk`: the range and its
+parameter, so it is pushed as a :class:`~ray_ckpt.formats.sharded_leaf.TensorChunk`: the range and its
 place in a 1-D tensor of ``numel`` elements. The stored version then does not depend on the world
 size or the stage; loading reads, for each range the new layout gives this rank, only the bytes
 of the stored ranges it overlaps, and sets them (``safe_set_local_fp32_param`` /
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ray_ckpt import InvalidArgumentError, RestoreError
-from ray_ckpt.formats.tree import TensorChunk
+from ray_ckpt.formats.sharded_leaf import TensorChunk
 
 FP32 = "fp32"
 
