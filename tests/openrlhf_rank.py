@@ -128,7 +128,7 @@ class DSRank:
             return f"{type(exc).__name__}: {exc}"
         return path, states
 
-    def full(self) -> Dict[str, Any]:
+    def full(self, moments: bool = True) -> Dict[str, Any]:
         """Full fp32 masters, Adam moments and 16-bit weights, gathered with DeepSpeed's own calls
         (collective), and the scalars; rank 0 returns them."""
         from deepspeed.runtime.zero import GatheredParameters
@@ -143,7 +143,7 @@ class DSRank:
         out = {}
         for name, p in self.model.module.named_parameters():
             out[f"fp32/{name}"] = safe_get_full_fp32_param(p).clone()
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in ("exp_avg", "exp_avg_sq") if moments else ():
                 out[f"{key}/{name}"] = safe_get_full_optimizer_state(p, key).clone()
             with GatheredParameters([p]):
                 out[f"lp/{name}"] = p.data.detach().clone()

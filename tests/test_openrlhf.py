@@ -12,6 +12,7 @@ Three rank actors (``tests/openrlhf_rank.py``) import OpenRLHF and DeepSpeed onc
   back, and the replayed step gives bit-identical logits;
 * 1 and 3 ranks (other processes first) load it: the same full tensors, bit-equal;
 * ZeRO-2's version loads into ZeRO-3 and ZeRO-3's into ZeRO-2, bit-equal;
+* ``load_module_only``: the 16-bit weights, fp32 masters refreshed from them (ZeRO-2, ZeRO-3);
 * docs/openrlhf.md's CPU recipe runs as written (one rank, ZeRO-2, save and load);
 * retention (``max_num``) keeps the newest committed versions only after a commit; a rank killed
   before its push fails that version alone: the previous one stays, ``latest`` does not move,
@@ -154,6 +155,25 @@ def test_another_zero_stage_loads_it(setup, saved_stage, load_stage):
     assert not errors, errors
     full_equal(want, ray.get([r.full.remote() for r in rk], timeout=60)[0],
                f"ZeRO-{saved_stage} loaded as ZeRO-{load_stage}")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_load_module_only_takes_the_weights_and_refreshes_fp32_from_them(setup, stage):
+    """As DeepSpeed's ``load_module_only``: the 16-bit weights come back, the fp32 masters are
+    their up-cast (``refresh_fp32_params``), the optimizer's moments and counters are left alone."""
+    if stage not in setup["saved"]:
+        pytest.skip(f"ZeRO-{stage}'s save did not run")
+    tag, want = setup["saved"][stage]
+    rk = group(setup["actors"], 2)
+    ray.get([r.build.remote(stage, setup["ck"], 13) for r in rk], timeout=120)
+    out = ray.get([r.load.remote(save_dir(setup, stage), tag, load_module_only=True) for r in rk], timeout=120)
+    assert not [x for x in out if isinstance(x, str)], out
+    got = ray.get([r.full.remote(moments=False) for r in rk], timeout=60)[0]  # a fresh engine has none
+    lp = [k for k in want["tensors"] if k.startswith("lp/")]
+    assert lp and all(same_bits(want["tensors"][k], got["tensors"][k]) for k in lp)
+    for k in lp:
+        assert same_bits(got["tensors"]["fp32/" + k[3:]], want["tensors"][k].float())
+    assert got["scalars"]["global_steps"] == 0  # module only: the engine's counters are not loaded
 
 
 def _run_snippet(self, code: str) -> None:

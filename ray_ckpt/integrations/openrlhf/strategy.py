@@ -377,8 +377,8 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
         if zero.stage_of(model) in (1, 2):
             zero.refresh_lp(model, zero.slots(model), module, self._full_fp32(engine, step))
         else:  # ds_tensor takes the cast of the stored fp32 range
-            target, ss, _ = zero.target_state(model, [])
-            engine.load_into(OPTIM, target, step=step, rank=self._world()[0])
+            target, ss, _ = zero.target_state(model, [])  # the fp32 ranges only: not the moments
+            engine.load_into(OPTIM, target, step=step, rank=self._world()[0], strict=False)
             with torch.no_grad():
                 for s in ss:
                     if s.count:
