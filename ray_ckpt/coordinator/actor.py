@@ -12,13 +12,14 @@ A version's life, in call order:
    rank's first pushed part (``submit_parts``: the parts one engine pushed for the version within a
    few ms, in one call): ``Catalogue.begin`` / ``accept_push``; ``UploadPlan.opened`` notes
    whether the engine counted it as an upload turn. A rank that never pushes fails the version
-   after ``rank_timeout_s`` (``_deadline``, ``rank_deadline.py``).
+   after ``rank_timeout_s`` (``commits.py``, ``rank_deadline.py``).
 2. **parts dispatched** — ``WriteDispatch`` (``write_dispatch.py``): snapshot refs go in batches to
    the writers of the node that holds them (critical) or of the best-effort pool.
-3. **written** — ``_record``: the writer's :class:`~ray_ckpt.protocol.WrittenPart` (or its error)
-   goes to ``Catalogue.part_written`` / ``part_failed``.
-4. **manifest** — ``_progress``: once every critical part is written the manifest is written to
-   the local tier, last and atomically: it is the commit marker.
+3. **written** — ``VersionCommits.record`` (``commits.py``, with steps 4 and 5): the writer's
+   :class:`~ray_ckpt.protocol.WrittenPart` (or its error) goes to ``Catalogue.part_written`` /
+   ``part_failed``.
+4. **manifest** — ``VersionCommits.progress``: once every critical part is written the manifest is
+   written to the local tier, last and atomically: it is the commit marker.
 5. **committed** — the version's commit future resolves with a :class:`~ray_ckpt.protocol.SaveOutcome`
    (the driver's ``save()`` call returns it; a rank's ``submit_parts()`` returned at once,
    and its handle learns of the commit through ``wait()``, one call per version per process,
@@ -32,7 +33,8 @@ A version's life, in call order:
    go the same way.
 
 Start-up (``recovery.py``) rebuilds the catalogue and upload plan from both tiers; the read-only
-calls (``queries.py``) answer on their own thread.
+calls (``queries.py``) answer on their own thread; ``run_guards.py`` fences a run another job took
+over and forgets the versions ``ray-ckpt gc --force`` deletes.
 """
 from __future__ import annotations
 
@@ -46,26 +48,22 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import ray
 
-from .catalogue import PendingVersion
-from ..storage.checkpoint_io import write_manifest
+from .commits import VersionCommits
 from ..config import EngineConfig
 from .live_options import applied, shown
-from ..storage.gc_notice import POLL_S as GC_NOTICE_POLL_S, read_notice
 from ..storage.head import HeadRecords
 from .queries import CoordinatorQueries
 from .deletions import Deletions
-from ..errors import SaveError, UnsupportedTypeError, one_line
+from ..errors import SaveError, one_line
 from ..formats.manifest import Manifest
-from .lease import ray_identity, read_owner
+from .lease import ray_identity
 from ..metrics import Metrics
-from ..storage.ownership import fence_error
 from ..ray_internals import actor_ready
 from ..protocol import (CoordinatorStatus, Declaration, PartPlan, PushedPart, SaveOutcome, StoredState, SubmitAck,
                         SubmitBatchResult)
-from .rank_deadline import expire_missing
 from .recovery import DECLARED, DRIVER_STATES, recover
-from ..storage.tier import Tier
-from .uploader import Uploader, root_cause
+from .run_guards import GcNoticeWatch, OwnerFence
+from .uploader import Uploader
 from .write_dispatch import WriteDispatch
 from .waits import VersionWaits, outcome_of
 from ..writers.pools import WriterPools
@@ -98,14 +96,7 @@ class CheckpointCoordinator:
         self.heads = HeadRecords(config.run, found.heads)  # storage/head.py: a rollback is seen at the next start
         self.queries = CoordinatorQueries(config.run, self.catalogue, self.uploads, self.skipped, self.pools)
         self.file_nodes: Dict[str, str] = {}  # local file path -> node whose local tier holds it
-        self.commit_futures: Dict[int, asyncio.Future] = {}
-        self.settled_futures: Dict[int, asyncio.Future] = {}  # every part, best-effort too, is done
-        self.version_locks: Dict[int, asyncio.Lock] = {}
-        self.accepted_at: Dict[int, float] = {}
-        self.manifest_revision: Dict[int, int] = {}  # version -> PendingVersion.revision its manifest shows
-        self.unsupported: Set[int] = set()  # failed versions whose cause was an unsupported object
-        self.commits = 0
-        self.failures = 0
+        self.accepted_at: Dict[int, float] = {}  # version -> when it opened (commit latency metrics)
         self.counts: Dict[str, int] = {"pushed_parts": 0, "submit_calls": 0}
         self.last_error: Optional[str] = None
         self.started_at = time.time()
@@ -114,26 +105,25 @@ class CheckpointCoordinator:
             if found:  # a restarted coordinator: "no checkpoint in N minutes" alerts see the real age
                 self.metrics.last_committed(tier, found[max(found)].created_at)
         self.background: Set[asyncio.Future] = set()  # writes (with commit and retention), uploads
-        self._sweeps: Set[asyncio.Future] = set()  # removals of killed writers' temporary files
-        self.writes = WriteDispatch(self.pools, self.catalogue, config.compression, self._record, self._progress,
-                                    self._in_background)
+        # the run's fencing token (see storage/ownership.py and run_guards.py)
+        self.fence = OwnerFence(config.run, self.local, ray_identity)
+        self.gc_watch = GcNoticeWatch(config.run, self.local, self.remote, self.catalogue, self.uploads)
         self.uploader = Uploader(config.run, self.remote, self.uploads, self.catalogue, self.pools, self.file_nodes,
-                                 self.metrics, self._fence, outcome_of, self.accepted_at, self._in_background,
+                                 self.metrics, self.fence, outcome_of, self.accepted_at, self._in_background,
                                  self._after_upload, self._set_error)
-        self.waits = VersionWaits(config.run, self.remote, config.rank_timeout_s, self.catalogue, self.uploads,
-                                  self.uploader, self.commit_futures, self.settled_futures)
         self.deletions = Deletions(config, self.local, self.remote, self.catalogue, self.uploads, self.pools,
                                    self.file_nodes)
-        # the run's fencing token (see storage/ownership.py): the creating engine sets it; a coordinator
-        # Ray restarted takes it from the owner record if that record is its own job's
-        self.owner_token: Optional[int] = None
-        record = read_owner([self.local])
-        if record is not None and record.same_job(*ray_identity()):
-            self.owner_token = record.token
+        self.versions = VersionCommits(config, self.local, self.catalogue, self.uploads, self.uploader, self.deletions,
+                                       self.metrics, self.node_id, self.file_nodes, self.accepted_at, self.fence,
+                                       self._raise_head, self._in_background, self._set_error)
+        self.writes = WriteDispatch(self.pools, self.catalogue, config.compression, self.versions.record,
+                                    self.versions.progress, self._in_background)
+        self.waits = VersionWaits(config.run, self.remote, config.rank_timeout_s, self.catalogue, self.uploads,
+                                  self.uploader, self.versions.commit_futures, self.versions.settled_futures)
 
     def set_owner(self, token: int) -> None:
         """The token of the job that owns the run (create() wrote its record before calling this)."""
-        self.owner_token = token
+        self.fence.token = token
 
     async def reconfigure(self, changes: Dict[str, Any]) -> EngineConfig:
         """Change live options of the run (``live_options.LIVE``; ``create(..., reconfigure=True)``
@@ -149,48 +139,6 @@ class CheckpointCoordinator:
         if any(name.startswith(("keep_", "remote_keep_")) for name in changes):
             self._in_background(self._after_upload())  # remote retention, then local
         return self.cfg
-
-    def _watch_gc(self) -> None:
-        """Start ``_watch_gc_notices`` on the main event loop once: from ready() (create, revive)
-        and from the first save / push (a coordinator Ray restarted gets no ready() call). Not in
-        ``self.background``: quiesce() does not wait for it."""
-        if getattr(self, "_gc_watch", None) is None:
-            self._gc_watch = asyncio.ensure_future(self._watch_gc_notices())
-
-    async def _watch_gc_notices(self) -> None:
-        """``ray-ckpt gc --force`` on this live run names the versions it is about to delete in
-        ``gc_notice.json`` and waits before deleting (``storage/gc_notice.py``): read every
-        ``POLL_S`` on each tier, the named versions are forgotten, so that the run never lists a
-        version gc removed."""
-        while True:
-            await asyncio.sleep(GC_NOTICE_POLL_S)
-            for tier in [t for t in (self.local, self.remote) if t is not None]:
-                try:
-                    removed = await asyncio.to_thread(read_notice, tier)
-                except Exception as exc:  # e.g. the remote tier is down: the next poll tries again
-                    log.debug("cannot read the gc notice on the %s tier: %s", tier.name, one_line(exc))
-                    continue
-                self._forget_removed(tier is self.local, removed)
-
-    def _forget_removed(self, local: bool, removed: List[Tuple[int, int, float]]) -> None:
-        committed = self.catalogue.committed if local else self.uploads.committed
-        gone = [v for v, step, created in removed if v in committed and v not in self.catalogue.pending
-                and committed[v].step == step and committed[v].created_at == created
-                and (local or v not in self.uploads.uploading)]
-        if not gone:
-            return
-        if local:
-            for v in gone:
-                self.catalogue.forget(v)
-        else:
-            self.uploads._forget(gone, self.uploads.kept_paths(self.catalogue.committed, set(gone)))
-        log.warning("run %r: versions %s were deleted from the %s tier by ray-ckpt gc --force; no longer listed",
-                    self.cfg.run, gone, "local" if local else "remote")
-
-    def _fence(self, tier: Tier) -> Optional[str]:
-        """Why this coordinator must not commit on ``tier`` now: another job took the run over."""
-        return fence_error(read_owner([tier]), self.owner_token, self.cfg.run)
-
 
     # ------------------------------------------------------------------ queries (queries.py)
     # Queries run in their own concurrency group (QUERIES): their own thread and event loop, so that
@@ -225,8 +173,8 @@ class CheckpointCoordinator:
 
     @ray.method(concurrency_group="queries")
     def status(self) -> CoordinatorStatus:
-        return self.queries.status(commits=self.commits, failures=self.failures, last_error=self.last_error,
-                                   started_at=self.started_at, node=self.node_id)
+        return self.queries.status(commits=self.versions.commits, failures=self.versions.failures,
+                                   last_error=self.last_error, started_at=self.started_at, node=self.node_id)
 
     @ray.method(concurrency_group="queries")
     def cpu_seconds(self) -> float:
@@ -255,10 +203,8 @@ class CheckpointCoordinator:
         whether it is this version's turn to be uploaded (``remote_every``), as the caller counted
         its saves. Raises SaveError if the version cannot commit."""
         self._resume_uploads()
-        self._watch_gc()
-        if token is not None and self.owner_token is not None and token < self.owner_token:
-            raise SaveError(f"run {self.cfg.run!r} was taken over (token {self.owner_token}); this engine's token "
-                            f"{token} is stale, so its saves no longer commit")
+        self.gc_watch.start()
+        self.fence.check_caller(token)
         t0 = time.perf_counter()
         version = step
         if not parts and version in self.catalogue.committed and version not in self.catalogue.pending:
@@ -267,25 +213,16 @@ class CheckpointCoordinator:
         merged = version in self.catalogue.pending
         self.catalogue.begin(version, step, parts, metrics)
         if not merged:
-            self._opened(version, upload)
+            self.versions.opened(version, upload)
         stored = [p for p in parts if not p.loader]
         if len(stored) != len(refs):
             self.catalogue.fail(version, "internal: parts and refs differ in number")
         for p, ref in zip(stored, refs):
             self.writes.dispatch(version, p.name, p.rank, ref, p.nbytes)
-        self._watch_pushed(version)
-        await self._progress(version)
-        outcome = await self.commit_futures[version]
+        self.versions.watch_pushed(version)
+        await self.versions.progress(version)
+        outcome = await self.versions.commit_futures[version]
         return dataclasses.replace(outcome, seconds=time.perf_counter() - t0)
-
-    def _opened(self, version: int, upload: bool = False) -> None:
-        loop = asyncio.get_running_loop()
-        self.uploads.opened(version, upload)
-        self.commit_futures[version] = loop.create_future()
-        self.settled_futures[version] = loop.create_future()
-        self.version_locks[version] = asyncio.Lock()
-        self.accepted_at[version] = time.perf_counter()
-        self.metrics.set_in_flight(len(self.catalogue.pending))
 
     # ------------------------------------------------------------------ pushed states (ranks)
     def declare(self, name: str, strategy: str, world_size: int, replicated: bool = False,
@@ -320,7 +257,7 @@ class CheckpointCoordinator:
         of the commit through :meth:`wait` (one call per version and process). Nothing in it
         awaits: it holds no slot beyond its own run."""
         self._resume_uploads()
-        self._watch_gc()
+        self.gc_watch.start()
         self.counts["submit_calls"] += 1
         self.counts["pushed_parts"] += len(parts)
         rejected: Dict[int, str] = {}
@@ -344,164 +281,17 @@ class CheckpointCoordinator:
         is_new = version not in self.catalogue.pending
         self.catalogue.accept_push(version, step, name, rank)
         if is_new:
-            self._opened(version, part.upload)
-            self._watch_pushed(version)
+            self.versions.opened(version, part.upload)
+            self.versions.watch_pushed(version)
         for v in self.catalogue.barrier_violations(version, name, rank, part.after):
             pv = self.catalogue.pending[v]
             self.catalogue.fail(v, f"ranks disagree on the step: state {name!r} rank {rank} submitted step "
                                    f"{step} while version {v} (step {pv.step}) still awaits its part")
             log.error("version %d: %s", v, pv.error)
             self.last_error = f"version {v}: {pv.error}"
-            self._in_background(self._progress(v))
+            self._in_background(self.versions.progress(v))
         self.writes.dispatch(version, name, rank, part.ref, part.nbytes)
         return SubmitAck(version)
-
-    def _watch_pushed(self, version: int) -> None:
-        pv = self.catalogue.pending.get(version)
-        if pv is not None and pv.missing_submits():
-            asyncio.ensure_future(self._deadline(version))
-
-    async def _deadline(self, version: int) -> None:
-        """A rank that never submits fails its version loudly after rank_timeout_s (a best-effort
-        part is reported missing instead); later versions are not blocked."""
-        await asyncio.sleep(self.cfg.rank_timeout_s)
-        expired = expire_missing(self.catalogue, version, self.cfg.rank_timeout_s)  # rank_deadline.py
-        if expired is None:
-            return
-        what, fails = expired
-        log.error("version %d: %s", version, what)
-        if fails:
-            self.last_error = f"version {version}: {what}"
-        await self._progress(version)
-
-    # ------------------------------------------------------------------ 3: written
-    def _record(self, version: int, name: str, rank: int, result: Any) -> None:
-        """A part's WrittenPart, or the error that stopped it, into the catalogue."""
-        if not isinstance(result, BaseException):
-            if not result.reused:
-                for f in result.files:
-                    self.file_nodes[f.path] = result.node or self.node_id
-            self.catalogue.part_written(version, name, rank, result)
-        else:  # reaches the handle through the commit future
-            exc = result
-            if isinstance(root_cause(exc), UnsupportedTypeError):
-                self.unsupported.add(version)  # the handle raises the same class as an in-process save
-            msg = one_line(getattr(exc, "cause", None) or exc)
-            log.error("version %d: state %r rank %d failed: %s", version, name, rank, msg)
-            self.last_error = f"version {version} state {name!r} rank {rank}: {msg}"
-            self.catalogue.part_failed(version, name, rank, msg)
-
-    # ------------------------------------------------------------------ 4-5: manifest, committed
-    async def _progress(self, version: int) -> None:
-        """Commit, update, fail or finish ``version`` according to the catalogue."""
-        pv = self.catalogue.pending.get(version)
-        if pv is None:
-            return
-        fut = self.commit_futures[version]
-        async with self.version_locks[version]:
-            if version not in self.catalogue.pending:  # finished by a call that held the lock before us
-                return
-            if pv.error and not fut.done() and not self.catalogue.settled(version):
-                self._fail_handle(version, pv, fut)  # parts still running: report now; their files go when they end
-            elif not pv.committed and self.catalogue.ready_to_commit(version):
-                await self._commit(version, pv, fut)
-            await self._add_late_parts(version, pv)
-            if not self.catalogue.settled(version):
-                return
-            self._finish(version, pv)
-        if pv.error:  # never listed: remove what its parts wrote, then fail the handle (if not yet)
-            try:
-                await self.deletions.everywhere(version, self.catalogue.kept_paths(set()), [])
-            finally:
-                if not fut.done():
-                    self._fail_handle(version, pv, fut)
-        else:
-            if self.uploads.needs_resync(version, self.catalogue.committed.get(version)):
-                self.uploader.start(version)  # best-effort parts landed since
-            await self.deletions.apply_retention()
-
-    async def _commit(self, version: int, pv: PendingVersion, fut: asyncio.Future) -> None:
-        revision = pv.revision
-        manifest = self.catalogue.manifest_for(version)
-        t_commit = time.perf_counter()
-        taken_over = await asyncio.to_thread(self._fence, self.local)
-        if taken_over:
-            self.catalogue.fail(version, taken_over)
-            return
-        try:
-            await asyncio.to_thread(write_manifest, self.local, manifest)
-        except Exception as exc:  # reported once its files are removed
-            self.catalogue.fail(version, f"writing the manifest failed: {one_line(exc)}")
-            return
-        self.catalogue.mark_committed(version, manifest)
-        self.manifest_revision[version] = revision
-        self.commits += 1
-        written = self.catalogue.bytes_written(version)
-        self.metrics.committed("local", time.perf_counter() - self.accepted_at.get(version, 0.0), written)
-        fut.set_result(outcome_of(manifest, "local", written + len(manifest.to_json()),
-                                  stages=dict(pv.stages(), manifest_s=time.perf_counter() - t_commit)))
-        self.uploader.on_commit(version)
-        # in the background: the version's bookkeeping (finish, retention) does not wait for it
-        self._in_background(self._raise_head(self.local, version))
-
-    async def _add_late_parts(self, version: int, pv: PendingVersion) -> None:
-        """Best-effort parts that landed after the commit (or while its manifest was being written)
-        join the manifest; loop, because another may land during the rewrite."""
-        while pv.committed and version in self.catalogue.committed:
-            if self.manifest_revision.get(version) == pv.revision:
-                return  # no part ended since the manifest was written: nothing to add (O(1) per part)
-            revision = pv.revision
-            manifest = self.catalogue.manifest_for(version)
-            if manifest.to_json() == self.catalogue.committed[version].to_json():
-                self.manifest_revision[version] = revision
-                return
-            try:
-                await asyncio.to_thread(write_manifest, self.local, manifest)
-                self.catalogue.committed[version] = manifest
-                self.manifest_revision[version] = revision
-            except Exception as exc:  # the committed manifest stays; the late part is reported
-                self.last_error = f"version {version}: adding best-effort parts to the manifest failed: " \
-                                  f"{one_line(exc)}"
-                log.error(self.last_error)
-                return
-
-    def _finish(self, version: int, pv: PendingVersion) -> None:
-        self.catalogue.finish(version)
-        if not pv.error:
-            self.unsupported.discard(version)
-            sweep = asyncio.ensure_future(self.deletions.sweep_temporaries(version))  # garbage only: quiesce does not wait
-            self._sweeps.add(sweep)
-            sweep.add_done_callback(self._sweeps.discard)
-        settled = self.settled_futures.get(version)
-        if settled is not None and not settled.done():
-            settled.set_result(True)
-        self.metrics.set_in_flight(len(self.catalogue.pending))
-        self._prune_bookkeeping()
-
-    def _fail_handle(self, version: int, pv: PendingVersion, fut: asyncio.Future) -> None:
-        """Fail the save's handle with the version's error. A handle raising once every part has
-        ended is raised after the failed version's files are removed: a user who looks at the disk
-        then finds none of them."""
-        self.uploads.missed(version)
-        self.failures += 1
-        self.metrics.failed("save")
-        error = UnsupportedTypeError if version in self.unsupported else SaveError
-        self.unsupported.discard(version)
-        fut.set_exception(
-            error(f"version {version} (step {pv.step}) of run {self.cfg.run!r} failed and is not listed: {pv.error}"))
-
-    def _prune_bookkeeping(self, keep: int = 32) -> None:
-        """Forget futures and locks of old, finished versions (wait() answers those from the catalogue)."""
-        for v in sorted(self.commit_futures)[:-keep]:
-            remote = self.uploader.futures.get(v)
-            if v in self.catalogue.pending or v in self.uploads.uploading or (remote is not None and not remote.done()):
-                continue
-            for d in (self.commit_futures, self.version_locks, self.accepted_at, self.settled_futures,
-                      self.manifest_revision):
-                d.pop(v, None)
-            self.uploader.forget(v)
-            self.uploads.bytes.pop(v, None)
-
 
     # ------------------------------------------------------------------ 6: uploaded (uploader.py)
     @ray.method(concurrency_group="queries")
@@ -589,7 +379,7 @@ class CheckpointCoordinator:
     async def ready(self) -> bool:
         """Wait until every writer has started, so the first save does not pay for worker start-up."""
         self._resume_uploads()
-        self._watch_gc()
+        self.gc_watch.start()
         await asyncio.gather(*[actor_ready(w) for w in self.pools.all()])
         return True
 
