@@ -24,7 +24,8 @@ from ..formats.manifest import FileEntry
 from ..formats.flat import Flat, Pieces, pieces_of
 from ..formats.tree import flatten
 from .object_store import grow_needed, prefault_needed, start_prefault, state_nbytes
-from .overlap import OverlapCopier, candidates, install_hooks, process_copier, process_hooks
+from .fence_hooks import candidates, install_hooks
+from .overlap import OverlapCopier, process_copier, process_hooks
 from ..protocol import StagedState
 from .mailbox import PendingSnapshot, _deliver, pending_refs, self_handle_ref
 from ..storage.tier import Tier
@@ -392,9 +393,15 @@ def tiers_of(config: Any) -> List[Tier]:
     return [config.local_tier()] + ([remote] if remote is not None else [])
 
 
+class NothingStagedError(RestoreError):
+    """The provider actor holds no staged state to apply: its process was restarted after staging."""
+
+
 def apply_in_actor(actor: Any, setter: str, name: str, attribute: Optional[str] = None) -> None:
-    state = actor.__dict__.get(_STAGED, {}).pop(name)
-    _actor_set(actor, setter, attribute, name, state)
+    staged = actor.__dict__.get(_STAGED, {})
+    if name not in staged:
+        raise NothingStagedError(f"state {name!r}: nothing staged in this process (restarted after staging)")
+    _actor_set(actor, setter, attribute, name, staged.pop(name))
 
 
 def discard_in_actor(actor: Any, name: str) -> None:

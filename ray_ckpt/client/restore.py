@@ -17,6 +17,7 @@
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -27,11 +28,14 @@ from ..errors import IntegrityError, RestoreError, one_line
 from ..formats.manifest import FileEntry, Manifest, StateEntry
 from ..protocol import StagedState
 from ..capture.providers import Registration
-from ..capture.snapshot import (_STAGED, ActorProvider, _actor_get, apply_in_actor, discard_in_actor, read_state,
-                       stage_in_actor, tiers_of)
+from ..capture.snapshot import (_STAGED, ActorProvider, NothingStagedError, _actor_get, apply_in_actor,
+                                discard_in_actor, read_state, stage_in_actor, tiers_of)
 from ..types import StateReport, Strategy
 
 StageKey = Tuple[str, Optional[int]]  # (state, rank) — rank None: the state's single provider
+
+
+RESTARTING_WAIT_S = 120.0  # how long a restore waits for a provider actor that Ray is restarting
 
 
 @dataclass
@@ -65,6 +69,7 @@ class Staged:
     """What the stage step produced: refs to states held in actors, states read here."""
 
     plan: RestorePlan
+    config: Any = None
     in_actors: Dict[StageKey, Any] = field(default_factory=dict)     # -> ObjectRef of a StagedState
     local: Dict[str, Any] = field(default_factory=dict)              # state read in this process
     reports: Dict[str, StateReport] = field(default_factory=dict)    # of the local reads
@@ -119,15 +124,9 @@ def _plan_ranks(p: RestorePlan, reg: Registration, entry: Any) -> None:
 
 def stage(p: RestorePlan, config: Any) -> Staged:
     """Stage 2: read and verify every planned state where it will be applied (not applied yet)."""
-    s = Staged(p)
+    s = Staged(p, config)
     for a in p.actor_reads:
-        if a.sharded is not None:
-            s.in_actors[(a.name, a.rank)] = a.provider.handle.__ray_call__.remote(
-                stage_sharded_in_actor, a.name, config, a.sharded, a.allow_pickle, a.provider.get,
-                a.provider.attribute)
-            continue
-        s.in_actors[(a.name, a.rank)] = a.provider.handle.__ray_call__.remote(
-            stage_in_actor, a.name, config, a.files, a.allow_pickle)
+        s.in_actors[(a.name, a.rank)] = _stage_call(a, config)
     for r in p.local_reads:
         try:
             state, tier, problems = read_state(tiers_of(config), r.files, r.name, r.allow_pickle)
@@ -136,6 +135,52 @@ def stage(p: RestorePlan, config: Any) -> Staged:
         except (IntegrityError, RestoreError, OSError) as exc:
             s.reports[r.name] = StateReport("missing", None, False, one_line(exc))
     return s
+
+
+def _stage_call(a: ActorRead, config: Any) -> Any:
+    """Ask ``a``'s provider actor to read and hold its state (a ref to its StagedState)."""
+    if a.sharded is not None:
+        return a.provider.handle.__ray_call__.remote(stage_sharded_in_actor, a.name, config, a.sharded,
+                                                     a.allow_pickle, a.provider.get, a.provider.attribute)
+    return a.provider.handle.__ray_call__.remote(stage_in_actor, a.name, config, a.files, a.allow_pickle)
+
+
+def _staged_result(s: Staged, a: ActorRead) -> StagedState:
+    """The StagedState of ``a``'s stage call. A provider actor that Ray is restarting (killed or
+    preempted just before the restore: the usual moment for one) is asked again once it is back,
+    for up to ``RESTARTING_WAIT_S``: staging only reads and holds, so asking twice is harmless."""
+    ref = s.in_actors[(a.name, a.rank)]
+    deadline = time.monotonic() + RESTARTING_WAIT_S
+    while True:
+        try:
+            return ray.get(ref)
+        except ray.exceptions.ActorUnavailableError as exc:
+            if time.monotonic() >= deadline:
+                return StagedState(False, None, f"provider actor still restarting after {RESTARTING_WAIT_S:g}s: "
+                                                f"{one_line(exc)[:300]}")
+            time.sleep(0.2)
+            ref = s.in_actors[(a.name, a.rank)] = _stage_call(a, s.config)
+        except ray.exceptions.RayError as exc:
+            return StagedState(False, None, f"provider actor failed: {one_line(exc)[:300]}")
+
+
+def _apply_call(a: ActorRead) -> Any:
+    return a.provider.handle.__ray_call__.remote(apply_in_actor, a.provider.set, a.name, a.provider.attribute)
+
+
+def _restarted(exc: BaseException) -> bool:
+    """Whether an apply failed because Ray restarted the provider actor after its state was staged."""
+    return isinstance(exc, ray.exceptions.ActorUnavailableError) or isinstance(
+        getattr(exc, "cause", None), NothingStagedError)
+
+
+def _restage_and_apply(s: Staged, a: ActorRead) -> None:
+    """Stage ``a``'s state again in the restarted provider (verified again) and apply it there."""
+    s.in_actors[(a.name, a.rank)] = _stage_call(a, s.config)
+    r = _staged_result(s, a)
+    if not r.ok:
+        raise RestoreError(f"its provider actor was restarted during the restore, and staging again failed: {r.detail}")
+    ray.get(_apply_call(a))
 
 
 def _copy_tensors(state: Any) -> Any:
@@ -179,11 +224,9 @@ def verify(s: Staged, registry: Mapping[str, Registration], strict: bool, run: s
     reports = dict(s.plan.reports)
     reports.update(s.reports)
     per_state: Dict[str, List[StagedState]] = {}
-    for (name, rank), ref in s.in_actors.items():
-        try:
-            r = ray.get(ref)
-        except ray.exceptions.RayError as exc:
-            r = StagedState(False, None, f"provider actor failed: {one_line(exc)[:300]}")
+    for a in s.plan.actor_reads:
+        name, rank = a.name, a.rank
+        r = _staged_result(s, a)
         if rank is not None and r.detail:
             r = StagedState(r.ok, r.tier, f"rank {rank}: {r.detail}", r.bytes)
         per_state.setdefault(name, []).append(r)
@@ -215,15 +258,21 @@ def apply(s: Staged, reports: Mapping[str, StateReport], registry: Mapping[str, 
     whose own set_state / loader raises is named in a RestoreError (with what was loaded)."""
     refused: List[str] = []
     loaded: List[str] = []
-    applies = [(a, a.provider.handle.__ray_call__.remote(apply_in_actor, a.provider.set, a.name, a.provider.attribute))
-               for a in s.plan.actor_reads if reports[a.name].status == "restored"]
+    applies = [(a, _apply_call(a)) for a in s.plan.actor_reads if reports[a.name].status == "restored"]
     for a, ref in applies:
         try:
-            ray.get(ref)
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                if not _restarted(exc):
+                    raise
+                _restage_and_apply(s, a)  # the actor was restarted since staging: its new process, once
             loaded.append(a.name)
         except ray.exceptions.RayError as exc:
             cause = getattr(exc, "cause", None) or exc
             refused.append(f"{a.name}{'' if a.rank is None else f' rank {a.rank}'}: {one_line(cause)[:300]}")
+        except RestoreError as exc:
+            refused.append(f"{a.name}{'' if a.rank is None else f' rank {a.rank}'}: {one_line(exc)[:300]}")
     calls = [(name, (state,)) for name, state in s.local.items()] + [(name, ()) for name in s.plan.reloads]
     for name, args in calls:
         try:
