@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -68,6 +69,43 @@ def test_tensor_chunks_are_resharded_by_their_boxes(engine_factory):
         assert same_bits(target["a"].local, a[lo:hi]) and same_bits(target["b"].local, b)
     full = eng.load("optim", step=1, rank=None)
     assert same_bits(full["a"], a) and same_bits(full["b"], b)
+
+
+def test_package_imports_neither_openrlhf_nor_deepspeed():
+    code = ("import sys, ray_ckpt.integrations.openrlhf as o; o.read_settings(None); "
+            "print(sorted(m for m in ('deepspeed', 'openrlhf', 'flash_attn') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def _settings_from_flags(self, argv):
+    """OpenRLHF's own argparse + ``hierarchize`` path, and the strategy's check of its settings."""
+    import argparse
+
+    from openrlhf.utils.config import hierarchize
+
+    import ray_ckpt as rc
+    from ray_ckpt.integrations.openrlhf import RayCkptDeepspeedStrategy, add_arguments, read_settings
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ckpt.max_num", type=int, default=3)
+    args = hierarchize(add_arguments(parser).parse_args(argv))
+    s = read_settings(args)
+    try:
+        RayCkptDeepspeedStrategy(args=openrlhf_rank.strategy_args())
+        missing = None
+    except rc.InvalidArgumentError as exc:
+        missing = str(exc)
+    return s.run, s.create, s.run_of("/ckpt/_critic"), s.load_wait_s, missing
+
+
+def test_settings_come_from_ray_ckpt_flags(setup):
+    run, create, critic, wait, missing = ray.get(setup["actors"][0].call.remote(
+        _settings_from_flags, ["--ray_ckpt.run", "ppo", "--ray_ckpt.local_dir", "/ckpt/{node_id}",
+                               "--ray_ckpt.rank_timeout_s", "30", "--ray_ckpt.load_wait_s", "5"]), timeout=120)
+    assert (run, critic, wait) == ("ppo", "ppo-critic", 5.0)
+    assert create == {"local_dir": "/ckpt/{node_id}", "rank_timeout_s": 30.0}
+    assert missing and "args.ray_ckpt.run" in missing
 
 
 @pytest.fixture(scope="module")
