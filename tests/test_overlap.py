@@ -14,7 +14,8 @@ import torch
 
 import ray_ckpt as rc
 from ray_ckpt.formats.tree import flatten
-from ray_ckpt.capture.overlap import HookSet, OverlapCopier, install_hooks
+from ray_ckpt.capture.fence_hooks import HookSet, install_hooks
+from ray_ckpt.capture.overlap import OverlapCopier
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -446,3 +447,45 @@ def test_the_runs_mailbox_stops_with_engine_shutdown_and_a_new_engine_of_the_run
                 break
             assert time.time() < deadline, "the run's mailbox was still running 30 s after engine.shutdown()"
             time.sleep(0.1)
+
+
+class PushingLearner(BigLearner):
+    """A rank that runs its own loop and pushes its state (``engine.submit``) with the copy overlapped."""
+
+    def connect(self, run):
+        self.engine = rc.CheckpointEngine.connect(run)
+        return True
+
+    def push_and_train(self, step, n):
+        from ray_ckpt.capture.overlap import process_copier
+
+        want = self.snapshot()
+        fenced = (self.model, self.opt)
+        handles = [self.engine.submit(step, "policy", self.model.state_dict(), overlap_with=fenced),
+                   self.engine.submit(step, "optimizer", self.opt.state_dict(), overlap_with=fenced)]
+        copying = bool(process_copier().pending())
+        self.train(n)  # opt.step and BatchNorm's forward wait for the copy of what they change
+        return want, copying, [h.result(timeout=120).version for h in handles]
+
+
+def test_a_rank_push_overlapped_with_training_stores_the_state_of_its_step(engine_factory, run_name):
+    learner = _actor(PushingLearner).remote()  # starts while the engine does
+    eng = engine_factory(**LEAN)
+    eng.register("policy", world_size=1)
+    eng.register("optimizer", world_size=1)
+    assert ray.get(learner.connect.remote(run_name), timeout=120)
+    ray.get(learner.train.remote(2))
+    for step in (1, 2, 3):  # on a loaded machine the copy can end before the next step starts
+        want, copying, versions = ray.get(learner.push_and_train.remote(step, 10), timeout=300)
+        assert versions == [step, step]
+        if copying:
+            break
+    assert copying, "in 3 pushes the copy was over before training went on: nothing overlapped"
+    policy = eng.load("policy", step=step, rank=0)
+    assert all(torch.equal(policy[k[2:]], v) for k, v in want.items() if k.startswith("p."))
+    opt = eng.load("optimizer", step=step, rank=0)["state"]
+    moments = {f"o.{pid}.{k}": v for pid, st in opt.items() for k, v in st.items()}
+    assert moments.keys() == {k for k in want if k.startswith("o.")}
+    assert all(torch.equal(moments[k], want[k]) for k in moments)
+    with pytest.raises(rc.InvalidSaveError, match="overlap_with names no object"):
+        eng.submit(step + 1, "policy", {"x": torch.zeros(2)}, overlap_with=())

@@ -7,92 +7,15 @@ coordinator does when it restarts.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
-from ..errors import IntegrityError, InvalidArgumentError, SaveError
+from ..errors import InvalidArgumentError, SaveError
 from ..formats.manifest import FileEntry, Manifest, StateEntry, chain_digest, sign_manifest
-from ..protocol import Declaration, PartPlan, PartStatus, VersionStatus, WrittenPart
+from ..protocol import Declaration, PartPlan, WrittenPart
 from ..storage.layout import validate_name
 from ..storage.retention import RetentionPolicy, VersionInfo, plan_deletions
 from ..types import CheckpointMeta, Strategy
-
-PartKey = Tuple[str, int]
-
-
-@dataclass
-class Part:
-    name: str
-    rank: int
-    strategy: Strategy
-    status: str = "pending"  # pending | written | failed
-    submitted: bool = False  # data arrived (driver snapshot or rank push) and went to a writer
-    files: List[FileEntry] = field(default_factory=list)
-    written: int = 0
-    content_hash: Optional[str] = None
-    error: str = ""
-    timings: Dict[str, float] = field(default_factory=dict)  # from the writer: snapshot_wait_s, write_s
-    # files the writer may refer to instead of writing (RELOADABLE): kept while the part is pending
-    reuse_paths: Set[str] = field(default_factory=set)
-    # stands for a driver-side state in a version its ranks opened: the driver's save() replaces it
-    placeholder: bool = False
-    append_only: bool = False  # written as segments over the newest committed version's (append_base_for)
-
-    @property
-    def blocks_commit(self) -> bool:
-        return self.strategy is not Strategy.BEST_EFFORT
-
-
-@dataclass
-class PendingVersion:
-    version: int
-    step: int
-    created_at: float
-    metrics: Dict[str, float]
-    strategies: Dict[str, Strategy]
-    loader_states: Set[str]
-    replicated: Set[str]
-    parts: Dict[PartKey, Part]
-    committed: bool = False
-    error: Optional[str] = None
-    opened_by_push: bool = False
-    # (previous_version, chain_digest) of the newest version committed before this one, fixed at
-    # its first manifest so that rewrites for late best-effort parts keep the same link
-    previous: Optional[Tuple[int, str]] = None
-    # counters kept by the Catalogue as parts are added, written or failed, so that the commit rule
-    # (ready_to_commit / settled), run after every part, is O(1) rather than O(parts)
-    n_pending: int = 0            # parts not yet written or failed
-    n_critical_pending: int = 0   # of those, parts that block the commit (not best-effort)
-    n_failed: int = 0
-    revision: int = 0             # bumped whenever a part ends: a manifest built at an older one is stale
-    # sharded (DTensor) states: each written part's shard record (None: a part without DTensors),
-    # and, once every part of a state is written, its index as the manifest stores it
-    shard_records: Dict[str, Dict[int, Optional[dict]]] = field(default_factory=dict)
-    shard_index: Dict[str, dict] = field(default_factory=dict)
-    shard_expected: Dict[str, int] = field(default_factory=dict)  # parts of each sharded state
-
-    def stages(self) -> Dict[str, float]:
-        """Where the version's time went: the slowest part's wait for its snapshot and its write."""
-        out: Dict[str, float] = {}
-        for key in ("snapshot_wait_s", "write_s"):
-            vals = [p.timings[key] for p in self.parts.values() if key in p.timings]
-            if vals:
-                out[key] = max(vals)
-        return out
-
-    def missing_submits(self) -> List[str]:
-        return [f"{p.name}/rank{p.rank}" for p in self.parts.values() if not p.submitted]
-
-    def status(self, upload: Optional[str] = None) -> VersionStatus:
-        return VersionStatus(self.version, self.step, self.stage(),
-                             tuple(PartStatus(p.name, p.rank, p.status) for p in self.parts.values()), upload)
-
-    def stage(self) -> str:
-        if self.error:
-            return "failed"
-        if self.committed:
-            return "committed"
-        return f"writing ({len(self.parts) - self.n_pending}/{len(self.parts)} parts)"
+from .pending import Part, PendingVersion, add_shard_record, end_part, plan_of
 
 
 class Catalogue:
@@ -179,7 +102,7 @@ class Catalogue:
     def begin(self, version: int, step: int, parts: List[Union[PartPlan, dict]],
               metrics: Optional[Dict[str, float]] = None) -> PendingVersion:
         """Open a version with the parts the engine planned (a dict with PartPlan's fields works too)."""
-        parts = [_plan(p) for p in parts]
+        parts = [plan_of(p) for p in parts]
         # Steps increasing is checked by each engine at the call; here only duplicates are refused,
         # because Ray may start an async actor's calls out of submission order.
         pv = self.pending.get(version)
@@ -208,7 +131,7 @@ class Catalogue:
                ) -> "PendingVersion":
         for key, part in list(pv.parts.items()):
             if part.placeholder:  # the driver's save arrived: its own parts (or none) take the place
-                _end(pv, part, "replaced")
+                end_part(pv, part, "replaced")
                 del pv.parts[key]
         both = sorted({p.name for p in parts} & set(pv.strategies))
         if both:
@@ -230,7 +153,7 @@ class Catalogue:
             part = Part(p.name, p.rank, p.strategy, append_only=p.append_only)
             old = pv.parts.get((p.name, p.rank))
             if old is not None:
-                _end(pv, old, "replaced")
+                end_part(pv, old, "replaced")
             pv.parts[(p.name, p.rank)] = part
             pv.n_pending += 1
             pv.n_critical_pending += part.blocks_commit
@@ -241,49 +164,19 @@ class Catalogue:
                                  shards=result.get("shards"))
         pv = self.pending[version]
         part = pv.parts[(name, rank)]
-        _end(pv, part, "written")
+        end_part(pv, part, "written")
         part.files = [f if isinstance(f, FileEntry) else FileEntry(**f) for f in result.files]
         part.written = result.written
         part.content_hash = result.content_hash
         part.timings = {"snapshot_wait_s": result.snapshot_wait_s, "write_s": result.write_s}
         part.reuse_paths = set()  # what it refers to is in part.files now
-        self._shard_part(pv, name, rank, getattr(result, "shards", None))
-
-    @staticmethod
-    def _shard_part(pv: PendingVersion, name: str, rank: int, record: Optional[dict]) -> None:
-        """Collect a written part's shard record; once every part of a state with DTensors is
-        written, build its index (``formats.shard_index.index_of``). Ranks that disagree on a tensor,
-        chunks that do not tile it, or a rank without the DTensors the others have fail the
-        version (a best-effort state is reported missing instead): it could not be restored."""
-        recs = pv.shard_records.setdefault(name, {})
-        recs[rank] = record
-        if record is not None and name not in pv.shard_expected:  # once per sharded state
-            pv.shard_expected[name] = sum(1 for (n, _r) in pv.parts if n == name)
-        want = pv.shard_expected.get(name)
-        if want is None or len(recs) < want or name in pv.shard_index:
-            return
-        plain = sorted(r for r, rec in recs.items() if rec is None)
-        try:
-            if plain:
-                raise SaveError(f"ranks {plain} pushed no DTensor leaves while ranks "
-                                f"{sorted(r for r in recs if r not in plain)} did")
-            from ..formats.shard_index import index_of
-
-            index = index_of(recs[r] for r in sorted(recs)).to_json()
-            index["heads"] = {str(r): recs[r]["head"] for r in sorted(recs)[:1]}  # rank 0's header
-            pv.shard_index[name] = index
-        except (SaveError, IntegrityError, KeyError, TypeError, ValueError) as exc:
-            why = f"sharded state {name!r}: {exc}"
-            if pv.strategies.get(name) is Strategy.BEST_EFFORT or pv.committed:
-                pv.shard_index[name] = {"error": why}
-            elif not pv.error:
-                pv.error = why
+        add_shard_record(pv, name, rank, getattr(result, "shards", None))
 
     def part_failed(self, version: int, name: str, rank: int, error: str) -> bool:
         """Record a failed part; returns True when the version can no longer commit."""
         pv = self.pending[version]
         part = pv.parts[(name, rank)]
-        _end(pv, part, "failed")
+        end_part(pv, part, "failed")
         part.error = error
         part.reuse_paths = set()
         if part.blocks_commit and not pv.committed:
@@ -403,20 +296,6 @@ class Catalogue:
         self.committed.pop(version, None)
 
 
-def _end(pv: PendingVersion, part: Part, status: str) -> None:
-    """A part leaves "pending" (written, failed, or replaced by a merge): keep the counters."""
-    if part.status == "pending":
-        pv.n_pending -= 1
-        pv.n_critical_pending -= part.blocks_commit
-    elif part.status == "failed":
-        pv.n_failed -= 1  # counted again below if it fails again
-    if status == "failed":
-        pv.n_failed += 1
-    if status != "replaced":
-        part.status = status
-    pv.revision += 1
-
-
 def meta_of(m: Manifest, tiers: Tuple[str, ...]) -> CheckpointMeta:
     return CheckpointMeta(
         version=m.version, step=m.step, created_at=m.created_at,
@@ -425,10 +304,3 @@ def meta_of(m: Manifest, tiers: Tuple[str, ...]) -> CheckpointMeta:
         missing=tuple(sorted(n for n, e in m.states.items() if e.status == "missing")),
         pending=tuple(sorted(n for n, e in m.states.items() if e.status == "pending")),
     )
-
-
-def _plan(p: Union[PartPlan, dict]) -> PartPlan:
-    if isinstance(p, PartPlan):
-        return p
-    return PartPlan(p["name"], Strategy.parse(p["strategy"]), int(p.get("rank", 0)), int(p.get("nbytes", 0)),
-                    bool(p.get("loader", False)), bool(p.get("replicated", False)), bool(p.get("append_only", False)))

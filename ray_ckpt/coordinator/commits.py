@@ -19,8 +19,9 @@ from ..errors import SaveError, UnsupportedTypeError, one_line
 from ..metrics import Metrics
 from ..storage.checkpoint_io import write_manifest
 from ..storage.tier import Tier
-from .catalogue import Catalogue, PendingVersion
+from .catalogue import Catalogue
 from .deletions import Deletions
+from .pending import PendingVersion
 from .rank_deadline import expire_missing
 from .upload_plan import UploadPlan
 from .uploader import Uploader, root_cause

@@ -72,7 +72,8 @@ class TensorChunk:
         return self.local.dtype
 
     def __repr__(self) -> str:
-        return f"TensorChunk(offsets={list(self.offsets)}, sizes={list(self.local.shape)}, global={list(self.global_shape)})"
+        return (f"TensorChunk(offsets={list(self.offsets)}, sizes={list(self.local.shape)}, "
+                f"global={list(self.global_shape)})")
 
 
 def sharded_leaf(node: dict, path: list, local: Any = None) -> ShardedLeaf:

@@ -12,14 +12,14 @@ needs and checks them against per-piece digests; this module supplies the bytes:
   :func:`load_full` assembles every DTensor leaf into its full tensor;
 * :func:`load_rank_local_into` is ``load_into`` of a state that is not resharding-capable (plain
   tensors pushed per rank): refused, naming both sizes, when the world size differs.
+
+A header is checked by ``shard_header`` (its digest, and the index's chunks against it); a target
+is compared with the stored state by ``target_match`` before any of its bytes change.
 """
 from __future__ import annotations
 
-import json
 import struct
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
-
-import xxhash
 
 from .checkpoint_io import decode_files, rank_files, read_files
 from ..errors import IntegrityError, RestoreError, one_line
@@ -28,6 +28,8 @@ from ..formats.manifest import StateEntry
 from ..formats.nodes import leaf_key
 from ..formats.sharded_leaf import walk_sharded
 from ..formats.tree import unflatten
+from .shard_header import check_header_chunks, digest_check, parse_header
+from .target_match import check_keys, merge_scalars, mismatch, tensor_keys
 from .tier import Tier
 from ..types import StateReport
 
@@ -82,8 +84,8 @@ class RangeReader:
 
         def check(head_bytes: Any) -> None:
             if want is not None:
-                _digest_check(want, f"{file}: header")(head_bytes)
-            structure, header, names, offsets, sizes = _parse_header(file, head_bytes, n, size)
+                digest_check(want, f"{file}: header")(head_bytes)
+            structure, header, names, offsets, sizes = parse_header(file, head_bytes, n, size)
             check_header_chunks(self.index, file, structure, header, names, offsets, sizes)
 
         self.read_checked(file, 0, n, check)
@@ -121,13 +123,6 @@ class RangeReader:
         raise IntegrityError(f"no good copy of bytes {begin}..{end} of {file} ({'; '.join(errors)})")
 
 
-def _digest_check(want: str, what: str) -> Callable[[Any], None]:
-    def check(data: Any) -> None:
-        if xxhash.xxh3_128_hexdigest(memoryview(data).cast("B")) != want:
-            raise IntegrityError(f"{what}: checksum mismatch")
-    return check
-
-
 def index_of_entry(entry: StateEntry, name: str) -> Any:
     """The state's shard index, checked before anything is read or allocated: strict fields, a known
     dtype, chunks that tile each tensor, piece digests on every chunk (a chunk without them is
@@ -141,78 +136,6 @@ def index_of_entry(entry: StateEntry, name: str) -> Any:
         return ShardIndex.from_json(entry.shards, file_sizes=sizes)
     except IntegrityError as exc:
         raise IntegrityError(f"state {name!r}: {exc}") from None
-
-
-def check_header_chunks(index: Any, file: str, structure: Any, header: Dict[str, Any], names: List[str],
-                        offsets: List[int], sizes: List[int]) -> None:
-    """Cross-check the chunks the shard index places in ``file`` against that file's own header:
-    every chunk the index places in the file is, by the file's structure and safetensors header, a
-    chunk of that tensor at that byte offset with that box and byte size (and the file's record of
-    the tensor has the index's global shape and dtype). A file chunk the index omits is not an error
-    here (the index's chunks tile each tensor, each one checked against its own file). A chunk whose
-    box was swapped with another's, or that points at other bytes of the file, is an
-    :class:`IntegrityError` naming the file and the chunk."""
-    from ..formats.shard_index import _prod
-
-    def bad(key: str, why: str) -> IntegrityError:
-        return IntegrityError(f"{file}: {key}: the shard index does not match the file's header: {why}")
-
-    want: Dict[Tuple[str, int], Tuple[Tuple[int, ...], Tuple[int, ...]]] = {}
-    try:
-        for path, node in walk_sharded(structure):
-            key, i = leaf_key(path), node["DT"]
-            if i is None or _prod(node["sh"]) == 0:
-                continue
-            m = index.get(key)
-            if m is None:
-                continue  # a tensor the index does not list: nothing of it is read through the index
-            if list(node["g"]) != list(m.global_shape) or node["dt"] != m.dtype:
-                raise bad(key, f"the file holds shape {node['g']} {node['dt']}, the index "
-                               f"{list(m.global_shape)} {m.dtype}")
-            if not isinstance(i, int) or not 0 <= i < len(names) or list(header[names[i]]["shape"]) != list(node["sh"]):
-                raise bad(key, f"array {i} of the header is not the chunk of sizes {node['sh']}")
-            want[(key, offsets[i])] = (tuple(node["o"]), tuple(node["sh"]), sizes[i])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise IntegrityError(f"{file}: the header's DTensor records are malformed ({exc})") from None
-    by_file = getattr(index, "_chunks_by_file", None)
-    if by_file is None:  # once per index: a reader checks the header of every file it reads from
-        by_file = {}
-        for key, m in index.items():
-            for c in m.chunks:
-                by_file.setdefault(c.file, []).append((key, c))
-        try:
-            index._chunks_by_file = by_file
-        except AttributeError:
-            pass
-    for key, c in by_file.get(file, ()):
-        box = (list(c.chunk.offsets), list(c.chunk.sizes))
-        w = want.get((key, c.offset))
-        if w is None:
-            raise bad(key, f"the index's chunk at {box[0]} of sizes {box[1]} (bytes {c.offset}.."
-                           f"{c.offset + c.nbytes}) is not a chunk of this tensor in the file")
-        if (w[0], w[1]) != tuple(map(tuple, box)) or w[2] != c.nbytes:
-            raise bad(key, f"the index's chunk at {box[0]} of sizes {box[1]} ({c.nbytes} bytes at "
-                           f"{c.offset}) is, by the file's header, the chunk at {list(w[0])} of sizes "
-                           f"{list(w[1])} ({w[2]} bytes)")
-
-
-def _parse_header(file: str, head: Any, n: int, size: int) -> Tuple[Any, Dict[str, Any], List[str], List[int], List[int]]:
-    """(structure, header, array names, byte offsets, byte sizes) of a ray_ckpt safetensors file's
-    first ``n`` bytes (its length prefix and header)."""
-    try:
-        (hn,) = struct.unpack_from("<Q", head, 0)
-        if hn != n - 8:
-            raise ValueError(f"header length {hn} != recorded {n - 8}")
-        header = json.loads(bytes(head[8:n]))
-        safetensors_io.check_header(header, size - n)
-        meta = header.pop("__metadata__")
-        structure = json.loads(meta[safetensors_io.STRUCTURE_KEY])
-        names = json.loads(meta[safetensors_io.LEAVES_KEY])
-        offsets = [n + header[x]["data_offsets"][0] for x in names]
-        sizes = [header[x]["data_offsets"][1] - header[x]["data_offsets"][0] for x in names]
-    except (KeyError, ValueError, TypeError, struct.error, RecursionError) as exc:
-        raise IntegrityError(f"{file}: not a ray_ckpt safetensors header ({exc})") from None
-    return structure, header, names, offsets, sizes
 
 
 def read_head(entry: StateEntry, name: str, reader: RangeReader, tiers: Sequence[Tier],
@@ -236,15 +159,15 @@ def read_head(entry: StateEntry, name: str, reader: RangeReader, tiers: Sequence
     if not 8 <= n <= min(f.size, safetensors_io.MAX_HEADER):
         raise IntegrityError(f"{f.path}: recorded header length {n} does not fit the file ({f.size} bytes)")
     reader.headers_checked.add(f.path)  # checked here, against the index when one is given
-    head = reader.read_checked(f.path, 0, n, _digest_check(head_digest, f"{f.path}: header"))
-    structure, header, names, offsets, sizes = _parse_header(f.path, head, n, f.size)
+    head = reader.read_checked(f.path, 0, n, digest_check(head_digest, f"{f.path}: header"))
+    structure, header, names, offsets, sizes = parse_header(f.path, head, n, f.size)
     if index is not None:
         check_header_chunks(index, f.path, structure, header, names, offsets, sizes)
     arrays: List[Any] = [None] * len(names)
     for i, off, nb, dg in plain:
         if not 0 <= i < len(names) or offsets[i] != off or sizes[i] != nb:
             raise IntegrityError(f"{f.path}: the manifest's record of array {i} does not match the file's header")
-        arrays[i] = reader.read_checked(f.path, off, off + nb, _digest_check(dg, f"{f.path}: {names[i]}"))
+        arrays[i] = reader.read_checked(f.path, off, off + nb, digest_check(dg, f"{f.path}: {names[i]}"))
     for _path, node in walk_sharded(structure):
         node["DT"] = None  # the chunk's bytes are read through the shard index, not from here
     tables_f = [x for x in files if x.role == "table"]
@@ -310,73 +233,6 @@ def _torch():
     return torch
 
 
-def _lookup(state: Any, path: list) -> Any:
-    from ..formats.shards import _lookup as lookup
-
-    return lookup(state, path)
-
-
-def _merge_scalars(target: Any, src: Any) -> None:
-    """Put the non-tensor leaves of ``src`` (scalars, strings, tuples of them: an optimizer's
-    param_groups) into ``target`` where both have them; tensors are left to the tensor pass."""
-    torch = _torch()
-
-    def has_tensor(x: Any) -> bool:
-        if isinstance(x, torch.Tensor):
-            return True
-        if isinstance(x, dict):
-            return any(has_tensor(v) for v in x.values())
-        if isinstance(x, (list, tuple)):
-            return any(has_tensor(v) for v in x)
-        return False
-
-    def merge(t: Any, s: Any) -> None:
-        if isinstance(t, dict) and isinstance(s, dict):
-            keys = [k for k in t if k in s]
-        elif isinstance(t, list) and isinstance(s, (list, tuple)) and len(t) == len(s):
-            keys = range(len(t))
-        else:
-            return
-        for k in keys:
-            tv, sv = t[k], s[k]
-            if isinstance(tv, (dict, list)):
-                merge(tv, sv)
-            elif isinstance(tv, torch.Tensor) or has_tensor(tv) or sv is None and tv is not None:
-                continue
-            elif not has_tensor(sv):
-                t[k] = sv
-
-    merge(target, src)
-
-
-def _tensor_keys(state: Any) -> Dict[str, Any]:
-    from ..formats.shards import iter_tensor_leaves
-
-    return {leaf_key(p): t for p, t in iter_tensor_leaves(state)}
-
-
-def _mismatch(key: str, t: Any, shape: Sequence[int], dtype: str) -> Optional[str]:
-    tdt = str(t.dtype).replace("torch.", "")
-    if tuple(t.shape) != tuple(shape) or tdt != dtype:
-        return f"{key}: the target is shape {list(t.shape)} {tdt} but the checkpoint holds shape {list(shape)} {dtype}"
-    return None
-
-
-def _check_keys(name: str, missing: List[str], unexpected: List[str], strict: bool) -> str:
-    def few(keys: List[str]) -> str:
-        return ", ".join(keys[:8]) + (f" (+{len(keys) - 8} more)" if len(keys) > 8 else "")
-
-    parts = []
-    if missing:
-        parts.append(f"not in the checkpoint: {few(missing)}")
-    if unexpected:
-        parts.append(f"in the checkpoint but not in the target: {few(unexpected)}")
-    if strict and parts:
-        raise RestoreError(f"state {name!r}: keys do not match ({'; '.join(parts)}); nothing was loaded "
-                           f"(strict=False skips them)")
-    return ("skipped keys " + "; ".join(parts)) if parts else ""
-
-
 def load_into_state(tiers: Sequence[Tier], entry: StateEntry, name: str, state: Any, *, strict: bool = True,
                     allow_pickle: bool = False, verify: bool = True) -> StateReport:
     """Fill ``state`` in place from a sharded state entry: each DTensor leaf gets its local shard
@@ -399,13 +255,13 @@ def load_into_state(tiers: Sequence[Tier], entry: StateEntry, name: str, state: 
         plain = _plain_of(entry, name, reader, tiers, allow_pickle, index)
     except IntegrityError as exc:
         raise RestoreError(f"state {name!r}: {exc}; nothing was loaded") from None
-    targets = _tensor_keys(state)
-    saved_plain = {k: v for k, v in _tensor_keys(plain).items()}
+    targets = tensor_keys(state)
+    saved_plain = {k: v for k, v in tensor_keys(plain).items()}
     jobs, missing, bad = [], [], []
     for key, t in targets.items():
         m = index.get(key)
         if m is not None:
-            why = _mismatch(key, t, m.global_shape, m.dtype)
+            why = mismatch(key, t, m.global_shape, m.dtype)
             if why is None and t.__class__ is not torch.Tensor:
                 try:
                     from ..formats.shards import target_chunk
@@ -419,12 +275,12 @@ def load_into_state(tiers: Sequence[Tier], entry: StateEntry, name: str, state: 
         if src is None:
             missing.append(key)
             continue
-        why = _mismatch(key, t, src.shape, str(src.dtype).replace("torch.", ""))
+        why = mismatch(key, t, src.shape, str(src.dtype).replace("torch.", ""))
         bad.append(why) if why else jobs.append((t, src))
     if bad:
         raise RestoreError(f"state {name!r}: " + "; ".join(bad[:8]) + "; nothing was loaded")
     unexpected = sorted(k for k in list(index) + list(saved_plain) if k not in targets)
-    detail = _check_keys(name, sorted(missing), unexpected, strict)
+    detail = check_keys(name, sorted(missing), unexpected, strict)
     try:
         for t, src in jobs:
             if isinstance(src, torch.Tensor):
@@ -434,7 +290,7 @@ def load_into_state(tiers: Sequence[Tier], entry: StateEntry, name: str, state: 
                 load_into_tensor(t, src, reader, verify=verify)
     except IntegrityError as exc:
         raise RestoreError(f"state {name!r}: {exc}; the target is partly filled") from None
-    _merge_scalars(state, plain)
+    merge_scalars(state, plain)
     if reader.problems:
         detail = "; ".join([detail] * bool(detail) + reader.problems[:4])
     return StateReport("restored", reader.tier, verify, detail, reader.bytes)
@@ -461,26 +317,26 @@ def load_rank_local_into(tiers: Sequence[Tier], entry: StateEntry, name: str, st
     except IntegrityError as exc:
         raise RestoreError(f"state {name!r}: {exc}; nothing was loaded") from None
     src = decode_files(files, bufs, name=name, allow_pickle=allow_pickle)
-    targets, saved = _tensor_keys(state), _tensor_keys(src)
+    targets, saved = tensor_keys(state), tensor_keys(src)
     bad, jobs, missing = [], [], []
     for key, t in targets.items():
         s = saved.get(key)
         if s is None:
             missing.append(key)
             continue
-        why = _mismatch(key, t, s.shape, str(s.dtype).replace("torch.", ""))
+        why = mismatch(key, t, s.shape, str(s.dtype).replace("torch.", ""))
         bad.append(why) if why else jobs.append((t, s))
     if bad:
         raise RestoreError(f"state {name!r}: " + "; ".join(bad[:8]) + "; nothing was loaded")
-    detail = _check_keys(name, sorted(missing), sorted(k for k in saved if k not in targets), strict)
+    detail = check_keys(name, sorted(missing), sorted(k for k in saved if k not in targets), strict)
     with torch.no_grad():
         for t, s in jobs:
             t.copy_(s)
-    _merge_scalars(state, src)
+    merge_scalars(state, src)
     if problems:
         detail = "; ".join([detail] * bool(detail) + problems[:4])
     return StateReport("restored", tier, True, detail, sum(f.size for f in files))
 
 
 __all__ = ["RangeReader", "read_head", "load_full", "full_tensors", "load_into_state", "check_world_size",
-           "load_rank_local_into", "index_of_entry", "check_header_chunks"]
+           "load_rank_local_into", "index_of_entry"]
