@@ -232,7 +232,8 @@ def test_docs_cpu_recipe_runs_as_written(setup):
 def test_retention_and_a_rank_killed_before_its_push(setup):
     """max_num=1: after each commit only the newest version stays, never fewer; rank 1 is
     killed before it pushes step N: N fails (rank_timeout_s), N-1 is kept and still loads,
-    ``latest`` keeps naming it, rank 0's next save raises naming N, loading N names it."""
+    ``latest`` keeps naming it, the failure is reported naming N, loading N names it. A
+    client_state that cannot be stored is an error at the call; the next save commits."""
     import ray_ckpt as rc
 
     actors, ck = setup["actors"], setup["ck"]
@@ -259,3 +260,10 @@ def test_retention_and_a_rank_killed_before_its_push(setup):
     assert states == {"s": 41} and path.endswith("global_step41")
     err = ray.get(solo[0].load.remote(d, "global_step42"), timeout=120)
     assert isinstance(err, str) and "step 42" in err, err
+
+    # a client_state ray_ckpt cannot store: an error at the call, nothing of that version pushed
+    with pytest.raises(ray.exceptions.RayTaskError, match="UnsupportedTypeError"):
+        ray.get(solo[0].save.remote(d, "global_step50", {"sampler": object()}, 1), timeout=60)
+    ray.get(solo[0].save.remote(d, "global_step51", {"s": 51}, 1), timeout=60)
+    assert ray.get(solo[0].wait.remote(60), timeout=90) is None
+    assert engine.all_steps() == [51]

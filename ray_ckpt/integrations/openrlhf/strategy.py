@@ -203,10 +203,7 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
         if run.declared != (self.STATES, world):
             self._declare(run, self.STATES)
         eng = run.engine
-        module = model.module.state_dict() if zero.stage_of(model) in (1, 2) and rank == 0 else {}
-        handles = [eng.submit(step, OPTIM, zero.partition_state(model), rank=rank),
-                   eng.submit(step, MODULE, module, rank=rank)]
-        if rank == 0:
+        if rank == 0:  # first: a client_state ray_ckpt cannot store fails here, before any part is pushed
             sched = model.lr_scheduler.state_dict() if model.lr_scheduler is not None else None
             extra = {"client_state": dict(client_state or {}), "lr_scheduler": sched, "tag": tag,
                      "optimizer": zero.optimizer_scalars(model), "moments": zero.moment_keys(model),
@@ -215,8 +212,11 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
                      "skipped_steps": int(model.skipped_steps)}
         else:
             extra = {}  # a replicated state: rank 0's copy is stored
-        handles.append(eng.submit(step, EXTRA, extra, rank=rank))
-        handles.append(eng.submit(step, RNG, rc.rng_state(), rank=rank))
+        module = model.module.state_dict() if zero.stage_of(model) in (1, 2) and rank == 0 else {}
+        handles = [eng.submit(step, EXTRA, extra, rank=rank),
+                   eng.submit(step, OPTIM, zero.partition_state(model), rank=rank),
+                   eng.submit(step, MODULE, module, rank=rank),
+                   eng.submit(step, RNG, rc.rng_state(), rank=rank)]
         metric = (metric_value, metric_key) if metric_value is not None or metric_key is not None else None
         save = _Save(step, tag, os.path.join(os.path.abspath(save_dir), tag), handles, bool(save_latest), metric)
         with self._lock:
