@@ -487,5 +487,5 @@ def test_a_rank_push_overlapped_with_training_stores_the_state_of_its_step(engin
     moments = {f"o.{pid}.{k}": v for pid, st in opt.items() for k, v in st.items()}
     assert moments.keys() == {k for k in want if k.startswith("o.")}
     assert all(torch.equal(moments[k], want[k]) for k in moments)
-    with pytest.raises(rc.InvalidSaveError, match="overlap_with names no object"):
+    with pytest.raises(rc.SaveError, match="overlap_with names no object"):
         eng.submit(step + 1, "policy", {"x": torch.zeros(2)}, overlap_with=())

@@ -18,7 +18,7 @@ import os
 import time
 import warnings
 from collections import deque
-from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Union
+from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple, Union
 
 import ray
 
@@ -59,6 +59,8 @@ class CheckpointEngine:
         self._in_flight: List[SaveHandle] = []
         self._ended_failures: Deque[BaseException] = deque(maxlen=16)  # for wait_until_finished()
         self._declared: Dict[str, Declaration] = {}
+        self._fence_owners: Dict[Tuple[int, ...], _FencedObjects] = {}
+        self._mailbox_open = False
         self._last_pushed: Dict[tuple, int] = {}
         self._saves = 0  # save() calls sent; every remote_every-th is uploaded
         self._pushes: Dict[tuple, int] = {}  # submit() calls sent per (state, rank), likewise
@@ -282,7 +284,8 @@ class CheckpointEngine:
         # ranks push from their own processes: submit() starts their prefault
 
     def submit(self, step: int, name: str, state: Any, rank: int = 0, *,
-               on_busy: Union[OnBusy, str] = OnBusy.WAIT) -> SaveHandle:
+               on_busy: Union[OnBusy, str] = OnBusy.WAIT,
+               overlap_with: Optional[Iterable[Any]] = None) -> SaveHandle:
         """Push this rank's part of a declared state for ``step`` (from inside a rank actor).
 
         Returns at once with a handle (a bad push raises here: an undeclared state, a rank out of
@@ -298,7 +301,14 @@ class CheckpointEngine:
         for a version already in flight always go). ``on_busy``: "wait" (block until the oldest
         ends; push every rank of a version before the next version, or this waits for a version
         that cannot commit until ``rank_timeout_s``), "skip" (return a skipped handle, nothing
-        captured) or "queue" (push anyway)."""
+        captured) or "queue" (push anyway).
+
+        ``overlap_with=(model, optimizer, ...)``: the copy of ``state`` into the object store runs on
+        this process's copy thread while the rank trains on (``submit`` returns after flattening
+        the state into views), as ``overlap=True`` does for registered states. The objects given are
+        the ones whose in-place changes must wait for the copy: their optimizers' ``step`` and the
+        forward of their modules that change buffers are fenced; any other in-place change of the
+        pushed tensors needs ``rc.fence(name)`` first."""
         t0 = time.perf_counter()
         self._check_open()
         try:
@@ -339,8 +349,11 @@ class CheckpointEngine:
         if not rank_zero_only:  # replicas: rank 0's copy is stored; this rank's handle follows the version
             if self.config.prefault_object_store:
                 start_prefault()  # once per process; this rank's later copies land in mapped pages
-            flat = capture(state, name, decl.allow_pickle)
-            ref, nbytes = ray.put(flat), flat.nbytes
+            if overlap_with is not None:
+                ref, nbytes = self._push_overlapped(name, state, decl.allow_pickle, overlap_with)
+            else:
+                flat = capture(state, name, decl.allow_pickle)
+                ref, nbytes = ray.put(flat), flat.nbytes
         pushes = self._pushes[(name, rank)] = self._pushes.get((name, rank), 0) + 1
         # joins this engine's open batch of the version: one coordinator call per batch (push_batch.py)
         slot = self._pusher.add(step, PushedPart(name, rank, ref, nbytes, pushes % self.config.remote_every == 0,
@@ -349,6 +362,28 @@ class CheckpointEngine:
         handle = SaveHandle(self, step, None, time.perf_counter() - t0, push=slot, rank_zero_only=rank_zero_only)
         self._in_flight.append(handle)
         return handle
+
+    def _push_overlapped(self, name: str, state: Any, allow_pickle: bool, objects: Iterable[Any]) -> Tuple[Any, int]:
+        """(ref of a PendingSnapshot, bytes) of ``state`` copied in the background (``submit``)."""
+        from ..capture.mailbox import mailbox_name, self_handle_ref
+        from ..capture.snapshot import snapshot_overlapped
+
+        objs = tuple(objects)
+        if not objs:
+            raise InvalidSaveError(f"state {name!r}: overlap_with names no object to fence (the model and "
+                                   f"optimizer whose in-place changes must wait for the copy)")
+        if not self._mailbox_open:
+            open_mailbox(self.run)  # where the background copies announce their refs
+            self._mailbox_open = True
+        key = tuple(id(o) for o in objs)
+        owner = self._fence_owners.get(key)
+        if owner is None or any(a is not b for a, b in zip(owner.objects, objs)):  # ids reused by new objects
+            owner = self._fence_owners[key] = _FencedObjects(objs)
+        in_actor = ray.get_runtime_context().get_actor_id() is not None
+        pending = snapshot_overlapped(owner, lambda: state, name, allow_pickle, mailbox_name(self.run),
+                                      self.config.overlap_check, self.run, self_handle_ref() if in_actor else None,
+                                      self.config.prefault_needed)
+        return ray.put(pending), pending.nbytes
 
     def _pushes_in_flight(self) -> List[int]:
         """This engine's pushed versions not yet committed or failed (those with parts not sent yet
@@ -577,6 +612,14 @@ class CheckpointEngine:
         world size, strategy and whether it is replicated (rank 0's copy stored)."""
         self._declared = self._call(lambda c: c.declared.remote(), "the declared states")
         return dict(self._declared)
+
+
+class _FencedObjects:
+    """What ``submit(..., overlap_with=objects)`` fences: the objects (their optimizers and modules
+    are found as a registered provider's are), kept per engine so their copy buffers are reused."""
+
+    def __init__(self, objects: Tuple[Any, ...]):
+        self.objects = objects
 
 
 def _detached(exc: BaseException) -> BaseException:
