@@ -2,7 +2,8 @@
 
 ``snapshot`` (a state flattened and put into the object store, in the provider's process),
 ``calls`` (the engine's snapshot calls to its providers), ``providers`` (actors, actor methods,
-callables), ``overlap`` (copies in the background, fences before a change), ``mailbox`` (where
+callables), ``overlap`` (copies in the background, fences before a change; ``fence_hooks``: the optimizer
+and BatchNorm hooks that fence by themselves), ``mailbox`` (where
 overlapped snapshots announce their bytes), ``object_store`` (mapping the store's pages ahead of a
 save), ``rng`` (RNG state as a state).
 

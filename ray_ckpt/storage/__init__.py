@@ -1,8 +1,8 @@
 """Where bytes go: tiers over pyarrow.fs (``tier``), filesystems from URIs (``filesystems``), local-disk
 primitives (``local_files``, ``confined``), the path layout, retention, the run's owner record
 (``ownership``); ``checkpoint_io`` (a flattened state <-> its files on a tier, manifests <-> tiers) and
-``sharded_io`` (ranged, verified reads of sharded states): where formats meet storage. Knows nothing
-of Ray.
+``sharded_io`` (ranged, verified reads of sharded states, with ``shard_header`` and ``target_match``):
+where formats meet storage. Knows nothing of Ray.
 
 May import ``formats`` and the root's ``errors`` and ``types``."""
 from .layout import validate_name, version_dir
