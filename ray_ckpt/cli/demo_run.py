@@ -255,7 +255,7 @@ def train(run: str, root: str, steps: int, save_every: int, kill_at=None, seed: 
 
 
 def main(argv=None, prog: str = "ray-ckpt demo") -> int:
-    from .demo import parser  # one declaration of the demo's options, with their help
+    from .demo_options import parser  # one declaration of the demo's options, with their help
 
     args = parser(prog).parse_args(argv)
     root = args.dir or tempfile.mkdtemp(prefix="ray_ckpt_demo_")
