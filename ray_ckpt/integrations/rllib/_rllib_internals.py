@@ -40,7 +40,7 @@ names the one that moved. Only the accessors below read them; no other module of
 except :mod:`.replay`, which reads and writes the replay buffers' own attributes (and their episodes'
 and segment trees'): the buffer *is* the state to save and RLlib has no complete public accessor for
 it (``get_state()`` misses the sampling generator, among others). Those attributes are listed in
-``REPLAY_INTERNALS`` (checked by :func:`missing_internals` too); replay.py also refuses, by name, any
+``REPLAY_INTERNALS`` (checked by :func:`missing_internals` too); the replay package also refuses, by name, any
 attribute of a buffer that it does not know.
 
 Where RLlib's behaviour differs between the Ray releases the package supports, the fix is here too,
@@ -118,7 +118,7 @@ _REPLAY_ATTRS = {
         "_last_step_time", "_custom_data"),
     "ray.rllib.env.utils.infinite_lookback_buffer:InfiniteLookbackBuffer": ("data", "lookback", "finalized"),
 }
-REPLAY_INTERNALS = tuple(Internal(owner, attr, "instance", "saving / restoring replay buffers (replay.py)")
+REPLAY_INTERNALS = tuple(Internal(owner, attr, "instance", "saving / restoring replay buffers (the replay package)")
                          for owner, attrs in _REPLAY_ATTRS.items() for attr in attrs)
 
 

@@ -104,6 +104,6 @@ def capture_algorithm_state(algorithm: Any, *, rng: bool = True, metrics: bool =
             if errors is None:
                 raise
             errors[METRICS] = str(exc)
-    if replay is not None:  # a Strategy: the replay buffer's ``replay`` + ``replay_meta`` (replay.py)
+    if replay is not None:  # a Strategy: the replay buffer's ``replay`` + ``replay_meta`` (the replay package)
         capture_algorithm_replay(algorithm, out, replay, engine, errors)
     return out

@@ -12,7 +12,7 @@ COUNTERS = "counters"
 RNG = "rng"
 METRICS = "metrics"
 ENV_RUNNER_PREFIX = "env_runner_"
-REPLAY = "replay"            # the replay buffer's rows (replay.py); CRITICAL for off-policy by default
+REPLAY = "replay"            # the replay buffer's rows (the replay package); CRITICAL for off-policy by default
 REPLAY_META = "replay_meta"  # everything else of it (priorities, counters, rng, episode metadata)
 
 CRITICAL_STATES = (POLICY, OPTIMIZER, CONNECTORS, COUNTERS, RNG)
