@@ -13,7 +13,7 @@ state exists), then, ``--repeats`` times each:
 * load on 2 ranks (both managers) and on 1 rank (ray_ckpt only: verl's files are per world size).
 
     python benchmarks/verl_save.py [--hidden 768 --layers 6 --vocab 32000 --repeats 3 --dir /tmp/verl_bench]
-                                   [--prefault] [--store-gb 4]
+                                   [--prefault] [--store-gb 4] [--no-overlap]
 """
 from __future__ import annotations
 
@@ -117,6 +117,8 @@ def main() -> None:
     ap.add_argument("--prefault", action="store_true",
                     help="engine option prefault_object_store: each rank maps Ray's object store once, ahead")
     ap.add_argument("--store-gb", type=float, default=4.0, help="Ray's object store size")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="the ray_ckpt block's overlap: false (the copy into the object store inside save_checkpoint)")
     args = ap.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -128,7 +130,8 @@ def main() -> None:
     run = "verl-bench"
     ckpt = {"_target_": "ray_ckpt.integrations.verl.RayCkptCheckpointConfig",
             "ray_ckpt": {"run": run, "local_dir": f"{args.dir}/ray_ckpt", "critical_writers": 2,
-                         "best_effort_writers": 0, "engine_options": {"prefault_object_store": args.prefault}}}
+                         "best_effort_writers": 0, "overlap": not args.no_overlap,
+                         "engine_options": {"prefault_object_store": args.prefault}}}
     actors = [Rank.remote() for _ in range(3)]
 
     def group(world: int, first: int = 0) -> list:
@@ -165,7 +168,8 @@ def main() -> None:
     mb = numel * 4 / 1e6
     print(f"\nQwen2 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: {numel / 1e6:.1f} M parameters, "
           f"{mb:.0f} MB fp32 weights (+ {2 * mb:.0f} MB AdamW moments); 2 FSDP2 ranks (gloo, CPU); "
-          f"median of {args.repeats}; prefault_object_store={args.prefault}, object store {args.store_gb} GB\n")
+          f"median of {args.repeats}; overlap={not args.no_overlap}, prefault_object_store={args.prefault}, "
+          f"object store {args.store_gb} GB\n")
     print("| | ray_ckpt | verl FSDPCheckpointManager | ratio |")
     print("| --- | --- | --- | --- |")
     print(f"| save_checkpoint blocks a rank | {med(rows['ray_ckpt']['block']):.3f} s | "

@@ -489,3 +489,24 @@ def test_a_rank_push_overlapped_with_training_stores_the_state_of_its_step(engin
     assert all(torch.equal(moments[k], want[k]) for k in moments)
     with pytest.raises(rc.SaveError, match="overlap_with names no object"):
         eng.submit(step + 1, "policy", {"x": torch.zeros(2)}, overlap_with=())
+
+
+def test_a_fence_finds_the_memory_of_a_dtensor_shard():
+    """FSDP2's parameters and moments are DTensors, whose own data_ptr() is 0: a fence must wait for
+    the copy of the shard's memory all the same."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ray_ckpt.capture.overlap import _tensor_spans
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        dt = torch.nn.Parameter(distribute_tensor(torch.arange(64.0), init_device_mesh("cpu", (1,)), [Shard(0)]))
+        local = dt.to_local()
+        assert _tensor_spans([dt]) == ([(local.data_ptr(), local.data_ptr() + 64 * 4)], False)
+    finally:
+        if started:
+            dist.destroy_process_group()

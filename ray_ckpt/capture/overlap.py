@@ -16,8 +16,8 @@ not happen meanwhile is an in-place change of a tensor still being copied, so be
 
 A fence waits only for the copies whose source memory overlaps the tensors about to change (by
 address range), so an optimizer step waits for the state that holds its parameters, not for an
-unrelated buffer. The rule, documented in the README: *a registered state may only change in place
-after a fence*. A learner that breaks it must never get a silently torn snapshot: with
+unrelated buffer. The rule, documented in docs/saving.md (overlapped snapshots): *a registered
+state may only change in place after a fence*. A learner that breaks it must never get a silently torn snapshot: with
 ``RAY_CKPT_OVERLAP_CHECK=1`` (or ``check=True``) every copied array is checksummed at capture, in
 the copy and in its source after the copy, and a mismatch fails the version naming the state and
 its tensors.
@@ -281,6 +281,8 @@ def _tensor_spans(tensors: Iterable[Any]) -> Tuple[List[Tuple[int, int]], bool]:
         if getattr(t, "is_cuda", False):
             device = True
             continue
+        if callable(getattr(t, "to_local", None)):  # a DTensor (FSDP2): its data_ptr() is 0, its shard's is not
+            t = t.to_local()
         try:
             lo = t.data_ptr() if hasattr(t, "data_ptr") else t.__array_interface__["data"][0]
             n = t.numel() * t.element_size() if hasattr(t, "element_size") else t.nbytes

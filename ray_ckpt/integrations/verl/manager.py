@@ -199,10 +199,13 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
         self.previous_global_step = global_step
         step, eng, r = int(global_step), self.engine, self.rank
         handles = []
+        # overlapped: the copy runs while the rank goes on; the optimizer's step (and load_checkpoint)
+        # wait for it before they change a tensor being copied
+        fenced = tuple(o for o in (self.model, self.optimizer) if o is not None) if self.settings.overlap else None
         if self.should_save_model or self.should_save_hf_model:
-            handles.append(eng.submit(step, MODEL, self.model.state_dict(), rank=r))
+            handles.append(eng.submit(step, MODEL, self.model.state_dict(), rank=r, overlap_with=fenced))
         if self.should_save_optimizer:
-            handles.append(eng.submit(step, OPTIMIZER, self.optimizer.state_dict(), rank=r))
+            handles.append(eng.submit(step, OPTIMIZER, self.optimizer.state_dict(), rank=r, overlap_with=fenced))
         if self.should_save_extra:
             sched = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
             handles.append(eng.submit(step, EXTRA, {"lr_scheduler": sched, "world_size": self.world_size,
@@ -311,6 +314,7 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
         still in flight. Any world size: each rank reads only its own shards' byte ranges."""
         if local_path is None:
             return
+        rc.fence()  # a save's copy still reading the tensors this load overwrites finishes first
         pointer = read_pointer(local_path)
         run = pointer["run"] if pointer else self.settings.run
         step = int(pointer["step"]) if pointer else step_of_path(local_path)

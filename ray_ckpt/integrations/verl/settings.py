@@ -12,7 +12,7 @@ from ray_ckpt import InvalidArgumentError
 # the CheckpointEngine.create() options the block may name directly; anything else goes in engine_options
 _CREATE = ("local_dir", "remote_uri", "remote_options", "keep_last", "keep_every", "critical_writers",
            "best_effort_writers")
-_OWN = ("run", "load_wait_s", "tracker", "hf_export_cpus", "engine_options", "connect_timeout_s")
+_OWN = ("run", "load_wait_s", "tracker", "hf_export_cpus", "engine_options", "connect_timeout_s", "overlap")
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,9 @@ class VerlSettings:
     tracker: bool = True  # write verl's latest_checkpointed_iteration.txt when a version commits
     hf_export_cpus: float = 0.5  # the Ray task that writes the hf_model export
     connect_timeout_s: float = 120.0
+    # copy the model and optimizer into the object store while the rank trains on (fenced by the
+    # optimizer's step): save_checkpoint then costs only flattening the state into views
+    overlap: bool = True
 
     @property
     def creates(self) -> bool:
@@ -71,5 +74,8 @@ def read_settings(checkpoint_config: Any) -> Optional[VerlSettings]:
     if clash:
         raise InvalidArgumentError(f"checkpoint_config.ray_ckpt: {clash} given both directly and in engine_options")
     create.update(extra)
-    kw = {k: block[k] for k in ("load_wait_s", "tracker", "hf_export_cpus", "connect_timeout_s") if k in block}
+    kw = {k: block[k] for k in ("load_wait_s", "tracker", "hf_export_cpus", "connect_timeout_s", "overlap")
+          if k in block}
+    if "overlap" in kw and not isinstance(kw["overlap"], bool):
+        raise InvalidArgumentError(f"checkpoint_config.ray_ckpt.overlap must be true or false, got {kw['overlap']!r}")
     return VerlSettings(run=str(block["run"]), create=create, **kw)
