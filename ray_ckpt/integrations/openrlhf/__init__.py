@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from .settings import OpenRLHFSettings, add_arguments, read_settings
-from .tracker import POINTER, read_pointer
+from ..committed import POINTER, read_pointer
 
 __all__ = ["RayCkptDeepspeedStrategy", "add_arguments", "read_settings", "OpenRLHFSettings", "read_pointer",
            "POINTER"]

@@ -39,11 +39,12 @@ import torch.distributed as dist
 from openrlhf.utils.deepspeed import DeepspeedStrategy
 
 import ray_ckpt as rc
-from ray_ckpt import InvalidArgumentError, RestoreError, SaveError
+from ray_ckpt import InvalidArgumentError, SaveError
 
 from . import zero
 from .settings import OpenRLHFSettings, read_settings
-from .tracker import advance_latest, read_latest, read_pointer, step_of_tag, write_pointer
+from ..committed import read_pointer, wait_committed, write_pointer
+from .tracker import advance_latest, read_latest, step_of_tag
 
 log = logging.getLogger("ray_ckpt.openrlhf")
 
@@ -275,27 +276,8 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
 
     # ------------------------------------------------------------------ load
     def _wait_committed(self, engine: "rc.CheckpointEngine", run: str, step: int) -> None:
-        """Return once ``step`` is committed; one in flight is waited for (``load_wait_s``), one
-        neither committed nor in flight is a RestoreError naming it."""
-        start = time.monotonic()
-        deadline = start + self.ray_ckpt.load_wait_s
-        grace = start + min(2.0, self.ray_ckpt.load_wait_s)  # a push may still be on its way
-        pause = 0.05
-        while True:
-            committed = engine.all_steps()
-            if step in committed:
-                self.last_load_wait_s = time.monotonic() - start
-                return
-            in_flight = {d.get("step") for d in engine.status().get("in_flight", {}).values()}
-            now = time.monotonic()
-            if step not in in_flight and now >= grace:
-                raise RestoreError(f"step {step} of ray_ckpt run {run!r} never committed (not in flight either); "
-                                   f"committed steps: {committed[-8:] or 'none'}")
-            if now >= deadline:
-                raise RestoreError(f"step {step} of ray_ckpt run {run!r} is still being written after "
-                                   f"{self.ray_ckpt.load_wait_s}s (load_wait_s)")
-            time.sleep(min(pause, max(0.0, deadline - now)))
-            pause = min(pause * 2, 1.0)
+        """Return once ``step`` is committed (``committed.wait_committed``, up to ``load_wait_s``)."""
+        self.last_load_wait_s = wait_committed(engine, run, step, self.ray_ckpt.load_wait_s)
 
     def _locate(self, load_dir: str, tag: Optional[str]) -> Optional[Tuple[str, str, int]]:
         """(tag_dir, run, step) of what ``load_ckpt(load_dir, tag)`` names, or None (nothing there)."""

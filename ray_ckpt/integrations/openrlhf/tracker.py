@@ -12,46 +12,19 @@ of :class:`RayCkptDeepspeedStrategy` writes, once the version commits:
 No OpenRLHF or DeepSpeed import here."""
 from __future__ import annotations
 
-import json
 import os
 import re
-import threading
-from typing import Any, Dict, Optional
+from typing import Optional
 
-POINTER = "ray_ckpt.json"
+from ..committed import LOCK, atomic_write, read_pointer
+
 LATEST = "latest"  # deepspeed's engine.load_checkpoint reads the tag from <load_dir>/latest
 _STEP_TAG = re.compile(r"^global_step(\d+)$")
-_lock = threading.Lock()
-
-
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def step_of_tag(tag: str) -> Optional[int]:
     m = _STEP_TAG.match(tag or "")
     return int(m.group(1)) if m else None
-
-
-def write_pointer(tag_dir: str, pointer: Dict[str, Any]) -> str:
-    os.makedirs(tag_dir, exist_ok=True)
-    path = os.path.join(tag_dir, POINTER)
-    with _lock:
-        _atomic_write(path, json.dumps(pointer, indent=1, sort_keys=True) + "\n")
-    return path
-
-
-def read_pointer(tag_dir: str) -> Optional[Dict[str, Any]]:
-    path = os.path.join(tag_dir, POINTER)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
 
 
 def read_latest(save_dir: str) -> Optional[str]:
@@ -64,11 +37,11 @@ def read_latest(save_dir: str) -> Optional[str]:
 
 def advance_latest(save_dir: str, tag: str, step: int) -> str:
     """Write ``tag`` into ``<save_dir>/latest`` unless it names a newer committed step already."""
-    with _lock:
+    with LOCK:
         current = read_latest(save_dir)
         if current is not None:
             pointer = read_pointer(os.path.join(save_dir, current))
             if pointer is not None and int(pointer.get("step", -1)) >= step:
                 return current
-        _atomic_write(os.path.join(save_dir, LATEST), tag)
+        atomic_write(os.path.join(save_dir, LATEST), tag)
         return tag

@@ -19,7 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 from .settings import VerlSettings, read_settings
-from .tracker import POINTER, TRACKER, read_pointer
+from ..committed import POINTER, read_pointer
+from .tracker import TRACKER
 
 __all__ = ["RayCkptCheckpointManager", "RayCkptCheckpointConfig", "install", "uninstall", "installed",
            "read_settings", "VerlSettings", "read_pointer", "POINTER", "TRACKER"]

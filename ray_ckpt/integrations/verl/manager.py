@@ -37,7 +37,8 @@ from ray_ckpt import InvalidArgumentError, RestoreError, SaveError
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
 
 from .settings import VerlSettings, read_settings
-from .tracker import POINTER, advance_tracker, read_pointer, step_of_path, write_pointer
+from ..committed import POINTER, read_pointer, wait_committed, write_pointer
+from .tracker import advance_tracker, step_of_path
 
 log = logging.getLogger("ray_ckpt.verl")
 
@@ -286,27 +287,8 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
 
     # ------------------------------------------------------------------ load
     def _wait_committed(self, engine: "rc.CheckpointEngine", run: str, step: int) -> None:
-        """Return once ``step`` is committed; a step in flight is waited for (``load_wait_s``);
-        one neither committed nor in flight is a RestoreError naming it."""
-        start = time.monotonic()
-        deadline = start + self.settings.load_wait_s
-        grace = time.monotonic() + min(2.0, self.settings.load_wait_s)  # a push may still be on its way
-        pause = 0.05
-        while True:
-            committed = sorted(m.step for m in engine.list_checkpoints())
-            if step in committed:
-                self.last_load_wait_s = time.monotonic() - start
-                return
-            in_flight = {d.get("step") for d in engine.status().get("in_flight", {}).values()}
-            now = time.monotonic()
-            if step not in in_flight and now >= grace:
-                raise RestoreError(f"step {step} of ray_ckpt run {run!r} never committed (not in flight either); "
-                                   f"committed steps: {committed[-8:] or 'none'}")
-            if now >= deadline:
-                raise RestoreError(f"step {step} of ray_ckpt run {run!r} is still being written after "
-                                   f"{self.settings.load_wait_s}s (load_wait_s); committed steps: {committed[-8:]}")
-            time.sleep(min(pause, max(0.0, deadline - now)))
-            pause = min(pause * 2, 1.0)
+        """Return once ``step`` is committed (``committed.wait_committed``, up to ``load_wait_s``)."""
+        self.last_load_wait_s = wait_committed(engine, run, step, self.settings.load_wait_s)
 
     def load_checkpoint(self, local_path: str, hdfs_path: str = None, del_local_after_load: bool = False):
         """Fill this rank's model, optimizer, scheduler (and RNG, at the same world size) from the

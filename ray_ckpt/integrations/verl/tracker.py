@@ -14,25 +14,14 @@ step N commits:
 No verl import here."""
 from __future__ import annotations
 
-import json
 import os
 import re
-import threading
-from typing import Any, Dict, Optional
+from typing import Optional
 
-POINTER = "ray_ckpt.json"
+from ..committed import LOCK, atomic_write
+
 TRACKER = "latest_checkpointed_iteration.txt"  # verl.utils.checkpoint.checkpoint_manager.get_checkpoint_tracker_filename
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
-_lock = threading.Lock()  # one process's commit callbacks (threads) write one at a time
-
-
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def step_of_path(local_path: str) -> Optional[int]:
@@ -55,29 +44,13 @@ def tracker_path(local_path: str, step: int) -> Optional[str]:
     return os.path.join(os.path.dirname(step_dir), TRACKER)
 
 
-def write_pointer(local_path: str, pointer: Dict[str, Any]) -> str:
-    os.makedirs(local_path, exist_ok=True)
-    path = os.path.join(local_path, POINTER)
-    with _lock:
-        _atomic_write(path, json.dumps(pointer, indent=1, sort_keys=True) + "\n")
-    return path
-
-
-def read_pointer(local_path: str) -> Optional[Dict[str, Any]]:
-    path = os.path.join(local_path, POINTER)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
 def advance_tracker(local_path: str, step: int) -> Optional[int]:
     """Write ``step`` into verl's tracker for ``local_path`` unless it already names a newer step.
     Returns the step the tracker names afterwards (None when ``local_path`` is not verl's layout)."""
     path = tracker_path(local_path, step)
     if path is None:
         return None
-    with _lock:
+    with LOCK:
         current = None
         try:
             with open(path, "rb") as f:
@@ -86,5 +59,5 @@ def advance_tracker(local_path: str, step: int) -> Optional[int]:
             pass
         if current is not None and current >= step:
             return current
-        _atomic_write(path, str(step))
+        atomic_write(path, str(step))
         return step

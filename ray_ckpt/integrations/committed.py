@@ -1,0 +1,71 @@
+"""What the framework integrations share about committed versions: the small files written next to
+a framework's checkpoint folders when a version commits (ray_ckpt's pointer, ``ray_ckpt.json``:
+which run and step the folder stands for; the framework's own "latest" marker), each replaced
+atomically so a reader never sees half a file, and the wait of a load for a step still in flight.
+
+Used by the verl and OpenRLHF integrations (``verl/tracker.py``, ``openrlhf/tracker.py`` add what
+their framework reads). No framework import here."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any, Dict, Optional
+
+from ..errors import RestoreError
+
+POINTER = "ray_ckpt.json"
+LOCK = threading.Lock()  # one process's commit callbacks (threads) write one file at a time
+
+
+def atomic_write(path: str, text: str) -> None:
+    """``text`` into ``path``: written to a temporary name, fsynced, then renamed over it."""
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_pointer(folder: str, pointer: Dict[str, Any]) -> str:
+    """Write the pointer of a committed version into ``folder``; returns its path."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, POINTER)
+    with LOCK:
+        atomic_write(path, json.dumps(pointer, indent=1, sort_keys=True) + "\n")
+    return path
+
+
+def read_pointer(folder: str) -> Optional[Dict[str, Any]]:
+    """The pointer in ``folder``, or None when the folder holds no committed ray_ckpt version."""
+    path = os.path.join(folder, POINTER)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def wait_committed(engine: Any, run: str, step: int, load_wait_s: float) -> float:
+    """Return (the seconds waited) once ``step`` of ``engine``'s run is committed. A step still in
+    flight is waited for, up to ``load_wait_s``; one neither committed nor in flight (after a short
+    grace: a rank's push may still be on its way) is a RestoreError naming it."""
+    start = time.monotonic()
+    deadline = start + load_wait_s
+    grace = start + min(2.0, load_wait_s)
+    pause = 0.05
+    while True:
+        committed = engine.all_steps()
+        if step in committed:
+            return time.monotonic() - start
+        in_flight = {d.get("step") for d in engine.status().get("in_flight", {}).values()}
+        now = time.monotonic()
+        if step not in in_flight and now >= grace:
+            raise RestoreError(f"step {step} of ray_ckpt run {run!r} never committed (not in flight either); "
+                               f"committed steps: {committed[-8:] or 'none'}")
+        if now >= deadline:
+            raise RestoreError(f"step {step} of ray_ckpt run {run!r} is still being written after {load_wait_s}s "
+                               f"(load_wait_s); committed steps: {committed[-8:]}")
+        time.sleep(min(pause, max(0.0, deadline - now)))
+        pause = min(pause * 2, 1.0)
