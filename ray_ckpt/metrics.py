@@ -1,23 +1,24 @@
 """Ray metrics (``ray.util.metrics``), exported by Ray's metrics agent for Prometheus.
 
 Named by Prometheus' conventions: the unit last (``_seconds``, ``_bytes``), counters end in
-``_total``. Ray's exporter puts its ``ray_`` prefix in front of every application metric, so what
-a user scrapes is ``SCRAPED_PREFIX + name`` (``ray_ray_ckpt_commits_total``); :data:`SCRAPED`
+``_total``. Ray's exporter puts its ``ray_`` prefix in front of every application metric, so the
+names registered are ``ckpt_*`` and what a user scrapes is ``SCRAPED_PREFIX + name``
+(``ray_ckpt_commits_total``): one ``ray_ckpt_`` prefix, not ``ray_ray_ckpt_``. :data:`SCRAPED`
 lists them all. Recording never raises: a metrics problem must not fail a checkpoint.
 
 | scraped name | type | labels | what |
 | --- | --- | --- | --- |
-| ``ray_ray_ckpt_save_latency_seconds`` | histogram | run, tier | a save's arrival at the coordinator -> its commit on that tier |
-| ``ray_ray_ckpt_snapshot_pause_seconds`` | histogram | run, state | how long a save paused the process that holds a state (its snapshot into the object store) |
-| ``ray_ray_ckpt_restore_latency_seconds`` | histogram | run | one ``restore()`` |
-| ``ray_ray_ckpt_written_bytes_total`` | counter | run, tier | bytes of committed versions per tier |
-| ``ray_ray_ckpt_commits_total`` | counter | run, tier | versions committed per tier |
-| ``ray_ray_ckpt_failures_total`` | counter | run, kind | failed saves (``kind="save"``) and uploads (``"upload"``) |
-| ``ray_ray_ckpt_saves_in_flight`` | gauge | run | versions accepted and not settled |
-| ``ray_ray_ckpt_last_commit_timestamp_seconds`` | gauge | run, tier | unix time of the newest commit per tier |
+| ``ray_ckpt_save_latency_seconds`` | histogram | run, tier | a save's arrival at the coordinator -> its commit on that tier |
+| ``ray_ckpt_snapshot_pause_seconds`` | histogram | run, state | how long a save paused the process that holds a state (its snapshot into the object store) |
+| ``ray_ckpt_restore_latency_seconds`` | histogram | run | one ``restore()`` |
+| ``ray_ckpt_written_bytes_total`` | counter | run, tier | bytes of committed versions per tier |
+| ``ray_ckpt_commits_total`` | counter | run, tier | versions committed per tier |
+| ``ray_ckpt_failures_total`` | counter | run, kind | failed saves (``kind="save"``) and uploads (``"upload"``) |
+| ``ray_ckpt_saves_in_flight`` | gauge | run | versions accepted and not settled |
+| ``ray_ckpt_last_commit_timestamp_seconds`` | gauge | run, tier | unix time of the newest commit per tier |
 
 Alert on "no checkpoint committed in 30 minutes":
-``time() - max by (run, tier) (ray_ray_ckpt_last_commit_timestamp_seconds) > 1800``.
+``time() - max by (run, tier) (ray_ckpt_last_commit_timestamp_seconds) > 1800``.
 """
 from __future__ import annotations
 
@@ -31,14 +32,14 @@ _LATENCY_BOUNDS = [0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 6
 _PAUSE_BOUNDS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30]
 
 # the names registered with Ray; Ray's exporter adds SCRAPED_PREFIX in front of each
-SAVE_LATENCY = "ray_ckpt_save_latency_seconds"
-SNAPSHOT_PAUSE = "ray_ckpt_snapshot_pause_seconds"
-RESTORE_LATENCY = "ray_ckpt_restore_latency_seconds"
-WRITTEN_BYTES = "ray_ckpt_written_bytes_total"
-COMMITS = "ray_ckpt_commits_total"
-FAILURES = "ray_ckpt_failures_total"
-SAVES_IN_FLIGHT = "ray_ckpt_saves_in_flight"
-LAST_COMMIT = "ray_ckpt_last_commit_timestamp_seconds"
+SAVE_LATENCY = "ckpt_save_latency_seconds"
+SNAPSHOT_PAUSE = "ckpt_snapshot_pause_seconds"
+RESTORE_LATENCY = "ckpt_restore_latency_seconds"
+WRITTEN_BYTES = "ckpt_written_bytes_total"
+COMMITS = "ckpt_commits_total"
+FAILURES = "ckpt_failures_total"
+SAVES_IN_FLIGHT = "ckpt_saves_in_flight"
+LAST_COMMIT = "ckpt_last_commit_timestamp_seconds"
 
 SCRAPED_PREFIX = "ray_"
 NAMES = (SAVE_LATENCY, SNAPSHOT_PAUSE, RESTORE_LATENCY, WRITTEN_BYTES, COMMITS, FAILURES, SAVES_IN_FLIGHT,

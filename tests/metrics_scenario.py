@@ -19,14 +19,14 @@ from ray_ckpt.metrics import for_run  # noqa: E402
 
 # exactly as scraped: name -> Prometheus type
 WANT = {
-    "ray_ray_ckpt_save_latency_seconds": "histogram",
-    "ray_ray_ckpt_snapshot_pause_seconds": "histogram",
-    "ray_ray_ckpt_restore_latency_seconds": "histogram",
-    "ray_ray_ckpt_written_bytes_total": "counter",
-    "ray_ray_ckpt_commits_total": "counter",
-    "ray_ray_ckpt_failures_total": "counter",
-    "ray_ray_ckpt_saves_in_flight": "gauge",
-    "ray_ray_ckpt_last_commit_timestamp_seconds": "gauge",
+    "ray_ckpt_save_latency_seconds": "histogram",
+    "ray_ckpt_snapshot_pause_seconds": "histogram",
+    "ray_ckpt_restore_latency_seconds": "histogram",
+    "ray_ckpt_written_bytes_total": "counter",
+    "ray_ckpt_commits_total": "counter",
+    "ray_ckpt_failures_total": "counter",
+    "ray_ckpt_saves_in_flight": "gauge",
+    "ray_ckpt_last_commit_timestamp_seconds": "gauge",
 }
 
 
@@ -47,7 +47,7 @@ def free_port() -> int:
 
 def families(text: str) -> dict:
     """{scraped name: type} of ray_ckpt's metric families in a Prometheus text page."""
-    return dict(re.findall(r"^# TYPE (ray_ray_ckpt_\w+) (\w+)$", text, re.M))
+    return dict(re.findall(r"^# TYPE (ray_ckpt_\w+) (\w+)$", text, re.M))
 
 
 def samples(text: str, name: str, **labels) -> list:
@@ -94,21 +94,21 @@ def main() -> int:
                 text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
             except OSError:
                 text = ""
-            if set(WANT) <= set(families(text)) and samples(text, "ray_ray_ckpt_commits_total", tier="remote"):
+            if set(WANT) <= set(families(text)) and samples(text, "ray_ckpt_commits_total", tier="remote"):
                 break
             time.sleep(0.25)  # the agent reports every 500 ms (metrics_report_interval_ms)
         got = families(text)
         print("\n".join(f"{n} {t}" for n, t in sorted(got.items())))
         assert got == WANT, f"scraped families differ: got {got}, want {WANT}"
         for tier in ("local", "remote"):
-            assert samples(text, "ray_ray_ckpt_commits_total", run="metrics", tier=tier) == [1.0], tier
-            assert samples(text, "ray_ray_ckpt_written_bytes_total", run="metrics", tier=tier)[0] > 0, tier
-            last = samples(text, "ray_ray_ckpt_last_commit_timestamp_seconds", run="metrics", tier=tier)
+            assert samples(text, "ray_ckpt_commits_total", run="metrics", tier=tier) == [1.0], tier
+            assert samples(text, "ray_ckpt_written_bytes_total", run="metrics", tier=tier)[0] > 0, tier
+            last = samples(text, "ray_ckpt_last_commit_timestamp_seconds", run="metrics", tier=tier)
             assert len(last) == 1 and t0 - 1 <= last[0] <= time.time(), (tier, last, t0)
-            assert samples(text, "ray_ray_ckpt_save_latency_seconds_count", run="metrics", tier=tier) == [1.0]
-        assert samples(text, "ray_ray_ckpt_failures_total", run="metrics", kind="save") == [1.0]
-        assert samples(text, "ray_ray_ckpt_restore_latency_seconds_count", run="metrics")[0] >= 1
-        assert samples(text, "ray_ray_ckpt_snapshot_pause_seconds_count", run="metrics", state="policy")[0] >= 1
+            assert samples(text, "ray_ckpt_save_latency_seconds_count", run="metrics", tier=tier) == [1.0]
+        assert samples(text, "ray_ckpt_failures_total", run="metrics", kind="save") == [1.0]
+        assert samples(text, "ray_ckpt_restore_latency_seconds_count", run="metrics")[0] >= 1
+        assert samples(text, "ray_ckpt_snapshot_pause_seconds_count", run="metrics", state="policy")[0] >= 1
         eng.shutdown()
         print("METRICS OK")
         return 0
