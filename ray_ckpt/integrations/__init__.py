@@ -3,6 +3,8 @@
 Each integration is its own module and imports its framework lazily, so ``import ray_ckpt`` never
 requires them. Integrations may import every layer below them (``client`` first, and the layers
 under it where a framework needs them); nothing in the package imports an integration.
+``committed.py`` holds what the verl and OpenRLHF integrations share: the pointer file written next
+to a framework's checkpoint folder when a version commits, and a load's wait for a step in flight.
 
 - :mod:`ray_ckpt.integrations.rllib` -- RLlib (new API stack): ``RayCkptCallback`` /
   ``make_callback(...)`` save an Algorithm's learner, connector, counter and RNG state every N
