@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .dtypes import import_torch
 from .nodes import dec_key, leaf_key
@@ -135,8 +135,31 @@ def _global_rank() -> Optional[int]:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
 
 
+_LAYOUTS: Dict[tuple, dict] = {}  # see dtensor_layout
+_LAYOUTS_MAX = 4096
+
+
 def dtensor_layout(t: Any) -> dict:
-    """The "DT" node fields of a DTensor leaf except the array index and dtype."""
+    """The "DT" node fields of a DTensor leaf except the array index and dtype.
+
+    Remembered per (mesh, placements, global shape, this process's rank): a model's DTensors share
+    a few of those, and torch's answers (the mesh's coordinate and rank tensor, the local shape and
+    offset) cost about a millisecond per tensor, the larger part of flattening an FSDP2 state."""
+    try:
+        key = (t.device_mesh, tuple(t.placements), tuple(t.shape), _global_rank())
+        hit = _LAYOUTS.get(key)
+    except TypeError:  # an unhashable mesh or placement: computed every time
+        key, hit = None, None
+    if hit is None:
+        hit = _dtensor_layout(t)
+        if key is not None:
+            if len(_LAYOUTS) >= _LAYOUTS_MAX:
+                _LAYOUTS.clear()
+            _LAYOUTS[key] = hit
+    return {k: list(v) if isinstance(v, list) else v for k, v in hit.items()}
+
+
+def _dtensor_layout(t: Any) -> dict:
     offsets, sizes = dtensor_chunk(t)
     mesh = t.device_mesh
     coord = mesh.get_coordinate()
