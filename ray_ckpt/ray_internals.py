@@ -45,7 +45,7 @@ import importlib
 import inspect
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,8 @@ INTERNALS = (
 )
 
 
-def _resolve(owner: str) -> Any:
+def resolve_owner(owner: str) -> Any:
+    """The module or class an :class:`Internal` names ("package.module:Class.Inner")."""
     module, _, qualname = owner.partition(":")
     obj = importlib.import_module(module)
     for part in filter(None, qualname.split(".")):
@@ -82,10 +83,34 @@ def _resolve(owner: str) -> Any:
     return obj
 
 
+def assigned_in_source(cls: Any, attribute: str) -> bool:
+    """Whether ``cls``'s source assigns ``self.<attribute>`` (an instance attribute that exists only
+    once an object is built, which cannot be checked without building one)."""
+    assignment = rf"\bself\.{re.escape(attribute)}\s*(:[^=\n]*)?=(?!=)"
+    return re.search(assignment, inspect.getsource(cls)) is not None
+
+
+def missing_among(items: Sequence[Any], present: Callable[[Any, Any], bool], used_for: str) -> List[str]:
+    """One line per item of ``items`` (each with ``owner``, ``attribute``, ``kind``, ``why``, like
+    :class:`Internal`) that ``present(owner, item)`` does not find, or whose owner moved: what moved
+    and, with ``used_for`` (formatted with ``why``), what it was used for. The RLlib integration's
+    own list of internals is checked the same way."""
+    missing = []
+    for item in items:
+        note = ""
+        try:
+            ok = present(resolve_owner(item.owner), item)
+        except Exception as exc:  # the owner itself moved
+            ok, note = False, f" ({type(exc).__name__}: {exc})"
+        if not ok:
+            missing.append(f"{item.owner} has no {item.kind} {item.attribute!r}{note}: "
+                           + used_for.format(why=item.why))
+    return missing
+
+
 def _present(obj: Any, item: Internal) -> bool:
     if item.kind == "instance":
-        assignment = rf"\bself\.{re.escape(item.attribute)}\s*(:[^=\n]*)?=(?!=)"
-        return re.search(assignment, inspect.getsource(obj)) is not None
+        return assigned_in_source(obj, item.attribute)
     if item.kind == "property":
         return isinstance(inspect.getattr_static(obj, item.attribute, None), property)
     if item.kind == "attribute":
@@ -97,17 +122,7 @@ def _present(obj: Any, item: Internal) -> bool:
 
 def missing_internals() -> List[str]:
     """One line per internal that the installed Ray no longer has (empty: all there)."""
-    missing = []
-    for item in INTERNALS:
-        note = ""
-        try:
-            ok = _present(_resolve(item.owner), item)
-        except Exception as exc:  # the owner itself moved
-            ok, note = False, f" ({type(exc).__name__}: {exc})"
-        if not ok:
-            missing.append(f"{item.owner} has no {item.kind} {item.attribute!r}{note}: ray_ckpt uses it for "
-                           f"{item.why} (ray_ckpt/ray_internals.py)")
-    return missing
+    return missing_among(INTERNALS, _present, "ray_ckpt uses it for {why} (ray_ckpt/ray_internals.py)")
 
 
 # ---------------------------------------------------------------------- the accessors

@@ -48,14 +48,12 @@ chosen by what the installed RLlib does (never by its version string): :func:`lo
 """
 from __future__ import annotations
 
-import importlib
-import inspect
-import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ...ray_internals import assigned_in_source, missing_among
 from .names import log
 
 RUNNING_STAT_MARKER = "num_pushes"
@@ -122,18 +120,9 @@ REPLAY_INTERNALS = tuple(Internal(owner, attr, "instance", "saving / restoring r
                          for owner, attrs in _REPLAY_ATTRS.items() for attr in attrs)
 
 
-def _resolve(owner: str) -> Any:
-    module, _, qualname = owner.partition(":")
-    obj = importlib.import_module(module)
-    for part in filter(None, qualname.split(".")):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _present(obj: Any, item: Internal) -> bool:
     if item.kind == "instance":
-        assignment = rf"\bself\.{re.escape(item.attribute)}\s*(:[^=\n]*)?=(?!=)"
-        return re.search(assignment, inspect.getsource(obj)) is not None
+        return assigned_in_source(obj, item.attribute)
     if item.kind == "method":
         return callable(getattr(obj, item.attribute, None))
     if item.kind == "state_keys":
@@ -143,18 +132,8 @@ def _present(obj: Any, item: Internal) -> bool:
 
 def missing_internals() -> List[str]:
     """One line per internal that the installed RLlib / gymnasium no longer has (empty: all there)."""
-    missing = []
-    for item in INTERNALS + REPLAY_INTERNALS:
-        try:
-            ok = _present(_resolve(item.owner), item)
-        except Exception as exc:  # the owner itself moved
-            ok, item_note = False, f" ({type(exc).__name__}: {exc})"
-        else:
-            item_note = ""
-        if not ok:
-            missing.append(f"{item.owner} has no {item.kind} {item.attribute!r}{item_note}: ray_ckpt's RLlib "
-                           f"integration uses it for {item.why}")
-    return missing
+    return missing_among(INTERNALS + REPLAY_INTERNALS, _present,
+                         "ray_ckpt's RLlib integration uses it for {why}")
 
 
 # ---------------------------------------------------------------------- the accessors
