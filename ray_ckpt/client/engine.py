@@ -7,8 +7,8 @@ list, to the coordinator: the driver never touches the bytes of an actor's state
 This module holds the public API and what ties it together (the run's coordinator, its owner
 lease, the registry, step counters, backpressure); the work behind it lives beside it:
 ``capture/calls.py`` (which process captures each state, prefault, publish), ``reading.py``
-(load, load_into, restore), ``push_batch.py`` (ranks' pushes), ``coordinator_client.py``
-(starting and calling the coordinator).
+(load, load_into, restore), ``rank_push.py`` (a rank's ``submit``) and ``push_batch.py`` (ranks'
+pushes batched per version), ``coordinator_client.py`` (starting and calling the coordinator).
 """
 from __future__ import annotations
 
@@ -29,14 +29,13 @@ from ..formats.manifest import Manifest
 from .handle import SaveHandle, _shared_wait
 from ..coordinator.lease import OwnerLease
 from ..coordinator.live_options import passed_options
-from ..capture.object_store import start_prefault
 from ..storage.ownership import DEFAULT_LEASE_S
-from ..protocol import NAMESPACE, Declaration, PushedPart, actor_name
+from ..protocol import NAMESPACE, Declaration, actor_name
 from ..capture.providers import CallableProvider, Registration, rank_provider, resolve
 from .push_batch import Pusher
+from .rank_push import RankPushes, _FencedObjects
 from .reading import StateReader
 from .run_lifetime import start_run, stop_run
-from ..capture.snapshot import capture
 from ..capture.mailbox import open_mailbox
 from ..capture.calls import prefault, publish_calls, take_snapshots
 from ..storage.layout import validate_name
@@ -48,7 +47,7 @@ log = logging.getLogger("ray_ckpt")
 _CREATE_DEFAULTS = {"critical_writers": 2, "best_effort_writers": 1, "keep_last": None, "keep_every": None}
 
 
-class CheckpointEngine:
+class CheckpointEngine(RankPushes):
     """Get one with ``create()`` (driver) or ``connect()`` (any process of the cluster)."""
 
     def __init__(self, coordinator: Any, config: EngineConfig):
@@ -283,124 +282,6 @@ class CheckpointEngine:
         self._expect_driver()
         # ranks push from their own processes: submit() starts their prefault
 
-    def submit(self, step: int, name: str, state: Any, rank: int = 0, *,
-               on_busy: Union[OnBusy, str] = OnBusy.WAIT,
-               overlap_with: Optional[Iterable[Any]] = None) -> SaveHandle:
-        """Push this rank's part of a declared state for ``step`` (from inside a rank actor).
-
-        Returns at once with a handle (a bad push raises here: an undeclared state, a rank out of
-        range, a step not after this rank's last); the version commits when every declared rank
-        has pushed. One engine may push for many ranks (a host process of several ranks): the parts
-        it pushes for a version within a few ms travel to the coordinator in ONE call
-        (``push_batch.py``; sent at once when a handle is waited on, and by ``shutdown()``), and
-        their handles share one wait call per version. What only the coordinator can refuse (a part
-        another process already pushed, a version already committed) fails that part's handle
-        alone, when it is waited on, with the coordinator's message.
-
-        Backpressure: at most ``max_in_flight`` of this engine's versions are in flight (pushes
-        for a version already in flight always go). ``on_busy``: "wait" (block until the oldest
-        ends; push every rank of a version before the next version, or this waits for a version
-        that cannot commit until ``rank_timeout_s``), "skip" (return a skipped handle, nothing
-        captured) or "queue" (push anyway).
-
-        ``overlap_with=(model, optimizer, ...)``: the copy of ``state`` into the object store runs on
-        this process's copy thread while the rank trains on (``submit`` returns after flattening
-        the state into views), as ``overlap=True`` does for registered states. The objects given are
-        the ones whose in-place changes must wait for the copy: their optimizers' ``step`` and the
-        forward of their modules that change buffers are fenced; any other in-place change of the
-        pushed tensors needs ``rc.fence(name)`` first."""
-        t0 = time.perf_counter()
-        self._check_open()
-        try:
-            policy = OnBusy.parse(on_busy)
-        except ValueError as exc:
-            raise InvalidSaveError(str(exc)) from None
-        validate_name(name, "state name")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise InvalidSaveError(f"step must be a non-negative integer, got {step!r}")
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-            raise InvalidSaveError(f"rank must be a non-negative integer, got {rank!r}")
-        decl = self._declared.get(name)
-        if decl is None:
-            self._declared = self._call(lambda c: c.declared.remote(), "the declared states")
-            decl = self._declared.get(name)
-        if decl is None:
-            raise InvalidSaveError(f"state {name!r} is not declared for pushing in run {self.run!r}; the "
-                                   f"driver registers it with engine.register({name!r}, world_size=N)")
-        if rank >= decl.world_size:
-            raise InvalidSaveError(f"rank {rank} is out of range for state {name!r} (world_size {decl.world_size})")
-        last = self._last_pushed.get((name, rank), -1)
-        if step <= last:
-            raise InvalidSaveError(f"state {name!r} rank {rank}: step {step} is not after its last submitted "
-                                   f"step {last}; steps must increase")
-        # backpressure is judged when this engine starts a version: pushes for one in flight always go
-        new_version = step not in self._pusher.commits and step not in self._pusher.pending_versions()
-        busy = [v for v in self._pushes_in_flight() if v != step] if new_version else []
-        if len(busy) >= self.config.max_in_flight and policy is not OnBusy.QUEUE:
-            if policy is OnBusy.SKIP:
-                return SaveHandle(self, step, None, time.perf_counter() - t0, skipped=True)
-            self._pusher.send_all()  # the versions it waits for must have reached the coordinator
-            waits = self._pusher.commits
-            refs = [waits[v] for v in busy if v in waits]
-            ray.wait(refs, num_returns=max(0, min(len(refs), len(busy) - self.config.max_in_flight + 1)))
-            self._pushes_in_flight()
-        rank_zero_only = decl.replicated and rank != 0
-        ref, nbytes = None, 0
-        if not rank_zero_only:  # replicas: rank 0's copy is stored; this rank's handle follows the version
-            if self.config.prefault_object_store:
-                start_prefault()  # once per process; this rank's later copies land in mapped pages
-            if overlap_with is not None:
-                ref, nbytes = self._push_overlapped(name, state, decl.allow_pickle, overlap_with)
-            else:
-                flat = capture(state, name, decl.allow_pickle)
-                ref, nbytes = ray.put(flat), flat.nbytes
-        pushes = self._pushes[(name, rank)] = self._pushes.get((name, rank), 0) + 1
-        # joins this engine's open batch of the version: one coordinator call per batch (push_batch.py)
-        slot = self._pusher.add(step, PushedPart(name, rank, ref, nbytes, pushes % self.config.remote_every == 0,
-                                                 last))
-        self._last_pushed[(name, rank)] = step
-        handle = SaveHandle(self, step, None, time.perf_counter() - t0, push=slot, rank_zero_only=rank_zero_only)
-        self._in_flight.append(handle)
-        return handle
-
-    def _push_overlapped(self, name: str, state: Any, allow_pickle: bool, objects: Iterable[Any]) -> Tuple[Any, int]:
-        """(ref of a PendingSnapshot, bytes) of ``state`` copied in the background (``submit``)."""
-        from ..capture.mailbox import mailbox_name, self_handle_ref
-        from ..capture.snapshot import snapshot_overlapped
-
-        objs = tuple(objects)
-        if not objs:
-            raise InvalidSaveError(f"state {name!r}: overlap_with names no object to fence (the model and "
-                                   f"optimizer whose in-place changes must wait for the copy)")
-        if not self._mailbox_open:
-            open_mailbox(self.run)  # where the background copies announce their refs
-            self._mailbox_open = True
-        key = tuple(id(o) for o in objs)
-        owner = self._fence_owners.get(key)
-        if owner is None or any(a is not b for a, b in zip(owner.objects, objs)):  # ids reused by new objects
-            owner = self._fence_owners[key] = _FencedObjects(objs)
-        in_actor = ray.get_runtime_context().get_actor_id() is not None
-        pending = snapshot_overlapped(owner, lambda: state, name, allow_pickle, mailbox_name(self.run),
-                                      self.config.overlap_check, self.run, self_handle_ref() if in_actor else None,
-                                      self.config.prefault_needed)
-        return ray.put(pending), pending.nbytes
-
-    def _pushes_in_flight(self) -> List[int]:
-        """This engine's pushed versions not yet committed or failed (those with parts not sent yet
-        included); forgets the others' handles. One ``ray.wait`` over at most ``max_in_flight`` + 1
-        refs: O(1) per submit, however many ranks this engine pushes for."""
-        waits = self._pusher.commits
-        if waits:
-            versions = list(waits)
-            refs = [waits[v] for v in versions]
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            if ready:
-                ended = {v for v, r in zip(versions, refs) if r in ready}
-                for v in ended:
-                    waits.pop(v, None)
-                self._drop_ended(lambda h: h._push is None or h.version not in ended)
-        return sorted(set(waits) | set(self._pusher.pending_versions()))
-
     def unregister(self, name: str) -> None:
         """Stop saving state ``name`` from the next save on; its stored versions stay."""
         reg = self._registry.pop(name, None)
@@ -606,21 +487,6 @@ class CheckpointEngine:
             every = self.config.remote_every
             out["saves_until_upload"] = 1 if out.get("upload_owed") else every - self._saves % every
         return out
-
-    def declarations(self) -> Dict[str, Declaration]:
-        """The states ranks push in this run (``register(name, world_size=N)``), by name: each one's
-        world size, strategy and whether it is replicated (rank 0's copy stored)."""
-        self._declared = self._call(lambda c: c.declared.remote(), "the declared states")
-        return dict(self._declared)
-
-
-class _FencedObjects:
-    """What ``submit(..., overlap_with=objects)`` fences: the objects (their optimizers and modules
-    are found as a registered provider's are), kept per engine so their copy buffers are reused."""
-
-    def __init__(self, objects: Tuple[Any, ...]):
-        self.objects = objects
-
 
 def _detached(exc: BaseException) -> BaseException:
     """The same error, holding no traceback or chained error (nothing that keeps objects alive)."""
