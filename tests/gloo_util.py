@@ -1,5 +1,6 @@
-"""What the sharded-state tests (test_fsdp2.py) share: a free port for a gloo group's
-rendezvous, a bit-exact tensor comparison, and the small MLP their FSDP2 ranks train.
+"""What the sharded-state tests (test_fsdp2.py, test_dcp.py) share: a free port for a gloo group's
+rendezvous, joining and leaving a group of rank actors, a bit-exact tensor comparison, and the
+small MLP their FSDP2 ranks train.
 
 tests/ is not importable in Ray workers: a test module that ships these into rank actors registers
 this module by value too (``ray.cloudpickle.register_pickle_by_value(gloo_util)``)."""
@@ -28,3 +29,20 @@ def mlp(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(12, 10), torch.nn.ReLU(), torch.nn.Linear(10, 7),
                                torch.nn.ReLU(), torch.nn.Linear(7, 5))
+
+
+def group(pool: dict, world: int, reverse: bool = False) -> list:
+    """The first (or last) ``world`` actors of ``pool["actors"]`` joined in a new gloo group, rank =
+    position (each actor has ``join(rank, world, port)``)."""
+    import ray
+
+    actors = pool["actors"][::-1][:world] if reverse else pool["actors"][:world]
+    port = free_port()
+    ray.get([a.join.remote(r, world, port) for r, a in enumerate(actors)], timeout=60)
+    return actors
+
+
+def leave(actors: list) -> None:
+    import ray
+
+    ray.get([a.leave.remote() for a in actors], timeout=60)

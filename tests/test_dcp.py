@@ -31,7 +31,7 @@ import torch
 import gloo_util
 import ray_ckpt as rc
 from ray_ckpt.ray_internals import actor_ready
-from gloo_util import free_port, mlp, same_bits
+from gloo_util import group, leave, mlp, same_bits
 
 pytestmark = [pytest.mark.timeout(300),
               # DCP's no_dist calls (the driver as a plain process) say so each time
@@ -177,17 +177,6 @@ def pool(ray_session, tmp_path_factory):
         ray.kill(a)
     for eng in engines.values():
         eng.shutdown()
-
-
-def group(pool, world: int, reverse: bool = False) -> list:
-    actors = pool["actors"][::-1][:world] if reverse else pool["actors"][:world]
-    port = free_port()
-    ray.get([a.join.remote(r, world, port) for r, a in enumerate(actors)], timeout=60)
-    return actors
-
-
-def leave(actors) -> None:
-    ray.get([a.leave.remote() for a in actors], timeout=60)
 
 
 def assert_same(got: dict, want: dict) -> None:

@@ -34,7 +34,7 @@ import torch
 import gloo_util
 import ray_ckpt as rc
 from ray_ckpt.ray_internals import actor_ready
-from gloo_util import free_port, mlp, same_bits
+from gloo_util import group, leave, mlp, same_bits
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -262,18 +262,6 @@ def pool(ray_session, tmp_path_factory):
     for a in actors:
         ray.kill(a)
     eng.shutdown()
-
-
-def group(pool, world: int, reverse: bool = False) -> list:
-    """The first (or last) ``world`` actors of the pool joined in a new gloo group, rank = position."""
-    actors = pool["actors"][::-1][:world] if reverse else pool["actors"][:world]
-    port = free_port()
-    ray.get([a.join.remote(r, world, port) for r, a in enumerate(actors)], timeout=60)
-    return actors
-
-
-def leave(actors) -> None:
-    ray.get([a.leave.remote() for a in actors], timeout=60)
 
 
 @pytest.fixture(scope="module")
