@@ -34,6 +34,9 @@ old group held when it saved that version; the run then finishes on the new grou
 
     python examples/openrlhf_style/train.py [--steps 20 --save-every 4 --kill-at 10 --ranks 2 --resume-ranks 3]
     python examples/openrlhf_style/train.py --local-dir '/ckpt/{node_id}' --remote-uri s3://ray-ckpt/runs
+
+``--backend deepspeed`` runs the same preemption with OpenRLHF's own DeepSpeed strategy instead
+(ZeRO-1/2/3, ``save_ckpt`` / ``load_ckpt`` through ray_ckpt): see ``deepspeed_backend.py``.
 """
 from __future__ import annotations
 
@@ -447,7 +450,25 @@ def build_parser() -> argparse.ArgumentParser:
                     "s3://ray-ckpt/runs; S3 endpoint and keys from AWS_ENDPOINT_URL_S3 / AWS_ACCESS_KEY_ID / "
                     "AWS_SECRET_ACCESS_KEY)")
     ap.add_argument("--run-prefix", default="openrlhf", help="the run's name is <prefix>-<random>")
+    ap.add_argument("--backend", choices=("fsdp2", "deepspeed"), default="fsdp2",
+                    help="fsdp2: the toy policy above; deepspeed: OpenRLHF's DeepspeedStrategy on a tiny Qwen2 "
+                    "(deepspeed_backend.py; needs OpenRLHF and DeepSpeed, see docs/openrlhf.md)")
+    ap.add_argument("--zero-stage", type=int, default=2, help="--backend deepspeed: the ZeRO stage (1, 2 or 3)")
     return ap
+
+
+def deepspeed_backend():
+    """deepspeed_backend.py next to this file, imported by path (this folder is not a package)."""
+    import importlib.util
+    import sys
+
+    name = "openrlhf_style_deepspeed_backend"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, os.path.join(os.path.dirname(os.path.abspath(__file__)), "deepspeed_backend.py"))
+        sys.modules[name] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def main(argv=None) -> int:
@@ -459,6 +480,8 @@ def main(argv=None) -> int:
         ap.error("--ranks must be at least 2 (rank 1 is killed) and --resume-ranks at least 1")
     if not 1 <= args.rollout_workers <= PROMPTS_PER_STEP:
         ap.error(f"--rollout-workers must be between 1 and {PROMPTS_PER_STEP} (the prompts of a step)")
+    if args.backend == "deepspeed":
+        deepspeed_backend().check(args, ap.error)
     root = args.dir or tempfile.mkdtemp(prefix="ray_ckpt_openrlhf_")
     started = not ray.is_initialized()
     if started:
@@ -470,6 +493,8 @@ def main(argv=None) -> int:
     local = args.local_dir or os.path.join(root, "local")
     remote = args.remote_uri or "file://" + os.path.join(root, "remote")
     try:
+        if args.backend == "deepspeed":
+            return deepspeed_backend().main(args, root, local, remote, RESULTS, PromptLoader)
         t0 = time.perf_counter()
         print(f"{args.steps} steps on {args.ranks} FSDP2 ranks, save every {args.save_every}"
               + (f", learner rank 1 killed at step {args.kill_at}, resumed on {args.resume_ranks} ranks"
