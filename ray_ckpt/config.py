@@ -63,6 +63,15 @@ class EngineConfig:
     # ring, so keys rotate without losing the versions signed before: the first key signs, every
     # key verifies
     signing_key: Union[None, bytes, Tuple[bytes, ...]] = field(default=None, repr=False)
+    # each committed version's critical files also held in the memory of this many replica holders,
+    # each on another node than the one that wrote the file (restore reads local -> peer -> remote)
+    peer_replicas: int = 0
+    peer_keep: int = 2  # versions each holder keeps (the newest)
+    # each holder's memory budget; what does not fit spills to its node's local disk (None: a tenth
+    # of the node's physical memory)
+    peer_memory_mb: Optional[float] = None
+    # a node label naming the failure domain (e.g. "zone"): replicas go to nodes whose value differs
+    peer_domain_label: Optional[str] = None
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -80,6 +89,16 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
                 raise ValueError(f"{name} must be a number > 0 (MB/s) or None, got {v!r}")
+        for name, low in (("peer_replicas", 0), ("peer_keep", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+        v = self.peer_memory_mb
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
+            raise ValueError(f"peer_memory_mb must be a number >= 0 (MB) or None, got {v!r}")
+        if self.peer_domain_label is not None and (not isinstance(self.peer_domain_label, str)
+                                                   or not self.peer_domain_label):
+            raise ValueError(f"peer_domain_label must be a node label's name or None, got {self.peer_domain_label!r}")
         if self.overlap_check is None:
             self.overlap_check = check_enabled()
         for name in ("direct_io", "prefault_object_store", "prefault_needed", "overlap", "overlap_check"):
@@ -101,6 +120,16 @@ class EngineConfig:
     def local_root(self, node_id: Optional[str] = None) -> str:
         """The run's root on the local tier: ``local_dir`` (``{node_id}`` replaced by the first 12
         characters of ``node_id``, by default this process's Ray node) joined with the run name."""
+        return join_uri(self.local_base(node_id), self.run)
+
+    def remote_root(self) -> Optional[str]:
+        """The run's root on the remote tier: the run name appended to the URI's path, before any
+        ``?query`` settings (``s3://b/p?endpoint_override=h:9000&scheme=http`` ->
+        ``s3://b/p/<run>?endpoint_override=h:9000&scheme=http``); None without a remote tier."""
+        return join_uri(self.remote_uri, self.run) if self.remote_uri else None
+
+    def local_base(self, node_id: Optional[str] = None) -> str:
+        """``local_dir`` with ``{node_id}`` resolved as in :meth:`local_root` (without the run)."""
         base = self.local_dir
         if "{node_id}" in base:
             if node_id is None:
@@ -108,13 +137,7 @@ class EngineConfig:
 
                 node_id = ray.get_runtime_context().get_node_id()
             base = base.replace("{node_id}", node_id[:12])
-        return join_uri(base, self.run)
-
-    def remote_root(self) -> Optional[str]:
-        """The run's root on the remote tier: the run name appended to the URI's path, before any
-        ``?query`` settings (``s3://b/p?endpoint_override=h:9000&scheme=http`` ->
-        ``s3://b/p/<run>?endpoint_override=h:9000&scheme=http``); None without a remote tier."""
-        return join_uri(self.remote_uri, self.run) if self.remote_uri else None
+        return base
 
     def local_tier(self) -> Tier:
         return Tier(self.local_root(), "local")

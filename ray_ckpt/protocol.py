@@ -99,7 +99,7 @@ class SaveOutcome:
 
     version: int
     step: int
-    durability: str                       # "local" | "remote"
+    durability: str                       # "local" | "replicated" | "remote"
     bytes_written: int
     states: Tuple[str, ...] = ()
     seconds: float = 0.0                  # from the coordinator accepting the version to this commit
@@ -156,6 +156,8 @@ class CoordinatorStatus:
     skipped_versions: Dict[int, str] = field(default_factory=dict)  # found in storage, not trusted: why
     # nodes where no critical writer could be placed (their parts are written elsewhere): why
     unplaced_writers: Dict[str, str] = field(default_factory=dict)
+    # peer replicas (create(..., peer_replicas=N)): version -> the nodes whose holders have its files
+    replicas: Dict[int, Tuple[str, ...]] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
         """The form ``engine.status()`` returns to users (a dict a person or a dashboard reads)."""
@@ -173,7 +175,8 @@ class CoordinatorStatus:
                 "committed": self.committed, "remote_committed": self.remote_committed, "commits": self.commits,
                 "failures": self.failures, "last_error": self.last_error, "started_at": self.started_at,
                 "node": self.node, "writer_nodes": dict(self.writer_nodes), "upload_owed": self.upload_owed,
-                "skipped_versions": dict(self.skipped_versions), "unplaced_writers": dict(self.unplaced_writers)}
+                "skipped_versions": dict(self.skipped_versions), "unplaced_writers": dict(self.unplaced_writers),
+                "replicas": {v: list(nodes) for v, nodes in self.replicas.items()}}
 
 
 @dataclass(frozen=True)

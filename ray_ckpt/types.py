@@ -60,6 +60,7 @@ class Durability(_StrEnum):
     """Where a SaveResult's version is committed."""
 
     LOCAL = "local"
+    REPLICATED = "replicated"  # local, and held in the memory of peer_replicas other nodes
     REMOTE = "remote"
     SKIPPED = "skipped"  # on_busy="skip": nothing was captured
 
@@ -74,9 +75,12 @@ class StateStatus(_StrEnum):
 
 
 class TierName(_StrEnum):
-    """The tier a state was read from: the node-local disk or the remote store."""
+    """The tier a state was read from: the node-local disk, a peer replica or the remote store.
+    A state read from a peer reports ``"peer:<node>"`` (the holder's node, its first 12
+    characters): a plain string that starts with ``TierName.PEER``."""
 
     LOCAL = "local"
+    PEER = "peer"
     REMOTE = "remote"
 
 
@@ -122,14 +126,14 @@ class StateReport:
     ``bytes`` read."""
 
     status: str  # "restored" | "reloaded" | "skipped" | "missing"
-    tier: Optional[str]  # "local" | "remote" | None
+    tier: Optional[str]  # "local" | "peer:<node>" | "remote" | None
     verified: bool
     detail: str = ""
     bytes: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "status", StateStatus(self.status))
-        if self.tier is not None:
+        if self.tier is not None and not str(self.tier).startswith(f"{TierName.PEER}:"):
             object.__setattr__(self, "tier", TierName(self.tier))
 
 

@@ -26,6 +26,7 @@ from ..formats.tree import flatten
 from .object_store import grow_needed, prefault_needed, start_prefault, state_nbytes
 from .fence_hooks import candidates, install_hooks
 from .overlap import OverlapCopier, process_copier, process_hooks
+from .peer_reads import PeerCopies
 from ..protocol import StagedState
 from .mailbox import PendingSnapshot, _deliver, pending_refs, self_handle_ref
 from ..storage.tier import Tier
@@ -387,10 +388,12 @@ def stage_in_actor(actor: Any, name: str, config: Any, files: List[FileEntry],
     return StagedState(True, tier, "; ".join(problems), sum(f.size for f in files))
 
 
-def tiers_of(config: Any) -> List[Tier]:
-    """The tiers as seen from this process: its node's local tier first, then the remote one."""
+def tiers_of(config: Any) -> List[Any]:
+    """The tiers as seen from this process, nearest first: its node's local tier, the run's peer
+    replicas (``peer_reads.PeerCopies``, with ``peer_replicas``), then the remote tier."""
     remote = config.remote_tier()
-    return [config.local_tier()] + ([remote] if remote is not None else [])
+    peers = [PeerCopies(config.run)] if getattr(config, "peer_replicas", 0) else []
+    return [config.local_tier()] + peers + ([remote] if remote is not None else [])
 
 
 class NothingStagedError(RestoreError):

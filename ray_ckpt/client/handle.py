@@ -179,7 +179,9 @@ class SaveHandle(concurrent.futures.Future):
 
     def wait(self, timeout: Optional[float] = None, durability: str = "local",
              best_effort: bool = False, progress: bool = False) -> SaveResult:
-        """Block until the version is committed on the ``durability`` tier ("local" or "remote").
+        """Block until the version is committed on the ``durability`` tier: "local", "replicated"
+        (local, and every critical file held in the memory of the run's ``peer_replicas`` other
+        nodes) or "remote".
 
         ``best_effort=True`` also waits for the version's best-effort parts to be written or
         reported missing (a commit never waits for them). ``progress=True`` with
@@ -187,8 +189,8 @@ class SaveHandle(concurrent.futures.Future):
         1.2 GiB / 3.4 GiB (35%), 80 MiB/s, 27s left``), as the CLI shows its long work."""
         if self.skipped:
             return SaveResult(None, self.step, 0, "skipped")
-        if durability not in ("local", "remote"):
-            raise InvalidArgumentError(f"durability must be 'local' or 'remote', got {durability!r}")
+        if durability not in ("local", "replicated", "remote"):
+            raise InvalidArgumentError(f"durability must be 'local', 'replicated' or 'remote', got {durability!r}")
         coord = self._engine._coordinator
         pushed = self._push is not None
         if best_effort:
@@ -196,6 +198,9 @@ class SaveHandle(concurrent.futures.Future):
                 coord.wait.remote(self.version, durability, True)
         elif durability == "local":
             ref = self._ref
+        elif durability == "replicated":
+            ref = _shared_wait(coord, self.version, "replicated", pushed=pushed) if pushed else \
+                coord.wait.remote(self.version, "replicated")
         else:
             if self._remote_ref is None:
                 self._remote_ref = _shared_wait(coord, self.version, "remote", pushed=pushed) if pushed else \

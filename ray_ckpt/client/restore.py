@@ -17,6 +17,7 @@
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -24,6 +25,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import ray
 
 from ..storage.checkpoint_io import rank_files
+from ..storage.tier import farther
 from ..errors import IntegrityError, RestoreError, one_line
 from ..formats.manifest import FileEntry, Manifest, StateEntry
 from ..protocol import StagedState
@@ -233,7 +235,7 @@ def verify(s: Staged, registry: Mapping[str, Registration], strict: bool, run: s
     for name, rs in per_state.items():
         detail = "; ".join(r.detail for r in rs if r.detail)
         if all(r.ok for r in rs):
-            tier = "remote" if any(r.tier == "remote" for r in rs) else "local"
+            tier = functools.reduce(farther, [r.tier or "local" for r in rs], "local")
             reports[name] = StateReport("restored", tier, True, detail, sum(r.bytes for r in rs))
         else:
             reports[name] = StateReport("missing", None, False, detail)

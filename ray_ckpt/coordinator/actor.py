@@ -62,6 +62,7 @@ from ..ray_internals import actor_ready
 from ..protocol import (CoordinatorStatus, Declaration, PartPlan, PushedPart, SaveOutcome, StoredState, SubmitAck,
                         SubmitBatchResult)
 from .recovery import DECLARED, DRIVER_STATES, recover
+from .replication import Replication
 from .run_guards import GcNoticeWatch, OwnerFence
 from .uploader import Uploader
 from .write_dispatch import WriteDispatch
@@ -113,13 +114,18 @@ class CheckpointCoordinator:
                                  self._after_upload, self._set_error)
         self.deletions = Deletions(config, self.local, self.remote, self.catalogue, self.uploads, self.pools,
                                    self.file_nodes)
+        self.replication = Replication(config, self.local, self.pools, self.catalogue, self.uploads, self.skipped,
+                                       self.file_nodes, self.node_id, self._in_background, self._set_error)
+        self.queries.replication = self.replication
         self.versions = VersionCommits(config, self.local, self.catalogue, self.uploads, self.uploader, self.deletions,
                                        self.metrics, self.node_id, self.file_nodes, self.accepted_at, self.fence,
-                                       self._raise_head, self._in_background, self._set_error)
+                                       self._raise_head, self._in_background, self._set_error,
+                                       on_commit=self.replication.on_commit)
         self.writes = WriteDispatch(self.pools, self.catalogue, config.compression, self.versions.record,
                                     self.versions.progress, self._in_background)
         self.waits = VersionWaits(config.run, self.remote, config.rank_timeout_s, self.catalogue, self.uploads,
-                                  self.uploader, self.versions.commit_futures, self.versions.settled_futures)
+                                  self.uploader, self.versions.commit_futures, self.versions.settled_futures,
+                                  self.replication)
 
     def set_owner(self, token: int) -> None:
         """The token of the job that owns the run (create() wrote its record before calling this)."""
@@ -332,6 +338,7 @@ class CheckpointCoordinator:
         go on from ``version`` with the same step numbers (a roll-back after divergence). Refused
         while saves are in flight. Returns the versions deleted."""
         gone = await self.deletions.rewind(version)
+        self.replication.rewound(gone)
         for tier in (self.local, self.remote):  # the heads come down with the versions: steps are reused
             if tier is not None:
                 await asyncio.to_thread(self.heads.set_to, tier, version, self.cfg.signing_key)

@@ -42,11 +42,12 @@ class VersionCommits:
                  uploader: Uploader, deletions: Deletions, metrics: Metrics, node_id: str,
                  file_nodes: Dict[str, str], accepted_at: Dict[int, float], fence: Callable[[Tier], Optional[str]],
                  raise_head: Callable[[Tier, int], Any], in_background: Callable[[Any], Any],
-                 set_error: Callable[[str], None]):
+                 set_error: Callable[[str], None], on_commit: Optional[Callable[[int], None]] = None):
         self.cfg, self.local, self.catalogue, self.uploads = cfg, local, catalogue, uploads
         self.uploader, self.deletions, self.metrics, self.node_id = uploader, deletions, metrics, node_id
         self.file_nodes, self.accepted_at, self._fence = file_nodes, accepted_at, fence
         self._raise_head, self._in_background, self._set_error = raise_head, in_background, set_error
+        self._on_commit = on_commit  # the peer replicas' send (replication.py)
         self.commit_futures: Dict[int, asyncio.Future] = {}
         self.settled_futures: Dict[int, asyncio.Future] = {}  # every part, best-effort too, is done
         self.version_locks: Dict[int, asyncio.Lock] = {}
@@ -152,6 +153,8 @@ class VersionCommits:
         fut.set_result(outcome_of(manifest, "local", written + len(manifest.to_json()),
                                   stages=dict(pv.stages(), manifest_s=time.perf_counter() - t_commit)))
         self.uploader.on_commit(version)
+        if self._on_commit is not None:
+            self._on_commit(version)
         # in the background: the version's bookkeeping (finish, retention) does not wait for it
         self._in_background(self._raise_head(self.local, version))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from .catalogue import Catalogue, meta_of
 from ..formats.manifest import Manifest
@@ -26,6 +26,7 @@ class CoordinatorQueries:
     def __init__(self, run: str, catalogue: Catalogue, uploads: UploadPlan, skipped: Dict[int, str],
                  pools: WriterPools):
         self.run, self.catalogue, self.uploads, self.skipped, self.pools = run, catalogue, uploads, skipped, pools
+        self.replication: Any = None  # replication.Replication, set by the actor (peer copies in list/status)
 
     def last_version(self) -> int:
         return max([self.catalogue.last_version] + list(self.uploads.committed))
@@ -35,6 +36,8 @@ class CoordinatorQueries:
         out = []
         for v in sorted(set(local) | set(remote)):
             tiers = tuple(t for t, d in (("local", local), ("remote", remote)) if v in d)
+            if self.replication is not None and self.replication.enabled and self.replication.fully_replicated(v):
+                tiers = tiers[:1] + ("peer",) + tiers[1:] if "local" in tiers else ("peer",) + tiers
             out.append(meta_of(local.get(v) or remote[v], tiers))
         return out
 
@@ -92,4 +95,5 @@ class CoordinatorQueries:
             started_at=started_at, node=node,
             writer_nodes={n[:12]: len(p) for n, p in self.pools.critical_by_node.items()},
             unplaced_writers={n[:12]: why for n, why in self.pools.unplaced.items()},
-            upload_owed=self.uploads.owed, skipped_versions=self.skipped_versions())
+            upload_owed=self.uploads.owed, skipped_versions=self.skipped_versions(),
+            replicas=self.replication.replicas() if self.replication is not None else {})

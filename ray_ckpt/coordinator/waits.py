@@ -9,6 +9,7 @@ its own, read in one place; the futures it awaits are the coordinator's (shared 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any, Dict, Optional
 
 from .catalogue import Catalogue
@@ -35,16 +36,19 @@ class VersionWaits:
 
     def __init__(self, run: str, remote: Optional[Tier], rank_timeout_s: float, catalogue: Catalogue,
                  uploads: UploadPlan, uploader: Uploader, commit_futures: Dict[int, asyncio.Future],
-                 settled_futures: Dict[int, asyncio.Future]):
+                 settled_futures: Dict[int, asyncio.Future], replication: Any = None):
         self.run, self.remote, self.rank_timeout_s = run, remote, rank_timeout_s
         self.catalogue, self.uploads, self.uploader = catalogue, uploads, uploader
         self.commit_futures, self.settled_futures = commit_futures, settled_futures
+        self.replication = replication  # replication.Replication: the "replicated" outcomes
 
     async def wait(self, version: int, durability: str = "local", best_effort: bool = False,
                    pushed: bool = False) -> SaveOutcome:
         """See ``CheckpointCoordinator.wait``."""
-        if durability not in ("local", "remote"):
-            raise SaveError(f"durability must be 'local' or 'remote', got {durability!r}")
+        if durability not in ("local", "remote", "replicated"):
+            raise SaveError(f"durability must be 'local', 'replicated' or 'remote', got {durability!r}")
+        if durability == "replicated":
+            return await self._wait_replicated(version, best_effort, pushed)
         if best_effort:
             return await self._wait_settled(version, durability)
         loop = asyncio.get_running_loop()
@@ -71,6 +75,21 @@ class VersionWaits:
             return await self.uploader.futures[version]
         raise SaveError(f"version {version} is unknown to the coordinator of run {self.run!r} "
                         f"(it may have restarted while the save was in flight)")
+
+    async def _wait_replicated(self, version: int, best_effort: bool, pushed: bool) -> SaveOutcome:
+        """Committed locally, and every critical file held by the run's peer replicas."""
+        if self.replication is None or not self.replication.enabled:
+            raise SaveError(f"run {self.run!r} keeps no peer replicas: create it with peer_replicas=1 (or more) "
+                            f"to wait for durability='replicated'")
+        outcome = await self.wait(version, "local", best_effort, pushed)
+        fut = self.replication.futures.get(version)  # made at the commit, before the local outcome resolved
+        if fut is None and not self.replication.fully_replicated(version):
+            raise SaveError(f"version {version} of run {self.run!r} has no peer replicas: it was committed before the "
+                            f"coordinator (re)started, or is older than the newest peer_keep="
+                            f"{self.replication.cfg.peer_keep} versions the holders keep")
+        if fut is not None:
+            await fut
+        return dataclasses.replace(outcome, durability="replicated")
 
     async def _wait_settled(self, version: int, durability: str) -> SaveOutcome:
         await self.wait(version, "local")

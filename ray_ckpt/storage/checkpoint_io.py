@@ -17,7 +17,7 @@ from ..formats.flat import Flat
 from ..formats.tree import unflatten
 from . import layout
 from .durable_batch import DurableBatch
-from .tier import Tier
+from .tier import Tier, farther
 
 
 def content_hash(flat: Flat) -> str:
@@ -184,8 +184,8 @@ def read_files(tiers: Sequence[Tier], files: List[FileEntry]) -> Tuple[List[byte
         for tier in tiers:
             try:
                 bufs.append(tier.read_verified(f.path, f.size, f.checksum))
-                if tier.name != tiers[0].name:
-                    used = tier.name
+                if tier is not tiers[0]:
+                    used = farther(used, tier.name)
                 break
             except FileNotFoundError:
                 errors.append(f"{tier.name}: missing")

@@ -20,7 +20,8 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 _VERSION_DIR = re.compile(r"^v(\d{12})$")
 
 __all__ = ["MANIFEST", "validate_name", "is_valid_file_path", "version_dir", "parse_version_dir", "manifest_path",
-           "tensors_file", "table_file", "buffer_file", "segment_file", "segment_index_file", "join_uri"]
+           "tensors_file", "table_file", "buffer_file", "segment_file", "segment_index_file", "join_uri",
+           "peer_spill_dir"]
 
 
 def validate_name(name: object, what: str = "name") -> str:
@@ -68,6 +69,15 @@ def segment_file(version: int, state: str, rank: int) -> str:
 
 def segment_index_file(version: int, state: str, rank: int) -> str:
     return f"{version_dir(version)}/{state}/rank{rank}.index.json"
+
+
+PEER_SPILL_DIR = ".ray_ckpt_peer"  # never a run's name: run names start with a letter or digit
+
+
+def peer_spill_dir(run: str, key: str) -> str:
+    """Where replica holder ``key`` of ``run`` spills what its memory budget does not hold,
+    relative to the local tier's base directory (beside the runs, inside no run's root)."""
+    return f"{PEER_SPILL_DIR}/{run}/{key}"
 
 
 def join_uri(base: str, run: str) -> str:

@@ -30,7 +30,7 @@ from ..formats.sharded_leaf import walk_sharded
 from ..formats.tree import unflatten
 from .shard_header import check_header_chunks, digest_check, parse_header
 from .target_match import check_keys, merge_scalars, mismatch, tensor_keys
-from .tier import Tier
+from .tier import Tier, farther
 from ..types import StateReport
 
 
@@ -117,7 +117,7 @@ class RangeReader:
                 errors.append(f"{tier.name}: {tier.scrub(one_line(exc))}")
                 continue
             if tier is not self.tiers[0]:
-                self.tier = tier.name
+                self.tier = farther(self.tier, tier.name)
             self.problems.extend(errors)
             return data
         raise IntegrityError(f"no good copy of bytes {begin}..{end} of {file} ({'; '.join(errors)})")

@@ -38,6 +38,14 @@ _MAP_FROM = 1 << 20  # local files from 1 MiB are mapped for reading, not copied
 __all__ = ["Tier", "RateLimit", "TMP_MARK", "NotOurs", "resolve_filesystem"]
 
 
+def farther(a: str, b: str) -> str:
+    """Of two tier names, the one farther from the reader (local < peer:<node> < remote): a state
+    read from several tiers reports the farthest it had to go."""
+    def rank(t: str) -> int:
+        return 2 if t == "remote" else 1 if t.startswith("peer") else 0
+    return a if rank(a) >= rank(b) else b
+
+
 class Tier:
     """The run root ``<uri>`` on one filesystem. Paths given to methods are relative to it."""
 

@@ -24,11 +24,12 @@ from ..ray_internals import object_locations
 from ..storage.checkpoint_io import delete_version
 from ..storage.durable_batch import remove_temporaries
 from .part_writer import PartWriter
+from .replicas import send_files
 
 log = logging.getLogger("ray_ckpt.writers")
 
 
-@ray.remote(max_restarts=-1, max_task_retries=2, concurrency_groups={"upload": 2})
+@ray.remote(max_restarts=-1, max_task_retries=2, concurrency_groups={"upload": 2, "replicate": 1})
 class WriterActor:
     """Ray shell over PartWriter. Snapshot refs arrive inside a list so Ray does not resolve them in
     the coordinator; the writer fetches them from the object store (zero-copy on its node).
@@ -99,6 +100,12 @@ class WriterActor:
     @ray.method(concurrency_group="upload", max_task_retries=0)  # the coordinator retries uploads itself
     def upload(self, files: List[FileEntry]) -> int:
         return self.writer.upload(files)
+
+    @ray.method(concurrency_group="replicate", max_task_retries=0)
+    def replicate(self, version: int, files: List[FileEntry], holder: Any) -> int:
+        """Send ``files`` of ``version`` from this node's local tier to a replica holder on
+        another node (``replicas.send_files``); its own group, so local writes never wait for it."""
+        return send_files(self.writer.local, version, files, holder)
 
     def node_id(self) -> str:
         return self.node

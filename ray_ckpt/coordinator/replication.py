@@ -1,0 +1,283 @@
+"""Peer replicas and node loss: where each committed version's critical files are held besides the
+disk of the node that wrote them, and what a lost node costs.
+
+With ``create(..., peer_replicas=N)`` every committed version's critical files (CRITICAL and
+RELOADABLE states) are sent, right after the commit, from the writer on the node that wrote them
+to the replica holders (``writers/replicas.py``) of N other nodes (another failure domain when
+``peer_domain_label`` names a node label), least loaded first. ``wait(durability="replicated")``
+answers once every such file is held by N live holders.
+
+The coordinator polls Ray's node table. When a node dies:
+
+* its holder's copies are forgotten, and the newest versions that lost a copy are sent again (from
+  the writer's disk if that node lives, else from a surviving holder), so that a second loss is
+  survived too; a pass also runs when a node joins, for versions that had nowhere to go;
+* a version committed only locally (not uploaded) with a critical file that now exists nowhere (its
+  node gone, no live replica, not on this node's disk either) is no longer listed: it is reported in
+  ``status()["skipped_versions"]`` with the node that took it, and its number is never reused.
+
+Without peer replicas the second rule still holds: a version restorable nowhere is never listed.
+Held in memory only: a restarted coordinator knows no replica (its holders went with it) and lists
+what its storage scan finds.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+import ray
+
+from ..config import EngineConfig
+from ..errors import SaveError, one_line
+from ..formats.manifest import FileEntry, Manifest
+from ..storage.tier import Tier
+from ..writers.pools import WriterPools
+from ..writers.replicas import start_holder
+from .catalogue import Catalogue
+from .upload_plan import UploadPlan
+
+log = logging.getLogger("ray_ckpt.coordinator")
+
+NODE_POLL_S = 1.0  # how often the node table is read (a node loss is acted on within about this)
+HELD_STATES = ("critical", "reloadable")
+
+
+def held_files(m: Manifest) -> List[FileEntry]:
+    """The files a restore cannot do without: every stored CRITICAL or RELOADABLE state's, once each."""
+    seen: Dict[str, FileEntry] = {}
+    for e in m.states.values():
+        if e.status == "stored" and e.strategy in HELD_STATES:
+            for f in e.all_files():
+                seen.setdefault(f.path, f)
+    return list(seen.values())
+
+
+class Replication:
+    def __init__(self, cfg: EngineConfig, local: Tier, pools: WriterPools, catalogue: Catalogue, uploads: UploadPlan,
+                 skipped: Dict[int, str], file_nodes: Dict[str, str], node_id: str,
+                 in_background: Callable[[Any], Any], set_error: Callable[[str], None]):
+        self.cfg, self.local, self.pools, self.catalogue, self.uploads = cfg, local, pools, catalogue, uploads
+        self.skipped, self.file_nodes, self.node_id = skipped, file_nodes, node_id
+        self._in_background, self._set_error = in_background, set_error
+        self.holders: Dict[str, Any] = {}  # node -> its replica holder
+        self.copies: Dict[int, Dict[str, Set[str]]] = {}  # version -> file -> nodes whose holder has it
+        self.held_bytes: Dict[str, int] = {}  # node -> bytes sent to its holder (placement: least first)
+        self.futures: Dict[int, asyncio.Future] = {}  # version -> its "replicated" outcome
+        self.alive: Dict[str, Dict[str, str]] = {}  # node -> labels, as last read
+        self.dead: Set[str] = set()
+        self.short: Dict[int, str] = {}  # version -> why it has fewer copies than asked
+        self._task: Optional[asyncio.Future] = None
+        self._lock = asyncio.Lock()  # one pass of sends at a time
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.peer_replicas > 0
+
+    # ------------------------------------------------------------------ after a commit
+    def on_commit(self, version: int) -> None:
+        self.start()
+        if self.enabled:
+            self.future(version)
+            self._in_background(self._replicate(version))
+
+    def future(self, version: int) -> asyncio.Future:
+        if version not in self.futures:
+            self.futures[version] = asyncio.get_running_loop().create_future()
+        return self.futures[version]
+
+    async def _replicate(self, version: int) -> None:
+        async with self._lock:
+            if not self.alive:
+                await self._read_nodes()
+            problems = await self._fill(version)
+        self._settle(version, problems)
+        self._prune()
+
+    def _settle(self, version: int, problems: List[str]) -> None:
+        fut = self.future(version)
+        if problems:
+            self.short[version] = "; ".join(problems)
+        else:
+            self.short.pop(version, None)
+        if fut.done():
+            return
+        if problems:
+            fut.set_exception(SaveError(f"version {version} of run {self.cfg.run!r} is not held by "
+                                        f"{self.cfg.peer_replicas} peer replica(s): {'; '.join(problems)}"))
+        else:
+            fut.set_result(True)
+
+    async def _fill(self, version: int) -> List[str]:
+        """Send ``version``'s files where copies are missing; returns what could not be done."""
+        m = self.catalogue.committed.get(version)
+        if m is None:
+            return [f"version {version} is no longer listed"]
+        held = self.copies.setdefault(version, {})
+        sends: Dict[Tuple[str, str, str], List[FileEntry]] = {}  # (how, from, to) -> files
+        problems: List[str] = []
+        for f in held_files(m):
+            have = held.setdefault(f.path, set())
+            have.intersection_update(self.alive)
+            src = self.file_nodes.get(f.path, self.node_id)
+            # a file whose writer's disk is gone lost a copy: one more holder, so that the next loss
+            # is survived too
+            want = self.cfg.peer_replicas + (0 if src in self.alive else 1) - len(have)
+            targets = self._targets(src, have, want)
+            if len(targets) < want:
+                problems.append(f"{f.path}: no node outside {self._domain_of(src)} to hold a copy "
+                                f"({len(self.alive)} node(s) alive)")
+            if not targets:
+                continue
+            how = ("writer", src) if src in self.alive and src in self.pools.critical_by_node else \
+                ("holder", sorted(have)[0]) if have else None
+            if how is None:
+                problems.append(f"{f.path}: no live copy to send (node {src[:12]} is gone)")
+                continue
+            for t in targets:
+                sends.setdefault((how[0], how[1], t), []).append(f)
+        calls = [(key, fs, self._send(version, key, fs)) for key, fs in sends.items()]
+        for (how, src, target), fs, ref in calls:
+            try:
+                await ref
+            except Exception as exc:
+                problems.append(f"sending {len(fs)} file(s) from node {src[:12]} to node {target[:12]} failed: "
+                                f"{one_line(exc)[:300]}")
+                continue
+            for f in fs:
+                held[f.path].add(target)
+            self.held_bytes[target] = self.held_bytes.get(target, 0) + sum(f.size for f in fs)
+        return problems
+
+    def _send(self, version: int, key: Tuple[str, str, str], files: List[FileEntry]) -> Any:
+        how, src, target = key
+        holder = self._holder(target)
+        if how == "writer":
+            return self.pools.critical_by_node[src][0].replicate.remote(version, files, holder)
+        return self.holders[src].copy_to.remote(version, holder)
+
+    def _holder(self, node: str) -> Any:
+        if node not in self.holders:
+            self.holders[node] = start_holder(self.cfg, node)
+        return self.holders[node]
+
+    def _domain_of(self, node: str) -> str:
+        label = self.cfg.peer_domain_label
+        if label is None:
+            return f"node {node[:12]}"
+        return f"{label}={self.alive.get(node, {}).get(label)!r}"
+
+    def _targets(self, src: str, have: Set[str], need: int) -> List[str]:
+        """Up to ``need`` live nodes for a new copy of a file written on ``src``: not ``src``, not
+        a node that has one, not ``src``'s failure domain; least loaded first."""
+        if need <= 0:
+            return []
+        label = self.cfg.peer_domain_label
+        domain = self.alive.get(src, {}).get(label) if label else None
+        ok = [n for n in self.alive if n != src and n not in have
+              and (label is None or (self.alive[n].get(label) is not None and self.alive[n].get(label) != domain))]
+        return sorted(ok, key=lambda n: (self.held_bytes.get(n, 0), n))[:need]
+
+    def _prune(self) -> None:
+        """Forget copies of versions older than the newest ``peer_keep`` (holders dropped them)."""
+        for v in sorted(self.copies)[:-self.cfg.peer_keep]:
+            self.copies.pop(v, None)
+            self.short.pop(v, None)
+        for v in sorted(self.futures)[:-32]:
+            if self.futures[v].done():
+                self.futures.pop(v)
+
+    # ------------------------------------------------------------------ nodes
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._watch())
+
+    async def _read_nodes(self) -> Set[str]:
+        """Read Ray's node table; returns the nodes that died since the last read."""
+        nodes = await asyncio.to_thread(ray.nodes)
+        before = set(self.alive)
+        self.alive = {n["NodeID"]: dict(n.get("Labels") or {}) for n in nodes if n.get("Alive")}
+        gone = (before - set(self.alive)) | {n["NodeID"] for n in nodes if not n.get("Alive") and n["NodeID"] in before}
+        return gone - self.dead
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(NODE_POLL_S)
+            try:
+                before = set(self.alive)
+                gone = await self._read_nodes()
+                if gone:
+                    await self.nodes_lost(gone)
+                if self.enabled and (gone or set(self.alive) - before or self.short):
+                    await self.repair()
+            except Exception as exc:  # the next poll tries again
+                log.warning("run %r: watching nodes failed: %s", self.cfg.run, one_line(exc))
+
+    async def nodes_lost(self, gone: Set[str]) -> None:
+        self.dead |= gone
+        for n in gone:
+            self.holders.pop(n, None)
+            self.held_bytes.pop(n, None)
+        for held in self.copies.values():
+            for nodes in held.values():
+                nodes.difference_update(gone)
+        lost = []
+        for v, m in sorted(self.catalogue.committed.items()):
+            if v in self.uploads.committed or v in self.catalogue.pending:
+                continue
+            missing = [f.path for f in held_files(m) if not await self._restorable(v, f)]
+            if missing:
+                lost.append(v)
+                node = self.file_nodes.get(missing[0], self.node_id)
+                why = (f"lost with node {node[:12]}: {len(missing)} critical file(s) (e.g. {missing[0]}) were on its "
+                       f"local disk only (not uploaded, no live peer replica)")
+                self.catalogue.forget(v)
+                self.catalogue.reserved_through = max(self.catalogue.reserved_through, v)
+                self.skipped[v] = why
+                self.copies.pop(v, None)
+        names = ", ".join(n[:12] for n in sorted(gone))
+        if lost:
+            msg = f"node(s) {names} lost: versions {lost} can no longer be restored and are no longer listed"
+            self._set_error(msg)
+            log.error("run %r: %s", self.cfg.run, msg)
+        else:
+            log.warning("run %r: node(s) %s lost; every listed version is still restorable", self.cfg.run, names)
+
+    async def _restorable(self, version: int, f: FileEntry) -> bool:
+        if self.file_nodes.get(f.path, self.node_id) not in self.dead:
+            return True
+        if self.copies.get(version, {}).get(f.path):
+            return True
+        # a local_dir shared by the nodes (a network disk): the file is still there
+        return await asyncio.to_thread(self.local.exists, f.path)
+
+    async def repair(self) -> None:
+        """Send again what the newest ``peer_keep`` committed versions lack (a node lost or joined)."""
+        async with self._lock:
+            for v in sorted(self.catalogue.committed)[-self.cfg.peer_keep:]:
+                problems = await self._fill(v)
+                self._settle(v, problems)
+                if not problems:
+                    log.info("run %r: version %d is held by %d peer replica(s) again", self.cfg.run, v,
+                             self.cfg.peer_replicas)
+
+    # ------------------------------------------------------------------ status
+    def replicas(self) -> Dict[int, Tuple[str, ...]]:
+        """version -> the nodes (first 12 characters) whose holders have its files."""
+        return {v: tuple(sorted({n[:12] for nodes in held.values() for n in nodes}))
+                for v, held in sorted(self.copies.items())}
+
+    def fully_replicated(self, version: int) -> bool:
+        held = self.copies.get(version)
+        m = self.catalogue.committed.get(version)
+        if not held or m is None:
+            return False
+        return all(len(held.get(f.path, ())) >= self.cfg.peer_replicas for f in held_files(m))
+
+    def rewound(self, versions: List[int]) -> None:
+        """Versions deleted by a rewind: their holders drop them (their numbers will be reused)."""
+        for v in versions:
+            self.copies.pop(v, None)
+            self.futures.pop(v, None)
+        for h in self.holders.values():
+            h.drop.remote(list(versions))

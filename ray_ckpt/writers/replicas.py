@@ -1,0 +1,98 @@
+"""``ReplicaHolder``: the Ray shell over a :class:`~ray_ckpt.writers.replica_store.ReplicaStore`, one
+per node that holds peer replicas of a run (``create(..., peer_replicas=N)``).
+
+Placed on its node by the coordinator (node affinity, no CPU reserved: it only holds bytes and
+answers reads) and named (``capture.peer_reads.holder_name``) so that any process of the cluster
+finds it to read; restarted by Ray if its process dies (it comes back empty and its spill directory
+is cleared: the coordinator's repair pass sends the newest versions again).
+
+Files arrive from a writer on the node that wrote them (``send_files``: read from that node's local
+tier, verified, passed as arguments: Ray's object transfer moves them) or from another holder
+(``copy_to``: re-replication after a node loss).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import ray
+
+from ..capture.peer_reads import NAMESPACE, holder_name
+from ..formats.manifest import FileEntry
+from ..storage.layout import join_uri, peer_spill_dir
+from ..storage.tier import Tier
+from .replica_store import ReplicaStore, StoreUsage
+
+DEFAULT_MEMORY_FRACTION = 0.1  # of the node's physical memory, when peer_memory_mb is not given
+
+
+def default_budget() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * DEFAULT_MEMORY_FRACTION)
+    except (ValueError, OSError):
+        return 1 << 30
+
+
+def _as_array(buf: Any) -> np.ndarray:
+    """Bytes as a uint8 array: Ray moves arrays through the object store without pickling a copy."""
+    return np.frombuffer(buf, dtype=np.uint8)
+
+
+def send_files(tier: Tier, version: int, files: Sequence[FileEntry], holder: Any) -> int:
+    """Read ``files`` from ``tier`` (each verified against its entry) and have ``holder`` keep them
+    for ``version``. Returns the bytes the holder newly stored."""
+    blobs = [_as_array(tier.read_verified(f.path, f.size, f.checksum)) for f in files]
+    return ray.get(holder.hold.remote(version, list(files), *blobs))
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0, max_concurrency=8)
+class ReplicaHolder:
+    def __init__(self, config: Any, key: str, budget: Optional[int] = None):
+        self.node = ray.get_runtime_context().get_node_id()
+        self.key = key
+        spill = Tier(join_uri(config.local_base(self.node), peer_spill_dir(config.run, key)), "peer-spill")
+        for path in spill.list_files(""):  # a restarted holder: what it spilled before is not indexed
+            spill.delete_file(path)
+        if budget is None:
+            budget = default_budget() if config.peer_memory_mb is None else int(config.peer_memory_mb * 1e6)
+        self.store = ReplicaStore(budget, config.peer_keep, spill)
+
+    def hold(self, version: int, files: List[FileEntry], *blobs: Any) -> int:
+        return self.store.put(version, files, blobs)
+
+    def get(self, path: str) -> Optional[Any]:
+        data = self.store.get(path)
+        return None if data is None else _as_array(data)
+
+    def get_range(self, path: str, begin: int, end: int) -> Optional[Any]:
+        data = self.store.get_range(path, begin, end)
+        return None if data is None else _as_array(data)
+
+    def index(self) -> Dict[int, List[str]]:
+        return self.store.index()
+
+    def usage(self) -> StoreUsage:
+        return self.store.usage()
+
+    def drop(self, versions: List[int]) -> None:
+        self.store.drop(versions)
+
+    def copy_to(self, version: int, other: Any) -> int:
+        """Send every file held for ``version`` to holder ``other`` (after a node loss)."""
+        files = self.store.entries(version)
+        blobs = [self.store.get(f.path) for f in files]
+        kept = [(f, b) for f, b in zip(files, blobs) if b is not None]
+        return ray.get(other.hold.remote(version, [f for f, _ in kept], *[_as_array(b) for _, b in kept]))
+
+    def node_id(self) -> str:
+        return self.node
+
+
+def start_holder(config: Any, node: str) -> Any:
+    """The holder of ``config.run`` on ``node`` (get-or-create by name)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return ReplicaHolder.options(name=holder_name(config.run, node[:12]), namespace=NAMESPACE, get_if_exists=True,
+                                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                                 ).remote(config, node[:12])

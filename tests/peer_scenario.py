@@ -1,0 +1,144 @@
+"""Peer replicas on a real multi-node Ray cluster on one machine (ray.cluster_utils.Cluster).
+
+Run by tests/test_peer_replicas.py in its own process (a Cluster needs its own ray.init). Prints
+"PEER OK" and exits 0 when every check holds; an AssertionError otherwise.
+
+  1. 3 nodes (head H, A with the learner, B), ``peer_replicas=1``, ``remote_every=5``: versions 1..7
+     are saved; 7 is never uploaded; ``wait(durability="replicated")`` returns once another node's
+     holder has its files, and the version is listed on the "peer" tier;
+  2. node A is removed and its local disk deleted: versions 5 (uploaded), 6 and 7 (held by peers)
+     stay listed; 1-4, on A's disk only, are reported lost and no longer listed; the coordinator
+     sends a second copy of A's files of 6 and 7 to another node;
+  3. a new node D joins (the learner restarts there); node B is removed too: version 7 is held again
+     by live holders (listed on "peer");
+  4. restore on D: version 7, bit-exact with an uninterrupted run, read from a peer replica (the
+     report says ``peer:<node>``).
+"""
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import ray
+import torch
+from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ray_ckpt as rc  # noqa: E402
+from actors import Learner, remote  # noqa: E402
+
+T0 = time.monotonic()
+
+
+def say(msg) -> None:
+    print(f"[{time.monotonic() - T0:5.1f}s] {msg}", flush=True)
+
+
+def until(what, check, timeout=120.0, every=0.3):
+    """``check()``'s first truthy value within ``timeout`` seconds; AssertionError naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:g}s"
+        time.sleep(every)
+
+
+def tiers_of(engine, version):
+    return next((m.tiers for m in engine.list_checkpoints() if m.version == version), ())
+
+
+def main() -> int:
+    root = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="rc_peer_")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    node_a = cluster.add_node(num_cpus=1, resources={"learner_slot": 1})
+    node_b = cluster.add_node(num_cpus=1)
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+        a, b = node_a.node_id, node_b.node_id
+        head = ray.get_runtime_context().get_node_id()
+        say("cluster of 3 nodes up")
+        # states over 100 KB live in the object store of the learner's node: written on A's disk
+        learner = remote(Learner, max_restarts=1, resources={"learner_slot": 1},
+                         scheduling_strategy=NodeAffinitySchedulingStrategy(a, soft=True)).remote(seed=3, hidden=8192)
+        torch.set_num_threads(1)  # as in a Ray worker: the float sums run in the same order
+        reference = Learner(seed=3, hidden=8192)
+        reference.train(7)
+        expected = reference.snapshot()
+        engine = rc.CheckpointEngine.create("peer", local_dir=os.path.join(root, "local", "{node_id}"),
+                                            remote_uri="file://" + os.path.join(root, "remote"),
+                                            critical_writers=1, best_effort_writers=0, writer_placement_s=5,
+                                            peer_replicas=1, remote_every=5)
+        assert ray.get(learner.node.remote(), timeout=120) == a
+        for name in ("policy", "optimizer", "rng"):
+            engine.register(name, learner)
+        for step in range(1, 8):
+            ray.get(learner.train.remote(1))
+            h = engine.save(step)
+        result = h.wait(timeout=120, durability="replicated")
+        assert result.version == 7 and result.durability == "replicated", result
+        engine.wait_until_finished()
+        assert tiers_of(engine, 7) == ("local", "peer"), engine.list_checkpoints()
+        held = engine.status()["replicas"][7]
+        assert set(held) - {a[:12]}, (held, a[:12])  # A's own files are held elsewhere (A may hold H's)
+        on_a = os.path.join(root, "local", a[:12], "peer", "v000000000007", "policy", "rank0.safetensors")
+        assert os.path.exists(on_a), "the learner's state was not written on its own node"
+        say(f"7 versions saved; version 7 (not uploaded) is on A's disk and held by {held}")
+
+        cluster.remove_node(node_a)
+        shutil.rmtree(os.path.join(root, "local", a[:12]))
+        say("node A removed, its disk deleted")
+        # A's files lost their disk copy: a second holder gets them (H and B both hold them)
+        until("a second copy of A's files after A was lost",
+              lambda: set(engine.status()["replicas"].get(7, ())) >= {head[:12], b[:12]})
+        status = engine.status()
+        # versions 1-4: on A's disk only (not uploaded: remote_every=5; older than the newest
+        # peer_keep=2 the holders keep): reported lost, no longer listed; 5 (remote), 6 and 7 (peers) are
+        lost = status["skipped_versions"]
+        assert sorted(lost) == [1, 2, 3, 4] and all("lost with node " + a[:12] in why for why in lost.values()), status
+        assert [m.version for m in engine.list_checkpoints()] == [5, 6, 7], engine.list_checkpoints()
+        assert tiers_of(engine, 5) == ("local", "remote") and "peer" in tiers_of(engine, 6), engine.list_checkpoints()
+        say(f"version 7 re-replicated: held by {status['replicas'][7]}; versions 1-4 reported lost")
+
+        node_d = cluster.add_node(num_cpus=1, resources={"learner_slot": 1})
+        cluster.wait_for_nodes()
+        d = node_d.node_id
+        until("the learner restarted on node D", lambda: _node_of(learner) == d, timeout=180)
+        cluster.remove_node(node_b)
+        say("learner restarted on D; node B removed")
+        until("version 7 held by live replicas again after B was lost",
+              lambda: "peer" in tiers_of(engine, 7) and b[:12] not in engine.status()["replicas"].get(7, ()))
+        say(f"version 7 held by {engine.status()['replicas'][7]}")
+
+        report = engine.restore()
+        say(report)
+        assert report.version == 7, report
+        for name in ("policy", "optimizer"):
+            st = report.states[name]
+            assert st.status == "restored" and st.verified and st.tier.startswith("peer:"), (name, st)
+        got = ray.get(learner.snapshot.remote())
+        assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got), \
+            "the state restored from the peer replica differs from the uninterrupted run"
+        with_lost = engine.status()["skipped_versions"]
+        assert sorted(with_lost) == [1, 2, 3, 4], with_lost  # B's loss cost nothing more
+        engine.shutdown()
+        say("PEER OK")
+        return 0
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _node_of(actor):
+    try:
+        return ray.get(actor.node.remote(), timeout=20)
+    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+        return None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

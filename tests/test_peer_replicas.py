@@ -1,0 +1,162 @@
+"""Peer replicas (``create(..., peer_replicas=N)``): the holders' store without Ray, the holders and
+the peer reads on the session's Ray instance, and the node-loss scenario on a real multi-node
+cluster (``peer_scenario.py``, its own process)."""
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+import ray
+
+import ray_ckpt as rc
+from ray_ckpt.capture.peer_reads import NAMESPACE, PeerCopies, holder_name
+from ray_ckpt.config import EngineConfig
+from ray_ckpt.errors import IntegrityError
+from ray_ckpt.formats.checksum import digest
+from ray_ckpt.formats.manifest import FileEntry
+from ray_ckpt.storage.checkpoint_io import read_files
+from ray_ckpt.storage.layout import peer_spill_dir
+from ray_ckpt.storage.tier import Tier
+from ray_ckpt.writers.replica_store import ReplicaStore
+from ray_ckpt.writers.replicas import ReplicaHolder
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def entry(path: str, data: bytes) -> FileEntry:
+    return FileEntry(path, len(data), digest(data))
+
+
+def files_of(version: int, sizes):
+    out = []
+    for i, n in enumerate(sizes):
+        data = bytes((version * 31 + i + k) % 251 for k in range(n))
+        out.append((entry(f"v{version:012d}/policy/rank{i}.safetensors", data), data))
+    return out
+
+
+# ---------------------------------------------------------------------- the store, no Ray
+def test_store_keeps_its_memory_budget_spills_the_rest_and_serves_both(tmp_path):
+    store = ReplicaStore(budget=2500, keep=3, spill=Tier(str(tmp_path / "spill"), "peer-spill"))
+    for v in (1, 2, 3):
+        fs = files_of(v, [1000, 1000])
+        store.put(v, [f for f, _ in fs], [d for _, d in fs])
+        assert store.memory_bytes <= 2500
+    usage = store.usage()
+    assert usage.versions == (1, 2, 3) and usage.memory_bytes <= 2500 and usage.spilled_bytes == 6000 - usage.memory_bytes
+    for v in (1, 2, 3):  # every file is served, from memory or from the spill directory
+        for f, data in files_of(v, [1000, 1000]):
+            assert bytes(store.get(f.path)) == data
+            assert bytes(store.get_range(f.path, 10, 20)) == data[10:20]
+    # a fourth version: the oldest goes (keep=3), its spilled files leave the disk too
+    fs = files_of(4, [1000, 1000])
+    store.put(4, [f for f, _ in fs], [d for _, d in fs])
+    assert store.usage().versions == (2, 3, 4)
+    assert store.get(files_of(1, [1000])[0][0].path) is None
+    spilled = [p for _, _, names in os.walk(tmp_path / "spill") for p in names]
+    assert len(spilled) * 1000 == store.usage().spilled_bytes
+
+
+def test_store_refuses_bytes_that_do_not_match_the_manifest():
+    store = ReplicaStore(budget=10_000, keep=2)
+    (f, data), = files_of(1, [100])
+    with pytest.raises(IntegrityError, match="does not match its manifest"):
+        store.put(1, [f], [data[:-1] + b"\x00"])
+    assert store.usage().files == 0 and store.get(f.path) is None
+
+
+def test_store_without_disk_refuses_what_does_not_fit():
+    store = ReplicaStore(budget=500, keep=2)
+    (f, data), = files_of(1, [1000])
+    with pytest.raises(IntegrityError, match="memory budget"):
+        store.put(1, [f], [data])
+
+
+def test_a_file_referenced_by_two_versions_is_stored_once_and_kept_while_one_holds_it():
+    store = ReplicaStore(budget=10_000, keep=2)
+    (f, data), = files_of(1, [300])
+    store.put(1, [f], [data])
+    store.put(2, [f], [data])  # a RELOADABLE state: version 2 refers to version 1's file
+    assert store.usage().files == 1 and store.memory_bytes == 300
+    store.drop([1])
+    assert bytes(store.get(f.path)) == data
+    store.drop([2])
+    assert store.get(f.path) is None
+
+
+def test_peer_replicas_option_is_validated():
+    with pytest.raises(ValueError, match="peer_replicas must be an integer >= 0"):
+        EngineConfig("r", "/tmp/x", peer_replicas=-1)
+    with pytest.raises(ValueError, match="peer_keep"):
+        EngineConfig("r", "/tmp/x", peer_keep=0)
+    with pytest.raises(ValueError, match="peer_memory_mb"):
+        EngineConfig("r", "/tmp/x", peer_memory_mb="lots")
+
+
+# ---------------------------------------------------------------------- holders, one node
+@pytest.mark.timeout(120)
+def test_a_corrupt_replica_is_refused_by_checksum_and_the_next_copy_is_read(ray_session, tmp_path):
+    run = f"peer-{uuid.uuid4().hex[:6]}"
+    cfg = EngineConfig(run, str(tmp_path / "local"), peer_replicas=1, peer_memory_mb=0)  # every file spills
+    fs = files_of(7, [4000, 2000])
+    holders = {key: ReplicaHolder.options(name=holder_name(run, key), namespace=NAMESPACE).remote(cfg, key)
+               for key in ("nodeaaaaaaaa", "nodebbbbbbbb")}
+    try:
+        for h in holders.values():
+            assert ray.get(h.hold.remote(7, [f for f, _ in fs], *[d for _, d in fs]), timeout=60) == 6000
+        # the first holder's spilled copy of the first file is damaged on its disk
+        spill = tmp_path / "local" / peer_spill_dir(run, "nodeaaaaaaaa") / fs[0][0].path
+        raw = bytearray(spill.read_bytes())
+        raw[100] ^= 0xFF
+        spill.write_bytes(bytes(raw))
+        peers = PeerCopies(run)
+        bufs, used, problems = read_files([Tier(str(tmp_path / "empty"), "local"), peers], [f for f, _ in fs])
+        assert [bytes(b) for b in bufs] == [d for _, d in fs]
+        assert used.startswith("peer:")
+        # the damaged copy was read first, refused, and the other holder's copy used
+        assert peers.name == "peer:nodebbbbbbbb" or used == "peer:nodebbbbbbbb"
+        usage = ray.get(holders["nodeaaaaaaaa"].usage.remote())
+        assert usage.memory_bytes == 0 and usage.spilled_bytes == 6000  # a budget of 0: nothing in memory
+        # both copies damaged: no good copy, named as such
+        spill_b = tmp_path / "local" / peer_spill_dir(run, "nodebbbbbbbb") / fs[0][0].path
+        spill_b.write_bytes(bytes(raw))
+        with pytest.raises(IntegrityError, match="checksum mismatch"):
+            read_files([PeerCopies(run)], [fs[0][0]])
+    finally:
+        for h in holders.values():
+            ray.kill(h)
+
+
+@pytest.mark.timeout(120)
+def test_replicated_durability_on_one_node_raises_naming_the_missing_peer(ray_session, tmp_path):
+    run = f"peer1-{uuid.uuid4().hex[:6]}"
+    engine = rc.CheckpointEngine.create(run, local_dir=str(tmp_path / "local"), critical_writers=1,
+                                        best_effort_writers=0, peer_replicas=1)
+    try:
+        engine.register("policy", lambda: {"w": __import__("torch").arange(10.0)}, loader=lambda s: None)
+        h = engine.save(1)
+        assert h.wait(timeout=60).version == 1
+        with pytest.raises(rc.SaveError, match="no node outside node .* to hold a copy"):
+            h.wait(timeout=60, durability="replicated")
+        assert [m.tiers for m in engine.list_checkpoints()] == [("local",)]
+    finally:
+        engine.shutdown()
+    no_peers = rc.CheckpointEngine.create(run + "x", local_dir=str(tmp_path / "local2"), critical_writers=1,
+                                          best_effort_writers=0)
+    try:
+        no_peers.register("policy", lambda: {"w": __import__("torch").arange(3.0)}, loader=lambda s: None)
+        with pytest.raises(rc.SaveError, match="keeps no peer replicas"):
+            no_peers.save(1).wait(timeout=60, durability="replicated")
+    finally:
+        no_peers.shutdown()
+
+
+# ---------------------------------------------------------------------- nodes lost, several nodes
+@pytest.mark.timeout(480)
+def test_node_loss_restores_the_newest_version_from_a_peer_replica(tmp_path):
+    # its own process: a multi-node Cluster needs its own ray.init, apart from the session's instance
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "peer_scenario.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=460)
+    out = proc.stdout + proc.stderr[-3000:]
+    assert proc.returncode == 0 and "PEER OK" in proc.stdout, out
