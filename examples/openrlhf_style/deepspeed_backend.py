@@ -170,7 +170,12 @@ def mismatched(then: Dict[str, Any], now: Dict[str, Any]) -> List[str]:
 
 
 def check(args: Any, error: Callable[[str], None]) -> None:
-    """The deepspeed path's own argument checks (``error`` exits, as argparse's does)."""
+    """The deepspeed path's own checks, before Ray starts (``error`` exits, as argparse's does)."""
+    import importlib.util
+
+    missing = [m for m in ("openrlhf", "deepspeed") if importlib.util.find_spec(m) is None]
+    if missing:
+        error(f"--backend deepspeed needs {' and '.join(missing)}: see docs/openrlhf.md (install)")
     if args.zero_stage not in (1, 2, 3):
         error("--zero-stage must be 1, 2 or 3 (ray_ckpt refuses ZeRO-0)")
     for flag, n in (("--ranks", args.ranks), ("--resume-ranks", args.resume_ranks)):
@@ -191,6 +196,7 @@ class _Run:
         self.st: Dict[str, Any] = {"save_ms": [], "first_save_ms": [], "worlds": [], "restored": None, "load_s": None,
                                    "regroup_s": None, "restored_identical": None, "mismatched": [], "losses": []}
         self.saved_full: Dict[int, Any] = {}
+        self.restore_ahead = bool(args.kill_at)
         self.group_saved = False  # a group's first save_ckpt creates / connects to the run (a collective)
 
     def start(self, world: int, seed: int) -> float:
@@ -212,7 +218,8 @@ class _Run:
                          timeout=240)
             self.st["save_ms" if self.group_saved else "first_save_ms"].append(max(ms))  # the slowest rank's
             self.group_saved = True
-            self.saved_full[step] = [r.full.remote() for r in self.ranks][0]  # what this version must hold
+            if self.restore_ahead:  # what this version must hold if the group resumes from it
+                self.saved_full[step] = [r.full.remote() for r in self.ranks][0]
 
     def wait_saves(self) -> None:
         ray.get([r.wait.remote(240) for r in self.ranks], timeout=300)
@@ -222,6 +229,7 @@ class _Run:
         a = self.args
         self.wait_saves()  # the run's latest save committed before the preemption, as in the FSDP2 path
         saved = {k: ray.get(v, timeout=240) for k, v in self.saved_full.items()}
+        self.restore_ahead, self.saved_full = False, {}
         print(f"  preemption: killing rank 1; the group of {len(self.ranks)} goes and comes back on "
               f"{a.resume_ranks} ranks")
         ray.kill(self.ranks[1], no_restart=True)
