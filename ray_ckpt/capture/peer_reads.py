@@ -16,12 +16,14 @@ coordinator: a provider actor restarted on a new node finds them the same way. I
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import ray
 
 from ..errors import IntegrityError, one_line
 from ..formats.checksum import digest
+from ..storage.local_files import host_buffer
+from ..storage.tier import VERIFY_THREADS
 
 log = logging.getLogger("ray_ckpt")
 
@@ -48,6 +50,14 @@ def holder_handles(run: str) -> Dict[str, Any]:
             except ValueError:  # gone between the listing and the lookup
                 continue
     return out
+
+
+def _writable(data: Any) -> Any:
+    """The bytes in fresh writable memory, as the disk tiers return them: what Ray hands over lies
+    in its object store, read-only, and the decoded tensors become the provider's live state."""
+    buf = host_buffer(len(data))
+    memoryview(buf)[:] = memoryview(data).cast("B")
+    return buf
 
 
 class PeerCopies:
@@ -90,14 +100,17 @@ class PeerCopies:
                         self._where.setdefault(p, []).append((key, holders[key]))
         return self._where.get(rel, [])
 
-    def _read(self, rel: str, call: str, *args: Any) -> Tuple[str, Any]:
+    def _read(self, rel: str, call: str, *args: Any) -> Iterator[Tuple[str, Any]]:
+        """(holder, its bytes of ``rel``) for each holder that has it, nearest call first; raises
+        FileNotFoundError when none has it, IntegrityError naming every failure after the last."""
         holders = self._holders_of(rel)
         if not holders:
             raise FileNotFoundError(rel)
         errors = []
         for key, h in holders:
             try:
-                data = ray.get(getattr(h, call).remote(rel, *args), timeout=READ_TIMEOUT_S)
+                refs = ray.get(h.ref_of.remote(rel), timeout=READ_TIMEOUT_S) if call == "get" else None
+                data = ray.get(refs[0] if refs else getattr(h, call).remote(rel, *args), timeout=READ_TIMEOUT_S)
             except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
                 errors.append(f"peer:{key}: {one_line(exc)[:200]}")
                 continue
@@ -111,9 +124,9 @@ class PeerCopies:
         errors = []
         try:
             for key, data in self._read(rel, "get"):
-                if len(data) == size and digest(data) == checksum:
+                if len(data) == size and digest(data, VERIFY_THREADS) == checksum:
                     self.name = f"peer:{key}"
-                    return data
+                    return _writable(data)
                 errors.append(f"peer:{key}: checksum mismatch (replica is corrupt)")
                 log.warning("peer replica of %s on %s does not match its manifest: passed over", rel, key)
         except IntegrityError as exc:
@@ -126,5 +139,5 @@ class PeerCopies:
         for key, data in self._read(rel, "get_range", begin, end):
             if len(data) == end - begin:
                 self.name = f"peer:{key}"
-                return data
+                return _writable(data)
         raise IntegrityError(f"no peer replica of {rel} holds bytes {begin}..{end}")

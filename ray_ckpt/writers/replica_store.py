@@ -51,7 +51,7 @@ class ReplicaStore:
         if budget < 0 or keep < 1:
             raise ValueError(f"a replica store needs budget >= 0 and keep >= 1, got {budget}, {keep}")
         self.budget, self.keep, self.spill = int(budget), int(keep), spill
-        self._memory: Dict[str, Any] = {}  # path -> bytes held in memory
+        self._memory: Dict[str, Any] = {}  # path -> the bytes held in memory (any buffer)
         self._files: Dict[str, HeldFile] = {}
         self._versions: Dict[int, Set[str]] = {}  # version -> the paths it holds
         self._lock = threading.Lock()  # holders answer reads on several threads
@@ -86,7 +86,7 @@ class ReplicaStore:
 
     def _store(self, f: FileEntry, blob: Any) -> int:
         if self.memory_bytes + f.size <= self.budget:
-            self._memory[f.path] = bytes(blob)
+            self._memory[f.path] = blob  # kept as given: the caller hands over memory it owns
             self._files[f.path] = HeldFile(f.size, f.checksum, False)
         elif self.spill is not None:
             self.spill.put_bytes(f.path, bytes(blob))
@@ -122,6 +122,9 @@ class ReplicaStore:
             return self.spill.read_range(path, begin, end)
         except FileNotFoundError:
             return None
+
+    def in_memory(self, path: str) -> bool:
+        return path in self._memory
 
     def entries(self, version: int) -> List[FileEntry]:
         """The files held for ``version`` (to copy them to another holder)."""

@@ -57,9 +57,30 @@ class ReplicaHolder:
         if budget is None:
             budget = default_budget() if config.peer_memory_mb is None else int(config.peer_memory_mb * 1e6)
         self.store = ReplicaStore(budget, config.peer_keep, spill)
+        self.refs: Dict[str, Any] = {}  # path -> the object in this node's store that holds it
 
     def hold(self, version: int, files: List[FileEntry], *blobs: Any) -> int:
-        return self.store.put(version, files, blobs)
+        """Keep ``files`` (``blobs``: their bytes) for ``version``. What stays in memory is put in
+        this node's object store as objects this holder owns (they outlive the sender: its node may
+        be the one lost), so a reader pulls each one straight from the store (``ref_of``) and the
+        holder copies nothing per read."""
+        owned = []
+        for f, b in zip(files, blobs):
+            if len(b) != f.size:  # checked again (with the checksum) by the store
+                owned.append((None, b))
+                continue
+            ref = ray.put(b)
+            owned.append((ref, ray.get(ref)))
+        added = self.store.put(version, files, [view for _, view in owned])
+        self.refs.update({f.path: ref for f, (ref, _) in zip(files, owned) if ref is not None})
+        self.refs = {p: r for p, r in self.refs.items() if self.store.in_memory(p)}
+        return added
+
+    def ref_of(self, path: str) -> Optional[List[Any]]:
+        """[the object holding ``path``] when it is held in memory (in a list: Ray hands the ref
+        over, not its bytes), None otherwise (spilled or not held: read it with ``get``)."""
+        ref = self.refs.get(path)
+        return None if ref is None else [ref]
 
     def get(self, path: str) -> Optional[Any]:
         data = self.store.get(path)
@@ -77,6 +98,7 @@ class ReplicaHolder:
 
     def drop(self, versions: List[int]) -> None:
         self.store.drop(versions)
+        self.refs = {p: r for p, r in self.refs.items() if self.store.in_memory(p)}
 
     def copy_to(self, version: int, other: Any) -> int:
         """Send every file held for ``version`` to holder ``other`` (after a node loss)."""
