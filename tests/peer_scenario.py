@@ -12,7 +12,9 @@ Run by tests/test_peer_replicas.py in its own process (a Cluster needs its own r
   3. a new node D joins (the learner restarts there); node B is removed too: version 7 is held again
      by live holders (listed on "peer");
   4. restore on D: version 7, bit-exact with an uninterrupted run, read from a peer replica (the
-     report says ``peer:<node>``).
+     report says ``peer:<node>``);
+  5. a holder's process is killed: Ray restarts it empty, the coordinator notices and sends the
+     newest versions to it again.
 """
 import os
 import shutil
@@ -123,6 +125,15 @@ def main() -> int:
         got = ray.get(learner.snapshot.remote())
         assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got), \
             "the state restored from the peer replica differs from the uninterrupted run"
+        # 5. a holder's process dies (Ray restarts it, empty): the coordinator sees it and sends again
+        from ray_ckpt.capture.peer_reads import holder_handles
+
+        key = engine.status()["replicas"][7][0]
+        ray.kill(holder_handles("peer")[key], no_restart=False)
+        until("version 7 held again after a holder restarted",
+              lambda: key in engine.status()["replicas"].get(7, ()) and "peer" in tiers_of(engine, 7)
+              and 7 in ray.get(holder_handles("peer")[key].index.remote(), timeout=30))
+        say(f"holder {key} restarted empty; version 7 sent to it again")
         with_lost = engine.status()["skipped_versions"]
         assert sorted(with_lost) == [1, 2, 3, 4], with_lost  # B's loss cost nothing more
         engine.shutdown()

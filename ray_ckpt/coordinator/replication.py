@@ -40,6 +40,7 @@ from .upload_plan import UploadPlan
 log = logging.getLogger("ray_ckpt.coordinator")
 
 NODE_POLL_S = 1.0  # how often the node table is read (a node loss is acted on within about this)
+RECONCILE_EVERY = 5  # polls between two checks of what each holder really holds (a restarted one is empty)
 HELD_STATES = ("critical", "reloadable")
 
 
@@ -201,14 +202,17 @@ class Replication:
         return gone - self.dead
 
     async def _watch(self) -> None:
+        tick = 0
         while True:
             await asyncio.sleep(NODE_POLL_S)
+            tick += 1
             try:
                 before = set(self.alive)
                 gone = await self._read_nodes()
                 if gone:
                     await self.nodes_lost(gone)
-                if self.enabled and (gone or set(self.alive) - before or self.short):
+                emptied = await self._reconcile() if self.enabled and tick % RECONCILE_EVERY == 0 else False
+                if self.enabled and (gone or emptied or set(self.alive) - before or self.short):
                     await self.repair()
             except Exception as exc:  # the next poll tries again
                 log.warning("run %r: watching nodes failed: %s", self.cfg.run, one_line(exc))
@@ -250,6 +254,25 @@ class Replication:
             return True
         # a local_dir shared by the nodes (a network disk): the file is still there
         return await asyncio.to_thread(self.local.exists, f.path)
+
+    async def _reconcile(self) -> bool:
+        """Ask every holder what it holds and forget the copies it lost (Ray restarted its process:
+        it came back empty). True when one was forgotten (a repair pass sends them again)."""
+        holders = dict(self.holders)
+        answers = await asyncio.gather(*[h.index.remote() for h in holders.values()], return_exceptions=True)
+        lost = False
+        for node, index in zip(holders, answers):
+            if isinstance(index, BaseException):
+                continue  # a dead node's holder: the node table says so
+            for v, held in self.copies.items():
+                have = set(index.get(v, ()))
+                for path, nodes in held.items():
+                    if node in nodes and path not in have:
+                        nodes.discard(node)
+                        lost = True
+        if lost:
+            log.warning("run %r: a replica holder lost what it held (restarted); sending it again", self.cfg.run)
+        return lost
 
     async def repair(self) -> None:
         """Send again what the newest ``peer_keep`` committed versions lack (a node lost or joined)."""
