@@ -160,3 +160,22 @@ def test_node_loss_restores_the_newest_version_from_a_peer_replica(tmp_path):
                           capture_output=True, text=True, timeout=460)
     out = proc.stdout + proc.stderr[-3000:]
     assert proc.returncode == 0 and "PEER OK" in proc.stdout, out
+
+
+def test_placement_never_the_writers_node_nor_its_failure_domain_least_loaded_first():
+    from ray_ckpt.coordinator.replication import Replication
+
+    def placement(label):
+        r = Replication(EngineConfig("r", "/tmp/x", peer_replicas=1, peer_domain_label=label), None, None, None,
+                        None, {}, {}, "head", lambda c: None, lambda m: None)
+        r.alive = {"n1": {"zone": "a"}, "n2": {"zone": "a"}, "n3": {"zone": "b"}, "n4": {}, "n5": {"zone": "c"}}
+        return r
+
+    r = placement("zone")
+    assert r._targets("n1", set(), 1) == ["n3"]  # not n1 itself, not n2 (zone a), not n4 (no zone)
+    r.held_bytes["n3"] = 10
+    assert r._targets("n1", set(), 1) == ["n5"]  # least loaded first
+    assert r._targets("n1", {"n5"}, 1) == ["n3"]  # not a node that has a copy
+    assert r._targets("n1", set(), 5) == ["n5", "n3"]  # fewer than asked: the caller reports the shortfall
+    r = placement(None)
+    assert r._targets("n1", set(), 2) == ["n2", "n3"] and "n1" not in r._targets("n1", set(), 9)
