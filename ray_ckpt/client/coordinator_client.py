@@ -1,9 +1,11 @@
 """Starting and calling the run's named coordinator actor from an engine: where it is placed,
-get-or-create by name (with the retries a just-died name needs), and Ray's errors turned into ours."""
+get-or-create by name (with the retries a just-died name needs), Ray's errors turned into ours, and
+``CoordinatorLink``, the engine's calls that bring a coordinator gone for good back."""
 from __future__ import annotations
 
+import logging
 import time
-from typing import Any, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import ray
 from ray.util.placement_group import get_current_placement_group
@@ -14,6 +16,7 @@ from ..coordinator.actor import CoordinatorActor
 from ..protocol import NAMESPACE, actor_name
 from ..errors import CheckpointError, one_line
 
+log = logging.getLogger("ray_ckpt")
 _HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
 
 
@@ -90,3 +93,50 @@ def _ask(run: str, ref: Any, what: str, timeout: float = 60.0, error: type = Che
         if isinstance(cause, CheckpointError):
             raise cause from None
         raise error(f"{what} failed in the coordinator of run {run!r}: {one_line(cause or exc)[:300]}") from None
+
+
+class CoordinatorLink:
+    """A mixin of :class:`~ray_ckpt.client.engine.CheckpointEngine`: its calls to the coordinator
+    (the state it uses -- ``_coordinator``, ``run``, ``config``, ``_owner``, ``_closed``, ``_token``
+    -- is set up by the engine)."""
+
+    _coordinator: Any
+    run: str
+    config: EngineConfig
+    _owner: bool
+    _closed: bool
+    _token: Optional[int]
+
+    def _call(self, method: Callable[[Any], Any], what: str, timeout: float = 60.0,
+              error: type = CheckpointError) -> Any:
+        """Call the coordinator (``method(handle)`` returns the ref); if it died for good, the
+        owning engine creates it again and asks once more."""
+        self._check_open()
+        try:
+            return _ask(self.run, method(self._coordinator), what, timeout, error)
+        except CheckpointError as exc:
+            if not getattr(exc, "actor_died", False) or not self._revive():
+                raise
+        return _ask(self.run, method(self._coordinator), what, timeout, error)
+
+    def _revive(self) -> bool:
+        """The coordinator died for good (``ray.kill`` without restart, or its restarts exhausted):
+        the engine that created it creates it again by name; the new one rebuilds its catalogue
+        from storage. Engines from ``connect()`` (ranks) leave that to the driver, and nothing
+        revives a coordinator after ``shutdown()``. Returns whether a new coordinator answers."""
+        if not self._owner or self._closed:
+            return False
+        log.warning("the coordinator of run %r is gone; creating it again from storage", self.run)
+        try:
+            self._coordinator, _ = _open_coordinator(self.config, 120.0)
+            if self._token is not None:
+                ray.get(self._coordinator.set_owner.remote(self._token), timeout=60)
+        except ray.exceptions.RayError as exc:
+            log.error("the coordinator of run %r could not be created again: %s", self.run, one_line(exc)[:300])
+            return False
+        return True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"this engine of run {self.run!r} was shut down; CheckpointEngine.create() "
+                                  f"or connect() gives a new one (committed checkpoints are still in storage)")

@@ -5,10 +5,11 @@ after that actor's training call for the same step) and passes the resulting Obj
 list, to the coordinator: the driver never touches the bytes of an actor's state.
 
 This module holds the public API and what ties it together (the run's coordinator, its owner
-lease, the registry, step counters, backpressure); the work behind it lives beside it:
+lease, the registry, step counters); the work behind it lives beside it:
 ``capture/calls.py`` (which process captures each state, prefault, publish), ``reading.py``
-(load, load_into, restore), ``rank_push.py`` (a rank's ``submit``) and ``push_batch.py`` (ranks'
-pushes batched per version), ``coordinator_client.py`` (starting and calling the coordinator).
+(load, load_into, restore), ``rank_push.py`` (declaring pushed states, a rank's ``submit``) and
+``push_batch.py`` (ranks' pushes batched per version), ``in_flight.py`` (backpressure and the
+handles in flight), ``coordinator_client.py`` (starting, calling and reviving the coordinator).
 """
 from __future__ import annotations
 
@@ -23,15 +24,16 @@ from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple, 
 import ray
 
 from ..config import SIGNING_KEY_ENV, EngineConfig
-from .coordinator_client import _ask, _open_coordinator
-from ..errors import CheckpointError, InvalidArgumentError, InvalidSaveError, SaveError, SaveTimeoutError, one_line
+from .coordinator_client import CoordinatorLink, _ask
+from ..errors import CheckpointError, InvalidArgumentError, InvalidSaveError
 from ..formats.manifest import Manifest
 from .handle import SaveHandle, _shared_wait
+from .in_flight import InFlightSaves
 from ..coordinator.lease import OwnerLease
 from ..coordinator.live_options import passed_options
 from ..storage.ownership import DEFAULT_LEASE_S
 from ..protocol import NAMESPACE, Declaration, actor_name
-from ..capture.providers import CallableProvider, Registration, rank_provider, resolve
+from ..capture.providers import CallableProvider, Registration, resolve
 from .push_batch import Pusher
 from .rank_push import RankPushes, _FencedObjects
 from .reading import StateReader
@@ -47,7 +49,7 @@ log = logging.getLogger("ray_ckpt")
 _CREATE_DEFAULTS = {"critical_writers": 2, "best_effort_writers": 1, "keep_last": None, "keep_every": None}
 
 
-class CheckpointEngine(RankPushes):
+class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes):
     """Get one with ``create()`` (driver) or ``connect()`` (any process of the cluster)."""
 
     def __init__(self, coordinator: Any, config: EngineConfig):
@@ -128,35 +130,6 @@ class CheckpointEngine(RankPushes):
         engine._lease = OwnerLease(started.tiers, record, run)
         return engine
 
-    def _call(self, method: Callable[[Any], Any], what: str, timeout: float = 60.0,
-              error: type = CheckpointError) -> Any:
-        """Call the coordinator (``method(handle)`` returns the ref); if it died for good, the
-        owning engine creates it again and asks once more."""
-        self._check_open()
-        try:
-            return _ask(self.run, method(self._coordinator), what, timeout, error)
-        except CheckpointError as exc:
-            if not getattr(exc, "actor_died", False) or not self._revive():
-                raise
-        return _ask(self.run, method(self._coordinator), what, timeout, error)
-
-    def _revive(self) -> bool:
-        """The coordinator died for good (``ray.kill`` without restart, or its restarts exhausted):
-        the engine that created it creates it again by name; the new one rebuilds its catalogue
-        from storage. Engines from ``connect()`` (ranks) leave that to the driver, and nothing
-        revives a coordinator after ``shutdown()``. Returns whether a new coordinator answers."""
-        if not self._owner or self._closed:
-            return False
-        log.warning("the coordinator of run %r is gone; creating it again from storage", self.run)
-        try:
-            self._coordinator, _ = _open_coordinator(self.config, 120.0)
-            if self._token is not None:
-                ray.get(self._coordinator.set_owner.remote(self._token), timeout=60)
-        except ray.exceptions.RayError as exc:
-            log.error("the coordinator of run %r could not be created again: %s", self.run, one_line(exc)[:300])
-            return False
-        return True
-
     @classmethod
     def connect(cls, run: str, timeout: float = 60.0) -> "CheckpointEngine":
         """Attach to the coordinator of an existing run (from any driver, task or actor)."""
@@ -192,11 +165,6 @@ class CheckpointEngine(RankPushes):
             return
         refs = [h._ref for h in self._in_flight if h._ref is not None and not h.done()]
         stop_run(self._coordinator, self.run, refs, timeout, self._lease)  # run_lifetime.py
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise CheckpointError(f"this engine of run {self.run!r} was shut down; CheckpointEngine.create() "
-                                  f"or connect() gives a new one (committed checkpoints are still in storage)")
 
     # ------------------------------------------------------------------ registration
     def register(self, name: str, provider: Any = None, *, strategy: Union[Strategy, str] = Strategy.CRITICAL,
@@ -255,33 +223,6 @@ class CheckpointEngine(RankPushes):
         prefault(self.config, prov, name, overlapped)  # capture/calls.py
         self._expect_driver()
 
-    def _expect_driver(self) -> None:
-        """Tell the coordinator which states this (owning) engine's save() brings: a version that
-        its ranks open by pushing first then waits for the driver's save instead of committing
-        without it, so ``h = engine.save(step)`` then the ranks' ``submit(step, ...)`` needs no
-        wait for the open in between, in whichever order the calls arrive."""
-        if self._owner and any(r.world_size is not None for r in self._registry.values()):  # ranks push
-            names = [n for n, r in self._registry.items() if r.world_size is None]
-            self._call(lambda c: c.expect_driver.remote(names), "the driver-side states")
-
-    def _register_pushed(self, name, provider, strat, world_size, replicated, allow_pickle,
-                         append_only=False) -> None:
-        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-            raise InvalidArgumentError(f"state {name!r}: world_size must be an integer >= 1, got {world_size!r}")
-        handles = None
-        if provider is not None:
-            items = list(provider) if isinstance(provider, (list, tuple)) else None
-            if items is None or len(items) != world_size:
-                raise InvalidArgumentError(f"state {name!r}: with world_size={world_size}, provider must be "
-                                           f"None or a list of {world_size} rank actor handles")
-            handles = [rank_provider(name, h) for h in items]
-        self._call(lambda c: c.declare.remote(name, strat.value, world_size, bool(replicated), bool(allow_pickle),
-                                              append_only), f"declaring {name!r}")
-        self._registry[name] = Registration(name, None, strat, bool(allow_pickle), world_size, handles,
-                                            bool(replicated))
-        self._expect_driver()
-        # ranks push from their own processes: submit() starts their prefault
-
     def unregister(self, name: str) -> None:
         """Stop saving state ``name`` from the next save on; its stored versions stay."""
         reg = self._registry.pop(name, None)
@@ -328,14 +269,8 @@ class CheckpointEngine(RankPushes):
         clean_metrics = _check_metrics(metrics)
         if self._owner and any(h.done() and h._coordinator_died() for h in self._in_flight):
             self._revive()  # an earlier save found the coordinator dead: this one goes to a new one
-        self._drop_ended(lambda h: not h.done())
-        if len(self._in_flight) >= self.config.max_in_flight:
-            if policy is OnBusy.SKIP:
-                return SaveHandle(self, step, None, time.perf_counter() - t0, skipped=True)
-            if policy is OnBusy.WAIT:
-                ray.wait([h._ref for h in self._in_flight], num_returns=len(self._in_flight)
-                         - self.config.max_in_flight + 1)
-                self._drop_ended(lambda h: not h.done())
+        if not self._make_room(policy):  # max_in_flight (in_flight.py)
+            return SaveHandle(self, step, None, time.perf_counter() - t0, skipped=True)
         parts, refs = take_snapshots(self._registry, self.run, self.config)  # capture/calls.py
         self._saves += 1
         # remote_every counts this engine's saves, in call order: the coordinator runs concurrent calls
@@ -374,36 +309,7 @@ class CheckpointEngine(RankPushes):
         Raises the first failure among the saves that ended since the previous call, after waiting
         for all of them: a save that failed in the background is never forgotten, even when its
         handle was dropped. ``timeout`` bounds the whole wait (a SaveError naming the step)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        results, failures = [], list(self._ended_failures)
-        self._ended_failures.clear()
-        for h in [h for h in self._in_flight if not h.skipped]:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                results.append(h.wait(left))
-            except SaveTimeoutError:
-                raise
-            except SaveError as exc:
-                failures.append(exc)
-        self._in_flight = []
-        if failures:
-            raise failures[0]
-        return results
-
-    def _drop_ended(self, keep: Callable[[SaveHandle], bool]) -> None:
-        """Forget the handles ``keep`` rejects (ended saves), remembering their failures for
-        ``wait_until_finished()``; a version's handles in this process share one commit, so one
-        of them is asked (and each whose push was refused on its own)."""
-        kept, asked = [], set()
-        for h in self._in_flight:
-            if keep(h):
-                kept.append(h)
-            elif not h.skipped and (h.version not in asked or h._ack_failed()):
-                asked.add(h.version)
-                exc = h.exception(timeout=0)
-                if exc is not None:  # a copy without the traceback, whose frames hold the handle's snapshot refs
-                    self._ended_failures.append(_detached(exc))
-        self._in_flight = kept
+        return self._wait_in_flight(timeout)  # in_flight.py
 
     # ------------------------------------------------------------------ reading
     def list_checkpoints(self) -> List[CheckpointMeta]:
@@ -488,15 +394,9 @@ class CheckpointEngine(RankPushes):
             out["saves_until_upload"] = 1 if out.get("upload_owed") else every - self._saves % every
         return out
 
-def _detached(exc: BaseException) -> BaseException:
-    """The same error, holding no traceback or chained error (nothing that keeps objects alive)."""
-    try:
-        return type(exc)(*exc.args)
-    except Exception:
-        return SaveError(one_line(exc))
-
 
 def _check_metrics(metrics: Optional[Dict[str, float]]) -> Dict[str, float]:
+    """``save(metrics=...)`` checked before anything is sent: a dict of str -> finite number."""
     if metrics is None:
         return {}
     if not isinstance(metrics, dict):

@@ -2,9 +2,10 @@
 synchronously or overlapped with its training, under the engine's backpressure.
 
 A mixin of :class:`~ray_ckpt.client.engine.CheckpointEngine` (the state it uses -- ``_declared``,
-``_last_pushed``, ``_pushes``, ``_pusher``, ``_in_flight``, ``_fence_owners`` -- is set up by the
-engine's ``__init__``), kept apart so the engine module holds the run's lifetime, registration,
-saving and reading, and this one the rank side.
+``_last_pushed``, ``_pushes``, ``_pusher``, ``_in_flight``, ``_fence_owners``, ``_registry`` -- is
+set up by the engine's ``__init__``), kept apart so the engine module holds the run's lifetime,
+registration, saving and reading, and this one the rank side: declaring a state ranks push
+(``register(..., world_size=N)``), and the pushes.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import ray
 from ..capture.mailbox import open_mailbox
 from ..capture.object_store import start_prefault
 from ..capture.snapshot import capture
-from ..errors import InvalidSaveError
+from ..capture.providers import Registration, rank_provider
+from ..errors import InvalidArgumentError, InvalidSaveError
 from ..protocol import Declaration, PushedPart
 from ..storage.layout import validate_name
 from ..types import OnBusy
@@ -143,6 +145,33 @@ class RankPushes:
                     waits.pop(v, None)
                 self._drop_ended(lambda h: h._push is None or h.version not in ended)
         return sorted(set(waits) | set(self._pusher.pending_versions()))
+
+    def _expect_driver(self) -> None:
+        """Tell the coordinator which states this (owning) engine's save() brings: a version that
+        its ranks open by pushing first then waits for the driver's save instead of committing
+        without it, so ``h = engine.save(step)`` then the ranks' ``submit(step, ...)`` needs no
+        wait for the open in between, in whichever order the calls arrive."""
+        if self._owner and any(r.world_size is not None for r in self._registry.values()):  # ranks push
+            names = [n for n, r in self._registry.items() if r.world_size is None]
+            self._call(lambda c: c.expect_driver.remote(names), "the driver-side states")
+
+    def _register_pushed(self, name, provider, strat, world_size, replicated, allow_pickle,
+                         append_only=False) -> None:
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise InvalidArgumentError(f"state {name!r}: world_size must be an integer >= 1, got {world_size!r}")
+        handles = None
+        if provider is not None:
+            items = list(provider) if isinstance(provider, (list, tuple)) else None
+            if items is None or len(items) != world_size:
+                raise InvalidArgumentError(f"state {name!r}: with world_size={world_size}, provider must be "
+                                           f"None or a list of {world_size} rank actor handles")
+            handles = [rank_provider(name, h) for h in items]
+        self._call(lambda c: c.declare.remote(name, strat.value, world_size, bool(replicated), bool(allow_pickle),
+                                              append_only), f"declaring {name!r}")
+        self._registry[name] = Registration(name, None, strat, bool(allow_pickle), world_size, handles,
+                                            bool(replicated))
+        self._expect_driver()
+        # ranks push from their own processes: submit() starts their prefault
 
     def declarations(self) -> Dict[str, Declaration]:
         """The states ranks push in this run (``register(name, world_size=N)``), by name: each one's
