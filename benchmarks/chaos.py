@@ -506,7 +506,7 @@ class Chaos:
                 self.verified[v] = meta.tiers
         # corrupted local copies must come back from the remote tier
         from ray_ckpt.storage.checkpoint_io import rank_files
-        from ray_ckpt.capture.snapshot import read_state, tiers_of
+        from ray_ckpt.capture.restored import read_state, tiers_of
         for (v, name), tiers in self.corrupted.items():
             if tiers == {"local"} and v in listed and "remote" in listed[v].tiers and final:
                 try:

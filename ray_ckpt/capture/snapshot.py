@@ -1,5 +1,5 @@
-"""Capturing a provider's state into parts that the object store moves without copies, and bringing
-restored state back into a provider.
+"""Capturing a provider's state into parts that the object store moves without copies (bringing
+restored state back into a provider is ``restored.py``).
 
 The functions whose first argument is ``actor`` run *inside* the provider actor through Ray's
 ``__ray_call__``: the driver submits them itself, so Ray's per-caller ordering runs the snapshot
@@ -13,26 +13,17 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import ray
 
-from ..storage.checkpoint_io import decode_files, read_files
-from ..errors import IntegrityError, RestoreError, one_line
-from ..formats.manifest import FileEntry
 from ..formats.flat import Flat, Pieces, pieces_of
 from ..formats.tree import flatten
 from .object_store import grow_needed, prefault_needed, start_prefault, state_nbytes
 from .fence_hooks import candidates, install_hooks
 from .overlap import OverlapCopier, process_copier, process_hooks
-from .peer_reads import PeerCopies
-from ..protocol import StagedState
 from .mailbox import PendingSnapshot, _deliver, pending_refs, self_handle_ref
-from ..storage.tier import Tier
-
-_STAGED = "_ray_ckpt_staged"
-
 
 @dataclass(frozen=True)
 class ActorProvider:
@@ -87,7 +78,8 @@ def stateful_methods(obj: Any) -> Optional[tuple]:
     return None
 
 
-def _actor_get(actor: Any, prov_get: str, attribute: Optional[str], name: str) -> Any:
+def actor_get(actor: Any, prov_get: str, attribute: Optional[str], name: str) -> Any:
+    """Inside a provider actor: the state ``name`` from its getter, or from its ``attribute``'s."""
     if attribute is None:
         return getattr(actor, prov_get)(name)
     obj = getattr(actor, attribute)
@@ -95,7 +87,8 @@ def _actor_get(actor: Any, prov_get: str, attribute: Optional[str], name: str) -
     return getattr(obj, get)()
 
 
-def _actor_set(actor: Any, prov_set: str, attribute: Optional[str], name: str, state: Any) -> None:
+def actor_set(actor: Any, prov_set: str, attribute: Optional[str], name: str, state: Any) -> None:
+    """Inside a provider actor: load ``state`` through its setter, or its ``attribute``'s."""
     if attribute is None:
         getattr(actor, prov_set)(name, state)
         return
@@ -175,7 +168,7 @@ def snapshot_in_actor(actor: Any, getter: str, name: str, allow_pickle: bool, pr
         start_prefault()
     t0 = time.perf_counter()
     staging = actor.__dict__.setdefault("_ray_ckpt_host_staging", HostStaging())
-    flat = capture(_actor_get(actor, getter, attribute, name), name, allow_pickle, staging)
+    flat = capture(actor_get(actor, getter, attribute, name), name, allow_pickle, staging)
     if needed and not prefault:  # a restarted actor is a new process: its next saves find the pages mapped
         prefault_needed(flat.nbytes, name)
     if run:  # the capture in the actor (Ray's copy of the result into the object store follows it)
@@ -249,7 +242,7 @@ def _staging_of(owner: Any, in_actor: bool = False) -> HostStaging:
 def snapshot_overlapped_in_actor(actor: Any, getter: str, name: str, allow_pickle: bool, attribute: Optional[str],
                                  run: str, mailbox: str, check: bool, needed: bool = True) -> PendingSnapshot:
     """Runs in the provider actor through ``__ray_call__`` (see :func:`snapshot_overlapped`)."""
-    return snapshot_overlapped(actor, lambda: _actor_get(actor, getter, attribute, name), name, allow_pickle,
+    return snapshot_overlapped(actor, lambda: actor_get(actor, getter, attribute, name), name, allow_pickle,
                                mailbox, check, run, self_handle_ref(), needed)
 
 
@@ -366,46 +359,3 @@ def prefault_needed_in_actor(actor: Any, attribute: Optional[str], name: str, ov
         return 0, handle_ref
     prefault_needed(nbytes, key)
     return nbytes, handle_ref
-
-
-def read_state(tiers: Sequence[Tier], files: List[FileEntry], name: str, allow_pickle: bool = False):
-    """Read, verify and decode one part. Returns (state, tier used, problems seen)."""
-    bufs, tier, problems = read_files(tiers, files)
-    return decode_files(files, bufs, name=name, allow_pickle=allow_pickle), tier, problems
-
-
-def stage_in_actor(actor: Any, name: str, config: Any, files: List[FileEntry],
-                   allow_pickle: bool) -> StagedState:
-    """Runs in the provider actor: read + verify the state from its node's tiers and hold it until
-    every state of the restore is verified (so a failed restore changes nothing)."""
-    if config.prefault_object_store:
-        start_prefault()  # a restarted provider restores first: its next saves find the store mapped
-    try:
-        state, tier, problems = read_state(tiers_of(config), files, name, allow_pickle)
-    except (IntegrityError, RestoreError, OSError) as exc:
-        return StagedState(False, None, one_line(exc))
-    actor.__dict__.setdefault(_STAGED, {})[name] = state
-    return StagedState(True, tier, "; ".join(problems), sum(f.size for f in files))
-
-
-def tiers_of(config: Any) -> List[Any]:
-    """The tiers as seen from this process, nearest first: its node's local tier, the run's peer
-    replicas (``peer_reads.PeerCopies``, with ``peer_replicas``), then the remote tier."""
-    remote = config.remote_tier()
-    peers = [PeerCopies(config.run)] if getattr(config, "peer_replicas", 0) else []
-    return [config.local_tier()] + peers + ([remote] if remote is not None else [])
-
-
-class NothingStagedError(RestoreError):
-    """The provider actor holds no staged state to apply: its process was restarted after staging."""
-
-
-def apply_in_actor(actor: Any, setter: str, name: str, attribute: Optional[str] = None) -> None:
-    staged = actor.__dict__.get(_STAGED, {})
-    if name not in staged:
-        raise NothingStagedError(f"state {name!r}: nothing staged in this process (restarted after staging)")
-    _actor_set(actor, setter, attribute, name, staged.pop(name))
-
-
-def discard_in_actor(actor: Any, name: str) -> None:
-    actor.__dict__.get(_STAGED, {}).pop(name, None)

@@ -21,7 +21,7 @@ from ..errors import IntegrityError, InvalidArgumentError, RestoreError, one_lin
 from ..formats.manifest import Manifest, StateEntry
 from ..metrics import for_run as metrics_for_run
 from ..capture.providers import Registration
-from ..capture.snapshot import read_state, tiers_of
+from ..capture.restored import read_state, tiers_of
 from ..storage.layout import validate_name
 from ..types import RestoreReport, StateReport
 

@@ -30,8 +30,9 @@ from ..errors import IntegrityError, RestoreError, one_line
 from ..formats.manifest import FileEntry, Manifest, StateEntry
 from ..protocol import StagedState
 from ..capture.providers import Registration
-from ..capture.snapshot import (_STAGED, ActorProvider, NothingStagedError, _actor_get, apply_in_actor,
-                                discard_in_actor, read_state, stage_in_actor, tiers_of)
+from ..capture.restored import (NothingStagedError, apply_in_actor, discard_in_actor, hold, read_state,
+                                stage_in_actor, tiers_of)
+from ..capture.snapshot import ActorProvider, actor_get
 from ..types import StateReport, Strategy
 
 StageKey = Tuple[str, Optional[int]]  # (state, rank) — rank None: the state's single provider
@@ -212,11 +213,11 @@ def stage_sharded_in_actor(actor: Any, name: str, config: Any, entry: StateEntry
     from ..storage.sharded_io import load_into_state
 
     try:
-        target = _copy_tensors(_actor_get(actor, getter, attribute, name))
+        target = _copy_tensors(actor_get(actor, getter, attribute, name))
         rep = load_into_state(tiers_of(config), entry, name, target, strict=True, allow_pickle=allow_pickle)
     except (IntegrityError, RestoreError, OSError) as exc:
         return StagedState(False, None, one_line(exc))
-    actor.__dict__.setdefault(_STAGED, {})[name] = target
+    hold(actor, name, target)
     return StagedState(True, rep.tier, rep.detail, rep.bytes)
 
 

@@ -48,7 +48,7 @@ def _tiers(run: Any, local_dir: Optional[str], remote_uri: Optional[str],
     """(run name, tiers local first, signing key) for ``run``: an engine, or a run name with the
     same ``local_dir`` / ``remote_uri`` given to ``CheckpointEngine.create`` (either or both), or a
     run name alone inside a Ray job where the run's coordinator runs (its configuration is asked)."""
-    from ...capture.snapshot import tiers_of
+    from ...capture.restored import tiers_of
     from ...config import EngineConfig
     from ...storage.layout import join_uri
     from ...storage.tier import Tier

@@ -42,7 +42,7 @@ from ...storage.checkpoint_io import rank_files, read_manifest
 from ...config import EngineConfig
 from ...protocol import NAMESPACE, actor_name
 from ...errors import CheckpointError, IntegrityError, InvalidArgumentError, RestoreError, one_line
-from ...capture.snapshot import read_state, tiers_of
+from ...capture.restored import read_state, tiers_of
 from ...storage.layout import validate_name
 from ...types import CheckpointMeta
 from .names import log
