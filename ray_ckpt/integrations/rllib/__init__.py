@@ -33,7 +33,8 @@ module              holds
 ``conversion``      RLlib state <-> storable state (:func:`to_storable`, :func:`from_storable`)
 ``capture``         what one version holds, read from an Algorithm (:func:`capture_algorithm_state`)
 ``callback``        :class:`RayCkptCallback`, :func:`make_callback`, :func:`find_callback`,
-                    :func:`wait_for_saves`, :class:`CheckpointSettings`
+                    :func:`wait_for_saves`
+``settings``        :class:`CheckpointSettings`, the callback's options, checked when built
 ``restore``         :func:`restore_algorithm`, step by step; :class:`AlgorithmRestoreReport`
 ``env_runners``     env runner state (their RNGs) and the restore's verified push to every runner
 ``tune``            one run per Tune trial (``<run>-<trial_id>``), Tune checkpoints that name a version
@@ -55,9 +56,9 @@ except ImportError as _exc:  # pragma: no cover - exercised only without ray[rll
         "ray_ckpt.integrations.rllib needs RLlib and its dependencies (gymnasium, ...): "
         f'pip install "ray-ckpt[rllib]" (or "ray[rllib]=={ray.__version__}"); {_exc}') from None
 
-from .callback import (CheckpointSettings, RayCkptCallback, find_callback, make_callback,  # noqa: E402
-                       wait_for_saves)
+from .callback import RayCkptCallback, find_callback, make_callback, wait_for_saves  # noqa: E402
 from .capture import capture_algorithm_state  # noqa: E402
+from .settings import CheckpointSettings  # noqa: E402
 from .conversion import from_storable, to_storable  # noqa: E402
 from .env_runners import env_runner_weights  # noqa: E402
 from .names import (CONNECTORS, COUNTERS, CRITICAL_STATES, ENV_RUNNER_PREFIX, METRICS,  # noqa: E402,F401
