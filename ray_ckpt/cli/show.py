@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import struct
 from typing import Any, Dict, Tuple
 
 from ..errors import CheckpointError, one_line
 from ..formats.manifest import FileEntry, Manifest
-from ..formats.safetensors_io import LEAVES_KEY, STRUCTURE_KEY
+from ..formats.safetensors_io import LEAVES_KEY, STRUCTURE_KEY, header_length
 from ..storage import layout
 from ..storage.tier import Tier
 from .common import (EXIT_OK, add_json_flag, human, iso_time, non_negative_int, plural, print_json, printable,
                      rank_order, say)
 from .run_view import Run, command_parser, add_version_argument, is_partial, open_input
-
-MAX_HEADER = 100 << 20  # safetensors' own limit on a header's size
-
 
 SUMMARY = "show the states and files of a version"
 DESCRIPTION = ("Show every state of a version: strategy, status, files (path, bytes, "
@@ -35,16 +31,12 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 # ---------------------------------------------------------------- reading headers
 def read_safetensors_header(tier: Tier, rel: str) -> Dict[str, Any]:
-    """The JSON header of a safetensors file: its first 8 bytes and the header, nothing more."""
+    """The JSON header of a safetensors file: its first 8 bytes and the header, nothing more. Not
+    ``safetensors_io.parse_header``: ``show`` describes a damaged header as far as it can."""
     with open_input(tier, rel) as f:
         size = f.seek(0, 2)
         f.seek(0)
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"file too short ({size} bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(size - 8, MAX_HEADER):
-            raise ValueError(f"header length {n} does not fit the file ({size} bytes)")
+        n = header_length(f.read(8), size)
         return json.loads(f.read(n))
 
 
@@ -211,8 +203,8 @@ def _print_sharded(sh: Dict[str, Any], limit: int) -> None:
         say(f"    ... {len(sh) - len(items)} more (--max-leaves 0 shows all)")
 
 
-def _print_file(d: Dict[str, Any], own: str, algorithm: str, limit: int) -> None:
-    shared = "" if d["path"].startswith(own) else f"  [shared: stored once, in {d['path'].split('/', 1)[0]}]"
+def _print_file(d: Dict[str, Any], own: int, algorithm: str, limit: int) -> None:
+    shared = "" if layout.in_version(d["path"], own) else f"  [shared: stored once, in {d['path'].split('/', 1)[0]}]"
     size = human(d["bytes"]) + (f" ({d['bytes']} B)" if d["bytes"] >= 1024 else "")
     say(f"    {d['path']}  {size}  {algorithm}:{d['checksum']}  {d['role']}{shared}")
     if "problem" in d:
@@ -226,7 +218,7 @@ def _print_file(d: Dict[str, Any], own: str, algorithm: str, limit: int) -> None
 
 
 def _print_doc(doc: Dict[str, Any], limit: int) -> None:
-    own = layout.version_dir(doc["version"]) + "/"
+    own = doc["version"]
     say(f"run {doc['run']!r}  version {doc['version']} ({layout.version_dir(doc['version'])})  step {doc['step']}  "
         f"created {doc['created']}  size {human(doc['bytes'])}  {doc['status']}")
     if doc["metrics"]:

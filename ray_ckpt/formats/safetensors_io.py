@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Any, List, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Tuple
 
 from ..errors import IntegrityError
 from .flat import Flat, pieces_of
@@ -108,37 +109,74 @@ def check_header(header: Any, data_len: int) -> None:
             raise ValueError(f"tensor {n1!r}: data_offsets [{b1}, {e1}] overlap those of tensor {n0!r} [{b0}, {e0}]")
 
 
-def read(buf: Any, *, path: str = "<buffer>") -> Tuple[Any, List[memoryview]]:
-    """Parse a file held in ``buf`` (bytes-like). Returns (structure, per-leaf memoryviews into buf).
+def header_length(prefix: Any, size: int) -> int:
+    """The JSON header's length, from the first 8 bytes of a file of ``size`` bytes; a length that
+    cannot fit the file (or exceeds ``MAX_HEADER``) raises ValueError."""
+    if len(prefix) < 8:
+        raise ValueError(f"{size} bytes: too short for a header length")
+    (n,) = struct.unpack_from("<Q", prefix, 0)
+    if n < 2 or n > size - 8 or n > MAX_HEADER:
+        raise ValueError(f"header length {n} does not fit a file of {size} bytes")
+    return n
 
-    Every read is checked structurally first (``check_header``: offsets inside the data section,
-    sizes matching dtype and shape, no overlaps), whatever its checksum says: a header edited and
-    re-checksummed is an IntegrityError naming the file and the key, never a stray exception."""
-    mv = memoryview(buf).cast("B")
+
+@dataclass(frozen=True)
+class Header:
+    """A ray_ckpt safetensors file's header, parsed: ``names[i]`` is the tensor of ``Flat.arrays[i]``
+    (from ``ray_ckpt.leaves``), ``tensors`` the header's tensor entries, ``base`` where the data
+    section starts in the file."""
+
+    structure: Any
+    tensors: Dict[str, Any]
+    names: List[str]
+    base: int
+
+    @property
+    def offsets(self) -> List[int]:
+        """Byte offset in the file of each array."""
+        return [self.base + self.tensors[x]["data_offsets"][0] for x in self.names]
+
+    @property
+    def sizes(self) -> List[int]:
+        """Byte size of each array."""
+        return [self.tensors[x]["data_offsets"][1] - self.tensors[x]["data_offsets"][0] for x in self.names]
+
+
+def parse_header(head: Any, size: int, *, path: str = "<buffer>") -> Header:
+    """The one parser of a ray_ckpt safetensors header: ``head`` holds at least the file's first
+    ``8 + header length`` bytes, ``size`` is the whole file's. The header is checked structurally
+    (``check_header``) against the data section ``size`` implies, and its ray_ckpt metadata must
+    name every array once; anything else is an IntegrityError naming ``path``."""
+    mv = memoryview(head).cast("B")
     try:
-        if len(mv) < 8:
-            raise ValueError(f"{len(mv)} bytes: too short for a header length")
-        (n,) = struct.unpack_from("<Q", mv, 0)
-        if n < 2 or n > len(mv) - 8 or n > MAX_HEADER:
-            raise ValueError(f"header length {n} does not fit a file of {len(mv)} bytes")
-        header = json.loads(bytes(mv[8: 8 + n]))
-        base = 8 + n
-        check_header(header, len(mv) - base)
-        meta = header.pop("__metadata__", None) or {}
+        n = header_length(mv, size)
+        if len(mv) < 8 + n:
+            raise ValueError(f"header length {n} does not fit the {len(mv)} bytes read")
+        tensors = json.loads(bytes(mv[8: 8 + n]))
+        check_header(tensors, size - 8 - n)
+        meta = tensors.pop("__metadata__", None) or {}
         if STRUCTURE_KEY not in meta or LEAVES_KEY not in meta:
             raise ValueError(f"no {STRUCTURE_KEY!r} in its __metadata__")
         structure = json.loads(meta[STRUCTURE_KEY])
         names = json.loads(meta[LEAVES_KEY])
         if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
-            raise ValueError("ray_ckpt.leaves is not a list of tensor names")
+            raise ValueError(f"{LEAVES_KEY} is not a list of tensor names")
         if len(set(names)) != len(names):
-            raise ValueError("ray_ckpt.leaves names a tensor twice")
-        views = []
+            raise ValueError(f"{LEAVES_KEY} names a tensor twice")
         for name in names:
-            if name not in header:
+            if name not in tensors:
                 raise ValueError(f"tensor {name!r} (a leaf) is not in the header")
-            b, e = header[name]["data_offsets"]
-            views.append(mv[base + b: base + e])
     except (KeyError, ValueError, TypeError, struct.error, RecursionError) as exc:
         raise IntegrityError(f"{path}: not a ray_ckpt safetensors file ({exc})") from None
-    return structure, views
+    return Header(structure, tensors, names, 8 + n)
+
+
+def read(buf: Any, *, path: str = "<buffer>") -> Tuple[Any, List[memoryview]]:
+    """Parse a file held in ``buf`` (bytes-like). Returns (structure, per-leaf memoryviews into buf).
+
+    Every read is checked structurally first (``parse_header``: offsets inside the data section,
+    sizes matching dtype and shape, no overlaps), whatever its checksum says: a header edited and
+    re-checksummed is an IntegrityError naming the file and the key, never a stray exception."""
+    mv = memoryview(buf).cast("B")
+    h = parse_header(mv, len(mv), path=path)
+    return h.structure, [mv[off: off + nb] for off, nb in zip(h.offsets, h.sizes)]

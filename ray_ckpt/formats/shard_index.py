@@ -11,7 +11,6 @@ with ``formats.shards``. No Ray, no storage.
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -19,7 +18,6 @@ import numpy as np
 
 from ..errors import IntegrityError
 from .pieces import PIECE_SIZE, PieceHasher
-from .safetensors_io import LEAVES_KEY
 from .flat import Flat, pieces_of
 from .nodes import leaf_key
 from .sharded_leaf import walk_sharded
@@ -351,13 +349,3 @@ def index_of(records: Iterable[dict]) -> ShardIndex:
         m.chunks.sort(key=lambda c: c.chunk.offsets)
         m.validate()
     return index
-
-
-def safetensors_array_offsets(head: Any) -> List[int]:
-    """Byte offset in the file of every ``Flat.arrays[i]`` of a ray_ckpt safetensors file, given at
-    least its first ``8 + header length`` bytes (the tensors are named in ``ray_ckpt.leaves``)."""
-    mv = memoryview(head).cast("B")
-    (n,) = struct.unpack_from("<Q", mv, 0)
-    header = json.loads(bytes(mv[8: 8 + n]))
-    names = json.loads(header["__metadata__"][LEAVES_KEY])
-    return [8 + n + header[name]["data_offsets"][0] for name in names]

@@ -19,7 +19,7 @@ verifies about its own share of the checkpoint, never the whole of it.
 Integration (the save side):
   * a writer, after laying out rank r's file, calls ``part_record(flat, file_id, array_offsets)``
     (``array_offsets[i]`` = byte offset of ``flat.arrays[i]`` in the file; for ray_ckpt's
-    safetensors files :func:`safetensors_array_offsets` reads them from the file's head) and hands
+    safetensors files ``safetensors_io.parse_header(head, size).offsets`` reads them from the head) and hands
     the JSON-able record to the coordinator with the part;
   * at commit the coordinator calls ``index_of(records).to_json()`` and stores it in the manifest
     entry of the state (it raises if the chunks of a tensor do not cover it: a missing rank).

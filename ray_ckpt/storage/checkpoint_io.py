@@ -147,7 +147,8 @@ def shard_record(flat: Flat, rel: str, piece_size: Optional[int] = None) -> Opti
     if not sharded:
         return None
     head, _order = safetensors_io._header(flat)
-    offsets = shard_index.safetensors_array_offsets(head)
+    data_len = sum(a.nbytes for a in flat.arrays)
+    offsets = safetensors_io.parse_header(head, len(head) + data_len, path=rel).offsets
     kw = {} if piece_size is None else {"piece_size": piece_size}
     rec = shard_index.part_record(flat, rel, offsets, **kw)
     plain = []

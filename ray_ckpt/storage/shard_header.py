@@ -7,8 +7,6 @@ refused. Used by ``sharded_io``'s readers; no Ray, no torch.
 """
 from __future__ import annotations
 
-import json
-import struct
 from typing import Any, Callable, Dict, List, Tuple
 
 import xxhash
@@ -29,21 +27,13 @@ def digest_check(want: str, what: str) -> Callable[[Any], None]:
 
 def parse_header(file: str, head: Any, n: int, size: int) -> Tuple[Any, Dict[str, Any], List[str], List[int], List[int]]:
     """(structure, header, array names, byte offsets, byte sizes) of a ray_ckpt safetensors file's
-    first ``n`` bytes (its length prefix and header)."""
-    try:
-        (hn,) = struct.unpack_from("<Q", head, 0)
-        if hn != n - 8:
-            raise ValueError(f"header length {hn} != recorded {n - 8}")
-        header = json.loads(bytes(head[8:n]))
-        safetensors_io.check_header(header, size - n)
-        meta = header.pop("__metadata__")
-        structure = json.loads(meta[safetensors_io.STRUCTURE_KEY])
-        names = json.loads(meta[safetensors_io.LEAVES_KEY])
-        offsets = [n + header[x]["data_offsets"][0] for x in names]
-        sizes = [header[x]["data_offsets"][1] - header[x]["data_offsets"][0] for x in names]
-    except (KeyError, ValueError, TypeError, struct.error, RecursionError) as exc:
-        raise IntegrityError(f"{file}: not a ray_ckpt safetensors header ({exc})") from None
-    return structure, header, names, offsets, sizes
+    first ``n`` bytes (its length prefix and header), parsed by ``safetensors_io.parse_header``; the
+    length prefix must be the recorded one."""
+    h = safetensors_io.parse_header(head, size, path=file)
+    if h.base != n:
+        raise IntegrityError(f"{file}: not a ray_ckpt safetensors header (header length {h.base - 8} != "
+                             f"recorded {n - 8})")
+    return h.structure, h.tensors, h.names, h.offsets, h.sizes
 
 
 def check_header_chunks(index: Any, file: str, structure: Any, header: Dict[str, Any], names: List[str],

@@ -18,7 +18,6 @@ is compared with the stored state by ``target_match`` before any of its bytes ch
 """
 from __future__ import annotations
 
-import struct
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .checkpoint_io import decode_files, rank_files, read_files
@@ -29,7 +28,7 @@ from ..formats.nodes import leaf_key
 from ..formats.sharded_leaf import walk_sharded
 from ..formats.tree import unflatten
 from .shard_header import check_header_chunks, digest_check, parse_header
-from .target_match import check_keys, merge_scalars, mismatch, tensor_keys
+from .target_match import check_keys, match_tensor, merge_scalars, mismatch, refuse_mismatches, tensor_keys
 from .tier import Tier, farther
 from ..types import StateReport
 
@@ -77,8 +76,10 @@ class RangeReader:
         if n is None:
             if size < 8:
                 raise IntegrityError(f"{file}: {size} bytes: not a safetensors file")
-            (hn,) = struct.unpack_from("<Q", bytes(self.read_checked(file, 0, 8, None)), 0)
-            n = hn + 8
+            try:
+                n = safetensors_io.header_length(bytes(self.read_checked(file, 0, 8, None)), size) + 8
+            except ValueError as exc:
+                raise IntegrityError(f"{file}: {exc}") from None
         if not 8 <= n <= min(size, safetensors_io.MAX_HEADER):
             raise IntegrityError(f"{file}: header length {n} does not fit the file ({size} bytes)")
 
@@ -271,14 +272,8 @@ def load_into_state(tiers: Sequence[Tier], entry: StateEntry, name: str, state: 
                     why = f"{key}: {exc}"
             bad.append(why) if why else jobs.append((t, m))
             continue
-        src = saved_plain.get(key)
-        if src is None:
-            missing.append(key)
-            continue
-        why = mismatch(key, t, src.shape, str(src.dtype).replace("torch.", ""))
-        bad.append(why) if why else jobs.append((t, src))
-    if bad:
-        raise RestoreError(f"state {name!r}: " + "; ".join(bad[:8]) + "; nothing was loaded")
+        match_tensor(key, t, saved_plain.get(key), jobs, missing, bad)
+    refuse_mismatches(name, bad)
     unexpected = sorted(k for k in list(index) + list(saved_plain) if k not in targets)
     detail = check_keys(name, sorted(missing), unexpected, strict)
     try:
@@ -320,14 +315,8 @@ def load_rank_local_into(tiers: Sequence[Tier], entry: StateEntry, name: str, st
     targets, saved = tensor_keys(state), tensor_keys(src)
     bad, jobs, missing = [], [], []
     for key, t in targets.items():
-        s = saved.get(key)
-        if s is None:
-            missing.append(key)
-            continue
-        why = mismatch(key, t, s.shape, str(s.dtype).replace("torch.", ""))
-        bad.append(why) if why else jobs.append((t, s))
-    if bad:
-        raise RestoreError(f"state {name!r}: " + "; ".join(bad[:8]) + "; nothing was loaded")
+        match_tensor(key, t, saved.get(key), jobs, missing, bad)
+    refuse_mismatches(name, bad)
     detail = check_keys(name, sorted(missing), sorted(k for k in saved if k not in targets), strict)
     with torch.no_grad():
         for t, s in jobs:

@@ -59,6 +59,23 @@ def mismatch(key: str, t: Any, shape: Sequence[int], dtype: str) -> Optional[str
     return None
 
 
+def match_tensor(key: str, t: Any, src: Any, jobs: List[Any], missing: List[str], bad: List[str]) -> None:
+    """One target tensor against the saved tensor ``src`` (None: the checkpoint lacks ``key``): the
+    key goes to ``missing``, a shape or dtype mismatch (in words) to ``bad``, else ``(t, src)`` to
+    ``jobs``, the copies made once every key matched."""
+    if src is None:
+        missing.append(key)
+        return
+    why = mismatch(key, t, src.shape, str(src.dtype).replace("torch.", ""))
+    bad.append(why) if why else jobs.append((t, src))
+
+
+def refuse_mismatches(name: str, bad: List[str]) -> None:
+    """A RestoreError naming the first mismatches, before anything of the target changed."""
+    if bad:
+        raise RestoreError(f"state {name!r}: " + "; ".join(bad[:8]) + "; nothing was loaded")
+
+
 def check_keys(name: str, missing: List[str], unexpected: List[str], strict: bool) -> str:
     def few(keys: List[str]) -> str:
         return ", ".join(keys[:8]) + (f" (+{len(keys) - 8} more)" if len(keys) > 8 else "")
