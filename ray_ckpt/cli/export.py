@@ -231,8 +231,7 @@ def _run_file(args: argparse.Namespace) -> int:
         for p in outputs:
             if p.exists():
                 raise CliError(f"{p} already exists; pass --force to overwrite it")
-    meta = {"format": "pt", "ray_ckpt.run": m.run, "ray_ckpt.version": str(m.version), "ray_ckpt.step": str(m.step),
-            "ray_ckpt.state": name}
+    meta = {**_export_metadata(m), "ray_ckpt.state": name}
     out_dir.mkdir(parents=True, exist_ok=True)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     progress = Progress(total, wanted(args, total >= AUTO_BYTES and len(plan) > 1), "export: writing")
@@ -319,6 +318,11 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _export_metadata(m: Manifest) -> Dict[str, str]:
+    """The ``__metadata__`` of an exported safetensors file: the version it came from."""
+    return {"format": "pt", "ray_ckpt.run": m.run, "ray_ckpt.version": str(m.version), "ray_ckpt.step": str(m.step)}
+
+
 def _write_export(out_dir: Path, st_path: Path, json_path: Path, tensors: Dict[str, Any], tables: List[Any],
                   table_files: List[str], doc: Dict[str, Any], m: Manifest) -> None:
     """Write every output under a temporary name first (``local_atomic``), then rename them all: no
@@ -328,8 +332,7 @@ def _write_export(out_dir: Path, st_path: Path, json_path: Path, tensors: Dict[s
 
     with contextlib.ExitStack() as stack:  # renames on success, removes every temporary file on failure
         tmp = stack.enter_context(local_atomic(str(st_path)))
-        save_file(tensors, tmp, metadata={"format": "pt", "ray_ckpt.run": m.run,
-                                          "ray_ckpt.version": str(m.version), "ray_ckpt.step": str(m.step)})
+        save_file(tensors, tmp, metadata=_export_metadata(m))
         for t, fname in zip(tables, table_files):
             tmp = stack.enter_context(local_atomic(str(out_dir / fname)))
             with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, t.schema) as w:

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Set
 
 from .catalogue import Catalogue
 from ..storage.checkpoint_io import delete_version
-from ..storage.layout import version_dir
+from ..storage.layout import in_version
 from ..config import EngineConfig
 from ..errors import SaveError, one_line
 from ..storage.tier import Tier
@@ -42,7 +42,7 @@ class Deletions:
         for r in results:
             if isinstance(r, Exception):
                 log.warning("version %d: deleting on another node failed: %s", version, one_line(r))
-        for path in [p for p in self.file_nodes if p.startswith(version_dir(version) + "/") or p in referenced]:
+        for path in [p for p in self.file_nodes if in_version(p, version) or p in referenced]:
             if path not in keep:
                 self.file_nodes.pop(path, None)
 

@@ -12,7 +12,8 @@ import json
 import time
 from typing import Any, Dict, Iterable, List, Tuple
 
-NOTICE_FILE = "gc_notice.json"
+from .layout import NOTICE_FILE
+
 POLL_S = 2.0        # how often a live coordinator reads the notice
 NOTICE_WAIT_S = 2 * POLL_S + 1.0  # how long gc --force waits between the notice and the first deletion
 MAX_ENTRIES = 10_000  # the newest entries kept in the file

@@ -18,10 +18,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import IntegrityError, one_line
 from ..formats.manifest import sign_record, verify_signature
+from .layout import HEAD_FILE
 from .tier import Tier
 
 log = logging.getLogger("ray_ckpt.coordinator")
-HEAD_FILE = "head.json"
 HEAD_FORMAT = "ray_ckpt.head/1"
 
 

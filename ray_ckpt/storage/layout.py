@@ -1,6 +1,11 @@
-"""Path layout of a run and validation of user-given names (no path traversal, ever).
+"""Path layout of a run and validation of user-given names (no path traversal, ever). Every path
+inside a run's root is built here; other modules name files only through these functions and
+constants.
 
-  <root>/<run>/v000000000100/<state>/rank0.safetensors   tensors and the nested structure
+  <root>/<run>/owner.json                                the run's owner lease (storage/ownership.py)
+               head.json                                 the newest committed step (storage/head.py)
+               gc_notice.json                            versions ``ray-ckpt gc --force`` is deleting
+               v000000000100/<state>/rank0.safetensors   tensors and the nested structure
                              <state>/rank0.table0.arrow     Arrow tables inside such a state
                              <state>/rank0.arrow            a buffer (a dict of equally long arrays)
                              <state>/rank0.segment.arrow    an append-only buffer: the rows this version added
@@ -16,11 +21,14 @@ from ..errors import InvalidArgumentError
 from ..formats.manifest import is_valid_file_path  # the rule lives beside the manifest it checks
 
 MANIFEST = "manifest.json"
+OWNER_FILE = "owner.json"
+HEAD_FILE = "head.json"
+NOTICE_FILE = "gc_notice.json"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 _VERSION_DIR = re.compile(r"^v(\d{12})$")
 
-__all__ = ["MANIFEST", "validate_name", "is_valid_file_path", "version_dir", "parse_version_dir", "manifest_path",
-           "tensors_file", "table_file", "buffer_file", "segment_file", "segment_index_file", "join_uri",
+__all__ = ["MANIFEST", "OWNER_FILE", "HEAD_FILE", "NOTICE_FILE", "validate_name", "is_valid_file_path", "version_dir", "parse_version_dir", "manifest_path",
+           "in_version", "tensors_file", "table_file", "buffer_file", "segment_file", "segment_index_file", "join_uri",
            "peer_spill_dir"]
 
 
@@ -49,6 +57,11 @@ def parse_version_dir(name: str) -> Optional[int]:
 
 def manifest_path(version: int) -> str:
     return f"{version_dir(version)}/{MANIFEST}"
+
+
+def in_version(path: str, version: int) -> bool:
+    """Whether ``path`` (relative to the run's root) lies in ``version``'s own directory."""
+    return path.startswith(version_dir(version) + "/")
 
 
 def tensors_file(version: int, state: str, rank: int) -> str:

@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Callable, Optional
 
 from ..errors import IntegrityError, OwnershipError
+from .layout import OWNER_FILE
 
-OWNER_FILE = "owner.json"
 DEFAULT_LEASE_S = 60.0
 
 

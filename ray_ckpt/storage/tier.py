@@ -25,7 +25,7 @@ import pyarrow.fs as pafs
 from ..errors import CheckpointError, IntegrityError, one_line
 from ..formats.checksum import HashingSink, combine, digest
 from .filesystems import OBJECT_STORES, redact_uri, resolve_filesystem, s3_hint, scrub
-from .layout import MANIFEST, parse_version_dir
+from .layout import MANIFEST, manifest_path, parse_version_dir
 from .confined import (NotOurs, kind_of, list_under, lstat_under, make_dirs_under, open_regular, prune_under,
                        unlink_under)
 from .local_files import (TMP_MARK, RateLimit, WholeWrites, hash_file, host_buffer, local_atomic, map_fd,
@@ -321,7 +321,7 @@ class Tier:
                 st = lstat_under(self.root, name)
                 odd[v] = kind_of(st.st_mode) if st is not None else ("a symbolic link" if is_link else "gone")
                 continue
-            st = lstat_under(self.root, f"{name}/{MANIFEST}")
+            st = lstat_under(self.root, manifest_path(v))
             out[v] = st is not None and not stat.S_ISDIR(st.st_mode)
         return out, odd
 
