@@ -16,6 +16,8 @@ from typing import Any, Callable, Iterable, List, Optional
 
 import xxhash
 
+from .pieces import PieceHasher
+
 ALGORITHM = "xxh3_128-blocks64m"
 BLOCK = 64 << 20  # the unit of the two-level digest (fixed: changing it changes every digest)
 CHUNK = 8 << 20  # hash and write in 8 MiB pieces so each piece is hashed while still in cache
@@ -44,31 +46,21 @@ def combine(block_digests: List[bytes], size: int) -> str:
 
 
 class BlockHasher:
-    """Streaming form of the digest: ``update`` with consecutive bytes, then ``hexdigest``."""
+    """Streaming form of the digest: ``update`` with consecutive bytes, then ``hexdigest``. Its
+    blocks are pieces of ``BLOCK`` bytes (``pieces.PieceHasher``); an empty file is one empty block."""
 
     def __init__(self):
-        self._block = xxhash.xxh3_128()
-        self._in_block = 0
-        self._digests: List[bytes] = []
-        self.size = 0
+        self._blocks = PieceHasher(BLOCK)
+
+    @property
+    def size(self) -> int:
+        return self._blocks.size
 
     def update(self, data: Any) -> None:
-        mv = memoryview(data).cast("B")
-        off = 0
-        while off < len(mv):
-            take = min(len(mv) - off, BLOCK - self._in_block)
-            self._block.update(mv[off: off + take])
-            off += take
-            self._in_block += take
-            if self._in_block == BLOCK:
-                self._digests.append(self._block.digest())
-                self._block = xxhash.xxh3_128()
-                self._in_block = 0
-        self.size += len(mv)
+        self._blocks.update(data)
 
     def hexdigest(self) -> str:
-        tail = [self._block.digest()] if self._in_block or not self._digests else []
-        return combine(self._digests + tail, self.size)
+        return combine(self._blocks.digests() or [block_digest([])], self.size)
 
 
 def digest(buf: Any, threads: int = 1) -> str:

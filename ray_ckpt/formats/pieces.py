@@ -18,7 +18,8 @@ PIECE_SIZE = 1 << 20  # default unit of range verification: one xxh3-128 digest 
 
 
 class PieceHasher:
-    """Streaming :func:`piece_digests`: ``update`` with consecutive bytes, then ``hexdigests()``."""
+    """Streaming :func:`piece_digests`: ``update`` with consecutive bytes, then ``hexdigests()``
+    (or ``digests()``, the raw bytes; a file checksum's blocks are such pieces: ``checksum.py``)."""
 
     def __init__(self, piece_size: int = PIECE_SIZE):
         if piece_size <= 0:
@@ -26,7 +27,7 @@ class PieceHasher:
         self.piece_size = piece_size
         self._h = xxhash.xxh3_128()
         self._in = 0
-        self._digests: List[str] = []
+        self._digests: List[bytes] = []
         self.size = 0
 
     def update(self, data: Any) -> None:
@@ -38,13 +39,16 @@ class PieceHasher:
             off += take
             self._in += take
             if self._in == self.piece_size:
-                self._digests.append(self._h.hexdigest())
+                self._digests.append(self._h.digest())
                 self._h = xxhash.xxh3_128()
                 self._in = 0
         self.size += len(mv)
 
+    def digests(self) -> List[bytes]:
+        return self._digests + ([self._h.digest()] if self._in else [])
+
     def hexdigests(self) -> List[str]:
-        return self._digests + ([self._h.hexdigest()] if self._in else [])
+        return [d.hex() for d in self.digests()]
 
 
 def piece_digests(data: Any, piece_size: int = PIECE_SIZE) -> List[str]:
