@@ -84,7 +84,9 @@ class Replication:
 
     def future(self, version: int) -> asyncio.Future:
         if version not in self.futures:
-            self.futures[version] = asyncio.get_running_loop().create_future()
+            fut = asyncio.get_running_loop().create_future()
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure nobody awaited is not logged
+            self.futures[version] = fut
         return self.futures[version]
 
     async def _replicate(self, version: int) -> None:
@@ -102,6 +104,9 @@ class Replication:
         else:
             self.short.pop(version, None)
         if fut.done():
+            if not problems and not fut.cancelled() and fut.exception() is not None:
+                self.futures.pop(version)  # held now (a later repair): a new wait answers at once
+                self.future(version).set_result(True)
             return
         if problems:
             fut.set_exception(SaveError(f"version {version} of run {self.cfg.run!r} is not held by "
