@@ -1,17 +1,20 @@
 """What the framework integrations share about committed versions: the small files written next to
 a framework's checkpoint folders when a version commits (ray_ckpt's pointer, ``ray_ckpt.json``:
 which run and step the folder stands for; the framework's own "latest" marker), each replaced
-atomically so a reader never sees half a file, and the wait of a load for a step still in flight.
+atomically so a reader never sees half a file, the background wait for each save's commit, and the
+wait of a load for a step still in flight.
 
 Used by the verl and OpenRLHF integrations (``verl/tracker.py``, ``openrlhf/tracker.py`` add what
 their framework reads). No framework import here."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import queue
 import threading
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from ..errors import RestoreError
 
@@ -45,6 +48,33 @@ def read_pointer(folder: str) -> Optional[Dict[str, Any]]:
         return None
     with open(path) as f:
         return json.load(f)
+
+
+def error_line(exc: BaseException) -> str:
+    """An error as one bounded line, its type first (what a framework's log and raise show)."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:500]
+
+
+def watch_saves(jobs: "queue.Queue[Any]", on_commit: Callable[[Any, List[Any]], None],
+                describe: Callable[[Any], str], record_failure: Callable[[str], None], lock: Any,
+                logger: logging.Logger) -> None:
+    """A background thread's loop: each save taken from ``jobs`` (in order; it has ``handles``, a
+    ``done`` event and an ``error``) is waited for, then ``on_commit(save, results)`` runs. A
+    failure sets ``save.error``, is logged to ``logger`` and handed to ``record_failure`` (under
+    ``lock``) for the framework's next save or load to raise. ``save.done`` is set either way.
+    Never returns."""
+    while True:
+        save = jobs.get()
+        try:
+            on_commit(save, [h.wait() for h in save.handles])
+        except Exception as exc:
+            save.error = error_line(exc)
+            what = describe(save)
+            with lock:
+                record_failure(f"the save of {what} failed: {save.error}")
+            logger.error("ray_ckpt: the save of %s failed: %s", what, save.error)
+        finally:
+            save.done.set()
 
 
 def wait_committed(engine: Any, run: str, step: int, load_wait_s: float) -> float:

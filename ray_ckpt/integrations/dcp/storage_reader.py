@@ -37,6 +37,7 @@ from ...formats.tree import unflatten
 from ...storage import sharded_io
 from ...storage.checkpoint_io import decode_files, rank_files, read_files, read_manifest
 from ...storage.tier import Tier
+from .named_version import NamedVersion
 
 __all__ = ["RayCkptStorageReader", "dcp_states", "find_version", "single_copy", "torch_dtype"]
 
@@ -159,8 +160,10 @@ def _tensor_md(dtype: torch.dtype, size: Sequence[int], chunks: List[Tuple[Seque
                                  [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks])
 
 
-class RayCkptStorageReader(StorageReader):
+class RayCkptStorageReader(NamedVersion, StorageReader):
     """DCP StorageReader of one committed ray_ckpt version (built by :func:`ray_ckpt.dcp.reader`)."""
+
+    _role, _id_error = "reader", InvalidArgumentError
 
     def __init__(self, tiers: Sequence[Tier], manifest: Manifest, names: Sequence[str], prefixed: bool):
         super().__init__()
@@ -176,14 +179,7 @@ class RayCkptStorageReader(StorageReader):
         return self.manifest.step
 
     # ------------------------------------------------------------------ DCP protocol
-    def reset(self, checkpoint_id: Any = None) -> None:
-        if checkpoint_id is not None and str(checkpoint_id) != self.checkpoint_id:
-            raise InvalidArgumentError(f"rc.dcp.reader of {self.checkpoint_id!r} was given checkpoint_id "
-                                       f"{checkpoint_id!r}: pass checkpoint_id=None (the reader names the version)")
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return False  # never picked for a bare path: a version is named by rc.dcp.reader(run, step)
+    # reset / validate_checkpoint_id: NamedVersion
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's Metadata of the version. Every rank reads, verified, rank 0's header and small plain

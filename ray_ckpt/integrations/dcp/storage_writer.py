@@ -30,6 +30,7 @@ from torch.futures import Future
 
 from ...errors import InvalidArgumentError, InvalidSaveError, SaveError, one_line
 from ...formats.shard_index import _itemsize
+from .named_version import NamedVersion
 
 __all__ = ["RayCkptStorageWriter", "check_dtype"]
 
@@ -55,8 +56,10 @@ def _world() -> Tuple[int, int]:
     return 0, 1
 
 
-class RayCkptStorageWriter(StorageWriter):
+class RayCkptStorageWriter(NamedVersion, StorageWriter):
     """DCP StorageWriter of one ray_ckpt version (built by :func:`ray_ckpt.dcp.writer`)."""
+
+    _role, _id_error = "writer", InvalidSaveError
 
     def __init__(self, engine: Any, step: int, name: str, world_size: int, timeout: float):
         super().__init__()
@@ -67,14 +70,7 @@ class RayCkptStorageWriter(StorageWriter):
         self.result: Any = None
 
     # ------------------------------------------------------------------ DCP protocol
-    def reset(self, checkpoint_id: Any = None) -> None:
-        if checkpoint_id is not None and str(checkpoint_id) != self.checkpoint_id:
-            raise InvalidSaveError(f"rc.dcp.writer of {self.checkpoint_id!r} was given checkpoint_id "
-                                   f"{checkpoint_id!r}: pass checkpoint_id=None (the writer names the version)")
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return False  # never picked for a bare path: a version is named by rc.dcp.writer(engine, step)
+    # reset / validate_checkpoint_id: NamedVersion
 
     def storage_meta(self) -> Optional[StorageMeta]:
         return StorageMeta(checkpoint_id=self.checkpoint_id)

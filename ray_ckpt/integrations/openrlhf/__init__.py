@@ -20,6 +20,7 @@ from typing import Any
 
 from .settings import OpenRLHFSettings, add_arguments, read_settings
 from ..committed import POINTER, read_pointer
+from ..lazy import lazy_attribute
 
 __all__ = ["RayCkptDeepspeedStrategy", "add_arguments", "read_settings", "OpenRLHFSettings", "read_pointer",
            "POINTER"]
@@ -28,17 +29,5 @@ _LAZY = {"RayCkptDeepspeedStrategy": "strategy"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        try:
-            module = importlib.import_module(f".{_LAZY[name]}", __name__)
-        except ImportError as exc:
-            if not any(m in str(exc) for m in ("openrlhf", "deepspeed", "flash_attn", "peft")):
-                raise
-            raise ImportError(f'ray_ckpt.integrations.openrlhf.{name} needs OpenRLHF and DeepSpeed: pip install '
-                              f'"ray-ckpt[openrlhf]" ({exc})') from None
-        value = getattr(module, name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return lazy_attribute(__name__, globals(), _LAZY, name, needs=("openrlhf", "deepspeed", "flash_attn", "peft"),
+                          what="OpenRLHF and DeepSpeed")

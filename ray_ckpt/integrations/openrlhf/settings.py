@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional
 
-from ray_ckpt import InvalidArgumentError
+from ..settings_block import engine_create_options
 
 # the CheckpointEngine.create() options a flag may name directly
 _CREATE = ("local_dir", "remote_uri", "keep_last", "keep_every", "critical_writers", "best_effort_writers",
@@ -76,16 +76,6 @@ def read_settings(args: Any) -> Optional[OpenRLHFSettings]:
     block = {k: v for k, v in block.items() if v is not None}
     if not block.get("run"):
         return None
-    unknown = sorted(set(block) - set(_CREATE) - set(_OWN))
-    if unknown:
-        raise InvalidArgumentError(f"args.ray_ckpt: unknown setting(s) {unknown}; known: {sorted(_CREATE + _OWN)}")
-    create = {k: block[k] for k in _CREATE if k in block}
-    extra = block.get("engine_options") or {}  # any other CheckpointEngine.create option
-    if not isinstance(extra, Mapping):
-        raise InvalidArgumentError("args.ray_ckpt.engine_options must be a mapping")
-    clash = sorted(set(extra) & set(create))
-    if clash:
-        raise InvalidArgumentError(f"args.ray_ckpt: {clash} given both directly and in engine_options")
-    create.update(extra)
+    create = engine_create_options(block, _CREATE, _OWN, "args.ray_ckpt")
     kw = {k: block[k] for k in ("load_wait_s", "connect_timeout_s", "apply_max_num") if k in block}
     return OpenRLHFSettings(run=str(block["run"]), create=create, **kw)

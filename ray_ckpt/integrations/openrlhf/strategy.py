@@ -43,16 +43,12 @@ from ray_ckpt import InvalidArgumentError, SaveError
 
 from . import zero
 from .settings import OpenRLHFSettings, read_settings
-from ..committed import read_pointer, wait_committed, write_pointer
+from ..committed import error_line, read_pointer, wait_committed, watch_saves, write_pointer
 from .tracker import advance_latest, read_latest, step_of_tag
 
 log = logging.getLogger("ray_ckpt.openrlhf")
 
 OPTIM, MODULE, EXTRA, RNG = "optim", "module", "extra", "rng"
-
-
-def _one_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:500]
 
 
 @dataclass
@@ -134,7 +130,7 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
                     engine = rc.CheckpointEngine.connect(name, timeout=s.connect_timeout_s)
             except Exception as exc:
                 error = f"ray_ckpt run {name!r} could not be {'created' if s.creates else 'connected'} on rank 0: " \
-                        f"{_one_line(exc)}"
+                        f"{error_line(exc)}"
         self._collective_error(error)
         if engine is None:
             engine = rc.CheckpointEngine.connect(name, timeout=s.connect_timeout_s)
@@ -157,7 +153,7 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
                 for name, replicated in states:
                     run.engine.register(name, world_size=world, replicated=replicated, replace=True)
             except Exception as exc:
-                error = f"ray_ckpt run {run.name!r}: declaring the states failed: {_one_line(exc)}"
+                error = f"ray_ckpt run {run.name!r}: declaring the states failed: {error_line(exc)}"
         self._collective_error(error)
         run.declared = (states, world)
 
@@ -229,22 +225,13 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
     def _watch(self, run: _Run) -> None:
         """Background: wait for each save's commit (in order); rank 0 then writes the files
         OpenRLHF's resume reads."""
-        while True:
-            save = run.jobs.get()
-            try:
-                results = [h.wait() for h in save.handles]
-                if self._world()[0] == 0:
-                    self._committed(run, save, results)
-            except Exception as exc:
-                save.error = _one_line(exc)
-                with self._lock:
-                    run.failures.append(f"the save of {save.tag} (step {save.step}, run {run.name!r}) failed: "
-                                        f"{save.error}")
-                log.error("ray_ckpt: the save of %s failed: %s", save.tag, save.error)
-            finally:
-                save.done.set()
+        watch_saves(run.jobs, lambda save, results: self._committed(run, save, results),
+                    lambda save: f"{save.tag} (step {save.step}, run {run.name!r})",
+                    lambda text: run.failures.append(text), self._lock, log)  # run.failures is replaced when raised
 
     def _committed(self, run: _Run, save: _Save, results: List[Any]) -> None:
+        if self._world()[0] != 0:
+            return
         version = results[0].version if results else save.step
         write_pointer(save.tag_dir, {"run": run.name, "step": save.step, "version": version, "tag": save.tag,
                                      "world_size": self._world()[1], "format": "ray_ckpt",

@@ -20,6 +20,7 @@ from typing import Any
 
 from .settings import VerlSettings, read_settings
 from ..committed import POINTER, read_pointer
+from ..lazy import lazy_attribute
 from .tracker import TRACKER
 
 __all__ = ["RayCkptCheckpointManager", "RayCkptCheckpointConfig", "install", "uninstall", "installed",
@@ -30,17 +31,4 @@ _LAZY = {"RayCkptCheckpointManager": "manager", "RayCkptCheckpointConfig": "conf
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        try:
-            module = importlib.import_module(f".{_LAZY[name]}", __name__)
-        except ImportError as exc:
-            if "verl" not in str(exc):
-                raise
-            raise ImportError(f'ray_ckpt.integrations.verl.{name} needs verl: pip install "ray-ckpt[verl]" '
-                              f"({exc})") from None
-        value = getattr(module, name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return lazy_attribute(__name__, globals(), _LAZY, name, needs=("verl",), what="verl")

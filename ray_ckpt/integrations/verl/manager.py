@@ -37,7 +37,7 @@ from ray_ckpt import InvalidArgumentError, RestoreError, SaveError
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
 
 from .settings import VerlSettings, read_settings
-from ..committed import POINTER, read_pointer, wait_committed, write_pointer
+from ..committed import POINTER, error_line, read_pointer, wait_committed, watch_saves, write_pointer
 from .tracker import advance_tracker, step_of_path
 
 log = logging.getLogger("ray_ckpt.verl")
@@ -55,11 +55,6 @@ class _Save:
     done: threading.Event = field(default_factory=threading.Event)
     error: Optional[str] = None
     hf_ref: Any = None  # the export task (rank 0, hf_model)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}"[:500]
 
 
 def _world() -> tuple:
@@ -129,7 +124,7 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
                     rc.CheckpointEngine.connect(s.run, timeout=s.connect_timeout_s)
             except Exception as exc:
                 error = f"ray_ckpt run {s.run!r} could not be {'created' if s.creates else 'connected'} " \
-                        f"on rank 0: {_one_line(exc)}"
+                        f"on rank 0: {error_line(exc)}"
         self._collective_error(error)
         if engine is None:
             engine = rc.CheckpointEngine.connect(s.run, timeout=s.connect_timeout_s)
@@ -155,7 +150,7 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
                 for name, replicated in self._states():
                     self.engine.register(name, world_size=self.world_size, replicated=replicated, replace=True)
             except Exception as exc:
-                error = f"ray_ckpt run {self.settings.run!r}: declaring the states failed: {_one_line(exc)}"
+                error = f"ray_ckpt run {self.settings.run!r}: declaring the states failed: {error_line(exc)}"
         self._collective_error(error)
         self._declared = True
 
@@ -222,22 +217,13 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
     def _watch(self) -> None:
         """Background: wait for each save's commit (in order), then rank 0 writes the pointer and
         the tracker and starts the hf_model export."""
-        while True:
-            save = self._jobs.get()
-            try:
-                results = [h.wait() for h in save.handles]
-                if self.rank == 0:
-                    self._committed(save, results)
-            except Exception as exc:
-                save.error = _one_line(exc)
-                with self._lock:
-                    self._failures.append(f"the save of step {save.step} (run {self.settings.run!r}, "
-                                          f"{save.local_path}) failed: {save.error}")
-                log.error("ray_ckpt: the save of step %s failed: %s", save.step, save.error)
-            finally:
-                save.done.set()
+        watch_saves(self._jobs, self._committed,
+                    lambda save: f"step {save.step} (run {self.settings.run!r}, {save.local_path})",
+                    lambda text: self._failures.append(text), self._lock, log)  # _failures is replaced when raised
 
     def _committed(self, save: _Save, results: List[Any]) -> None:
+        if self.rank != 0:
+            return
         version = results[0].version if results else save.step
         write_pointer(save.local_path, {"run": self.settings.run, "step": save.step, "version": version,
                                         "world_size": self.world_size,
@@ -281,7 +267,7 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
                                        f"after {timeout}s") from None
                 except Exception as exc:
                     with self._lock:
-                        self._failures.append(f"the hf_model export of step {save.step} failed: {_one_line(exc)}")
+                        self._failures.append(f"the hf_model export of step {save.step} failed: {error_line(exc)}")
                 save.hf_ref = None
         self._raise_failures()
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional
 
 from ray_ckpt import InvalidArgumentError
+from ..settings_block import engine_create_options
 
 # the CheckpointEngine.create() options the block may name directly; anything else goes in engine_options
 _CREATE = ("local_dir", "remote_uri", "remote_options", "keep_last", "keep_every", "critical_writers",
@@ -61,19 +62,7 @@ def read_settings(checkpoint_config: Any) -> Optional[VerlSettings]:
         raise InvalidArgumentError(f"checkpoint_config.ray_ckpt must be a mapping, got {type(block).__name__}")
     if not block.get("run"):
         return None
-    unknown = sorted(set(block) - set(_CREATE) - set(_OWN))
-    if unknown:
-        raise InvalidArgumentError(f"checkpoint_config.ray_ckpt: unknown setting(s) {unknown}; known: "
-                                   f"{sorted(_CREATE + _OWN)} (other CheckpointEngine.create options go in "
-                                   f"engine_options)")
-    create = {k: block[k] for k in _CREATE if block.get(k) is not None}
-    extra = block.get("engine_options") or {}
-    if not isinstance(extra, dict):
-        raise InvalidArgumentError("checkpoint_config.ray_ckpt.engine_options must be a mapping")
-    clash = sorted(set(extra) & set(create))
-    if clash:
-        raise InvalidArgumentError(f"checkpoint_config.ray_ckpt: {clash} given both directly and in engine_options")
-    create.update(extra)
+    create = engine_create_options(block, _CREATE, _OWN, "checkpoint_config.ray_ckpt")
     kw = {k: block[k] for k in ("load_wait_s", "tracker", "hf_export_cpus", "connect_timeout_s", "overlap")
           if k in block}
     if "overlap" in kw and not isinstance(kw["overlap"], bool):
