@@ -3,8 +3,10 @@
 Each integration is its own module and imports its framework lazily, so ``import ray_ckpt`` never
 requires them. Integrations may import every layer below them (``client`` first, and the layers
 under it where a framework needs them); nothing in the package imports an integration.
-``committed.py`` holds what the verl and OpenRLHF integrations share: the pointer file written next
-to a framework's checkpoint folder when a version commits, and a load's wait for a step in flight.
+What the verl and OpenRLHF integrations share: ``committed.py`` (the pointer file written next to a
+framework's checkpoint folder when a version commits, the background wait for each save's commit,
+and a load's wait for a step in flight), ``settings_block.py`` (their ``ray_ckpt`` settings block's
+engine options) and ``lazy.py`` (their names imported on first use).
 
 - :mod:`ray_ckpt.integrations.rllib` -- RLlib (new API stack): ``RayCkptCallback`` /
   ``make_callback(...)`` save an Algorithm's learner, connector, counter and RNG state every N
