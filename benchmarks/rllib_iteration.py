@@ -136,6 +136,7 @@ def run_arms(make_config, arms, iterations: int, root: str, prefill_steps: int) 
                 r["bytes"] = statistics.median(sizes) if sizes else None
                 r["new_rows"] = _new_segment_bytes(os.path.join(root, "local", run))
                 r["replay"] = _replay_bytes(os.path.join(root, "local", run))
+                r["per_file"] = _replay_files(os.path.join(root, "local", run))
             elif arm == "rllib_save":
                 r["bytes"] = _dir_bytes(os.path.join(root, "rllib", run, f"it{iterations - 1}"))
             out[arm] = r
@@ -171,6 +172,20 @@ def _replay_bytes(run_dir: str):
     return statistics.median(sizes) if sizes else None
 
 
+def _replay_files(run_dir: str) -> dict:
+    """Median bytes per replay file a version after the warm-up wrote (``state/file``), so that
+    the data and the framing of each can be told apart."""
+    sizes: dict = {}
+    for v in sorted(os.listdir(run_dir)) if os.path.isdir(run_dir) else []:
+        if not (v.startswith("v") and int(v[1:]) > 2):
+            continue
+        for s in REPLAY_STATES:
+            d = os.path.join(run_dir, v, s)
+            for f in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+                sizes.setdefault(f"{s}/{f}", []).append(os.path.getsize(os.path.join(d, f)))
+    return {k: statistics.median(v) for k, v in sizes.items()}
+
+
 def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
@@ -186,12 +201,13 @@ def main() -> None:
 
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # a Ray of its own (address="local"): other sessions' clusters on this machine are not joined
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     root = args.dir or tempfile.mkdtemp(prefix="rllib_bench_")
     configs = {"ppo0": (lambda: ppo_config(0), ["none", "ray_ckpt", "rllib_save"], 0),
                "ppo1": (lambda: ppo_config(1), ["none", "ray_ckpt", "rllib_save"], 0),
                "dqn": (dqn_config, ["none", "ray_ckpt", "ray_ckpt_full", "rllib_save"], args.prefill)}
-    rows = []
+    rows, files = [], []
     try:
         for name in args.configs.split(","):
             make, arms, pre = configs[name]
@@ -202,9 +218,11 @@ def main() -> None:
             for arm, r in res.items():
                 rows.append((name, arm, r["train_s"], base / r["train_s"], r["bytes"], r["new_rows"], r["save_ms"],
                              r["replay"], r["capture_ms"]))
+                files.append((name, arm, r.get("per_file")))
                 print(f"  {name:5s} {arm:14s} train() {r['train_s']:.3f}s", flush=True)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        if not args.dir:  # a --dir given is kept: its versions can be inspected
+            shutil.rmtree(root, ignore_errors=True)
         ray.shutdown()
 
     print()
@@ -219,6 +237,10 @@ def main() -> None:
         c = f"{cap:.1f}" if cap is not None else "-"
         rb = f"{rep:,.0f}" if rep else "-"
         print(f"| {name} | {arm} | {t:.3f} | {ratio:.3f}x | {m} | {c} | {b} | {rb} | {n} | {q} |")
+    for name, arm, per_file in files:
+        if per_file:
+            print(f"\n{name} {arm}: median bytes per replay file a version writes: " +
+                  ", ".join(f"{k} {v:,.0f}" for k, v in per_file.items()))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@ rows added since the newest committed version, plus an index, and restores bit-e
 segments of several versions.
 
 The first tests are plain (formats + a local tier, no Ray); the last ones run the real engine."""
+import base64
 import json
 import os
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -80,10 +82,22 @@ def test_live_ranges_and_index_roundtrip():
     idx = segments.SegmentIndex({"d": [["row_id", {"N": 0, "dt": "<i8", "sh": [6]}]]}, ((3, 6), (9, 11), (20, 21)), 6,
                                 (segments.Segment("v000000000001/r/rank0.segment.arrow", 3, 20, 6),))
     assert segments.SegmentIndex.from_json(idx.to_json()) == idx
-    bad = json.loads(idx.to_json())
-    bad["rows"] = 7
-    with pytest.raises(IntegrityError, match="live ranges hold 6 rows"):
-        segments.SegmentIndex.from_json(json.dumps(bad).encode(), where="x.json")
+    stored = json.loads(idx.to_json())  # a JSON object whose fields are compressed
+    assert stored["format"] == segments.INDEX_FORMAT_Z
+    body = json.loads(zlib.decompress(base64.b64decode(stored["z"])))
+    assert body["rows"] == 6 and body["live_d"] == [3, 3, 3, 2, 9, 1]  # bounds as differences
+    # the plain-JSON index (format /1) of versions written before is read as it was
+    plain = {"format": segments.INDEX_FORMAT, "structure": body["structure"], "rows": 6,
+             "live": [[3, 6], [9, 11], [20, 21]], "segments": [["v000000000001/r/rank0.segment.arrow", 3, 20, 6]]}
+    assert segments.SegmentIndex.from_json(json.dumps(plain).encode()) == idx
+    for data in (json.dumps(dict(plain, rows=7)).encode(),
+                 json.dumps({"format": segments.INDEX_FORMAT_Z, "z": base64.b64encode(
+                     zlib.compress(json.dumps(dict(body, rows=7)).encode())).decode()}).encode()):
+        with pytest.raises(IntegrityError, match="live ranges hold 6 rows"):
+            segments.SegmentIndex.from_json(data, where="x.json")
+    truncated = json.dumps({"format": segments.INDEX_FORMAT_Z, "z": stored["z"][:-8]}).encode()
+    with pytest.raises(IntegrityError, match="x.json: not an append-only index"):
+        segments.SegmentIndex.from_json(truncated, where="x.json")
 
 
 def _write(tier, version, buf, base):

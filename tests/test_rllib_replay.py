@@ -20,7 +20,7 @@ from ray_ckpt.storage.checkpoint_io import decode_files, read_files, write_flat 
 from ray_ckpt.formats.tree import flatten  # noqa: E402
 from ray_ckpt.integrations import rllib as rr  # noqa: E402
 from ray_ckpt.integrations.rllib.replay import (compare, incremental_capture, incremental_priorities,  # noqa: E402
-                                                incremental_restore, incremental_state, row_ids, segment_trees,
+                                                incremental_restore, row_ids, segment_trees,
                                                 two_state)
 from ray_ckpt.storage.tier import Tier  # noqa: E402
 
@@ -457,46 +457,41 @@ def _states_when_written(engine, version, timeout=60):
         time.sleep(0.2)
 
 
-# ---------------------------------------------------------------- incremental capture (format /2)
+# ---------------------------------------------------------------- incremental capture (format /3)
 def _store_version(tier, v, states, base):
-    """Each state written as the engine's writers write it (the logs and rows append-only over
-    ``base``, the meta whole) and read back verified: (files, read-back states, bytes written)."""
+    """Each state written as the engine's writers write it (append-only over ``base``) and read
+    back verified: (files, read-back states, bytes written)."""
     from ray_ckpt.storage.checkpoint_io import write_append_only
     files, back, written = {}, {}, {}
     for n, st in states.items():
         flat = flatten(st, state_name=n)
-        if n == "replay_meta":
-            files[n] = write_flat(tier, v, n, 0, flat)
-            written[n] = sum(f.size for f in files[n])
-        else:
-            files[n], written[n] = write_append_only(tier, v, n, 0, flat, base.get(n, []))
+        files[n], written[n] = write_append_only(tier, v, n, 0, flat, base.get(n, []))
         bufs, _, _ = read_files([tier], files[n])
         back[n] = decode_files(files[n], bufs, name=n)
     return files, back, written
 
 
 def _same_states(a, b):
-    """Equal states, the buffers' metrics aside (the metrics logger keeps throughput timings)."""
-    assert set(a) == set(b)
-    for n in a:
-        x, y = dict(a[n]), dict(b[n])
-        if n == "replay_meta":
-            x.update(incremental_state._decode(x.pop("packed"), "a"))
-            y.update(incremental_state._decode(y.pop("packed"), "b"))
-            x.pop("metrics"), y.pop("metrics")
-        assert set(x) == set(y), n
-        for k in x:
-            _assert_same(x[k], y[k], f"{n}.{k}")
+    """Equal states, the buffers' metrics aside (the metrics logger keeps throughput timings): the
+    rows, the log's records before the meta record byte for byte, the meta records decoded."""
+    assert set(a) == set(b) == {"replay", "replay_meta"}
+    _assert_same(a["replay"], b["replay"], "replay")
+    (ma, ra), (mb, rb) = incremental_restore.read_log(a["replay_meta"]), incremental_restore.read_log(b["replay_meta"])
+    ma.pop("metrics"), mb.pop("metrics")
+    _assert_same(ma, mb, "replay_meta meta record")
+    _assert_same(ra, rb, "replay_meta records")
+    for k in ("next_chunk", "meta_at", "next_row_id", "n_rows"):
+        assert a["replay_meta"][k] == b["replay_meta"][k], k
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name,compact", [("plain", False), ("prioritized", False), ("prioritized", True)])
 def test_incremental_states_through_append_only_versions_restore_exactly(name, compact, tmp_path, monkeypatch):
-    """Captured every few adds (with evictions and priority updates in between), the four states are
+    """Captured every few adds (with evictions and priority updates in between), the two states are
     written version after version as the engine writes them; each version restores into a fresh
     buffer exactly; a buffer restored from version 3 and fed the same since captures the same states
     as the uninterrupted one (its logs continue: same ids, same entries). ``compact``: the priority
-    log is compacted at almost every save (the entries that differ from the rows' ``prio``, anew)."""
+    records are compacted at almost every save (the entries that differ from the rows' ``prio``, anew)."""
     prioritized = name == "prioritized"
     if compact:
         monkeypatch.setattr(incremental_priorities, "COMPACT_FACTOR", 0)
@@ -509,8 +504,7 @@ def test_incremental_states_through_append_only_versions_restore_exactly(name, c
         for b in (buf, restored) if restored is not None else (buf,):
             _fill(b, chunks, prioritized, False, i, i + step, seed=v)
         states = incremental_capture.capture_states(buf, row_ids.row_ids_of(buf))
-        assert set(states) == {"replay", "replay_meta", "replay_episodes"} | ({"replay_priorities"} if prioritized
-                                                                              else set())
+        assert set(states) == {"replay", "replay_meta"}
         files, back, _ = _store_version(tier, v, states, base)
         base = files
         if restored is not None:
@@ -523,18 +517,18 @@ def test_incremental_states_through_append_only_versions_restore_exactly(name, c
         if v == 3:
             restored = fresh
     assert buf.get_num_episodes_evicted() > 10
-    if compact:  # the log was restarted under new ids: its first live entry is not the first ever
-        log_ids = states["replay_priorities"]["row_id"]
-        assert log_ids[0] > 0 and len(log_ids) < log_ids[-1]
+    if compact:  # one priority record at most is live: the older ones were replaced by compaction
+        recs = incremental_restore.read_log(states["replay_meta"])[0]["priority"]["records"]
+        assert len(recs) <= 1 and row_ids.row_ids_of(buf).inc.log_entries <= buf.get_num_timesteps()
     _assert_same(_sampled(buf, False), _sampled(restored, False), "sample")
 
 
 @pytest.mark.timeout(300)
 def test_incremental_save_writes_what_changed_not_the_buffer(tmp_path):
     """A prioritized buffer of ~4k rows, then versions that add ~30 timesteps and update 8
-    priorities each: every version's bytes for the whole buffer (its new rows, the newly done
-    episodes, the changed priorities, the small meta and the indexes) stay a few KB, far below the
-    buffer's own size, and do not grow with it."""
+    priorities each: every version's bytes for the whole buffer (its new rows; the newly done
+    episodes, the changed priorities and the meta in one log segment; the two indexes) stay a few KB,
+    far below the buffer's own size, and do not grow with it; a version writes four files."""
     tier = Tier(str(tmp_path / "tier"), "local")
     chunks = _sa_chunks(1, steps=1500, chunk=50)
     buf = _make("prioritized", capacity=100_000)
@@ -547,12 +541,14 @@ def test_incremental_save_writes_what_changed_not_the_buffer(tmp_path):
         states = incremental_capture.capture_states(buf, row_ids.row_ids_of(buf))
         base, back, written = _store_version(tier, v, states, base)
         per_version.append(written)
+        own = [f for fs in base.values() for f in fs if f.path.startswith(f"v{v:012d}/")]
+        assert len(own) == 4 or v == 1, own
     n_rows = buf.get_num_timesteps()
     assert n_rows > 3000
     whole = sum(f.size for f in base["replay"] if f.role == "segment")
     for w in per_version[1:]:
         assert sum(w.values()) < 0.1 * whole, (w, whole)
-        assert w["replay_priorities"] < 3000 and w["replay_episodes"] < 6000 and w["replay_meta"] < 12000, w
+        assert w["replay_meta"] < 12000, w
     fresh = _make("prioritized", capacity=100_000, seed=5)
     replay, meta, seeds = incremental_restore.states_to_v1(back)
     two_state.restore_replay(fresh, replay, meta)

@@ -25,7 +25,9 @@ This module knows nothing of storage or Ray: the writer and the reader (``checkp
 """
 from __future__ import annotations
 
+import base64
 import json
+import zlib
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -33,11 +35,13 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import IntegrityError
-from .buffer_io import STRUCTURE_KEY, _columns
+from .buffer_io import FORMAT_KEY, STRUCTURE_KEY, _columns
 from .flat import Flat, pieces_of
 from .nodes import structure_to_json
 
-INDEX_FORMAT = "ray_ckpt.append_only/1"
+INDEX_FORMAT = "ray_ckpt.append_only/1"   # the index's fields as plain JSON (read, no longer written)
+INDEX_FORMAT_Z = "ray_ckpt.append_only/2"  # the same fields' JSON zlib-compressed, base64 under "z"
+MAX_INDEX_BYTES = 256 << 20  # an index that inflates beyond this is refused, not inflated
 ROW_ID = "row_id"
 MAX_RANGES = 1_000_000  # a live set in more pieces than this is not an append-only buffer's
 
@@ -66,10 +70,21 @@ class SegmentIndex:
         return self.segments[-1].last if self.segments else -1
 
     def to_json(self) -> bytes:
-        return json.dumps({"format": INDEX_FORMAT, "structure": self.structure, "rows": self.rows,
-                           "live": [list(r) for r in self.live],
-                           "segments": [[s.path, s.first, s.last, s.rows] for s in self.segments]},
+        """The index file's bytes: a JSON object whose fields are compressed. Why: a version writes
+        an index beside its few new rows, and the segment list grows by one entry a version; as
+        plain JSON the index of a long run outweighed the rows (paths and the structure repeat:
+        they compress ~5x)."""
+        # ranges and bounds as differences from the number before: small, repeating numbers compress
+        flat = [x for r in self.live for x in r]
+        live = [b - a for a, b in zip([0] + flat, flat)]
+        segs, prev = [], 0
+        for s in self.segments:
+            segs.append([s.path, s.first - prev, s.last - s.first, s.rows])
+            prev = s.last
+        body = json.dumps({"structure": self.structure, "rows": self.rows, "live_d": live, "segments_d": segs},
                           separators=(",", ":")).encode()
+        z = base64.b64encode(zlib.compress(body, 9)).decode("ascii")
+        return json.dumps({"format": INDEX_FORMAT_Z, "z": z}, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, data: Any, *, where: str = "<index>") -> "SegmentIndex":
@@ -77,8 +92,10 @@ class SegmentIndex:
         in order. Raises IntegrityError naming ``where``."""
         try:
             d = json.loads(bytes(data))
-            if d.get("format") != INDEX_FORMAT:
-                raise ValueError(f"format {d.get('format')!r}, expected {INDEX_FORMAT!r}")
+            if d.get("format") == INDEX_FORMAT_Z:
+                d = _undelta(json.loads(_inflate(base64.b64decode(d["z"], validate=True))))
+            elif d.get("format") != INDEX_FORMAT:
+                raise ValueError(f"format {d.get('format')!r}, expected {INDEX_FORMAT_Z!r} or {INDEX_FORMAT!r}")
             live = tuple((int(lo), int(hi)) for lo, hi in d["live"])
             segs = tuple(Segment(str(p), int(a), int(b), int(n)) for p, a, b, n in d["segments"])
             rows = int(d["rows"])
@@ -104,8 +121,34 @@ class SegmentIndex:
             return cls(d["structure"], live, rows, segs)
         except IntegrityError:
             raise
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        except (ValueError, TypeError, KeyError, AttributeError, zlib.error) as exc:
             raise IntegrityError(f"{where}: not an append-only index ({exc})") from None
+
+
+def _undelta(d: Dict[str, Any]) -> Dict[str, Any]:
+    """Format /2's delta-coded fields back to /1's (``live``, ``segments``)."""
+    acc = [int(x) for x in d.pop("live_d")]
+    if len(acc) % 2:
+        raise ValueError("an odd number of live range bounds")
+    for i in range(1, len(acc)):
+        acc[i] += acc[i - 1]
+    d["live"] = [acc[i:i + 2] for i in range(0, len(acc), 2)]
+    segs, prev = [], 0
+    for path, first, span, rows in d.pop("segments_d"):
+        first = prev + int(first)
+        prev = first + int(span)
+        segs.append([path, first, prev, rows])
+    d["segments"] = segs
+    return d
+
+
+def _inflate(data: bytes) -> bytes:
+    d = zlib.decompressobj()
+    out = d.decompress(data, MAX_INDEX_BYTES)
+    if d.unconsumed_tail or not d.eof:
+        raise ValueError("its compressed fields are truncated or inflate beyond "
+                         f"{MAX_INDEX_BYTES >> 20} MiB")
+    return out
 
 
 # ---------------------------------------------------------------------------- writing
@@ -162,12 +205,17 @@ def plan(ids: np.ndarray, base: Optional[SegmentIndex], name: str) -> Tuple[List
 
 
 def segment_table(table: pa.Table, start: int) -> pa.Table:
-    """Rows ``start:`` of a buffer's table as a buffer file of their own (zero-copy slice; the
-    structure in the metadata says the segment's row count, so ``buffer_io.read`` reads it)."""
+    """Rows ``start:`` of a buffer's table as a buffer file of their own (zero-copy slice). Its schema
+    metadata is the least ``buffer_io.read`` needs: the format and the columns' structure with the
+    segment's row count, as compact JSON. The buffer's scalars and leaf names are left to the index,
+    which holds them once (an Arrow file carries its schema twice, and a version's segment may hold
+    only a few rows: per-file metadata was a large part of its bytes)."""
     seg = table.slice(start)
     meta = dict(table.schema.metadata or {})
-    meta[STRUCTURE_KEY] = json.dumps(_with_rows(json.loads(meta[STRUCTURE_KEY]), seg.num_rows)).encode()
-    return seg.replace_schema_metadata(meta)
+    structure = _with_rows(json.loads(meta[STRUCTURE_KEY]), seg.num_rows)
+    structure["d"] = [[k, node] for k, node in structure["d"] if isinstance(node, dict) and "N" in node]
+    own = {FORMAT_KEY: meta[FORMAT_KEY], STRUCTURE_KEY: json.dumps(structure, separators=(",", ":")).encode()}
+    return seg.replace_schema_metadata(own)
 
 
 def _with_rows(structure: Dict[str, Any], rows: int) -> Dict[str, Any]:

@@ -1,5 +1,5 @@
 """The entry points the RLlib callback and restore call: which strategy the replay states are saved
-with, capturing the algorithm's buffer into a save (format /2 single-agent, /1 multi-agent), keeping
+with, capturing the algorithm's buffer into a save (format /3 single-agent, /1 multi-agent), keeping
 the engine's registrations in step, and restoring a version's buffer into the algorithm.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from .buffers import META_FORMAT, buffer_kind, replay_buffer_of
 from .row_ids import RowIds, row_ids_of
 from .incremental_capture import capture_states
 from .incremental_restore import seed, states_to_v1
-from .incremental_state import META_FORMAT2, REPLAY_EPISODES, REPLAY_PRIORITIES
+from .incremental_state import LOG_LAYOUT, META_FORMAT2, META_FORMAT3
 from .two_state import capture_replay, restore_replay
 
 
@@ -38,14 +38,14 @@ def replay_strategy(setting: str, algorithm: Any):
     return Strategy.BEST_EFFORT if setting == "best_effort" else Strategy.CRITICAL
 
 
-def _row_floor(engine: Any, rid: RowIds, v2: bool = False) -> Optional[int]:
+def _row_floor(engine: Any, rid: RowIds, v3: bool = False) -> Optional[int]:
     """Where the ids of a buffer about to be saved into ``engine``'s run must start so that no id
     of the run's newest version is given to another row (None: the ids are that version's own).
     The ids are the run's own only after a restore of its newest version; a buffer restored from an
     older version or another run (a PBT exploit), or a new buffer on a run that has versions, gets
     new ids for all its rows (its next save writes them all once); so does a single-agent buffer
-    (``v2``: captured by :mod:`.incremental_capture`, rows with ``prio`` columns) whose run's newest
-    version is of format /1, and the episode / priority logs start at that version's next ids."""
+    (``v3``: captured by :mod:`.incremental_capture`, rows with ``prio`` columns) whose run's newest
+    version is of another format, and the ``replay_meta`` log starts at that version's next ids."""
     metas = sorted(engine.list_checkpoints(), key=lambda m: m.version)
     if not metas:
         return None
@@ -53,12 +53,16 @@ def _row_floor(engine: Any, rid: RowIds, v2: bool = False) -> Optional[int]:
     if REPLAY_META not in newest.states:
         return None  # the engine checks new rows against the newest version only
     meta = from_storable(engine.load(name=REPLAY_META, version=newest.version))
-    if rid.restored_from == (engine.run, newest.version) and (meta.get("format") == META_FORMAT2) == v2:
+    fmt = meta.get("format")
+    if rid.restored_from == (engine.run, newest.version) and (fmt == META_FORMAT3) == v3:
         return None
-    # ids of another run / version, or the stored rows have other columns (format /1): all anew
-    if meta.get("format") == META_FORMAT2:
+    # ids of another run / version, or the stored rows have other columns (format /1, /2): all anew
+    if fmt == META_FORMAT3:
+        rid.floors = {"chunk": int(meta["next_chunk"])}
+        return int(meta["next_row_id"])
+    if fmt == META_FORMAT2:  # the log's ids start above both of /2's logs' (they were its segments' ids)
         ids = meta["next_ids"]
-        rid.floors = {"chunk": int(ids["chunk"]), "log": int(ids["log"])}
+        rid.floors = {"chunk": max(int(ids["chunk"]), int(ids["log"]))}
         return int(ids["row"])
     rid.floors = None
     return int(meta["rows"]["next_row_id"])
@@ -72,7 +76,7 @@ def capture_algorithm_replay(algorithm: Any, out: Dict[str, Any], strategy: Any,
     try:
         rid = row_ids_of(buf)
         if engine is not None and rid.checked_run != engine.run:
-            floor = _row_floor(engine, rid, v2=not buffer_kind(buf).multi_agent)
+            floor = _row_floor(engine, rid, v3=not buffer_kind(buf).multi_agent)
             if floor is not None:
                 log.info("ray_ckpt: run %r: the replay buffer's rows get new row ids from %d (its state is not "
                          "the run's newest version's): this save writes all of them", engine.run, floor)
@@ -90,14 +94,21 @@ def capture_algorithm_replay(algorithm: Any, out: Dict[str, Any], strategy: Any,
         errors[REPLAY] = f"{type(exc).__name__}: {exc}"
 
 
-REPLAY_APPEND_ONLY = True  # ``replay`` (and the logs) are registered append_only=True: a version writes what is new
-REPLAY_STATES = ("replay", "replay_meta", "replay_episodes", "replay_priorities")
+REPLAY_APPEND_ONLY = True  # ``replay`` (and format /3's log) are registered append_only=True: a version writes what is new
+REPLAY_STATES = ("replay", "replay_meta")
+
+
+def _append_only(name: str, state: Any) -> bool:
+    """``replay`` always; ``replay_meta`` when it is format /3's log (a multi-agent buffer's format /1
+    meta is a nested state, written whole)."""
+    return REPLAY_APPEND_ONLY and (name != REPLAY_META or (isinstance(state, dict)
+                                                           and state.get("layout") == LOG_LAYOUT))
 
 
 def sync_replay_registrations(engine: Any, algorithm: Any, setting: str, pending_now: Dict[str, Any],
                               pending: Callable[[], Dict[str, Any]]) -> None:
-    """Register ``replay`` (append-only) and ``replay_meta`` when this save captured them (read from
-    ``pending()`` when the engine snapshots), unregister them when it did not."""
+    """Register ``replay`` and ``replay_meta`` (append-only: :func:`_append_only`) when this save
+    captured them (read from ``pending()`` when the engine snapshots), unregister them when it did not."""
     strat = replay_strategy(setting, algorithm)
 
     def getter(name: str) -> Callable[[], Any]:
@@ -111,9 +122,11 @@ def sync_replay_registrations(engine: Any, algorithm: Any, setting: str, pending
 
     for name in REPLAY_STATES:
         if name in pending_now and strat is not None:
-            if engine.registered.get(name) != strat:
-                engine.register(name, getter(name), strategy=strat, replace=True,
-                                append_only=REPLAY_APPEND_ONLY and name != REPLAY_META)
+            append_only = _append_only(name, pending_now[name])
+            # the engine lists strategies only; its registration record says whether append-only
+            reg = getattr(engine, "_registry", {}).get(name)
+            if engine.registered.get(name) != strat or getattr(reg, "append_only", append_only) != append_only:
+                engine.register(name, getter(name), strategy=strat, replace=True, append_only=append_only)
         elif name in engine.registered:
             engine.unregister(name)
 
@@ -157,20 +170,8 @@ def restore_algorithm_replay(algorithm: Any, engine: Any, meta: Any, loaded: Dic
     fmt = from_storable(loaded[REPLAY_META]).get("format") if isinstance(loaded[REPLAY_META], dict) else None
     if fmt == META_FORMAT:
         restore_replay(buf, loaded[REPLAY], loaded[REPLAY_META], agent_to_module_mapping_fn=fn)
-    else:  # format /2 (:mod:`.incremental_state`): the episode and priority logs are read here
-        got = dict(loaded)
-        for n in (REPLAY_EPISODES, REPLAY_PRIORITIES):
-            if n in meta.states:
-                try:
-                    got[n] = engine.load(name=n, version=meta.version)
-                except Exception as exc:
-                    raise RestoreError(f"cannot restore version {meta.version} of run {engine.run!r}: its replay "
-                                       f"state {n!r} could not be read ({type(exc).__name__}: {exc}); nothing "
-                                       f"was changed") from None
-        replay, meta_v1, seeds = states_to_v1(got)
+    else:  # format /3 (:mod:`.incremental_state`): the rows and the replay_meta log
+        replay, meta_v1, seeds = states_to_v1({REPLAY: loaded[REPLAY], REPLAY_META: loaded[REPLAY_META]})
         restore_replay(buf, replay, meta_v1, agent_to_module_mapping_fn=fn)
         seed(row_ids_of(buf), seeds, buf)
-        for n in (REPLAY_EPISODES, REPLAY_PRIORITIES):
-            if n in got:
-                states[n] = "restored"
     row_ids_of(buf).restored_from = (engine.run, int(meta.version))

@@ -1,6 +1,7 @@
-"""A single-agent buffer captured incrementally into the four states of format /2
+"""A single-agent buffer captured incrementally into the two states of format /3
 (:mod:`.incremental_state`): a save splits only the running episodes and those added since the
-previous one, gathers only the new rows, and appends only the newly done episodes and changed leaves.
+previous one, gathers only the new rows, and appends to the log only the newly done episodes, the
+changed leaves and the meta.
 """
 from __future__ import annotations
 
@@ -13,21 +14,20 @@ from ..names import REPLAY, REPLAY_META, log
 from .buffers import _Kind, _attributes, buffer_kind, common_meta, extra_attrs, handled_attrs
 from .episode_parts import LAYOUT, _EpisodeParts, _int32, _split_episode, _table
 from .incremental_priorities import _append_log, _priorities, _priority_scalars
-from .incremental_state import (CHUNK, EPISODE_LOG, META_FORMAT2, PRIORITY_LOG, REPLAY_EPISODES, REPLAY_PRIORITIES,
-                                Incremental, _empty_ep_log, _empty_plog, _encode)
+from .incremental_state import CHUNK, EPISODES, LOG_LAYOUT, META, META_FORMAT3, Incremental, _empty_log, _encode
 from .row_ids import RowIds, _update_ids
 from .values import _type_name
 
 
 def capture_states(buffer: Any, rid: RowIds) -> Dict[str, Any]:
-    """The states of a single-agent buffer (names: ``replay``, ``replay_meta``, ``replay_episodes``,
-    ``replay_priorities`` if prioritized); advances the buffer's caches (``rid``)."""
+    """The states of a single-agent buffer (names: ``replay``, ``replay_meta``); advances the buffer's
+    caches (``rid``)."""
     kind = buffer_kind(buffer)
     if kind.multi_agent:
         raise TypeError("capture_states is for single-agent buffers")
     attrs = _attributes(buffer)
     bname = _type_name(buffer)
-    meta = common_meta(buffer, attrs, bname, META_FORMAT2)
+    meta = common_meta(buffer, attrs, bname, META_FORMAT3)
     meta["module_counters"] = {}
     meta["extra_attrs"] = extra_attrs(attrs, handled_attrs(kind), bname)
     for _ in range(2):
@@ -40,11 +40,7 @@ def capture_states(buffer: Any, rid: RowIds) -> Dict[str, Any]:
             rid.renumber(rid.next_id)
     else:  # pragma: no cover - a full capture never misaligns
         raise UnsupportedTypeError(f"replay buffer {bname}: could not be captured")
-    replay, episodes, plog = out
-    states = {REPLAY: replay, REPLAY_META: meta, REPLAY_EPISODES: episodes}
-    if kind.prioritized:
-        states[REPLAY_PRIORITIES] = plog
-    return states
+    return {REPLAY: out[0], REPLAY_META: out[1]}
 
 
 class _Misaligned(Exception):
@@ -52,28 +48,26 @@ class _Misaligned(Exception):
 
 
 def _capture(buffer: Any, rid: RowIds, kind: _Kind, bname: str, meta: Dict[str, Any]):
-    """``(replay, replay_episodes, replay_priorities)`` of this save; ``meta`` becomes format /2's
-    ``replay_meta``. Raises _Misaligned where the caches no longer describe the buffer."""
+    """``(replay, replay_meta)`` of this save (``meta``: what every family's meta holds, packed into
+    the log's meta record). Raises _Misaligned where the caches no longer describe the buffer."""
     evicted = int(buffer._num_episodes_evicted)
     full = rid.inc is None
     inc, newly_done = _split_changed(buffer, rid, evicted, bname)
     replay, entries = _new_rows(buffer, rid, inc, kind, full, evicted, bname)
     n = len(replay["row_id"])
-    episodes_state = _append_episodes(inc, newly_done, evicted, bname)
-    plog_state = None
+    _append_episodes(inc, newly_done, evicted, bname)
     if kind.prioritized:
         _append_log(inc, entries, n)
-        plog_state = {**inc.plog, "layout": PRIORITY_LOG}
+    inc.keep_rows([(a, m) for _, _, a, m in inc.batches] + [(a, m) for a, m, _ in inc.precs])
     rid.inc = inc
     rid.floors = None
-    _pack_meta(buffer, rid, inc, kind, meta, n, bname)
-    return replay, episodes_state, plog_state
+    return replay, _log_state(buffer, rid, inc, kind, meta, n, bname)
 
 
 def _split_changed(buffer: Any, rid: RowIds, evicted: int, bname: str) -> Tuple[Incremental, List[_EpisodeParts]]:
     """Split the episodes that may have changed since the previous capture (all of them on a full
     capture; else the running ones and those added since), forget the evicted ones; returns the
-    cache to advance and the episodes that became done (in no batch of the episode log yet)."""
+    cache to advance and the episodes that became done (in no episode batch of the log yet)."""
     inc = rid.inc
     episodes = buffer.episodes
     E = len(episodes)
@@ -84,10 +78,8 @@ def _split_changed(buffer: Any, rid: RowIds, evicted: int, bname: str) -> Tuple[
         todo = list(range(evicted, evicted + E))
         floors = getattr(rid, "floors", None) or {}
         inc = Incremental(np.empty(0, np.int64), {}, {}, {}, evicted=evicted)
-        inc.ep_log = _empty_ep_log()
-        inc.plog = _empty_plog()
+        inc.log = _empty_log()
         inc.next_chunk = int(floors.get("chunk", 0))
-        inc.next_log = int(floors.get("log", 0))
         rid.parts = {}
     else:
         todo = sorted(k for k in inc.open_keys if k >= evicted)
@@ -120,7 +112,7 @@ def _split_changed(buffer: Any, rid: RowIds, evicted: int, bname: str) -> Tuple[
 def _new_rows(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, full: bool, evicted: int,
               bname: str) -> Tuple[Dict[str, Any], List[Dict[str, np.ndarray]]]:
     """The live rows (survivors keep their ids and columns, the new ones follow, gathered from their
-    episodes) and the priority log's entries for the survivors whose leaves changed."""
+    episodes) and the priority entries for the survivors whose leaves changed."""
     width = 3 if kind.prioritized else 2
     keys, ids = _update_ids(rid, buffer, [("_indices", buffer._indices, width, tuple)], evicted,
                             int(buffer._num_timesteps_added))
@@ -154,49 +146,40 @@ def _new_rows(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, full: boo
     return {"row_id": ids, **cols, "layout": LAYOUT}, entries
 
 
-def _append_episodes(inc: Incremental, newly_done: List[_EpisodeParts], evicted: int,
-                     bname: str) -> Dict[str, Any]:
-    """The episode log: a batch of the newly done episodes appended; batches whose episodes are all
-    evicted leave it."""
+def _append_episodes(inc: Incremental, newly_done: List[_EpisodeParts], evicted: int, bname: str) -> None:
+    """An episode batch of the newly done episodes appended to the log; batches whose episodes are
+    all evicted leave it."""
     newly_done.sort(key=lambda p: p.key)
     if newly_done:
-        blob = _encode(_table(newly_done, bname))
-        m = len(blob)
-        add = {"row_id": np.arange(inc.next_chunk, inc.next_chunk + m, dtype=np.int64),
-               "batch": np.full(m, inc.next_batch, np.int64), "blob": blob}
-        inc.ep_log = {k: np.concatenate([inc.ep_log[k], add[k]]) for k in add}
-        inc.batches.append([inc.next_batch, newly_done[-1].key[0]])
+        first, m = inc.append(EPISODES, _table(newly_done, bname))
+        inc.batches.append([inc.next_batch, newly_done[-1].key[0], first, m])
         inc.logged.update(p.key[0] for p in newly_done)
-        inc.next_chunk += m
         inc.next_batch += 1
-    dead = [b for b, top in inc.batches if top < evicted]
-    if dead:
-        inc.batches = [x for x in inc.batches if x[1] >= evicted]
-        alive = ~np.isin(inc.ep_log["batch"], np.array(dead, np.int64))
-        inc.ep_log = {k: v[alive] for k, v in inc.ep_log.items()}
-    return {**inc.ep_log, "layout": EPISODE_LOG}
+    inc.batches = [x for x in inc.batches if x[1] >= evicted]
 
 
-def _pack_meta(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, meta: Dict[str, Any], n: int,
-               bname: str) -> None:
-    """``meta`` as format /2's ``replay_meta``: the ids' floors in the open, the rest packed."""
+def _log_state(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, meta: Dict[str, Any], n: int,
+               bname: str) -> Dict[str, Any]:
+    """The ``replay_meta`` state: the log's live records and this save's meta record after them, and
+    in the open (plain scalars) what is read without decoding a record."""
     running = [rid.parts[(k, -1)][1] for k in sorted(inc.open_keys)]
     meta["rows"] = {"next_row_id": int(rid.next_id), "n_rows": int(n), "agent_ids": [], "module_ids": [],
                     "templates": inc.templates}
     meta["spaces"] = rid.spaces.table
     meta["running"] = _table(running, bname)
-    meta["episode_log"] = {"batches": np.array(inc.batches, np.int64).reshape(len(inc.batches), 2),
-                           "next_chunk": inc.next_chunk, "next_batch": inc.next_batch, "chunk": CHUNK}
+    meta["episode_log"] = {"batches": np.array(inc.batches, np.int64).reshape(len(inc.batches), 4),
+                           "next_batch": inc.next_batch}
     if kind.prioritized:
         meta["priority"] = _priority_scalars(buffer, inc, bname)
     rid.spaces.prune()
-    # all of it but the ids' floors as one compressed blob: the metrics logger's windows and the
-    # running episodes' table are small but mostly structure JSON, which compresses well
     packed = {k: v for k, v in meta.items() if k not in ("format", "buffer_type")}
-    meta.clear()
-    meta.update({"format": META_FORMAT2, "buffer_type": bname, "n_rows": int(n),
-                 "next_ids": {"row": int(rid.next_id), "chunk": int(inc.next_chunk), "log": int(inc.next_log)},
-                 "packed": _encode(packed, 1).reshape(-1)})
+    blob = _encode(META, packed)  # not kept in inc.log: a meta record is live in its own version only
+    meta_at = inc.next_chunk
+    ids = np.concatenate([inc.log["row_id"], np.arange(meta_at, meta_at + len(blob), dtype=np.int64)])
+    inc.next_chunk += len(blob)
+    return {"row_id": ids, "blob": np.concatenate([inc.log["blob"], blob]), "layout": LOG_LAYOUT,
+            "format": META_FORMAT3, "buffer_type": bname, "n_rows": int(n), "next_row_id": int(rid.next_id),
+            "next_chunk": int(inc.next_chunk), "meta_at": int(meta_at), "chunk": CHUNK}
 
 
 def _gather(new_keys: np.ndarray, parts: Dict[Tuple[int, int], Any], inc: Incremental,

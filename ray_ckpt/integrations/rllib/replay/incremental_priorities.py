@@ -1,6 +1,7 @@
-"""Prioritized single-agent buffers, incrementally: each new row's ``prio`` columns, and the change log
-of tree leaves (``replay_priorities``) fed by a recorder around the instance's ``update_priorities``
-and spot-checked against the trees at each capture; compacted when it outgrows the buffer.
+"""Prioritized single-agent buffers, incrementally: each new row's ``prio`` columns, and the priority
+records of the ``replay_meta`` log (the tree leaves that changed) fed by a recorder around the
+instance's ``update_priorities`` and spot-checked against the trees at each capture; compacted when
+they outgrow the buffer.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 
 from ....errors import UnsupportedTypeError
 from ..names import log
-from .incremental_state import Incremental, _empty_plog, _leaf_codes
+from .incremental_state import PRIORITIES, Incremental, _leaf_codes
 from .segment_trees import _check_maps, _check_neutral, _free_nodes_state
 from .values import _pack_one
 
@@ -124,9 +125,11 @@ def _entries(rows: np.ndarray, which: int, v: np.ndarray, k: np.ndarray) -> Dict
 
 
 def _append_log(inc: Incremental, entries: List[Dict[str, np.ndarray]], n_rows: int) -> None:
+    """This save's changed leaves as a priority record; when the live records would hold more than
+    COMPACT_FACTOR entries per row, one record of the rows whose leaves are not their ``prio``
+    replaces them all."""
     m = sum(len(e["row"]) for e in entries)
-    if len(inc.plog["row_id"]) + m > COMPACT_FACTOR * n_rows + COMPACT_MIN:
-        # compaction: one entry per row whose leaves are not its prio, under new ids
+    if inc.log_entries + m > COMPACT_FACTOR * n_rows + COMPACT_MIN:
         sv, sk, mv, mk = (inc.leaves[k] for k in ("sv", "sk", "mv", "mk"))
         p, pk = inc.cols["prio"], inc.cols["prio_k"]
         same = (sv == mv) & (sk == mk)
@@ -137,14 +140,28 @@ def _append_log(inc: Incremental, entries: List[Dict[str, np.ndarray]], n_rows: 
                                  (~same & off_m, 2, mv, mk)):
             if np.any(sel):
                 entries.append(_entries(inc.ids[sel], which, v[sel], k[sel]))
-        inc.plog = _empty_plog()
+        inc.precs = []
         m = sum(len(e["row"]) for e in entries)
     if not m:
         return
     add = {k: np.concatenate([e[k] for e in entries]) for k in ("row", "which", "v", "k")}
-    add["row_id"] = np.arange(inc.next_log, inc.next_log + m, dtype=np.int64)
-    inc.plog = {k: np.concatenate([inc.plog[k], add[k]]) for k in inc.plog}
-    inc.next_log += m
+    first, rows = inc.append(PRIORITIES, _pack_entries(add))
+    inc.precs.append([first, rows, m])
+
+
+def _pack_entries(e: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """Entries as stored: row ids as differences (small numbers: they compress), values as float32
+    where that is exact (RLlib's TD errors are float32)."""
+    v = e["v"]
+    v32 = v.astype(np.float32)
+    exact = bool(np.array_equal(v32.astype(np.float64), v, equal_nan=True))
+    return {"row": np.diff(e["row"], prepend=np.int64(0)), "which": e["which"], "v": v32 if exact else v,
+            "k": e["k"]}
+
+
+def unpack_entries(e: Dict[str, Any]) -> Dict[str, np.ndarray]:
+    return {"row": np.cumsum(np.asarray(e["row"], np.int64)), "which": np.asarray(e["which"], np.int8),
+            "v": np.asarray(e["v"]).astype(np.float64), "k": np.asarray(e["k"], np.int8)}
 
 
 def _priority_scalars(buffer: Any, inc: Incremental, bname: str) -> Dict[str, Any]:
@@ -155,4 +172,4 @@ def _priority_scalars(buffer: Any, inc: Incremental, bname: str) -> Dict[str, An
             "free_nodes": _free_nodes_state(buffer._free_nodes),
             "last_sampled": [int(i) for i in buffer._last_sampled_indices],
             "tree_capacity": int(buffer._sum_segment.capacity),
-            "next_log": int(inc.next_log)}
+            "records": np.array(inc.precs, np.int64).reshape(len(inc.precs), 3)}

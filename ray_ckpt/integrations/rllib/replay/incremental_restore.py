@@ -1,10 +1,10 @@
-"""Format /2 back to the two-state form: the four states of a single-agent buffer turned into the
-``(replay, replay_meta)`` that :func:`.two_state.restore_replay` takes, and the caches seeded after
-the restore so the next save goes on appending to the same logs.
+"""Format /3 back to the two-state form: the two states of a single-agent buffer (the rows and the
+``replay_meta`` log) turned into the ``(replay, replay_meta)`` that :func:`.two_state.restore_replay`
+takes, and the caches seeded after the restore so the next save goes on appending to the same log.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
@@ -13,37 +13,52 @@ from ..conversion import from_storable
 from ..names import REPLAY, REPLAY_META
 from .buffers import META_FORMAT
 from .episode_parts import _EpisodeParts, _parts_from_table, _table
-from .incremental_priorities import _hook
-from .incremental_state import (EPISODE_LOG, KINDS, META_FORMAT2, PRIORITY_LOG, REPLAY_EPISODES, REPLAY_PRIORITIES,
-                                Incremental, _decode, _empty_plog)
+from .incremental_priorities import _hook, unpack_entries
+from .incremental_state import (EPISODES, KINDS, LOG_LAYOUT, META, META_FORMAT2, META_FORMAT3, PRIORITIES,
+                                Incremental, _decode)
 from .row_ids import RowIds
 from .values import _Spaces
 
 
+def read_log(log: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
+    """(the meta record's state, the log's rows before it) of a ``replay_meta`` log, checked."""
+    fmt = log.get("format") if isinstance(log, dict) else None
+    if fmt == META_FORMAT2:
+        raise RestoreError(f"replay_meta has format {META_FORMAT2!r} (four replay states, written by an earlier "
+                           f"ray_ckpt): this version reads {META_FORMAT3!r} only")
+    if fmt != META_FORMAT3 or log.get("layout") != LOG_LAYOUT:
+        raise RestoreError(f"replay_meta has format {fmt!r}, expected {META_FORMAT3!r}")
+    ids = np.asarray(log["row_id"], np.int64)
+    blob = np.asarray(log["blob"], np.uint8)
+    at = int(np.searchsorted(ids, int(log["meta_at"])))
+    if at >= len(ids) or ids[at] != int(log["meta_at"]) or int(ids[-1] - ids[at]) != len(ids) - 1 - at:
+        raise RestoreError(f"replay_meta: the meta record at row {log['meta_at']} is not the log's last rows")
+    meta = _decode(blob[at:], META, "replay_meta meta record")
+    meta["format"], meta["buffer_type"] = fmt, str(log["buffer_type"])
+    return meta, {"row_id": ids[:at], "blob": blob[:at]}
+
+
+def _record(rows: Dict[str, np.ndarray], first: int, m: int, kind: int, where: str) -> Any:
+    ids = rows["row_id"]
+    a = int(np.searchsorted(ids, first))
+    if a + m > len(ids) or ids[a] != first or ids[a + m - 1] != first + m - 1:
+        raise RestoreError(f"{where}: rows {first}..{first + m - 1} are not all in the log")
+    return _decode(rows["blob"][a:a + m], kind, where)
+
+
 def states_to_v1(states: Dict[str, Any], *, seed: bool = True):
     """``(replay, replay_meta)`` in the two-state form (what :func:`.two_state.restore_replay` takes) from
-    the four states, and (``seed``) what :func:`seed` needs to continue the logs."""
-    replay, meta = dict(states[REPLAY]), from_storable(states[REPLAY_META])
-    if meta.get("format") != META_FORMAT2:
-        raise RestoreError(f"replay_meta has format {meta.get('format')!r}, expected {META_FORMAT2!r}")
-    meta.update(_decode(np.asarray(meta.pop("packed"), np.uint8), "replay_meta.packed"))
+    the two states, and (``seed``) what :func:`seed` needs to continue the log."""
+    replay = dict(states[REPLAY])
+    log = from_storable(states[REPLAY_META])
+    meta, rows = read_log(log)
     bname = meta["buffer_type"]
     templates = meta["rows"]["templates"]
     evicted = int(meta["counters"]["_num_episodes_evicted"])
-    ep = states.get(REPLAY_EPISODES)
-    if ep is None or ep.get("layout") != EPISODE_LOG:
-        raise RestoreError(f"the version's {REPLAY_EPISODES} state is missing or not an episode log")
-    batch = np.asarray(ep["batch"], np.int64)
-    blob = np.asarray(ep["blob"])
-    want = [int(b) for b, _ in np.asarray(meta["episode_log"]["batches"], np.int64).reshape(-1, 2).tolist()]
-    if sorted(set(batch.tolist())) != sorted(want):
-        raise RestoreError(f"{REPLAY_EPISODES}: batches {sorted(set(batch.tolist()))[:5]} stored, "
-                           f"replay_meta lists {want[:5]}")
+    batches = np.asarray(meta["episode_log"]["batches"], np.int64).reshape(-1, 4)
     parts: List[_EpisodeParts] = []
-    starts = np.flatnonzero(np.diff(batch, prepend=-1) != 0)
-    ends = np.append(starts[1:], len(batch))
-    for a, b in zip(starts.tolist(), ends.tolist()):
-        table = _decode(blob[a:b], f"{REPLAY_EPISODES} batch {int(batch[a])}")
+    for b, _, first, m in batches.tolist():
+        table = _record(rows, first, m, EPISODES, f"replay_meta episode batch {b}")
         parts += [p for p in _parts_from_table(table, templates, True) if p.key[0] >= evicted]
     running = _parts_from_table(meta["running"], templates, False)
     logged = {p.key[0] for p in parts}
@@ -53,35 +68,37 @@ def states_to_v1(states: Dict[str, Any], *, seed: bool = True):
     v1["episodes"] = _table(parts, bname)
     stored_replay = replay
     replay = {k: v for k, v in replay.items() if k not in ("prio", "prio_k")}
+    leaves = None
     if "priority" in meta:
-        pl = states.get(REPLAY_PRIORITIES)
-        if pl is None or pl.get("layout") != PRIORITY_LOG:
-            raise RestoreError(f"the version's {REPLAY_PRIORITIES} state is missing or not a priority log")
-        leaves = final_leaves(stored_replay, pl)
+        recs = np.asarray(meta["priority"]["records"], np.int64).reshape(-1, 3)
+        entries = [unpack_entries(_record(rows, first, m, PRIORITIES, f"replay_meta priority record at {first}"))
+                   for first, m, _ in recs.tolist()]
+        leaves = final_leaves(stored_replay, entries)
         pr = dict(meta["priority"])
-        pr.pop("next_log", None)
+        pr.pop("records", None)
         pr["sum"] = _pack(leaves["sv"], leaves["sk"])
         mn = _pack(leaves["mv"], leaves["mk"])
         pr["min"] = {"same_as_sum": True} if (np.array_equal(leaves["sv"], leaves["mv"], equal_nan=True)
                                               and np.array_equal(leaves["sk"], leaves["mk"])) else mn
         v1["priority"] = pr
-    else:
-        leaves, pl = None, None
     if not seed:
         return replay, v1, None
-    return replay, v1, {"replay": stored_replay, "meta": meta, "episodes": ep, "plog": pl, "leaves": leaves,
+    return replay, v1, {"replay": stored_replay, "meta": meta, "log": rows, "leaves": leaves,
+                        "next_chunk": int(log["next_chunk"]),
                         "logged": logged, "running": {p.key[0] for p in running}}
 
 
-def final_leaves(replay: Dict[str, Any], pl: Dict[str, Any]) -> Dict[str, np.ndarray]:
-    """Each row's sum/min leaves: its ``prio``, then the log's entries for it in order."""
+def final_leaves(replay: Dict[str, Any], entries: List[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
+    """Each row's sum/min leaves: its ``prio``, then the priority records' entries for it in order."""
     ids = np.asarray(replay["row_id"], np.int64)
     sv = np.asarray(replay["prio"], np.float64).copy()
     sk = np.asarray(replay["prio_k"], np.int8).copy()
     mv, mk = sv.copy(), sk.copy()
-    rows = np.asarray(pl["row"], np.int64)
-    which = np.asarray(pl["which"], np.int8)
-    v, k = np.asarray(pl["v"], np.float64), np.asarray(pl["k"], np.int8)
+    if not entries:
+        return {"sv": sv, "sk": sk, "mv": mv, "mk": mk}
+    rows = np.concatenate([e["row"] for e in entries])
+    which = np.concatenate([e["which"] for e in entries])
+    v, k = np.concatenate([e["v"] for e in entries]), np.concatenate([e["k"] for e in entries])
     pos = np.searchsorted(ids, rows)
     ok = pos < len(ids)
     ok[ok] = ids[pos[ok]] == rows[ok]
@@ -124,16 +141,13 @@ def seed(rid: RowIds, s: Dict[str, Any], buffer: Any) -> None:
     inc.max_key = max([evicted - 1] + list(inc.open_keys) + list(inc.logged) +
                       ([int(cols["episode"].max())] if len(ids) else []))
     el = meta["episode_log"]
-    inc.ep_log = {k: np.array(s["episodes"][k]) for k in ("row_id", "batch", "blob")}
-    inc.batches = [list(map(int, x)) for x in np.asarray(el["batches"], np.int64).reshape(-1, 2).tolist()]
-    inc.next_chunk, inc.next_batch = int(el["next_chunk"]), int(el["next_batch"])
-    if s["plog"] is not None:
-        inc.plog = {k: np.array(s["plog"][k]) for k in ("row_id", "row", "which", "v", "k")}
-        inc.next_log = int(meta["priority"]["next_log"])
+    inc.log = {k: np.array(v) for k, v in s["log"].items()}
+    inc.batches = [list(map(int, x)) for x in np.asarray(el["batches"], np.int64).reshape(-1, 4).tolist()]
+    inc.next_chunk, inc.next_batch = int(s["next_chunk"]), int(el["next_batch"])
+    if s["leaves"] is not None:
+        inc.precs = [list(map(int, x)) for x in np.asarray(meta["priority"]["records"], np.int64).reshape(-1, 3)]
         inc.leaves = {k: np.array(v) for k, v in s["leaves"].items()}
-    else:
-        inc.plog = _empty_plog()
-    if s["plog"] is not None:  # the restored trees, and the recorder of their changes
+        # the restored trees, and the recorder of their changes
         st, mt = buffer._sum_segment, buffer._min_segment
         inc.tree_to_row = np.full(st.capacity, -1, np.int64)
         inc.tree_to_row[cols["tree"].astype(np.int64)] = ids

@@ -1,39 +1,44 @@
-"""Format /2: single-agent replay buffers (``EpisodeReplayBuffer``, ``PrioritizedEpisodeReplayBuffer``)
+"""Format /3: single-agent replay buffers (``EpisodeReplayBuffer``, ``PrioritizedEpisodeReplayBuffer``)
 saved incrementally, so that a save converts, and writes, only what changed since the previous one.
 This module holds the format's names and tags, the per-buffer cache of the previous capture
-(:class:`Incremental`), and the blob and leaf encodings that capture and restore share.
+(:class:`Incremental`), and the record and leaf encodings that capture and restore share.
 
-Four states (all but ``replay_meta`` registered ``append_only=True``, see ``formats/segments.py``):
+Two states, both registered ``append_only=True`` (``formats/segments.py``), so a version writes two
+small files beside its new rows' segment, not one per kind of record (each file carries its own
+Arrow schema and index):
 
-``replay``            one row per stored timestep (the package docstring's layout), plus for prioritized
-                      buffers ``prio`` / ``prio_k``: the row's sum-tree leaf *when the row was first
-                      captured* (value as float64, type code in :data:`KINDS`). Never changes.
-``replay_episodes``   a log of the episodes that are done (RLlib only ever concatenates to running
-                      episodes, so a done episode never changes): each capture appends one *batch*
-                      holding the episodes that became done since the previous one, as the columnar
-                      episode table of :mod:`.episode_parts` serialised with ray_ckpt's own safetensors
-                      format and cut into rows of :data:`CHUNK` bytes (``row_id``, ``batch``,
-                      ``blob``). A batch leaves the live set once all its episodes are evicted.
-``replay_priorities`` prioritized only: a change log of tree leaves (``row``: the replay row id,
-                      ``which``: 0 both trees / 1 the sum tree / 2 the min tree, ``v``, ``k``), one
-                      entry per leaf that changed since the previous capture. The changes are
-                      recorded by wrapping the buffer instance's ``update_priorities`` (the only
-                      RLlib path that changes a stored row's leaf) and spot-checked against the
-                      trees each capture; a buffer whose trees were replaced, or whose recorder is
-                      gone, is compared row by row once. When the log holds more than twice as many
-                      entries as the buffer has rows it is compacted: one entry per row whose leaves
-                      differ from its ``prio``, under new ids (the older entries leave the live set).
-``replay_meta``       small, written whole: the format, the buffer type, the row count, the next ids
-                      of the rows and the two logs (read to decide whether a buffer's ids are the
-                      run's, :func:`.algorithm._row_floor`), and ``packed``: config, counters, sampling
-                      generator, metrics, the spaces table, the running episodes' table, the live
-                      batches and the trees' scalars, as one zlib-compressed safetensors blob (it is
-                      mostly structure JSON, most of it the metrics logger's windows).
+``replay``       one row per stored timestep (the package docstring's layout), plus for prioritized
+                 buffers ``prio`` / ``prio_k``: the row's sum-tree leaf *when the row was first
+                 captured* (value as float64, type code in :data:`KINDS`). Never changes.
+``replay_meta``  a log of *records*, each a zlib-compressed nested state (ray_ckpt's safetensors bytes)
+                 cut into rows of :data:`CHUNK` bytes (columns ``row_id``, ``blob``) beside plain
+                 scalars (the format, the buffer type, the row count, the next ids, ``meta_at``).
+                 A save appends up to three records, each starting on a row of its own:
 
-A restore turns the four back into the two-state form ``(replay, replay_meta)`` of format /1
+                 * an *episode batch*: the episodes that became done since the previous save, as the
+                   columnar episode table of :mod:`.episode_parts` (RLlib only ever concatenates to
+                   running episodes, so a done episode never changes). It leaves the live rows once
+                   all its episodes are evicted;
+                 * prioritized only, a *priority record*: the tree leaves that changed since the
+                   previous save (``row``: the replay row ids, delta-coded; ``which``: 0 both trees /
+                   1 the sum tree / 2 the min tree; ``v``; ``k``). The changes are recorded by wrapping
+                   the buffer instance's ``update_priorities`` (the only RLlib path that changes a
+                   stored row's leaf) and spot-checked against the trees each capture; a buffer whose
+                   trees were replaced, or whose recorder is gone, is compared row by row once. When
+                   the live records hold more than twice as many entries as the buffer has rows they
+                   are compacted: one record with an entry per row whose leaves differ from its
+                   ``prio`` replaces them all;
+                 * the *meta record* (from row ``meta_at`` to the end; live in its own version only):
+                   config, counters, sampling generator, metrics, the spaces table, the running
+                   episodes' table, the live records' places and the trees' scalars.
+
+                 The records of one save are written together, so that a version's own bytes are its
+                 new rows' segment, one log segment and two index files.
+
+A restore turns the two back into the two-state form ``(replay, replay_meta)`` of format /1
 (:func:`.incremental_restore.states_to_v1`) and restores that; it then seeds the caches so the next
-save goes on appending to the same logs. Multi-agent buffers are saved in format /1
-(:mod:`.multi_agent`).
+save goes on appending to the same log. Format /2 (four states, written by earlier versions of this
+package) is not read. Multi-agent buffers are saved in format /1 (:mod:`.multi_agent`).
 """
 from __future__ import annotations
 
@@ -48,12 +53,12 @@ import numpy as np
 from ....errors import RestoreError, UnsupportedTypeError
 from .values import _kind_of, _type_name
 
-REPLAY_EPISODES = "replay_episodes"
-REPLAY_PRIORITIES = "replay_priorities"
-META_FORMAT2 = "ray_ckpt.rllib.replay/2"
-EPISODE_LOG = "rllib_episode_log/1"
-PRIORITY_LOG = "rllib_priority_log/1"
-CHUNK = 256  # bytes of a serialised episode batch per row of ``replay_episodes``
+META_FORMAT2 = "ray_ckpt.rllib.replay/2"  # four states; no longer read (its name is recognised)
+META_FORMAT3 = "ray_ckpt.rllib.replay/3"
+LOG_LAYOUT = "rllib_replay_log/1"
+CHUNK = 256  # bytes of a record per row of the ``replay_meta`` log
+# the record kinds, as the first byte of a record's payload
+EPISODES, PRIORITIES, META = 1, 2, 3
 KINDS = ("float", "np:<f8", "np:<f4", "int", "np:<f2", "bool")  # a tree leaf's exact type, by code
 _CODE = {k: i for i, k in enumerate(KINDS)}
 
@@ -70,26 +75,44 @@ class Incremental:
     max_key: int = -1                                 # highest episode index captured
     logged: Set[int] = field(default_factory=set)     # episode indices in the episodes log
     evicted: int = 0
-    ep_log: Dict[str, np.ndarray] = field(default_factory=dict)
-    batches: List[List[int]] = field(default_factory=list)  # [batch, highest episode index in it]
+    log: Dict[str, np.ndarray] = field(default_factory=dict)  # the log's live rows but the meta record
+    batches: List[List[int]] = field(default_factory=list)  # [batch, highest episode index, first row, rows]
     next_chunk: int = 0
     next_batch: int = 0
     # prioritized
     leaves: Dict[str, np.ndarray] = field(default_factory=dict)  # sv, sk, mv, mk per live row
     tree_to_row: Optional[np.ndarray] = None
-    plog: Dict[str, np.ndarray] = field(default_factory=dict)
-    next_log: int = 0
+    precs: List[List[int]] = field(default_factory=list)  # live priority records: [first row, rows, entries]
     touched: List[List[int]] = field(default_factory=list)
     trees: Tuple[Any, ...] = ()
 
+    @property
+    def log_entries(self) -> int:
+        """Entries in the live priority records."""
+        return sum(n for _, _, n in self.precs)
 
-def _empty_ep_log() -> Dict[str, np.ndarray]:
-    return {"row_id": np.empty(0, np.int64), "batch": np.empty(0, np.int64), "blob": np.empty((0, CHUNK), np.uint8)}
+    def append(self, kind: int, state: Any) -> Tuple[int, int]:
+        """Append a record to the log: (its first row id, its rows)."""
+        blob = _encode(kind, state)
+        m = len(blob)
+        first = self.next_chunk
+        add = {"row_id": np.arange(first, first + m, dtype=np.int64), "blob": blob}
+        self.log = {k: np.concatenate([self.log[k], add[k]]) for k in add}
+        self.next_chunk += m
+        return first, m
+
+    def keep_rows(self, spans: List[Tuple[int, int]]) -> None:
+        """Keep only the log rows inside the [first, first + rows) spans (the live records)."""
+        ids = self.log["row_id"]
+        alive = np.zeros(len(ids), bool)
+        for first, m in spans:
+            alive |= (ids >= first) & (ids < first + m)
+        if not alive.all():
+            self.log = {k: v[alive] for k, v in self.log.items()}
 
 
-def _empty_plog() -> Dict[str, np.ndarray]:
-    return {"row_id": np.empty(0, np.int64), "row": np.empty(0, np.int64), "which": np.empty(0, np.int8),
-            "v": np.empty(0, np.float64), "k": np.empty(0, np.int8)}
+def _empty_log() -> Dict[str, np.ndarray]:
+    return {"row_id": np.empty(0, np.int64), "blob": np.empty((0, CHUNK), np.uint8)}
 
 
 def _leaf_codes(tree: Any, tidx: np.ndarray, what: str) -> Tuple[np.ndarray, np.ndarray]:
@@ -113,29 +136,34 @@ def _leaf_codes(tree: Any, tidx: np.ndarray, what: str) -> Tuple[np.ndarray, np.
     return np.array(vals, np.float64), codes
 
 
-def _encode(state: Any, width: int = CHUNK) -> np.ndarray:
-    """A nested state as rows of ``width`` bytes: an 8-byte length, then ray_ckpt's safetensors bytes
-    of it, zlib-compressed (an episode table is mostly the structure's JSON: it compresses ~5x)."""
+def _encode(kind: int, state: Any, width: int = CHUNK) -> np.ndarray:
+    """A record as rows of ``width`` bytes: a 4-byte length, then the kind byte and ray_ckpt's
+    safetensors bytes of ``state``, zlib-compressed (an episode table and the meta are mostly
+    structure JSON: they compress ~5x)."""
     from ....formats import safetensors_io
     from ....formats.tree import flatten
     sink = io.BytesIO()
-    safetensors_io.write(flatten(state, state_name=REPLAY_EPISODES), sink)
-    packed = zlib.compress(sink.getvalue(), 6)
-    raw = len(packed).to_bytes(8, "little") + packed
+    safetensors_io.write(flatten(state, state_name="replay_meta"), sink)
+    packed = zlib.compress(bytes([kind]) + sink.getvalue(), 9)
+    raw = len(packed).to_bytes(4, "little") + packed
     raw += b"\0" * (-len(raw) % width)
     return np.frombuffer(raw, np.uint8).reshape(-1, width)
 
 
-def _decode(rows: np.ndarray, where: str) -> Any:
+def _decode(rows: np.ndarray, kind: int, where: str) -> Any:
+    """The state of a record (its rows, in order), checked to be of ``kind``."""
     from ....formats import safetensors_io
     from ....formats.tree import unflatten
+    rows = np.asarray(rows, np.uint8)
     raw = np.ascontiguousarray(rows).reshape(-1).tobytes()
-    n = int.from_bytes(raw[:8], "little")
-    if n > len(raw) - 8:
-        raise RestoreError(f"{where}: says {n} bytes but has {len(raw) - 8}")
+    n = int.from_bytes(raw[:4], "little")
+    if not 0 <= len(raw) - 4 - n < rows.shape[-1]:  # its rows, no fewer and no more
+        raise RestoreError(f"{where}: says {n} bytes but has {len(raw) - 4}")
     try:
-        data = zlib.decompress(raw[8:8 + n])
+        data = zlib.decompress(raw[4:4 + n])
     except zlib.error as exc:
         raise RestoreError(f"{where}: {exc}") from None
-    structure, views = safetensors_io.read(bytearray(data), path=where)
+    if not data or data[0] != kind:
+        raise RestoreError(f"{where}: a record of kind {data[:1].hex() or 'none'}, expected {kind}")
+    structure, views = safetensors_io.read(bytearray(data[1:]), path=where)
     return unflatten(structure, views, [])

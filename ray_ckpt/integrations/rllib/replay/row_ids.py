@@ -42,17 +42,16 @@ class RowIds:
         self.restored_from: Optional[Tuple[str, int]] = None  # (run, version) restore_replay read
         self.checked_run: Optional[str] = None  # the run whose newest version these ids were checked against
         self.inc: Any = None  # single-agent buffers: the incremental_state.Incremental of the last capture
-        self.floors: Optional[Dict[str, int]] = None  # where the episode / priority logs' ids start anew
+        self.floors: Optional[Dict[str, int]] = None  # where the replay_meta log's ids start anew
 
     def renumber(self, floor: int, floors: Optional[Dict[str, int]] = None) -> None:
         """Forget every row's id: the next capture gives all rows new ids, at or above ``floor`` (and
-        writes the episode and priority logs anew, their ids at or above ``floors``)."""
+        writes the replay_meta log anew, its ids at or above ``floors``)."""
         self.lists.clear()
         self.next_id = max(self.next_id, int(floor))
         self.full_rewrites += 1
         inc = self.inc
-        self.floors = {"chunk": max(int((floors or {}).get("chunk", 0)), inc.next_chunk if inc else 0),
-                       "log": max(int((floors or {}).get("log", 0)), inc.next_log if inc else 0)}
+        self.floors = {"chunk": max(int((floors or {}).get("chunk", 0)), inc.next_chunk if inc else 0)}
         self.inc = None
 
     def agent_code(self, aid: Any) -> int:
