@@ -13,7 +13,6 @@ handles in flight), ``coordinator_client.py`` (starting, calling and reviving th
 """
 from __future__ import annotations
 
-import logging
 import math
 import os
 import time
@@ -42,11 +41,6 @@ from ..capture.mailbox import open_mailbox
 from ..capture.calls import prefault, publish_calls, take_snapshots
 from ..storage.layout import validate_name
 from ..types import CheckpointMeta, OnBusy, RestoreReport, SaveResult, StateReport, Strategy
-
-log = logging.getLogger("ray_ckpt")
-# create()'s named options and their defaults: one left at its default counts as not passed
-# (coordinator/live_options.py; the others are in **options only when given)
-_CREATE_DEFAULTS = {"critical_writers": 2, "best_effort_writers": 1, "keep_last": None, "keep_every": None}
 
 
 class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes):
@@ -105,12 +99,9 @@ class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes):
         ``max_in_flight``, ``compression``: ``live_options.LIVE``, where each is argued) on the
         running coordinator, logs them and lists them in ``engine.reconfigured``; any other
         difference still raises ("needs a new run") and nothing is changed."""
-        explicit = {name for name, value in (("critical_writers", critical_writers),
-                                             ("best_effort_writers", best_effort_writers),
-                                             ("keep_last", keep_last), ("keep_every", keep_every))
-                    if value != _CREATE_DEFAULTS[name]}
-        explicit |= set(options) - {"run", "local_dir", "remote_uri"}
-        passed = passed_options(explicit, os.environ.get(SIGNING_KEY_ENV))
+        named = {"critical_writers": critical_writers, "best_effort_writers": best_effort_writers,
+                 "keep_last": keep_last, "keep_every": keep_every}
+        passed = passed_options(named, options, os.environ.get(SIGNING_KEY_ENV))
         try:
             config = EngineConfig(run=run, local_dir=local_dir, remote_uri=remote_uri,
                                   critical_writers=critical_writers, best_effort_writers=best_effort_writers,

@@ -138,9 +138,16 @@ def shown(changes: Dict[str, Any]) -> List[str]:
     return [f"{n} (changed)" if n in SECRET else f"{n}={v!r}" for n, v in sorted(changes.items())]
 
 
-def passed_options(explicit: Iterable[str], env_key: Optional[str]) -> List[str]:
-    """The options a create() call states: those given, and signing_key set by the environment."""
-    names = set(explicit)
+# create()'s named options and their defaults: one left at its default counts as not passed (the
+# others are in its **options only when given)
+CREATE_DEFAULTS = {"critical_writers": 2, "best_effort_writers": 1, "keep_last": None, "keep_every": None}
+
+
+def passed_options(named: Dict[str, Any], options: Iterable[str], env_key: Optional[str]) -> List[str]:
+    """The options a create() call states: its ``named`` options not left at their defaults, its
+    other ``options`` (the run and its tiers aside), and signing_key set by the environment."""
+    names = {name for name, value in named.items() if value != CREATE_DEFAULTS[name]}
+    names |= set(options) - {"run", "local_dir", "remote_uri"}
     if env_key:
         names.add("signing_key")
     return sorted(names)
