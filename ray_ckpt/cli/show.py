@@ -7,7 +7,7 @@ import json
 from typing import Any, Dict, Tuple
 
 from ..errors import CheckpointError, one_line
-from ..formats.manifest import FileEntry, Manifest
+from ..formats.manifest import ROLE_BUFFER, ROLE_TABLE, ROLE_TENSORS, FileEntry, Manifest
 from ..formats.safetensors_io import LEAVES_KEY, STRUCTURE_KEY, header_length
 from ..storage import layout
 from ..storage.tier import Tier
@@ -122,9 +122,9 @@ def table_summary(tier: Tier, rel: str) -> Dict[str, Any]:
 def _file_details(tier: Tier, f: FileEntry) -> Dict[str, Any]:
     d: Dict[str, Any] = {"path": f.path, "bytes": f.size, "checksum": f.checksum, "role": f.role}
     try:
-        if f.role == "tensors":
+        if f.role == ROLE_TENSORS:
             d["tensors"] = tensor_summary(read_safetensors_header(tier, f.path))
-        elif f.role in ("table", "buffer"):
+        elif f.role in (ROLE_TABLE, ROLE_BUFFER):
             d["table"] = table_summary(tier, f.path)
     except FileNotFoundError:
         d["problem"] = "file is missing"

@@ -10,7 +10,7 @@ import time
 from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 from ..errors import InvalidArgumentError, SaveError
-from ..formats.manifest import FileEntry, Manifest, StateEntry, chain_digest, sign_manifest
+from ..formats.manifest import ROLE_INDEX, FileEntry, Manifest, StateEntry, chain_digest, sign_manifest
 from ..protocol import Declaration, PartPlan, WrittenPart
 from ..storage.layout import validate_name
 from ..storage.retention import RetentionPolicy, VersionInfo, plan_deletions
@@ -270,7 +270,7 @@ class Catalogue:
             if e is None or e.status != "stored":
                 continue
             files = e.files.get("0" if e.replicated else str(part.rank), [])
-            if any(f.role == "index" for f in files):
+            if any(f.role == ROLE_INDEX for f in files):
                 part.reuse_paths = {f.path for f in files}
                 return [f.__dict__ for f in files]
             return []

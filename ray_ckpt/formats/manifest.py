@@ -41,12 +41,20 @@ def is_valid_file_path(rel: str) -> bool:
     return isinstance(rel, str) and bool(_FILE_PATH.match(rel)) and ".." not in rel
 
 
+# a FileEntry's role, stored in the manifest: what its bytes are
+ROLE_TENSORS = "tensors"  # a safetensors file (formats.safetensors_io)
+ROLE_TABLE = "table"      # an Arrow table inside a state (formats.arrow_io)
+ROLE_BUFFER = "buffer"    # a whole state as one Arrow file (formats.buffer_io)
+ROLE_SEGMENT = "segment"  # an append-only buffer's rows added by one version (formats.segments)
+ROLE_INDEX = "index"      # ... and what its rows are made of (formats.segments)
+
+
 @dataclass
 class FileEntry:
     path: str  # relative to the run root, e.g. "v000000000100/policy/rank0.safetensors"
     size: int
     checksum: str
-    role: str = "tensors"  # "tensors" | "table" | "buffer" (formats.buffer_io) | "segment" | "index" (formats.segments)
+    role: str = ROLE_TENSORS  # one of the ROLE_* above
 
 
 @dataclass

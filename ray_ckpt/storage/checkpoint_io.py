@@ -12,7 +12,8 @@ import xxhash
 from ..errors import CheckpointError, IntegrityError, RestoreError, SaveError, one_line
 from ..formats import arrow_io, buffer_io, safetensors_io, segments
 from ..formats.checksum import BLOCK, HashingSink
-from ..formats.manifest import FileEntry, Manifest, StateEntry
+from ..formats.manifest import (ROLE_BUFFER, ROLE_INDEX, ROLE_SEGMENT, ROLE_TABLE, ROLE_TENSORS, FileEntry, Manifest,
+                                StateEntry)
 from ..formats.flat import Flat
 from ..formats.tree import unflatten
 from . import layout
@@ -54,18 +55,18 @@ def write_flat(tier: Tier, version: int, name: str, rank: int, flat: Flat,
     rel = layout.tensors_file(version, name, rank) if buffer is None else layout.buffer_file(version, name, rank)
     try:
         if buffer is not None:
-            return [FileEntry(rel, *_write_table(tier, rel, buffer, compression, threads, direct, atomic), "buffer")]
+            return [FileEntry(rel, *_write_table(tier, rel, buffer, compression, threads, direct, atomic), ROLE_BUFFER)]
         if (threads > 1 or direct) and tier.is_local and flat.nbytes >= PARALLEL_FROM:
             size, digest = tier.write_blocks(rel, safetensors_io.segments(flat), threads, direct)
         else:
             with atomic(rel) as sink:
                 safetensors_io.write(flat, sink)
             size, digest = sink.size, sink.digest()
-        entries.append(FileEntry(rel, size, digest, "tensors"))
+        entries.append(FileEntry(rel, size, digest, ROLE_TENSORS))
         for i, table in enumerate(flat.tables):
             rel = layout.table_file(version, name, rank, i)
             entries.append(FileEntry(rel, *_write_table(tier, rel, table, compression, threads, direct, atomic),
-                                     "table"))
+                                     ROLE_TABLE))
     except (OSError, IntegrityError) as exc:  # IntegrityError: a link where a directory should be
         raise SaveError(f"writing state {name!r} rank {rank} of version {version} to "
                         f"{tier.describe(rel)} failed: {one_line(exc)}") from None
@@ -99,13 +100,13 @@ def write_append_only(tier: Tier, version: int, name: str, rank: int, flat: Flat
     try:
         if start < len(ids):
             size, digest = _write_table(tier, rel, segments.segment_table(table, start), compression, threads, direct)
-            entries.append(FileEntry(rel, size, digest, "segment"))
+            entries.append(FileEntry(rel, size, digest, ROLE_SEGMENT))
             segs.append(segments.Segment(rel, int(ids[start]), int(ids[-1]), len(ids) - start))
             written += size
         rel = layout.segment_index_file(version, name, rank)
         with tier.open_atomic(rel) as sink:
             sink.write(segments.index_of(flat, ids, segs).to_json())
-        entries.append(FileEntry(rel, sink.size, sink.digest(), "index"))
+        entries.append(FileEntry(rel, sink.size, sink.digest(), ROLE_INDEX))
         written += sink.size
     except (OSError, IntegrityError) as exc:
         raise SaveError(f"writing state {name!r} rank {rank} of version {version} to "
@@ -115,13 +116,13 @@ def write_append_only(tier: Tier, version: int, name: str, rank: int, flat: Flat
 
 def _base_index(tier: Tier, base: Sequence[FileEntry]) -> Optional[segments.SegmentIndex]:
     """The base part's index if this tier holds it and every segment it lists, intact; else None."""
-    idx = [f for f in base if f.role == "index"]
+    idx = [f for f in base if f.role == ROLE_INDEX]
     if len(idx) != 1:
         return None
     try:
         index = segments.SegmentIndex.from_json(tier.read_verified(idx[0].path, idx[0].size, idx[0].checksum),
                                                 where=tier.describe(idx[0].path))
-        paths = {f.path for f in base if f.role == "segment"}
+        paths = {f.path for f in base if f.role == ROLE_SEGMENT}
         if {s.path for s in index.segments} != paths or not all(tier.exists(p) for p in paths):
             return None
         return index
@@ -204,29 +205,29 @@ def read_files(tiers: Sequence[Tier], files: List[FileEntry]) -> Tuple[List[byte
 
 def decode_files(files: List[FileEntry], bufs: List[bytearray], *, name: str,
                  allow_pickle: bool = False, as_numpy: bool = False):
-    if any(f.role == "index" for f in files):
+    if any(f.role == ROLE_INDEX for f in files):
         return _decode_append_only(files, bufs, name=name, as_numpy=as_numpy, allow_pickle=allow_pickle)
-    if len(files) == 1 and files[0].role == "buffer":
+    if len(files) == 1 and files[0].role == ROLE_BUFFER:
         structure, views, tables = buffer_io.read(bufs[0], path=files[0].path)
         return _unflatten(files[0].path, structure, views, tables, as_numpy=as_numpy, allow_pickle=allow_pickle,
                           state_name=name)
-    tensors_buf = [b for f, b in zip(files, bufs) if f.role == "tensors"]
+    tensors_buf = [b for f, b in zip(files, bufs) if f.role == ROLE_TENSORS]
     if len(tensors_buf) != 1:
         raise IntegrityError(f"state {name!r}: expected one tensors file, manifest lists {len(tensors_buf)}")
-    structure, views = safetensors_io.read(tensors_buf[0], path=next(f.path for f in files if f.role == "tensors"))
-    tables = [arrow_io.read(b, path=f.path) for f, b in zip(files, bufs) if f.role == "table"]
-    return _unflatten(next(f.path for f in files if f.role == "tensors"), structure, views, tables,
+    structure, views = safetensors_io.read(tensors_buf[0], path=next(f.path for f in files if f.role == ROLE_TENSORS))
+    tables = [arrow_io.read(b, path=f.path) for f, b in zip(files, bufs) if f.role == ROLE_TABLE]
+    return _unflatten(next(f.path for f in files if f.role == ROLE_TENSORS), structure, views, tables,
                       as_numpy=as_numpy, allow_pickle=allow_pickle, state_name=name)
 
 
 def _decode_append_only(files: List[FileEntry], bufs: List[bytearray], *, name: str, **kw: Any) -> Any:
     """An append-only state from its verified files: the index, then its segments in order."""
-    idx = [(f, b) for f, b in zip(files, bufs) if f.role == "index"]
+    idx = [(f, b) for f, b in zip(files, bufs) if f.role == ROLE_INDEX]
     if len(idx) != 1:
         raise IntegrityError(f"state {name!r}: expected one index file, manifest lists {len(idx)}")
     where = idx[0][0].path
     index = segments.SegmentIndex.from_json(idx[0][1], where=where)
-    by_path = {f.path: b for f, b in zip(files, bufs) if f.role == "segment"}
+    by_path = {f.path: b for f, b in zip(files, bufs) if f.role == ROLE_SEGMENT}
     if set(by_path) != {s.path for s in index.segments} or len(files) != len(by_path) + 1:
         raise IntegrityError(f"{where}: its segments {[s.path for s in index.segments]} are not the files the "
                              f"manifest lists for state {name!r}")

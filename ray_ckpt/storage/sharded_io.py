@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from .checkpoint_io import decode_files, rank_files, read_files
 from ..errors import IntegrityError, RestoreError, one_line
 from ..formats import safetensors_io
-from ..formats.manifest import StateEntry
+from ..formats.manifest import ROLE_TABLE, ROLE_TENSORS, StateEntry
 from ..formats.nodes import leaf_key
 from ..formats.sharded_leaf import walk_sharded
 from ..formats.tree import unflatten
@@ -54,7 +54,7 @@ class RangeReader:
         self.problems: List[str] = []
         self.sizes = {f.path: f.size for f in entry.all_files()}
         self.heads = {f.path: h for r, fs in entry.files.items() for f in fs
-                      for h in [((entry.shards or {}).get("heads") or {}).get(str(r))] if f.role == "tensors"}
+                      for h in [((entry.shards or {}).get("heads") or {}).get(str(r))] if f.role == ROLE_TENSORS}
         self.index: Any = None  # set: the header of every file a chunk is read from is checked first
         self.headers_checked: set = set()
 
@@ -132,7 +132,7 @@ def index_of_entry(entry: StateEntry, name: str) -> Any:
     files, by the sizes the manifest records (a small file cannot claim a huge chunk)."""
     from ..formats.shard_index import ShardIndex
 
-    sizes = {f.path: f.size for f in entry.all_files() if f.role == "tensors"}
+    sizes = {f.path: f.size for f in entry.all_files() if f.role == ROLE_TENSORS}
     try:
         return ShardIndex.from_json(entry.shards, file_sizes=sizes)
     except IntegrityError as exc:
@@ -147,7 +147,7 @@ def read_head(entry: StateEntry, name: str, reader: RangeReader, tiers: Sequence
     ``index``, the chunks it places in rank 0's file are cross-checked against the header
     (:func:`check_header_chunks`)."""
     files = rank_files(entry, name, 0)
-    tensors = [f for f in files if f.role == "tensors"]
+    tensors = [f for f in files if f.role == ROLE_TENSORS]
     if len(tensors) != 1:
         raise IntegrityError(f"state {name!r}: rank 0 has {len(tensors)} tensors files, expected 1")
     f = tensors[0]
@@ -171,7 +171,7 @@ def read_head(entry: StateEntry, name: str, reader: RangeReader, tiers: Sequence
         arrays[i] = reader.read_checked(f.path, off, off + nb, digest_check(dg, f"{f.path}: {names[i]}"))
     for _path, node in walk_sharded(structure):
         node["DT"] = None  # the chunk's bytes are read through the shard index, not from here
-    tables_f = [x for x in files if x.role == "table"]
+    tables_f = [x for x in files if x.role == ROLE_TABLE]
     tables: List[Any] = []
     if tables_f:
         bufs, used, problems = read_files(tiers, tables_f)

@@ -9,7 +9,7 @@ import time
 from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 from ..errors import CheckpointError, IntegrityError, SaveError, one_line
-from ..formats.manifest import FileEntry
+from ..formats.manifest import ROLE_TENSORS, FileEntry
 from ..formats.flat import Flat
 from ..protocol import WrittenPart
 from ..storage.checkpoint_io import content_hash, shard_record, write_append_only, write_flat
@@ -129,7 +129,7 @@ class PartWriter:
 def _shards_of(flat: Flat, files: Iterable[FileEntry]) -> Optional[dict]:
     """The shard record of a part with DTensor leaves (None otherwise): where its chunks lie in its
     tensors file, so that the manifest can index the state for resharded, ranged restores."""
-    tensors = [f for f in files if f.role == "tensors"]
+    tensors = [f for f in files if f.role == ROLE_TENSORS]
     return shard_record(flat, tensors[0].path) if len(tensors) == 1 else None
 
 
