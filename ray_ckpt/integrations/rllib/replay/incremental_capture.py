@@ -14,7 +14,8 @@ from ..names import REPLAY, REPLAY_META, log
 from .buffers import _Kind, _attributes, buffer_kind, common_meta, extra_attrs, handled_attrs
 from .episode_parts import LAYOUT, _EpisodeParts, _int32, _split_episode, _table
 from .incremental_priorities import _append_log, _priorities, _priority_scalars
-from .incremental_state import CHUNK, EPISODES, LOG_LAYOUT, META, META_FORMAT3, Incremental, _empty_log, _encode
+from .incremental_state import (CHUNK, EPISODES, LOG_LAYOUT, META, META_FORMAT3, STATIC, STATIC_KEYS, Incremental,
+                                _empty_log, _encode, _raw)
 from .row_ids import RowIds, _update_ids
 from .values import _type_name
 
@@ -58,7 +59,8 @@ def _capture(buffer: Any, rid: RowIds, kind: _Kind, bname: str, meta: Dict[str, 
     _append_episodes(inc, newly_done, evicted, bname)
     if kind.prioritized:
         _append_log(inc, entries, n)
-    inc.keep_rows([(a, m) for _, _, a, m in inc.batches] + [(a, m) for a, m, _ in inc.precs])
+    _append_static(inc, meta, rid)
+    inc.keep_rows([(a, m) for _, _, a, m in inc.batches] + [(a, m) for a, m, _ in inc.precs] + [tuple(inc.static)])
     rid.inc = inc
     rid.floors = None
     return replay, _log_state(buffer, rid, inc, kind, meta, n, bname)
@@ -158,22 +160,33 @@ def _append_episodes(inc: Incremental, newly_done: List[_EpisodeParts], evicted:
     inc.batches = [x for x in inc.batches if x[1] >= evicted]
 
 
+def _append_static(inc: Incremental, meta: Dict[str, Any], rid: RowIds) -> None:
+    """What seldom changes leaves ``meta``; a static record is appended when it differs from the
+    live one (which then leaves the log)."""
+    static = {k: meta.pop(k, None) for k in STATIC_KEYS}
+    static["spaces"] = rid.spaces.table
+    static["templates"] = inc.templates
+    raw = _raw(static)
+    if raw != inc.static_raw or not inc.static:
+        inc.static = list(inc.append_raw(STATIC, raw))
+        inc.static_raw = raw
+    rid.spaces.prune()
+
+
 def _log_state(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, meta: Dict[str, Any], n: int,
                bname: str) -> Dict[str, Any]:
     """The ``replay_meta`` state: the log's live records and this save's meta record after them, and
     in the open (plain scalars) what is read without decoding a record."""
     running = [rid.parts[(k, -1)][1] for k in sorted(inc.open_keys)]
-    meta["rows"] = {"next_row_id": int(rid.next_id), "n_rows": int(n), "agent_ids": [], "module_ids": [],
-                    "templates": inc.templates}
-    meta["spaces"] = rid.spaces.table
+    meta["rows"] = {"next_row_id": int(rid.next_id), "n_rows": int(n), "agent_ids": [], "module_ids": []}
+    meta["static"] = list(inc.static)
     meta["running"] = _table(running, bname)
     meta["episode_log"] = {"batches": np.array(inc.batches, np.int64).reshape(len(inc.batches), 4),
                            "next_batch": inc.next_batch}
     if kind.prioritized:
         meta["priority"] = _priority_scalars(buffer, inc, bname)
-    rid.spaces.prune()
     packed = {k: v for k, v in meta.items() if k not in ("format", "buffer_type")}
-    blob = _encode(META, packed)  # not kept in inc.log: a meta record is live in its own version only
+    blob = _encode(META, _raw(packed))  # not kept in inc.log: a meta record is live in its own version only
     meta_at = inc.next_chunk
     ids = np.concatenate([inc.log["row_id"], np.arange(meta_at, meta_at + len(blob), dtype=np.int64)])
     inc.next_chunk += len(blob)

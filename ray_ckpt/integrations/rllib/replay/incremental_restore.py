@@ -14,8 +14,8 @@ from ..names import REPLAY, REPLAY_META
 from .buffers import META_FORMAT
 from .episode_parts import _EpisodeParts, _parts_from_table, _table
 from .incremental_priorities import _hook, unpack_entries
-from .incremental_state import (EPISODES, KINDS, LOG_LAYOUT, META, META_FORMAT2, META_FORMAT3, PRIORITIES,
-                                Incremental, _decode)
+from .incremental_state import (EPISODES, KINDS, LOG_LAYOUT, META, META_FORMAT2, META_FORMAT3, PRIORITIES, STATIC,
+                                Incremental, _decode, _raw)
 from .row_ids import RowIds
 from .values import _Spaces
 
@@ -52,6 +52,11 @@ def states_to_v1(states: Dict[str, Any], *, seed: bool = True):
     replay = dict(states[REPLAY])
     log = from_storable(states[REPLAY_META])
     meta, rows = read_log(log)
+    static_at = [int(x) for x in meta.pop("static")]
+    static = _record(rows, *static_at, STATIC, "replay_meta static record")
+    static_raw = _raw(static)  # what the next capture compares its own with (equal: no new record)
+    meta["rows"]["templates"] = static.pop("templates")
+    meta.update(static)
     bname = meta["buffer_type"]
     templates = meta["rows"]["templates"]
     evicted = int(meta["counters"]["_num_episodes_evicted"])
@@ -84,7 +89,7 @@ def states_to_v1(states: Dict[str, Any], *, seed: bool = True):
     if not seed:
         return replay, v1, None
     return replay, v1, {"replay": stored_replay, "meta": meta, "log": rows, "leaves": leaves,
-                        "next_chunk": int(log["next_chunk"]),
+                        "next_chunk": int(log["next_chunk"]), "static": (static_at, static_raw),
                         "logged": logged, "running": {p.key[0] for p in running}}
 
 
@@ -144,6 +149,7 @@ def seed(rid: RowIds, s: Dict[str, Any], buffer: Any) -> None:
     inc.log = {k: np.array(v) for k, v in s["log"].items()}
     inc.batches = [list(map(int, x)) for x in np.asarray(el["batches"], np.int64).reshape(-1, 4).tolist()]
     inc.next_chunk, inc.next_batch = int(s["next_chunk"]), int(el["next_batch"])
+    inc.static, inc.static_raw = list(s["static"][0]), s["static"][1]
     if s["leaves"] is not None:
         inc.precs = [list(map(int, x)) for x in np.asarray(meta["priority"]["records"], np.int64).reshape(-1, 3)]
         inc.leaves = {k: np.array(v) for k, v in s["leaves"].items()}

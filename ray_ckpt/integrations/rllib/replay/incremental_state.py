@@ -28,9 +28,11 @@ Arrow schema and index):
                    the live records hold more than twice as many entries as the buffer has rows they
                    are compacted: one record with an entry per row whose leaves differ from its
                    ``prio`` replaces them all;
+                 * a *static record* when what seldom changes did (the config, the spaces table, the
+                   fields' structures, a subclass's extra attributes): live until the next one;
                  * the *meta record* (from row ``meta_at`` to the end; live in its own version only):
-                   config, counters, sampling generator, metrics, the spaces table, the running
-                   episodes' table, the live records' places and the trees' scalars.
+                   counters, sampling generator, metrics, the running episodes' table, the live
+                   records' places and the trees' scalars.
 
                  The records of one save are written together, so that a version's own bytes are its
                  new rows' segment, one log segment and two index files.
@@ -58,7 +60,8 @@ META_FORMAT3 = "ray_ckpt.rllib.replay/3"
 LOG_LAYOUT = "rllib_replay_log/1"
 CHUNK = 256  # bytes of a record per row of the ``replay_meta`` log
 # the record kinds, as the first byte of a record's payload
-EPISODES, PRIORITIES, META = 1, 2, 3
+EPISODES, PRIORITIES, META, STATIC = 1, 2, 3, 4
+STATIC_KEYS = ("config", "spaces", "extra_attrs", "module_counters")  # with the templates: a STATIC record
 KINDS = ("float", "np:<f8", "np:<f4", "int", "np:<f2", "bool")  # a tree leaf's exact type, by code
 _CODE = {k: i for i, k in enumerate(KINDS)}
 
@@ -83,6 +86,8 @@ class Incremental:
     leaves: Dict[str, np.ndarray] = field(default_factory=dict)  # sv, sk, mv, mk per live row
     tree_to_row: Optional[np.ndarray] = None
     precs: List[List[int]] = field(default_factory=list)  # live priority records: [first row, rows, entries]
+    static: List[int] = field(default_factory=list)  # the live static record: [first row, rows]
+    static_raw: bytes = b""                           # its bytes before compression
     touched: List[List[int]] = field(default_factory=list)
     trees: Tuple[Any, ...] = ()
 
@@ -93,7 +98,10 @@ class Incremental:
 
     def append(self, kind: int, state: Any) -> Tuple[int, int]:
         """Append a record to the log: (its first row id, its rows)."""
-        blob = _encode(kind, state)
+        return self.append_raw(kind, _raw(state))
+
+    def append_raw(self, kind: int, raw: bytes) -> Tuple[int, int]:
+        blob = _encode(kind, raw)
         m = len(blob)
         first = self.next_chunk
         add = {"row_id": np.arange(first, first + m, dtype=np.int64), "blob": blob}
@@ -136,15 +144,20 @@ def _leaf_codes(tree: Any, tidx: np.ndarray, what: str) -> Tuple[np.ndarray, np.
     return np.array(vals, np.float64), codes
 
 
-def _encode(kind: int, state: Any, width: int = CHUNK) -> np.ndarray:
-    """A record as rows of ``width`` bytes: a 4-byte length, then the kind byte and ray_ckpt's
-    safetensors bytes of ``state``, zlib-compressed (an episode table and the meta are mostly
-    structure JSON: they compress ~5x)."""
+def _raw(state: Any) -> bytes:
+    """ray_ckpt's safetensors bytes of a nested state."""
     from ....formats import safetensors_io
     from ....formats.tree import flatten
     sink = io.BytesIO()
     safetensors_io.write(flatten(state, state_name="replay_meta"), sink)
-    packed = zlib.compress(bytes([kind]) + sink.getvalue(), 9)
+    return sink.getvalue()
+
+
+def _encode(kind: int, raw: bytes, width: int = CHUNK) -> np.ndarray:
+    """A record as rows of ``width`` bytes: a 4-byte length, then the kind byte and ``raw`` (a state's
+    :func:`_raw` bytes), zlib-compressed (an episode table and the meta are mostly structure JSON:
+    they compress ~5x)."""
+    packed = zlib.compress(bytes([kind]) + raw, 9)
     raw = len(packed).to_bytes(4, "little") + packed
     raw += b"\0" * (-len(raw) % width)
     return np.frombuffer(raw, np.uint8).reshape(-1, width)
