@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from ..errors import RestoreError
+from ..errors import CheckpointError, RestoreError, SaveTimeoutError
 
 POINTER = "ray_ckpt.json"
 LOCK = threading.Lock()  # one process's commit callbacks (threads) write one file at a time
@@ -75,6 +75,31 @@ def watch_saves(jobs: "queue.Queue[Any]", on_commit: Callable[[Any, List[Any]], 
             logger.error("ray_ckpt: the save of %s failed: %s", what, save.error)
         finally:
             save.done.set()
+
+
+def time_left(deadline: Optional[float]) -> Optional[float]:
+    """Seconds until ``deadline`` (a ``time.monotonic()`` time; None: no bound), never negative."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def wait_done(save: Any, deadline: Optional[float], timeout: Optional[float], what: str) -> None:
+    """Wait until ``save.done`` is set (its commit watched by :func:`watch_saves`), at most until
+    ``deadline``; a ``SaveTimeoutError`` naming ``what`` and ``timeout`` otherwise."""
+    if not save.done.wait(time_left(deadline)):
+        raise SaveTimeoutError(f"ray_ckpt: the save of {what} has not committed after {timeout}s")
+
+
+def broadcast_error(error: Optional[str], world_size: int) -> None:
+    """Rank 0's error (or None) to every rank of the torch.distributed group; every rank raises it,
+    so no rank waits forever in a collective the others left."""
+    if world_size > 1:
+        import torch.distributed as dist
+
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise CheckpointError(error)
 
 
 def wait_committed(engine: Any, run: str, step: int, load_wait_s: float) -> float:

@@ -43,7 +43,8 @@ from ray_ckpt import InvalidArgumentError, SaveError
 
 from . import zero
 from .settings import OpenRLHFSettings, read_settings
-from ..committed import error_line, read_pointer, wait_committed, watch_saves, write_pointer
+from ..committed import (broadcast_error, error_line, read_pointer, wait_committed, wait_done, watch_saves,
+                         write_pointer)
 from .tracker import advance_latest, read_latest, step_of_tag
 
 log = logging.getLogger("ray_ckpt.openrlhf")
@@ -101,13 +102,7 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
         return 0, 1
 
     def _collective_error(self, error: Optional[str]) -> None:
-        """Rank 0's error (or None) to every rank; every rank raises it (nobody waits forever)."""
-        if self._world()[1] > 1:
-            box = [error]
-            dist.broadcast_object_list(box, src=0)
-            error = box[0]
-        if error:
-            raise rc.CheckpointError(error)
+        broadcast_error(error, self._world()[1])
 
     def _run(self, save_dir: str, max_num: Optional[int] = None) -> _Run:
         """This rank's engine of ``save_dir``'s run: rank 0 creates it (get-or-create, with
@@ -256,9 +251,7 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
             with self._lock:
                 saves = list(run.saves)
             for save in saves:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not save.done.wait(left):
-                    raise rc.SaveTimeoutError(f"ray_ckpt: the save of {save.tag} has not committed after {timeout}s")
+                wait_done(save, deadline, timeout, save.tag)
             self._raise_failures(run)
 
     # ------------------------------------------------------------------ load

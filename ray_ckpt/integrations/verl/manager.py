@@ -37,7 +37,8 @@ from ray_ckpt import InvalidArgumentError, RestoreError, SaveError
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
 
 from .settings import VerlSettings, read_settings
-from ..committed import POINTER, error_line, read_pointer, wait_committed, watch_saves, write_pointer
+from ..committed import (POINTER, broadcast_error, error_line, read_pointer, time_left, wait_committed, wait_done,
+                         watch_saves, write_pointer)
 from .tracker import advance_tracker, step_of_path
 
 log = logging.getLogger("ray_ckpt.verl")
@@ -107,13 +108,7 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
 
     # ------------------------------------------------------------------ set-up (collective)
     def _collective_error(self, error: Optional[str]) -> None:
-        """Rank 0's error (or None) to every rank; every rank raises it (nobody waits forever)."""
-        if self.world_size > 1:
-            box = [error]
-            dist.broadcast_object_list(box, src=0)
-            error = box[0]
-        if error:
-            raise rc.CheckpointError(error)
+        broadcast_error(error, self.world_size)
 
     def _open_engine(self) -> "rc.CheckpointEngine":
         s = self.settings
@@ -253,15 +248,12 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
         with self._lock:
             saves = list(self._saves)
         for save in saves:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not save.done.wait(left):
-                raise rc.SaveTimeoutError(f"ray_ckpt: the save of step {save.step} has not committed after {timeout}s")
+            wait_done(save, deadline, timeout, f"step {save.step}")
             if save.hf_ref is not None:
                 import ray
 
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
-                    ray.get(save.hf_ref, timeout=left)
+                    ray.get(save.hf_ref, timeout=time_left(deadline))
                 except ray.exceptions.GetTimeoutError:
                     raise rc.SaveTimeoutError(f"ray_ckpt: the hf_model export of step {save.step} has not finished "
                                        f"after {timeout}s") from None
