@@ -86,6 +86,17 @@ def main() -> int:
         engine.wait_until_finished()
         assert tiers_of(engine, 7) == ("local", "peer"), engine.list_checkpoints()
         held = engine.status()["replicas"][7]
+        # the command line shows them too, asking the live coordinator (storage cannot say)
+        import contextlib
+        import io
+
+        from ray_ckpt.cli.main import main as cli
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli(["ls", os.path.join(root, "local", head[:12], "peer"), "--ray-address", "auto"]) == 0
+        row7 = next(line for line in out.getvalue().splitlines() if line.split()[:1] == ["7"])
+        assert "REPLICAS" in out.getvalue() and all(n in row7 for n in held), out.getvalue()
         assert set(held) - {a[:12]}, (held, a[:12])  # A's own files are held elsewhere (A may hold H's)
         on_a = os.path.join(root, "local", a[:12], "peer", "v000000000007", "policy", "rank0.safetensors")
         assert os.path.exists(on_a), "the learner's state was not written on its own node"
@@ -130,9 +141,14 @@ def main() -> int:
 
         key = engine.status()["replicas"][7][0]
         ray.kill(holder_handles("peer")[key], no_restart=False)
+        def held_again():
+            try:
+                return 7 in ray.get(holder_handles("peer")[key].index.remote(), timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                return False  # still restarting
+
         until("version 7 held again after a holder restarted",
-              lambda: key in engine.status()["replicas"].get(7, ()) and "peer" in tiers_of(engine, 7)
-              and 7 in ray.get(holder_handles("peer")[key].index.remote(), timeout=30))
+              lambda: held_again() and key in engine.status()["replicas"].get(7, ()) and "peer" in tiers_of(engine, 7))
         say(f"holder {key} restarted empty; version 7 sent to it again")
         with_lost = engine.status()["skipped_versions"]
         assert sorted(with_lost) == [1, 2, 3, 4], with_lost  # B's loss cost nothing more

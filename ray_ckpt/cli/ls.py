@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from ..storage import layout
 from .common import EXIT_OK, CliError, add_json_flag, human, iso_time, print_json, say, table
@@ -17,6 +17,30 @@ DESCRIPTION = ("List the versions of a run: version, step, creation time, size, 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
     s = command_parser(sub, common, "ls", SUMMARY, DESCRIPTION, run)
     add_json_flag(s)
+    s.add_argument("--ray-address", metavar="ADDRESS", default=None,
+                   help="also ask the run's live coordinator on this Ray cluster ('auto': the local one) "
+                        "which nodes hold peer replicas of each version (a REPLICAS column)")
+
+
+def _replicas(args: argparse.Namespace, run: Run) -> Optional[Dict[int, List[str]]]:
+    """version -> nodes holding peer replicas, from the run's live coordinator (``--ray-address``);
+    None without the flag. Peer replicas live in memory only: storage cannot say."""
+    if not args.ray_address:
+        return None
+    import ray  # only with --ray-address: the command line starts without Ray
+
+    from ..protocol import NAMESPACE, actor_name
+
+    names = [m.run for m in (run.load(v) for v in reversed(run.versions) if run.dirs.get(v)) if m is not None]
+    name = names[0] if names else run.tier.uri.rstrip("/").rsplit("/", 1)[-1]
+    if not ray.is_initialized():
+        ray.init(address=args.ray_address, logging_level="ERROR", log_to_driver=False)
+    try:
+        coordinator = ray.get_actor(actor_name(name), namespace=NAMESPACE)
+    except ValueError:
+        raise CliError(f"run {name!r} has no live coordinator on the Ray cluster at {args.ray_address}") from None
+    status = ray.get(coordinator.status.remote(), timeout=60)
+    return {v: list(nodes) for v, nodes in status.replicas.items()}
 
 
 def _row(run: Run, v: int) -> Dict[str, Any]:
@@ -47,10 +71,13 @@ def run(args: argparse.Namespace) -> int:
         hint = run.no_versions_hint()
         if hint:  # a directory of runs, not a run: almost certainly the wrong URI
             raise CliError(f"{run.uri} holds no checkpoint versions{hint}")
+    replicas = _replicas(args, run)
     rows: List[Dict[str, Any]] = []
     for v in run.versions:
         row = _row(run, v)
         row["created"] = iso_time(row["created_at"])
+        if replicas is not None:
+            row["replicas"] = replicas.get(v, [])
         rows.append(row)
     if args.json:
         print_json({"uri": run.uri, "versions": rows})
@@ -60,8 +87,9 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
     body = [[str(r["version"]), "-" if r["step"] is None else str(r["step"]), r["created"], human(r["bytes"]),
              ",".join(n if s in ("stored", "loader") else f"{n}({s})" for n, s in r["states"].items()) or "-",
-             r["status"]] for r in rows]
-    for line in table(body, ["VERSION", "STEP", "CREATED", "SIZE", "STATES", "STATUS"]):
+             r["status"]] + ([",".join(r["replicas"]) or "-"] if replicas is not None else []) for r in rows]
+    for line in table(body, ["VERSION", "STEP", "CREATED", "SIZE", "STATES", "STATUS"]
+                      + (["REPLICAS"] if replicas is not None else [])):
         say(line)
     notes = [f"  {r['dir']}: {r['detail']}" for r in rows if r["status"] != "complete" and r.get("detail")]
     if notes:
