@@ -197,6 +197,8 @@ def main() -> None:
     ap.add_argument("--configs", default="ppo0,ppo1,dqn")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--arms", default=None, help="only these arms (comma-separated; 'none' is always run)")
+    ap.add_argument("--bytes-only", action="store_true",
+                    help="without the 'none' arm: the bytes per save only (they do not depend on the machine's load)")
     args = ap.parse_args()
 
     import ray
@@ -213,8 +215,10 @@ def main() -> None:
             make, arms, pre = configs[name]
             if args.arms:
                 arms = [a for a in arms if a == "none" or a in args.arms.split(",")]
+            if args.bytes_only:
+                arms = [a for a in arms if a != "none"]
             res = run_arms(make, arms, args.iterations, root, pre)
-            base = res["none"]["train_s"]
+            base = res["none"]["train_s"] if "none" in res else float("nan")
             for arm, r in res.items():
                 rows.append((name, arm, r["train_s"], base / r["train_s"], r["bytes"], r["new_rows"], r["save_ms"],
                              r["replay"], r["capture_ms"]))

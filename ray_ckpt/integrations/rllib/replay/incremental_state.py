@@ -44,7 +44,7 @@ package) is not read. Multi-agent buffers are saved in format /1 (:mod:`.multi_a
 """
 from __future__ import annotations
 
-import io
+import json
 import operator
 import zlib
 from dataclasses import dataclass, field
@@ -145,12 +145,39 @@ def _leaf_codes(tree: Any, tidx: np.ndarray, what: str) -> Tuple[np.ndarray, np.
 
 
 def _raw(state: Any) -> bytes:
-    """ray_ckpt's safetensors bytes of a nested state."""
-    from ....formats import safetensors_io
+    """A nested state as bytes: a 4-byte length, the JSON of ray_ckpt's structure of it and of its
+    arrays' byte lengths, then the arrays' bytes. Not a safetensors file: its header names, types
+    and places every array again beside the structure (an episode table has ~90 small arrays: the
+    header was two thirds of a record's compressed bytes)."""
+    from ....formats.flat import pieces_of
+    from ....formats.nodes import structure_to_json
     from ....formats.tree import flatten
-    sink = io.BytesIO()
-    safetensors_io.write(flatten(state, state_name="replay_meta"), sink)
-    return sink.getvalue()
+    flat = flatten(state, state_name="replay_meta")
+    if flat.tables:
+        raise UnsupportedTypeError("replay buffer: an Arrow table in the replay meta is not supported")
+    body = [bytes(p) for a in flat.arrays for p in pieces_of(a)]
+    head = structure_to_json({"s": flat.structure, "n": [int(a.nbytes) for a in flat.arrays]}).encode()
+    return b"".join([len(head).to_bytes(4, "little"), head] + body)
+
+
+def _unraw(data: bytes, where: str) -> Any:
+    """The state of :func:`_raw`'s bytes (RestoreError naming ``where`` for anything else)."""
+    from ....formats.tree import unflatten
+    try:
+        n = int.from_bytes(data[:4], "little")
+        head = json.loads(data[4:4 + n])
+        sizes = [int(x) for x in head["n"]]
+        if any(x < 0 for x in sizes) or 4 + n + sum(sizes) != len(data):
+            raise ValueError(f"{len(data) - 4 - n} bytes of arrays, the header says {sum(sizes)}")
+        views, at = [], 4 + n
+        for x in sizes:
+            views.append(bytearray(data[at:at + x]))
+            at += x
+        return unflatten(head["s"], views, [])
+    except RestoreError:
+        raise
+    except Exception as exc:  # a damaged record: its verified file holds other bytes than written
+        raise RestoreError(f"{where}: not a replay log record ({type(exc).__name__}: {exc})") from None
 
 
 def _encode(kind: int, raw: bytes, width: int = CHUNK) -> np.ndarray:
@@ -165,8 +192,6 @@ def _encode(kind: int, raw: bytes, width: int = CHUNK) -> np.ndarray:
 
 def _decode(rows: np.ndarray, kind: int, where: str) -> Any:
     """The state of a record (its rows, in order), checked to be of ``kind``."""
-    from ....formats import safetensors_io
-    from ....formats.tree import unflatten
     rows = np.asarray(rows, np.uint8)
     raw = np.ascontiguousarray(rows).reshape(-1).tobytes()
     n = int.from_bytes(raw[:4], "little")
@@ -178,5 +203,4 @@ def _decode(rows: np.ndarray, kind: int, where: str) -> Any:
         raise RestoreError(f"{where}: {exc}") from None
     if not data or data[0] != kind:
         raise RestoreError(f"{where}: a record of kind {data[:1].hex() or 'none'}, expected {kind}")
-    structure, views = safetensors_io.read(bytearray(data[1:]), path=where)
-    return unflatten(structure, views, [])
+    return _unraw(data[1:], where)
