@@ -523,6 +523,22 @@ def test_incremental_states_through_append_only_versions_restore_exactly(name, c
     _assert_same(_sampled(buf, False), _sampled(restored, False), "sample")
 
 
+def test_log_records_read_back_exactly_and_damage_is_named():
+    """A ``replay_meta`` log record comes back as it was stored; one of another kind, cut short or
+    with a row too many is refused with a RestoreError naming it, not misread."""
+    from ray_ckpt.integrations.rllib.replay import incremental_state as st
+    state = {"noise": np.random.default_rng(0).integers(0, 255, 3000, dtype=np.uint8), "n": 7, "ids": ["a", "b"],
+             "nested": {"x": np.arange(5, dtype=np.int32), "none": None}}
+    rows = st._encode(st.EPISODES, st._raw(state))
+    assert rows.shape[1] == st.CHUNK and len(rows) > 3
+    _assert_same(st._decode(rows, st.EPISODES, "batch 3"), state, "record")
+    with pytest.raises(rc.RestoreError, match="batch 3: a record of kind 01, expected 3"):
+        st._decode(rows, st.META, "batch 3")
+    for bad in (rows[:-1], np.concatenate([rows, np.zeros((1, st.CHUNK), np.uint8)])):
+        with pytest.raises(rc.RestoreError, match="batch 3: says"):
+            st._decode(bad, st.EPISODES, "batch 3")
+
+
 @pytest.mark.timeout(300)
 def test_incremental_save_writes_what_changed_not_the_buffer(tmp_path):
     """A prioritized buffer of ~4k rows, then versions that add ~30 timesteps and update 8
