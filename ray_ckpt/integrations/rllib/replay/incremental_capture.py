@@ -15,7 +15,7 @@ from .buffers import _Kind, _attributes, buffer_kind, common_meta, extra_attrs, 
 from .episode_parts import LAYOUT, _EpisodeParts, _int32, _split_episode, _table
 from .incremental_priorities import _append_log, _priorities, _priority_scalars
 from .incremental_state import (CHUNK, EPISODES, LOG_LAYOUT, META, META_FORMAT3, STATIC, STATIC_KEYS, Incremental,
-                                _empty_log, _encode, _raw)
+                                _empty_log, _encode, _raw, pack_ids)
 from .row_ids import RowIds, _update_ids
 from .values import _type_name
 
@@ -153,7 +153,7 @@ def _append_episodes(inc: Incremental, newly_done: List[_EpisodeParts], evicted:
     all evicted leave it."""
     newly_done.sort(key=lambda p: p.key)
     if newly_done:
-        first, m = inc.append(EPISODES, _table(newly_done, bname))
+        first, m = inc.append(EPISODES, pack_ids(_table(newly_done, bname)))
         inc.batches.append([inc.next_batch, newly_done[-1].key[0], first, m])
         inc.logged.update(p.key[0] for p in newly_done)
         inc.next_batch += 1

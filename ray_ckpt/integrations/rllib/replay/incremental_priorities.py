@@ -145,7 +145,10 @@ def _append_log(inc: Incremental, entries: List[Dict[str, np.ndarray]], n_rows: 
     if not m:
         return
     add = {k: np.concatenate([e[k] for e in entries]) for k in ("row", "which", "v", "k")}
-    first, rows = inc.append(PRIORITIES, _pack_entries(add))
+    # in row order (small differences): a row has one entry per tree in a record, so order within it
+    # does not change which entry is a tree's last
+    order = np.argsort(add["row"], kind="stable")
+    first, rows = inc.append(PRIORITIES, _pack_entries({k: v[order] for k, v in add.items()}))
     inc.precs.append([first, rows, m])
 
 

@@ -15,7 +15,7 @@ from .buffers import META_FORMAT
 from .episode_parts import _EpisodeParts, _parts_from_table, _table
 from .incremental_priorities import _hook, unpack_entries
 from .incremental_state import (EPISODES, KINDS, LOG_LAYOUT, META, META_FORMAT2, META_FORMAT3, PRIORITIES, STATIC,
-                                Incremental, _decode, _raw)
+                                Incremental, _decode, _raw, unpack_ids)
 from .row_ids import RowIds
 from .values import _Spaces
 
@@ -63,7 +63,7 @@ def states_to_v1(states: Dict[str, Any], *, seed: bool = True):
     batches = np.asarray(meta["episode_log"]["batches"], np.int64).reshape(-1, 4)
     parts: List[_EpisodeParts] = []
     for b, _, first, m in batches.tolist():
-        table = _record(rows, first, m, EPISODES, f"replay_meta episode batch {b}")
+        table = unpack_ids(_record(rows, first, m, EPISODES, f"replay_meta episode batch {b}"))
         parts += [p for p in _parts_from_table(table, templates, True) if p.key[0] >= evicted]
     running = _parts_from_table(meta["running"], templates, False)
     logged = {p.key[0] for p in parts}

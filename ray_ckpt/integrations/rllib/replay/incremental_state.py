@@ -119,6 +119,29 @@ class Incremental:
             self.log = {k: v[alive] for k, v in self.log.items()}
 
 
+def pack_ids(table: Dict[str, Any]) -> Dict[str, Any]:
+    """An episode table with its ids as 16 bytes each when they are all RLlib's default (``uuid4().hex``:
+    32 lowercase hex digits, which come back exactly), else as they are."""
+    ids = table["id"]
+    if not ids or not all(isinstance(x, str) and len(x) == 32 and _is_hex(x) for x in ids):
+        return table
+    out = {k: v for k, v in table.items() if k != "id"}
+    out["id_hex"] = np.frombuffer(b"".join(bytes.fromhex(x) for x in ids), np.uint8).reshape(len(ids), 16)
+    return out
+
+
+def unpack_ids(table: Dict[str, Any]) -> Dict[str, Any]:
+    if "id_hex" not in table:
+        return table
+    out = {k: v for k, v in table.items() if k != "id_hex"}
+    out["id"] = [bytes(r).hex() for r in np.asarray(table["id_hex"], np.uint8).reshape(-1, 16)]
+    return out
+
+
+def _is_hex(x: str) -> bool:
+    return all(c in "0123456789abcdef" for c in x)
+
+
 def _empty_log() -> Dict[str, np.ndarray]:
     return {"row_id": np.empty(0, np.int64), "blob": np.empty((0, CHUNK), np.uint8)}
 
