@@ -21,9 +21,10 @@ is large next to what one iteration adds.
 
 Printed: median train() seconds per arm, the iteration rate relative to ``none``, and for ray_ckpt
 the callback's save() and, for DQN, the replay buffer's capture inside it (ms), the median bytes
-per save and the bytes the replay states (``replay``, ``replay_meta``, ``replay_episodes``,
-``replay_priorities``) wrote per version against the rows added per iteration (the new segment of
-the ``replay`` state).
+per save and the bytes the replay states (``replay`` and ``replay_meta``; ``replay_episodes`` and
+``replay_priorities`` too in versions of an earlier format) wrote per version against the rows
+added per iteration (the new segment of the ``replay`` state), with each replay file's median size.
+``--bytes-only`` runs without the ``none`` arm: bytes only, which do not depend on the load.
 """
 from __future__ import annotations
 
