@@ -197,7 +197,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=30_000, help="DQN: random timesteps put in the buffer first")
     ap.add_argument("--configs", default="ppo0,ppo1,dqn")
     ap.add_argument("--dir", default=None)
-    ap.add_argument("--arms", default=None, help="only these arms (comma-separated; 'none' is always run)")
+    ap.add_argument("--arms", default=None, help="only these arms (comma-separated; 'none' is run unless --bytes-only)")
     ap.add_argument("--bytes-only", action="store_true",
                     help="without the 'none' arm: the bytes per save only (they do not depend on the machine's load)")
     args = ap.parse_args()

@@ -18,7 +18,8 @@ A version's part is then: the segment files of earlier versions that still hold 
 segment with the rows whose ``row_id`` is above the newest stored one (none if nothing was
 added), and ``rank<r>.index.json``: the buffer's structure (its scalars and column types, with the
 live row count), the live ``row_id`` s as ranges, and the segments in order with their ``row_id``
-bounds. Every file is in the manifest with its checksum; the reader reads and verifies them all,
+bounds (a JSON object whose fields are compressed: :meth:`SegmentIndex.to_json`; a segment file's
+own schema metadata holds only its columns). Every file is in the manifest with its checksum; the reader reads and verifies them all,
 concatenates the segments, keeps the live rows and checks that exactly the indexed rows came back.
 
 This module knows nothing of storage or Ray: the writer and the reader (``checkpoint_io``) call it.
