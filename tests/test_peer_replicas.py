@@ -79,6 +79,11 @@ def test_a_file_referenced_by_two_versions_is_stored_once_and_kept_while_one_hol
     store.put(1, [f], [data])
     store.put(2, [f], [data])  # a RELOADABLE state: version 2 refers to version 1's file
     assert store.usage().files == 1 and store.memory_bytes == 300
+    table = FileEntry("v000000000002/replay/rank0.table0.arrow", 4, digest(b"abcd"), role="table")
+    store.put(2, [f, table], [data, b"abcd"])
+    assert store.entries(2) == [f, table]  # as the manifest lists them, role included (sent on to other holders)
+    store.drop([2])
+    store.put(2, [f], [data])
     store.drop([1])
     assert bytes(store.get(f.path)) == data
     store.drop([2])

@@ -30,8 +30,7 @@ from ..storage.tier import Tier
 
 @dataclass(frozen=True)
 class HeldFile:
-    size: int
-    checksum: str
+    entry: FileEntry  # as the manifest lists it (size, checksum, role)
     spilled: bool
 
 
@@ -76,7 +75,7 @@ class ReplicaStore:
             for f, b in zip(files, blobs):
                 held.add(f.path)
                 old = self._files.get(f.path)
-                if old is not None and (old.size, old.checksum) == (f.size, f.checksum):
+                if old is not None and (old.entry.size, old.entry.checksum) == (f.size, f.checksum):
                     continue
                 self._drop_file(f.path)
                 added += self._store(f, b)
@@ -87,10 +86,10 @@ class ReplicaStore:
     def _store(self, f: FileEntry, blob: Any) -> int:
         if self.memory_bytes + f.size <= self.budget:
             self._memory[f.path] = blob  # kept as given: the caller hands over memory it owns
-            self._files[f.path] = HeldFile(f.size, f.checksum, False)
+            self._files[f.path] = HeldFile(f, False)
         elif self.spill is not None:
             self.spill.put_bytes(f.path, bytes(blob))
-            self._files[f.path] = HeldFile(f.size, f.checksum, True)
+            self._files[f.path] = HeldFile(f, True)
         else:
             raise IntegrityError(f"replica of {f.path}: {f.size} bytes do not fit the holder's memory budget "
                                  f"({self.budget - self.memory_bytes} of {self.budget} bytes free) and it has no "
@@ -129,8 +128,7 @@ class ReplicaStore:
     def entries(self, version: int) -> List[FileEntry]:
         """The files held for ``version`` (to copy them to another holder)."""
         with self._lock:
-            return [FileEntry(p, self._files[p].size, self._files[p].checksum)
-                    for p in sorted(self._versions.get(version, ()))]
+            return [self._files[p].entry for p in sorted(self._versions.get(version, ()))]
 
     def index(self) -> Dict[int, List[str]]:
         with self._lock:
@@ -143,7 +141,7 @@ class ReplicaStore:
 
     def usage(self) -> StoreUsage:
         with self._lock:
-            spilled = sum(h.size for h in self._files.values() if h.spilled)
+            spilled = sum(h.entry.size for h in self._files.values() if h.spilled)
             return StoreUsage(tuple(sorted(self._versions)), self.memory_bytes, spilled, self.budget, len(self._files))
 
     def _drop_version(self, version: int) -> None:
