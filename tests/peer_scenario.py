@@ -14,7 +14,9 @@ Run by tests/test_peer_replicas.py in its own process (a Cluster needs its own r
   4. restore on D: version 7, bit-exact with an uninterrupted run, read from a peer replica (the
      report says ``peer:<node>``);
   5. a holder's process is killed: Ray restarts it empty, the coordinator notices and sends the
-     newest versions to it again.
+     newest versions to it again;
+  6. the coordinator is killed and restarted by Ray: versions 1-4 (recorded lost on H's disk) are
+     still not listed, and ``ray-ckpt ls`` of H's disk marks them lost.
 """
 import os
 import shutil
@@ -116,6 +118,11 @@ def main() -> int:
         assert [m.version for m in engine.list_checkpoints()] == [5, 6, 7], engine.list_checkpoints()
         assert tiers_of(engine, 5) == ("local", "remote") and "peer" in tiers_of(engine, 6), engine.list_checkpoints()
         say(f"version 7 re-replicated: held by {status['replicas'][7]}; versions 1-4 reported lost")
+        out = io.StringIO()  # their manifests are still on H's disk: storage alone says they are lost
+        with contextlib.redirect_stdout(out):
+            assert cli(["ls", os.path.join(root, "local", head[:12], "peer")]) == 0
+        status_of = {line.split()[0]: line.split()[-1] for line in out.getvalue().splitlines() if line[:1].isdigit()}
+        assert [status_of[str(v)] for v in range(1, 8)] == ["lost"] * 4 + ["complete"] * 3, out.getvalue()
 
         node_d = cluster.add_node(num_cpus=1, resources={"learner_slot": 1})
         cluster.wait_for_nodes()
@@ -152,12 +159,28 @@ def main() -> int:
         say(f"holder {key} restarted empty; version 7 sent to it again")
         with_lost = engine.status()["skipped_versions"]
         assert sorted(with_lost) == [1, 2, 3, 4], with_lost  # B's loss cost nothing more
+        # 6. the coordinator restarts (Ray restarts it by name, it rebuilds from storage): 1-4 stay unlisted
+        from ray_ckpt.protocol import NAMESPACE, actor_name
+
+        ray.kill(ray.get_actor(actor_name("peer"), namespace=NAMESPACE), no_restart=False)
+        until("the restarted coordinator answering", lambda: _answers(engine), timeout=120)
+        assert sorted(engine.status()["skipped_versions"]) == [1, 2, 3, 4], engine.status()
+        assert [m.version for m in engine.list_checkpoints()][:1] == [5], engine.list_checkpoints()
+        say("coordinator restarted: versions 1-4 still reported lost, not listed")
         engine.shutdown()
         say("PEER OK")
         return 0
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def _answers(engine):
+    try:
+        engine.status()
+        return True
+    except Exception:
+        return False
 
 
 def _node_of(actor):

@@ -11,7 +11,7 @@ from .run_view import Run, command_parser, is_partial
 
 SUMMARY = "list the versions of a run"
 DESCRIPTION = ("List the versions of a run: version, step, creation time, size, "
-               "states and status (complete / partial / retired / unreadable).")
+               "states and status (complete / partial / retired / unreadable / lost with a node).")
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -58,6 +58,11 @@ def _row(run: Run, v: int) -> Dict[str, Any]:
                    status="unreadable", detail=run.error(v))
         return row
     states = sorted(m.states.items())
+    lost = run.lost.get(v)
+    if lost is not None and lost.matches(m):  # its node died with files nowhere else (storage/lost.py)
+        row.update(step=m.step, created_at=m.created_at, bytes=m.bytes, states={n: e.status for n, e in states},
+                   committed=False, status="lost", metrics=dict(m.metrics), detail=lost.why)
+        return row
     row.update(step=m.step, created_at=m.created_at, bytes=m.bytes, states={n: e.status for n, e in states},
                committed=True, status="partial" if is_partial(m) else "complete", metrics=dict(m.metrics),
                detail="; ".join(f"{n}: {e.status}{' - ' + e.detail if e.detail else ''}"

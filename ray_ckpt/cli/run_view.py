@@ -19,6 +19,7 @@ from ..storage.checkpoint_io import read_manifest
 from ..formats.manifest import Manifest
 from ..storage import layout
 from ..storage.filesystems import redact_uri, s3_hint
+from ..storage.lost import read_lost
 from ..storage.confined import open_regular
 from ..storage.tier import Tier
 from .common import CliError, UsageError, plural, vlist
@@ -144,6 +145,7 @@ class Run:
         self._manifests: Dict[int, Manifest] = {}
         self._errors: Dict[int, str] = {}
         self._uncommitted: Optional[Dict[int, Dict[str, Any]]] = None
+        self.lost = read_lost(tier)  # versions lost with a node: their manifests are not restorable
 
     @classmethod
     def open(cls, args: argparse.Namespace) -> "Run":

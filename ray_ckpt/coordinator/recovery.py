@@ -21,6 +21,7 @@ from ..formats.manifest import Manifest, chain_suspects
 from ..protocol import Declaration
 from ..storage.durable_batch import remove_temporaries
 from ..storage.head import missing_head, read_heads
+from ..storage.lost import hide_lost, read_lost
 from ..storage.tier import Tier
 from .upload_plan import UploadPlan
 
@@ -53,8 +54,11 @@ def recover(config: EngineConfig, local: Tier, remote: Optional[Tier]) -> Recove
         log.error("version %d is not trusted: %s", v, why)
         skipped[v] = why
         committed.pop(v, None)
+    lost = hide_lost(committed, read_lost(local))  # lost with a node: never listed again
+    skipped.update(lost)
     catalogue = Catalogue(config.run, committed)
     catalogue.signing_key = key
+    catalogue.reserved_through = max(lost, default=-1)
     remove_partial(local, partial, catalogue.kept_paths(set()))
     _remove_temporaries(local, catalogue)
     _load_declarations(local, catalogue)
@@ -82,7 +86,7 @@ def recover(config: EngineConfig, local: Tier, remote: Optional[Tier]) -> Recove
         step, why = gap
         log.error("run %r: version %d was %s", config.run, step, why)
         skipped.setdefault(step, why)
-        catalogue.reserved_through = step
+        catalogue.reserved_through = max(catalogue.reserved_through, step)
     return Recovered(catalogue, uploads, skipped, heads)
 
 

@@ -17,8 +17,9 @@ The coordinator polls Ray's node table. When a node dies:
   ``status()["skipped_versions"]`` with the node that took it, and its number is never reused.
 
 Without peer replicas the second rule still holds: a version restorable nowhere is never listed.
-Held in memory only: a restarted coordinator knows no replica (its holders went with it) and lists
-what its storage scan finds.
+The lost versions are recorded on this node's local tier (``storage/lost.py``): a restarted
+coordinator and ``ray-ckpt ls`` do not list them either. Replicas are held in memory only: a
+restarted coordinator knows none (its holders went with it).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import ray
 from ..config import EngineConfig
 from ..errors import SaveError, one_line
 from ..formats.manifest import FileEntry, Manifest
+from ..storage.lost import LostVersion, record_lost
 from ..storage.tier import Tier
 from ..writers.pools import WriterPools
 from ..writers.replicas import start_holder
@@ -230,23 +232,28 @@ class Replication:
         for held in self.copies.values():
             for nodes in held.values():
                 nodes.difference_update(gone)
-        lost = []
+        lost: Dict[int, LostVersion] = {}
         for v, m in sorted(self.catalogue.committed.items()):
             if v in self.uploads.committed or v in self.catalogue.pending:
                 continue
             missing = [f.path for f in held_files(m) if not await self._restorable(v, f)]
             if missing:
-                lost.append(v)
                 node = self.file_nodes.get(missing[0], self.node_id)
                 why = (f"lost with node {node[:12]}: {len(missing)} critical file(s) (e.g. {missing[0]}) were on its "
                        f"local disk only (not uploaded, no live peer replica)")
+                lost[v] = LostVersion(why, float(m.created_at))
                 self.catalogue.forget(v)
                 self.catalogue.reserved_through = max(self.catalogue.reserved_through, v)
                 self.skipped[v] = why
                 self.copies.pop(v, None)
         names = ", ".join(n[:12] for n in sorted(gone))
         if lost:
-            msg = f"node(s) {names} lost: versions {lost} can no longer be restored and are no longer listed"
+            try:  # so that a restarted coordinator (or ray-ckpt ls) does not list them again
+                await asyncio.to_thread(record_lost, self.local, lost)
+            except Exception as exc:
+                log.error("run %r: cannot record the lost versions on %s: %s", self.cfg.run, self.local.display,
+                          one_line(exc))
+            msg = f"node(s) {names} lost: versions {sorted(lost)} can no longer be restored and are no longer listed"
             self._set_error(msg)
             log.error("run %r: %s", self.cfg.run, msg)
         else:

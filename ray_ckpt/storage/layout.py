@@ -5,6 +5,7 @@ constants.
   <root>/<run>/owner.json                                the run's owner lease (storage/ownership.py)
                head.json                                 the newest committed step (storage/head.py)
                gc_notice.json                            versions ``ray-ckpt gc --force`` is deleting
+               lost_versions.json                        versions lost with a node (storage/lost.py)
                v000000000100/<state>/rank0.safetensors   tensors and the nested structure
                              <state>/rank0.table0.arrow     Arrow tables inside such a state
                              <state>/rank0.arrow            a buffer (a dict of equally long arrays)
@@ -24,10 +25,11 @@ MANIFEST = "manifest.json"
 OWNER_FILE = "owner.json"
 HEAD_FILE = "head.json"
 NOTICE_FILE = "gc_notice.json"
+LOST_FILE = "lost_versions.json"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 _VERSION_DIR = re.compile(r"^v(\d{12})$")
 
-__all__ = ["MANIFEST", "OWNER_FILE", "HEAD_FILE", "NOTICE_FILE", "validate_name", "is_valid_file_path", "version_dir", "parse_version_dir", "manifest_path",
+__all__ = ["MANIFEST", "OWNER_FILE", "HEAD_FILE", "NOTICE_FILE", "LOST_FILE", "validate_name", "is_valid_file_path", "version_dir", "parse_version_dir", "manifest_path",
            "in_version", "tensors_file", "table_file", "buffer_file", "segment_file", "segment_index_file", "join_uri",
            "peer_spill_dir"]
 
