@@ -16,7 +16,8 @@ Run by tests/test_peer_replicas.py in its own process (a Cluster needs its own r
   5. a holder's process is killed: Ray restarts it empty, the coordinator notices and sends the
      newest versions to it again;
   6. the coordinator is killed and restarted by Ray: versions 1-4 (recorded lost on H's disk) are
-     still not listed, and ``ray-ckpt ls`` of H's disk marks them lost.
+     still not listed (``ray-ckpt ls`` of H's disk marks them lost); the holders outlived it and it
+     adopts their copies of 7; ``shutdown()`` stops them.
 """
 import os
 import shutil
@@ -162,12 +163,21 @@ def main() -> int:
         # 6. the coordinator restarts (Ray restarts it by name, it rebuilds from storage): 1-4 stay unlisted
         from ray_ckpt.protocol import NAMESPACE, actor_name
 
-        ray.kill(ray.get_actor(actor_name("peer"), namespace=NAMESPACE), no_restart=False)
-        until("the restarted coordinator answering", lambda: _answers(engine), timeout=120)
+        coordinator = ray.get_actor(actor_name("peer"), namespace=NAMESPACE)
+        pid = _pid(coordinator)
+        os.kill(pid, 9)  # its process dies (the head node's: this machine); Ray restarts it
+        until("the restarted coordinator answering", lambda: _pid(coordinator) not in (None, pid), timeout=120)
         assert sorted(engine.status()["skipped_versions"]) == [1, 2, 3, 4], engine.status()
         assert [m.version for m in engine.list_checkpoints()][:1] == [5], engine.list_checkpoints()
-        say("coordinator restarted: versions 1-4 still reported lost, not listed")
+        # ... and the holders (detached) outlived it: it adopts their copies of 7 (whose files exist
+        # nowhere else now), and training goes on
+        ray.get(learner.train.remote(1))
+        assert engine.save(8).wait(timeout=120, durability="replicated").version == 8
+        until("version 7 held by the adopted holders", lambda: "peer" in tiers_of(engine, 7))
+        say(f"coordinator restarted: versions 1-4 still reported lost, not listed; 7 adopted from "
+            f"{engine.status()['replicas'][7]}; 8 saved and replicated")
         engine.shutdown()
+        until("the holders stopped with the run", lambda: not holder_handles("peer"), timeout=60)
         say("PEER OK")
         return 0
     finally:
@@ -175,12 +185,11 @@ def main() -> int:
         cluster.shutdown()
 
 
-def _answers(engine):
+def _pid(actor):
     try:
-        engine.status()
-        return True
-    except Exception:
-        return False
+        return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=10)
+    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+        return None
 
 
 def _node_of(actor):

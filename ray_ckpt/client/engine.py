@@ -135,7 +135,8 @@ class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes):
         return cls(coord, _ask(run, coord.config.remote(), "its configuration", timeout))
 
     def shutdown(self, timeout: float = 60.0, *, stop_coordinator: Optional[bool] = None) -> None:
-        """Stop the coordinator; its writers, which it owns, stop with it. The engine that created the
+        """Stop the coordinator; its writers, which it owns, stop with it (and its peer replica
+        holders, which it does not own, are stopped too). The engine that created the
         run (``create()``) stops it; an engine from ``connect()`` (a rank, a tool) only detaches, so
         that a rank closing its engine does not stop checkpointing for the whole run, unless
         ``stop_coordinator=True`` (e.g. to stop a detached coordinator whose driver is gone).
@@ -155,7 +156,8 @@ class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes):
                 self._lease.stop(release_record=False)
             return
         refs = [h._ref for h in self._in_flight if h._ref is not None and not h.done()]
-        stop_run(self._coordinator, self.run, refs, timeout, self._lease)  # run_lifetime.py
+        stop_run(self._coordinator, self.run, refs, timeout, self._lease,  # run_lifetime.py
+                 holders=self.config.peer_replicas > 0)
 
     # ------------------------------------------------------------------ registration
     def register(self, name: str, provider: Any = None, *, strategy: Union[Strategy, str] = Strategy.CRITICAL,

@@ -17,6 +17,7 @@ from typing import Any, List, Optional, Sequence
 import ray
 
 from ..writers import pools as writers
+from ..writers.replicas import stop_holders
 from ..config import EngineConfig
 from ..protocol import NAMESPACE, actor_name
 from .coordinator_client import _coordinator_placement, _open_coordinator
@@ -107,7 +108,7 @@ def prestart_writer_processes(config: EngineConfig) -> None:
 
 
 def stop_run(coordinator: Any, run: str, in_flight: List[Any], timeout: float,
-                     lease: Optional[OwnerLease]) -> None:
+             lease: Optional[OwnerLease], holders: bool = False) -> None:
     """Wait (at most ``timeout``) for the engine's saves (``in_flight``: their refs) and the
     coordinator's work in progress, kill it, free the run, and wait (bounded) until it is gone."""
     deadline = time.monotonic() + timeout
@@ -124,6 +125,8 @@ def stop_run(coordinator: Any, run: str, in_flight: List[Any], timeout: float,
         log.warning("shutting down run %r with work unfinished after %.0fs: %s", run, timeout,
                     "; ".join(unfinished))
     ray.kill(coordinator, no_restart=True)
+    if holders:  # detached from the coordinator (they outlive its restarts): stopped by name
+        stop_holders(run)
     if lease is not None:  # the run is free for another job at once
         lease.stop(release_record=True)
     # ray.kill only asks: wait (bounded) until the coordinator is gone, so that nothing of this

@@ -210,6 +210,7 @@ class CheckpointCoordinator:
         its saves. Raises SaveError if the version cannot commit."""
         self._resume_uploads()
         self.gc_watch.start()
+        self.replication.start()
         self.fence.check_caller(token)
         t0 = time.perf_counter()
         version = step
@@ -264,6 +265,7 @@ class CheckpointCoordinator:
         awaits: it holds no slot beyond its own run."""
         self._resume_uploads()
         self.gc_watch.start()
+        self.replication.start()
         self.counts["submit_calls"] += 1
         self.counts["pushed_parts"] += len(parts)
         rejected: Dict[int, str] = {}
@@ -387,6 +389,7 @@ class CheckpointCoordinator:
         """Wait until every writer has started, so the first save does not pay for worker start-up."""
         self._resume_uploads()
         self.gc_watch.start()
+        self.replication.start()
         await asyncio.gather(*[actor_ready(w) for w in self.pools.all()])
         return True
 

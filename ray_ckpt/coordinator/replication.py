@@ -18,8 +18,10 @@ The coordinator polls Ray's node table. When a node dies:
 
 Without peer replicas the second rule still holds: a version restorable nowhere is never listed.
 The lost versions are recorded on this node's local tier (``storage/lost.py``): a restarted
-coordinator and ``ray-ckpt ls`` do not list them either. Replicas are held in memory only: a
-restarted coordinator knows none (its holders went with it).
+coordinator and ``ray-ckpt ls`` do not list them either. The holders are detached from the
+coordinator's process: a coordinator that Ray restarts adopts them and the copies they hold whose
+checksums its manifests name (which node wrote each file is not kept across the restart: a node
+lost after it is judged by the copies held elsewhere).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from ..formats.manifest import FileEntry, Manifest
 from ..storage.lost import LostVersion, record_lost
 from ..storage.tier import Tier
 from ..writers.pools import WriterPools
+from ..capture.peer_reads import INDEX_TIMEOUT_S, holder_handles
 from ..writers.replicas import start_holder
 from .catalogue import Catalogue
 from .upload_plan import UploadPlan
@@ -208,7 +211,51 @@ class Replication:
         gone = (before - set(self.alive)) | {n["NodeID"] for n in nodes if not n.get("Alive") and n["NodeID"] in before}
         return gone - self.dead
 
+    async def _adopt(self) -> None:
+        """A restarted coordinator: take over the holders its predecessor started (detached, they
+        outlived it) and what they hold, file by file where the checksum is the one our manifest
+        names; what they hold of versions no longer listed is dropped."""
+        async with self._lock:
+            await self._read_nodes()
+            found = await asyncio.to_thread(holder_handles, self.cfg.run)
+            by_key = {n[:12]: n for n in self.alive}
+            found = {by_key[k]: h for k, h in found.items() if k in by_key}
+            self._take_over(found, await self._ask(found))
+        for v in list(self.copies):
+            self._settle(v, [] if self.fully_replicated(v) else ["adopted copies are short"])
+
+    async def _ask(self, found: Dict[str, Any]) -> List[Any]:
+        return await asyncio.gather(*[asyncio.wait_for(h.checksums.remote(), INDEX_TIMEOUT_S)
+                                      for h in found.values()], return_exceptions=True)
+
+    def _take_over(self, found: Dict[str, Any], answers: List[Any]) -> None:
+        adopted = 0
+        for (node, handle), held in zip(found.items(), answers):
+            if isinstance(held, BaseException):
+                continue  # not answering: a new holder is started on that node when one is needed
+            self.holders[node] = handle
+            stale = [v for v in held if v not in self.catalogue.committed]
+            if stale:
+                handle.drop.remote(stale)
+            for v, sums in held.items():
+                m = self.catalogue.committed.get(v)
+                if m is None:
+                    continue
+                for f in held_files(m):
+                    if sums.get(f.path) == f.checksum:
+                        self.copies.setdefault(v, {}).setdefault(f.path, set()).add(node)
+                        self.held_bytes[node] = self.held_bytes.get(node, 0) + f.size
+                        adopted += 1
+        if adopted:
+            log.info("run %r: adopted %d replica(s) held by %d holder(s) from before this coordinator started",
+                     self.cfg.run, adopted, len(self.holders))
+
     async def _watch(self) -> None:
+        if self.enabled:
+            try:
+                await self._adopt()
+            except Exception as exc:  # nothing adopted: the repair passes send the newest versions again
+                log.warning("run %r: adopting the replica holders failed: %s", self.cfg.run, one_line(exc))
         tick = 0
         while True:
             await asyncio.sleep(NODE_POLL_S)

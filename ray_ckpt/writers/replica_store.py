@@ -130,6 +130,12 @@ class ReplicaStore:
         with self._lock:
             return [self._files[p].entry for p in sorted(self._versions.get(version, ()))]
 
+    def checksums(self) -> Dict[int, Dict[str, str]]:
+        """version -> path -> checksum of every file held (a restarted coordinator adopts the
+        copies whose checksums its manifests name)."""
+        with self._lock:
+            return {v: {p: self._files[p].entry.checksum for p in ps} for v, ps in self._versions.items()}
+
     def index(self) -> Dict[int, List[str]]:
         with self._lock:
             return {v: sorted(ps) for v, ps in self._versions.items()}

@@ -4,7 +4,9 @@ per node that holds peer replicas of a run (``create(..., peer_replicas=N)``).
 Placed on its node by the coordinator (node affinity, no CPU reserved: it only holds bytes and
 answers reads) and named (``capture.peer_reads.holder_name``) so that any process of the cluster
 finds it to read; restarted by Ray if its process dies (it comes back empty and its spill directory
-is cleared: the coordinator's repair pass sends the newest versions again).
+is cleared: the coordinator's repair pass sends the newest versions again). Detached from the
+coordinator's process: a coordinator that Ray restarts finds its holders by name and adopts what
+they hold.
 
 Files arrive from a writer on the node that wrote them (``send_files``: read from that node's local
 tier, verified, passed as arguments: Ray's object transfer moves them) or from another holder
@@ -13,17 +15,21 @@ tier, verified, passed as arguments: Ray's object transfer moves them) or from a
 from __future__ import annotations
 
 import os
+import threading
+import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import ray
 
-from ..capture.peer_reads import NAMESPACE, holder_name
+from ..capture.peer_reads import NAMESPACE, holder_handles, holder_name
 from ..formats.manifest import FileEntry
+from ..protocol import actor_name
 from ..storage.layout import join_uri, peer_spill_dir
 from ..storage.tier import Tier
 from .replica_store import ReplicaStore, StoreUsage
 
+WATCH_S = 5.0  # how often a holder checks that its run's coordinator still exists
 DEFAULT_MEMORY_FRACTION = 0.1  # of the node's physical memory, when peer_memory_mb is not given
 
 
@@ -58,6 +64,8 @@ class ReplicaHolder:
             budget = default_budget() if config.peer_memory_mb is None else int(config.peer_memory_mb * 1e6)
         self.store = ReplicaStore(budget, config.peer_keep, spill)
         self.refs: Dict[str, Any] = {}  # path -> the object in this node's store that holds it
+        threading.Thread(target=_exit_without_coordinator, args=(config.run,), name="ray_ckpt-holder-watch",
+                         daemon=True).start()
 
     def hold(self, version: int, files: List[FileEntry], *blobs: Any) -> int:
         """Keep ``files`` (``blobs``: their bytes) for ``version``. What stays in memory is put in
@@ -93,6 +101,9 @@ class ReplicaHolder:
     def index(self) -> Dict[int, List[str]]:
         return self.store.index()
 
+    def checksums(self) -> Dict[int, Dict[str, str]]:
+        return self.store.checksums()
+
     def usage(self) -> StoreUsage:
         return self.store.usage()
 
@@ -111,10 +122,40 @@ class ReplicaHolder:
         return self.node
 
 
+def _exit_without_coordinator(run: str) -> None:
+    """Stop this (detached) holder once its run's coordinator is gone for good: a coordinator Ray
+    restarts keeps its name meanwhile, one killed or stopped releases it."""
+    name, seen = actor_name(run), False
+    while True:
+        time.sleep(WATCH_S)
+        try:
+            ray.get_actor(name, namespace=NAMESPACE)
+            seen = True
+        except ValueError:
+            if seen:  # (a holder started by hand, with no coordinator, is left alone)
+                ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+                return
+        except Exception:  # the GCS busy or restarting: ask again at the next turn
+            continue
+
+
 def start_holder(config: Any, node: str) -> Any:
-    """The holder of ``config.run`` on ``node`` (get-or-create by name)."""
+    """The holder of ``config.run`` on ``node`` (get-or-create by name). Detached, so that it
+    outlives a restart of the coordinator that started it (a restarted coordinator adopts what it
+    holds: ``coordinator/replication.py``); it stops itself when the coordinator is gone for good,
+    and ``shutdown()`` stops it (``stop_holders``)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     return ReplicaHolder.options(name=holder_name(config.run, node[:12]), namespace=NAMESPACE, get_if_exists=True,
+                                 lifetime="detached",
                                  scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
                                  ).remote(config, node[:12])
+
+
+def stop_holders(run: str) -> None:
+    """Kill every replica holder of ``run`` (the run is being shut down)."""
+    for handle in holder_handles(run).values():
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception:  # already gone
+            pass
