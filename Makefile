@@ -29,7 +29,7 @@ OLDEST_TESTS ?= tests/test_ray_internals.py tests/test_rllib_internals.py tests/
   tests/test_rllib.py::test_storable_roundtrip_keeps_rllib_state_exact \
   tests/test_rllib.py::test_ppo_saved_by_callback_restores_into_fresh_algorithm
 
-.PHONY: install install-oldest demo test bench clean
+.PHONY: test-slow test-all install install-oldest demo test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
@@ -64,8 +64,15 @@ demo: install
 	$(VENV)/bin/ray-ckpt demo
 
 test: install install-oldest
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -m "not slow" --durations=15
 	$(OLDEST_PY) -m pytest -q $(OLDEST_TESTS)
+
+# the tests marked slow: multi-node clusters, Tune experiments, remote learners, whole examples
+test-slow: install
+	$(PY) -m pytest -q -m slow --durations=10
+
+# what CI runs (.ci/run): both
+test-all: test test-slow
 
 bench: install
 	$(PY) benchmarks/save_stall.py

@@ -65,6 +65,7 @@ def test_readme_is_short_and_its_links_resolve():
         assert guide in local, f"README does not link {guide}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_readme_tour_runs_as_written(tmp_path):
     """The tour in its own process, as a user runs it: its own local Ray, its checkpoints in a

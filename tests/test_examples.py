@@ -7,6 +7,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_demo_resumes_bit_identically(ray_session, tmp_path, capsys):
     demo = runpy.run_path(str(ROOT / "examples" / "demo.py"), run_name="demo_under_test")

@@ -8,6 +8,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_preemption_across_nodes_restores_from_remote(tmp_path):
     # its own process: a multi-node Cluster needs its own ray.init, apart from the session's instance

@@ -157,6 +157,7 @@ def test_replicated_durability_on_one_node_raises_naming_the_missing_peer(ray_se
         no_peers.shutdown()
 
 
+@pytest.mark.slow
 # ---------------------------------------------------------------------- nodes lost, several nodes
 @pytest.mark.timeout(480)
 def test_node_loss_restores_the_newest_version_from_a_peer_replica(tmp_path):

@@ -230,6 +230,7 @@ def test_ppo_saved_by_callback_restores_into_fresh_algorithm(engine_factory, run
         fresh.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_rllib_example_runs(ray_session, tmp_path, capsys):
     mod = runpy.run_path(str(ROOT / "examples" / "rllib_example.py"), run_name="rllib_example_under_test")

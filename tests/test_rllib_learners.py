@@ -90,6 +90,7 @@ class _CountFetches:
         callback.save = save
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_remote_learner_state_is_captured_in_the_learner_and_restored_into_every_learner(
         engine_factory, run_name, tmp_path):

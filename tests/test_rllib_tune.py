@@ -103,6 +103,7 @@ def test_tune_settings_and_pointers_are_checked(tmp_path):
         rr.tune.read_pointer(str(tmp_path))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_a_grid_search_with_restarts_keeps_each_trials_state_apart(ray_session, engine_factory, run_name,
                                                                    tmp_path):
@@ -143,6 +144,7 @@ def test_a_grid_search_with_restarts_keeps_each_trials_state_apart(ray_session, 
             assert not _same(first, last)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_pbt_clones_a_trials_ray_ckpt_version_into_another(ray_session, engine_factory, run_name, tmp_path):
     from ray.tune.schedulers import PopulationBasedTraining
