@@ -40,6 +40,19 @@ DESCRIPTION = ("Delete committed versions that the retention rule does not keep 
                "a live engine owns the run (a fresh lease in owner.json), naming it, unless --force.")
 
 
+SWITCHES = (  # (flags, help) of gc's on/off options
+    (("--partial",), "also remove version directories without a manifest that are older than the newest committed "
+                     "version (abandoned saves); never newer ones, which may be in flight. Files that kept versions "
+                     "refer to are never deleted; shared files that no kept version refers to any more are deleted "
+                     "without this flag"),
+    (("--dry-run", "-n"), "print what would be deleted; delete nothing"),
+    (("--force",), "delete even while the run's owner (a live engine, owner.json) holds a fresh lease; without it "
+                   "gc refuses, naming the owner. With it gc names the versions in the run's gc_notice.json and "
+                   "waits a few seconds, so that the live engine stops listing them before they are deleted"),
+    (("--verbose", "-v"), "list every file"),
+)
+
+
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
     s = command_parser(sub, common, "gc", SUMMARY, DESCRIPTION, run)
     s.add_argument("--keep-last", type=positive_int, metavar="N", help="keep the N newest versions")
@@ -47,18 +60,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="also keep every version whose step is a multiple of K")
     s.add_argument("--keep-best", type=_keep_best, metavar="METRIC:max|min:N",
                    help="also keep the N best versions by a metric given to save(metrics=...)")
-    s.add_argument("--partial", action="store_true",
-                   help="also remove version directories without a manifest that are older than the newest "
-                        "committed version (abandoned saves); never newer ones, which may be in flight. "
-                        "Files that kept versions refer to are never deleted; shared files that no kept "
-                        "version refers to any more are deleted without this flag")
-    s.add_argument("--dry-run", "-n", action="store_true", help="print what would be deleted; delete nothing")
-    s.add_argument("--force", action="store_true",
-                   help="delete even while the run's owner (a live engine, owner.json) holds a fresh lease; "
-                        "without it gc refuses, naming the owner. With it gc names the versions in the run's "
-                        "gc_notice.json and waits a few seconds, so that the live engine stops listing them "
-                        "before they are deleted")
-    s.add_argument("--verbose", "-v", action="store_true", help="list every file")
+    for flags, text in SWITCHES:
+        s.add_argument(*flags, action="store_true", help=text)
     add_progress_flags(s, auto=f"from {PROGRESS_AUTO_DIRS} directories to delete on")
     add_json_flag(s)
 
