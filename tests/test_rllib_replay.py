@@ -476,11 +476,12 @@ def _same_states(a, b):
     rows, the log's records before the meta record byte for byte, the meta records decoded."""
     assert set(a) == set(b) == {"replay", "replay_meta"}
     _assert_same(a["replay"], b["replay"], "replay")
-    (ma, ra), (mb, rb) = incremental_restore.read_log(a["replay_meta"]), incremental_restore.read_log(b["replay_meta"])
+    (ma, ra, _), (mb, rb, _) = (incremental_restore.read_log(a["replay_meta"]),
+                                incremental_restore.read_log(b["replay_meta"]))
     ma.pop("metrics"), mb.pop("metrics")
     _assert_same(ma, mb, "replay_meta meta record")
     _assert_same(ra, rb, "replay_meta records")
-    for k in ("next_chunk", "meta_at", "next_row_id", "n_rows"):
+    for k in ("next_chunk", "meta_at", "next_row_id", "n_rows", "dict_at", "dict_rows"):
         assert a["replay_meta"][k] == b["replay_meta"][k], k
 
 
@@ -524,19 +525,34 @@ def test_incremental_states_through_append_only_versions_restore_exactly(name, c
 
 
 def test_log_records_read_back_exactly_and_damage_is_named():
-    """A ``replay_meta`` log record comes back as it was stored; one of another kind, cut short or
-    with a row too many is refused with a RestoreError naming it, not misread."""
+    """A ``replay_meta`` log record comes back as it was stored (integer arrays narrowed and
+    shuffled, extreme values included); one of another kind, cut short, with a row too many, or
+    compressed with a dictionary the reader was not given is refused with a RestoreError naming
+    it, not misread."""
     from ray_ckpt.integrations.rllib.replay import incremental_state as st
+    from ray_ckpt.integrations.rllib.replay import records
+    i64 = np.iinfo(np.int64)
     state = {"noise": np.random.default_rng(0).integers(0, 255, 3000, dtype=np.uint8), "n": 7, "ids": ["a", "b"],
-             "nested": {"x": np.arange(5, dtype=np.int32), "none": None}}
-    rows = st._encode(st.EPISODES, st._raw(state))
+             "nested": {"x": np.arange(5, dtype=np.int32), "none": None},
+             "steps": np.arange(10**12, 10**12 + 4000, 3, dtype=np.int64), "wrap": np.array([i64.max, i64.min, 0, -1]),
+             "u": np.array([2**64 - 1, 0, 7], np.uint64), "f": np.random.default_rng(1).random(40),
+             "grid": np.arange(12, dtype=np.int16).reshape(3, 4), "empty": np.zeros(0, np.int64),
+             "b": np.array([True, False, True])}
+    raw = st._raw(state)
+    rows = st._encode(st.EPISODES, raw)
     assert rows.shape[1] == st.CHUNK and len(rows) > 3
-    _assert_same(st._decode(rows, st.EPISODES, "batch 3"), state, "record")
+    _assert_same(records._decode(rows, st.EPISODES, "batch 3"), state, "record")
     with pytest.raises(rc.RestoreError, match="batch 3: a record of kind 01, expected 3"):
-        st._decode(rows, st.META, "batch 3")
+        records._decode(rows, st.META, "batch 3")
     for bad in (rows[:-1], np.concatenate([rows, np.zeros((1, st.CHUNK), np.uint8)])):
         with pytest.raises(rc.RestoreError, match="batch 3: says"):
-            st._decode(bad, st.EPISODES, "batch 3")
+            records._decode(bad, st.EPISODES, "batch 3")
+    zdict = raw[:2000]
+    rows_d = st._encode(st.EPISODES, raw, zdict=zdict)
+    assert len(rows_d) < len(rows)  # the dictionary holds most of the record: it costs what differs
+    _assert_same(records._decode(rows_d, st.EPISODES, "batch 4", {records.dict_id(zdict): zdict}), state, "record")
+    with pytest.raises(rc.RestoreError, match="batch 4: compressed with dictionary 0x[0-9a-f]{8}, which no live"):
+        records._decode(rows_d, st.EPISODES, "batch 4", {})
 
 
 @pytest.mark.timeout(300)

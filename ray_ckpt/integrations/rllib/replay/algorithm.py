@@ -14,7 +14,7 @@ from .buffers import META_FORMAT, buffer_kind, replay_buffer_of
 from .row_ids import RowIds, row_ids_of
 from .incremental_capture import capture_states
 from .incremental_restore import seed, states_to_v1
-from .incremental_state import LOG_LAYOUT, META_FORMAT2, META_FORMAT3
+from .incremental_state import LOG_FORMATS, LOG_LAYOUT, META_FORMAT2
 from .two_state import capture_replay, restore_replay
 
 
@@ -54,10 +54,10 @@ def _row_floor(engine: Any, rid: RowIds, v3: bool = False) -> Optional[int]:
         return None  # the engine checks new rows against the newest version only
     meta = from_storable(engine.load(name=REPLAY_META, version=newest.version))
     fmt = meta.get("format")
-    if rid.restored_from == (engine.run, newest.version) and (fmt == META_FORMAT3) == v3:
+    if rid.restored_from == (engine.run, newest.version) and (fmt in LOG_FORMATS) == v3:
         return None
     # ids of another run / version, or the stored rows have other columns (format /1, /2): all anew
-    if fmt == META_FORMAT3:
+    if fmt in LOG_FORMATS:
         rid.floors = {"chunk": int(meta["next_chunk"])}
         return int(meta["next_row_id"])
     if fmt == META_FORMAT2:  # the log's ids start above both of /2's logs' (they were its segments' ids)

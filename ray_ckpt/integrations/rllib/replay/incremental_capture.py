@@ -5,6 +5,7 @@ changed leaves and the meta.
 """
 from __future__ import annotations
 
+import zlib
 from typing import Any, Dict, List, Tuple
 
 import numpy as np
@@ -13,9 +14,10 @@ from ....errors import UnsupportedTypeError
 from ..names import REPLAY, REPLAY_META, log
 from .buffers import _Kind, _attributes, buffer_kind, common_meta, extra_attrs, handled_attrs
 from .episode_parts import LAYOUT, _EpisodeParts, _int32, _split_episode, _table
-from .incremental_priorities import _append_log, _priorities, _priority_scalars
-from .incremental_state import (CHUNK, EPISODES, LOG_LAYOUT, META, META_FORMAT3, STATIC, STATIC_KEYS, Incremental,
-                                _empty_log, _encode, _raw, pack_ids)
+from .incremental_priorities import _priorities, _priority_record, _priority_scalars
+from .incremental_state import (CHUNK, DICT, EPISODES, LOG_LAYOUT, META, META_FORMAT4, PRIORITIES, SAMPLE_LIMITS,
+                                STATIC, STATIC_KEYS, Incremental, _empty_log, _encode, _raw, pack_ids)
+from .records import _decode_raw, sample_of
 from .row_ids import RowIds, _update_ids
 from .values import _type_name
 
@@ -28,7 +30,7 @@ def capture_states(buffer: Any, rid: RowIds) -> Dict[str, Any]:
         raise TypeError("capture_states is for single-agent buffers")
     attrs = _attributes(buffer)
     bname = _type_name(buffer)
-    meta = common_meta(buffer, attrs, bname, META_FORMAT3)
+    meta = common_meta(buffer, attrs, bname, META_FORMAT4)
     meta["module_counters"] = {}
     meta["extra_attrs"] = extra_attrs(attrs, handled_attrs(kind), bname)
     for _ in range(2):
@@ -56,14 +58,38 @@ def _capture(buffer: Any, rid: RowIds, kind: _Kind, bname: str, meta: Dict[str, 
     inc, newly_done = _split_changed(buffer, rid, evicted, bname)
     replay, entries = _new_rows(buffer, rid, inc, kind, full, evicted, bname)
     n = len(replay["row_id"])
-    _append_episodes(inc, newly_done, evicted, bname)
-    if kind.prioritized:
-        _append_log(inc, entries, n)
-    _append_static(inc, meta, rid)
+    newly_done.sort(key=lambda p: p.key)
+    ep_raw = _raw(pack_ids(_table(newly_done, bname))) if newly_done else None
+    prio = _priority_record(inc, entries, n) if kind.prioritized else None
+    static = _static_of(inc, meta, rid)
+    if inc.refresh or not inc.dicts:  # a dictionary first: this save's records are compressed with it
+        provisional = _raw(_packed_meta(buffer, rid, inc, kind, dict(meta), n, bname))
+        _append_dict(inc, [ep_raw or b"", prio[0] if prio else b"", provisional])
+    if ep_raw is not None:
+        first, m = inc.append_raw(EPISODES, ep_raw)
+        inc.batches.append([inc.next_batch, newly_done[-1].key[0], first, m])
+        inc.logged.update(p.key[0] for p in newly_done)
+        inc.next_batch += 1
+    inc.batches = [x for x in inc.batches if x[1] >= evicted]  # all their episodes evicted: they leave
+    if prio is not None:
+        first, m = inc.append_raw(PRIORITIES, prio[0])
+        inc.precs.append([first, m, prio[1]])
+    if static != inc.static_raw or not inc.static:  # the live one leaves the log
+        inc.static = list(inc.append_raw(STATIC, static))
+        inc.static_raw = static
+    rid.spaces.prune()
     inc.keep_rows([(a, m) for _, _, a, m in inc.batches] + [(a, m) for a, m, _ in inc.precs] + [tuple(inc.static)])
     rid.inc = inc
     rid.floors = None
     return replay, _log_state(buffer, rid, inc, kind, meta, n, bname)
+
+
+def _append_dict(inc: Incremental, raws: List[bytes]) -> None:
+    """A dictionary record: a sample of this save's records (see :mod:`.records`)."""
+    first, m = inc.append_raw(DICT, _raw({"sample": sample_of(raws, list(SAMPLE_LIMITS))}))
+    inc.zdict = _decode_raw(inc.log["blob"][-m:], DICT, "the new dictionary record")
+    inc.dicts.append([first, m])
+    inc.refresh = False
 
 
 def _split_changed(buffer: Any, rid: RowIds, evicted: int, bname: str) -> Tuple[Incremental, List[_EpisodeParts]]:
@@ -148,51 +174,47 @@ def _new_rows(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, full: boo
     return {"row_id": ids, **cols, "layout": LAYOUT}, entries
 
 
-def _append_episodes(inc: Incremental, newly_done: List[_EpisodeParts], evicted: int, bname: str) -> None:
-    """An episode batch of the newly done episodes appended to the log; batches whose episodes are
-    all evicted leave it."""
-    newly_done.sort(key=lambda p: p.key)
-    if newly_done:
-        first, m = inc.append(EPISODES, pack_ids(_table(newly_done, bname)))
-        inc.batches.append([inc.next_batch, newly_done[-1].key[0], first, m])
-        inc.logged.update(p.key[0] for p in newly_done)
-        inc.next_batch += 1
-    inc.batches = [x for x in inc.batches if x[1] >= evicted]
-
-
-def _append_static(inc: Incremental, meta: Dict[str, Any], rid: RowIds) -> None:
-    """What seldom changes leaves ``meta``; a static record is appended when it differs from the
-    live one (which then leaves the log)."""
+def _static_of(inc: Incremental, meta: Dict[str, Any], rid: RowIds) -> bytes:
+    """What seldom changes, taken out of ``meta``, as a static record's bytes (a new record is
+    appended only when they differ from the live one's)."""
     static = {k: meta.pop(k, None) for k in STATIC_KEYS}
     static["spaces"] = rid.spaces.table
     static["templates"] = inc.templates
-    raw = _raw(static)
-    if raw != inc.static_raw or not inc.static:
-        inc.static = list(inc.append_raw(STATIC, raw))
-        inc.static_raw = raw
-    rid.spaces.prune()
+    return _raw(static)
 
 
-def _log_state(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, meta: Dict[str, Any], n: int,
-               bname: str) -> Dict[str, Any]:
-    """The ``replay_meta`` state: the log's live records and this save's meta record after them, and
-    in the open (plain scalars) what is read without decoding a record."""
+def _packed_meta(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, meta: Dict[str, Any], n: int,
+                 bname: str) -> Dict[str, Any]:
+    """The meta record's state: counters, generator, metrics, the running episodes, the live records."""
     running = [rid.parts[(k, -1)][1] for k in sorted(inc.open_keys)]
     meta["rows"] = {"next_row_id": int(rid.next_id), "n_rows": int(n), "agent_ids": [], "module_ids": []}
     meta["static"] = list(inc.static)
+    meta["dicts"] = np.array(inc.dicts, np.int64).reshape(len(inc.dicts), 2)
     meta["running"] = _table(running, bname)
     meta["episode_log"] = {"batches": np.array(inc.batches, np.int64).reshape(len(inc.batches), 4),
                            "next_batch": inc.next_batch}
     if kind.prioritized:
         meta["priority"] = _priority_scalars(buffer, inc, bname)
-    packed = {k: v for k, v in meta.items() if k not in ("format", "buffer_type")}
-    blob = _encode(META, _raw(packed))  # not kept in inc.log: a meta record is live in its own version only
+    return {k: v for k, v in meta.items() if k not in ("format", "buffer_type")}
+
+
+def _log_state(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, meta: Dict[str, Any], n: int,
+               bname: str) -> Dict[str, Any]:
+    """The ``replay_meta`` state: the log's live records and this save's meta record after them, and
+    in the open (plain scalars) what is read without decoding a record: where the meta record and
+    the dictionary it is compressed with start."""
+    raw = _raw(_packed_meta(buffer, rid, inc, kind, meta, n, bname))
+    blob = _encode(META, raw, zdict=inc.zdict)  # not kept in inc.log: a meta record is live in its own version only
+    # the dictionary no longer halves the meta record (what the buffer holds changed): a new one next save
+    packed = int.from_bytes(blob[0, :4].tobytes(), "little")
+    inc.refresh = packed > 512 and packed > 0.5 * len(zlib.compress(bytes([META]) + raw, 9))
     meta_at = inc.next_chunk
     ids = np.concatenate([inc.log["row_id"], np.arange(meta_at, meta_at + len(blob), dtype=np.int64)])
     inc.next_chunk += len(blob)
     return {"row_id": ids, "blob": np.concatenate([inc.log["blob"], blob]), "layout": LOG_LAYOUT,
-            "format": META_FORMAT3, "buffer_type": bname, "n_rows": int(n), "next_row_id": int(rid.next_id),
-            "next_chunk": int(inc.next_chunk), "meta_at": int(meta_at), "chunk": CHUNK}
+            "format": META_FORMAT4, "buffer_type": bname, "n_rows": int(n), "next_row_id": int(rid.next_id),
+            "next_chunk": int(inc.next_chunk), "meta_at": int(meta_at), "dict_at": int(inc.dicts[-1][0]),
+            "dict_rows": int(inc.dicts[-1][1]), "refresh": bool(inc.refresh), "chunk": CHUNK}
 
 
 def _gather(new_keys: np.ndarray, parts: Dict[Tuple[int, int], Any], inc: Incremental,

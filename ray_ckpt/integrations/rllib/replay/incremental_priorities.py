@@ -6,13 +6,13 @@ they outgrow the buffer.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ....errors import UnsupportedTypeError
 from ..names import log
-from .incremental_state import PRIORITIES, Incremental, _leaf_codes
+from .incremental_state import Incremental, _leaf_codes, _raw
 from .segment_trees import _check_maps, _check_neutral, _free_nodes_state
 from .values import _pack_one
 
@@ -124,10 +124,12 @@ def _entries(rows: np.ndarray, which: int, v: np.ndarray, k: np.ndarray) -> Dict
             "v": v.astype(np.float64), "k": k.astype(np.int8)}
 
 
-def _append_log(inc: Incremental, entries: List[Dict[str, np.ndarray]], n_rows: int) -> None:
-    """This save's changed leaves as a priority record; when the live records would hold more than
-    COMPACT_FACTOR entries per row, one record of the rows whose leaves are not their ``prio``
-    replaces them all."""
+def _priority_record(inc: Incremental, entries: List[Dict[str, np.ndarray]], n_rows: int
+                     ) -> Optional[Tuple[bytes, int]]:
+    """This save's changed leaves as a priority record's bytes and its entry count (None: no change);
+    when the live records would hold more than COMPACT_FACTOR entries per row, one record of the rows
+    whose leaves are not their ``prio`` replaces them all (``inc.precs`` is emptied: the caller
+    appends the record)."""
     m = sum(len(e["row"]) for e in entries)
     if inc.log_entries + m > COMPACT_FACTOR * n_rows + COMPACT_MIN:
         sv, sk, mv, mk = (inc.leaves[k] for k in ("sv", "sk", "mv", "mk"))
@@ -143,13 +145,12 @@ def _append_log(inc: Incremental, entries: List[Dict[str, np.ndarray]], n_rows: 
         inc.precs = []
         m = sum(len(e["row"]) for e in entries)
     if not m:
-        return
+        return None
     add = {k: np.concatenate([e[k] for e in entries]) for k in ("row", "which", "v", "k")}
     # in row order (small differences): a row has one entry per tree in a record, so order within it
     # does not change which entry is a tree's last
     order = np.argsort(add["row"], kind="stable")
-    first, rows = inc.append(PRIORITIES, _pack_entries({k: v[order] for k, v in add.items()}))
-    inc.precs.append([first, rows, m])
+    return _raw(_pack_entries({k: v[order] for k, v in add.items()})), m
 
 
 def _pack_entries(e: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:

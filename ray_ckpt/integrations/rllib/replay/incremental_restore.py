@@ -4,7 +4,7 @@ takes, and the caches seeded after the restore so the next save goes on appendin
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -14,36 +14,51 @@ from ..names import REPLAY, REPLAY_META
 from .buffers import META_FORMAT
 from .episode_parts import _EpisodeParts, _parts_from_table, _table
 from .incremental_priorities import _hook, unpack_entries
-from .incremental_state import (EPISODES, KINDS, LOG_LAYOUT, META, META_FORMAT2, META_FORMAT3, PRIORITIES, STATIC,
-                                Incremental, _decode, _raw, unpack_ids)
+from .incremental_state import (DICT, EPISODES, KINDS, LOG_FORMATS, LOG_LAYOUT, META, META_FORMAT2, META_FORMAT3,
+                                PRIORITIES, STATIC, Incremental, _raw, unpack_ids)
+from .records import _decode, _decode_raw, dict_id
 from .row_ids import RowIds
 from .values import _Spaces
 
 
-def read_log(log: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
-    """(the meta record's state, the log's rows before it) of a ``replay_meta`` log, checked."""
+def read_log(log: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, np.ndarray], Dict[int, bytes]]:
+    """(the meta record's state, the log's rows before it, the live dictionaries by id) of a
+    ``replay_meta`` log, checked."""
     fmt = log.get("format") if isinstance(log, dict) else None
     if fmt == META_FORMAT2:
         raise RestoreError(f"replay_meta has format {META_FORMAT2!r} (four replay states, written by an earlier "
-                           f"ray_ckpt): this version reads {META_FORMAT3!r} only")
-    if fmt != META_FORMAT3 or log.get("layout") != LOG_LAYOUT:
-        raise RestoreError(f"replay_meta has format {fmt!r}, expected {META_FORMAT3!r}")
+                           f"ray_ckpt): this version reads {' and '.join(map(repr, LOG_FORMATS))} only")
+    if fmt not in LOG_FORMATS or log.get("layout") != LOG_LAYOUT:
+        raise RestoreError(f"replay_meta has format {fmt!r}, expected one of {LOG_FORMATS!r}")
     ids = np.asarray(log["row_id"], np.int64)
     blob = np.asarray(log["blob"], np.uint8)
     at = int(np.searchsorted(ids, int(log["meta_at"])))
     if at >= len(ids) or ids[at] != int(log["meta_at"]) or int(ids[-1] - ids[at]) != len(ids) - 1 - at:
         raise RestoreError(f"replay_meta: the meta record at row {log['meta_at']} is not the log's last rows")
-    meta = _decode(blob[at:], META, "replay_meta meta record")
+    rows = {"row_id": ids[:at], "blob": blob[:at]}
+    dicts: Dict[int, bytes] = {}
+    if fmt != META_FORMAT3:  # the meta record is compressed with the newest dictionary, named in the open
+        _dictionary(rows, int(log["dict_at"]), int(log["dict_rows"]), dicts)
+    meta = _decode(blob[at:], META, "replay_meta meta record", dicts)
+    for first, m in np.asarray(meta.get("dicts", np.empty((0, 2))), np.int64).reshape(-1, 2).tolist():
+        _dictionary(rows, first, m, dicts)
     meta["format"], meta["buffer_type"] = fmt, str(log["buffer_type"])
-    return meta, {"row_id": ids[:at], "blob": blob[:at]}
+    return meta, rows, dicts
 
 
-def _record(rows: Dict[str, np.ndarray], first: int, m: int, kind: int, where: str) -> Any:
+def _dictionary(rows: Dict[str, np.ndarray], first: int, m: int, dicts: Dict[int, bytes]) -> bytes:
+    raw = _record(rows, first, m, DICT, f"replay_meta dictionary record at {first}", raw=True)
+    dicts[dict_id(raw)] = raw
+    return raw
+
+
+def _record(rows: Dict[str, np.ndarray], first: int, m: int, kind: int, where: str,
+            dicts: Optional[Dict[int, bytes]] = None, raw: bool = False) -> Any:
     ids = rows["row_id"]
     a = int(np.searchsorted(ids, first))
     if a + m > len(ids) or ids[a] != first or ids[a + m - 1] != first + m - 1:
         raise RestoreError(f"{where}: rows {first}..{first + m - 1} are not all in the log")
-    return _decode(rows["blob"][a:a + m], kind, where)
+    return (_decode_raw if raw else _decode)(rows["blob"][a:a + m], kind, where, dicts)
 
 
 def states_to_v1(states: Dict[str, Any], *, seed: bool = True):
@@ -51,9 +66,9 @@ def states_to_v1(states: Dict[str, Any], *, seed: bool = True):
     the two states, and (``seed``) what :func:`seed` needs to continue the log."""
     replay = dict(states[REPLAY])
     log = from_storable(states[REPLAY_META])
-    meta, rows = read_log(log)
+    meta, rows, dicts = read_log(log)
     static_at = [int(x) for x in meta.pop("static")]
-    static = _record(rows, *static_at, STATIC, "replay_meta static record")
+    static = _record(rows, *static_at, STATIC, "replay_meta static record", dicts)
     static_raw = _raw(static)  # what the next capture compares its own with (equal: no new record)
     meta["rows"]["templates"] = static.pop("templates")
     meta.update(static)
@@ -63,7 +78,7 @@ def states_to_v1(states: Dict[str, Any], *, seed: bool = True):
     batches = np.asarray(meta["episode_log"]["batches"], np.int64).reshape(-1, 4)
     parts: List[_EpisodeParts] = []
     for b, _, first, m in batches.tolist():
-        table = unpack_ids(_record(rows, first, m, EPISODES, f"replay_meta episode batch {b}"))
+        table = unpack_ids(_record(rows, first, m, EPISODES, f"replay_meta episode batch {b}", dicts))
         parts += [p for p in _parts_from_table(table, templates, True) if p.key[0] >= evicted]
     running = _parts_from_table(meta["running"], templates, False)
     logged = {p.key[0] for p in parts}
@@ -76,7 +91,8 @@ def states_to_v1(states: Dict[str, Any], *, seed: bool = True):
     leaves = None
     if "priority" in meta:
         recs = np.asarray(meta["priority"]["records"], np.int64).reshape(-1, 3)
-        entries = [unpack_entries(_record(rows, first, m, PRIORITIES, f"replay_meta priority record at {first}"))
+        entries = [unpack_entries(_record(rows, first, m, PRIORITIES, f"replay_meta priority record at {first}",
+                                            dicts))
                    for first, m, _ in recs.tolist()]
         leaves = final_leaves(stored_replay, entries)
         pr = dict(meta["priority"])
@@ -90,7 +106,16 @@ def states_to_v1(states: Dict[str, Any], *, seed: bool = True):
         return replay, v1, None
     return replay, v1, {"replay": stored_replay, "meta": meta, "log": rows, "leaves": leaves,
                         "next_chunk": int(log["next_chunk"]), "static": (static_at, static_raw),
-                        "logged": logged, "running": {p.key[0] for p in running}}
+                        "logged": logged, "running": {p.key[0] for p in running},
+                        "dicts": np.asarray(meta.get("dicts", np.empty((0, 2))), np.int64).reshape(-1, 2).tolist(),
+                        "zdict": _newest_dict(log, rows), "refresh": bool(log.get("refresh", False))}
+
+
+def _newest_dict(log: Dict[str, Any], rows: Dict[str, np.ndarray]) -> bytes:
+    """The dictionary the log's newest records are compressed with (none in format /3)."""
+    if "dict_at" not in log:
+        return b""
+    return _record(rows, int(log["dict_at"]), int(log["dict_rows"]), DICT, "replay_meta dictionary record", raw=True)
 
 
 def final_leaves(replay: Dict[str, Any], entries: List[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
@@ -150,6 +175,8 @@ def seed(rid: RowIds, s: Dict[str, Any], buffer: Any) -> None:
     inc.batches = [list(map(int, x)) for x in np.asarray(el["batches"], np.int64).reshape(-1, 4).tolist()]
     inc.next_chunk, inc.next_batch = int(s["next_chunk"]), int(el["next_batch"])
     inc.static, inc.static_raw = list(s["static"][0]), s["static"][1]
+    inc.dicts = [list(map(int, d)) for d in s["dicts"]]
+    inc.zdict, inc.refresh = s["zdict"], s["refresh"]
     if s["leaves"] is not None:
         inc.precs = [list(map(int, x)) for x in np.asarray(meta["priority"]["records"], np.int64).reshape(-1, 3)]
         inc.leaves = {k: np.array(v) for k, v in s["leaves"].items()}

@@ -44,23 +44,24 @@ package) is not read. Multi-agent buffers are saved in format /1 (:mod:`.multi_a
 """
 from __future__ import annotations
 
-import json
 import operator
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
-from ....errors import RestoreError, UnsupportedTypeError
+from ....errors import UnsupportedTypeError
+from .records import CHUNK, _encode, _raw
 from .values import _kind_of, _type_name
 
 META_FORMAT2 = "ray_ckpt.rllib.replay/2"  # four states; no longer read (its name is recognised)
-META_FORMAT3 = "ray_ckpt.rllib.replay/3"
+META_FORMAT3 = "ray_ckpt.rllib.replay/3"  # records without a dictionary: read, no longer written
+META_FORMAT4 = "ray_ckpt.rllib.replay/4"
+LOG_FORMATS = (META_FORMAT3, META_FORMAT4)
 LOG_LAYOUT = "rllib_replay_log/1"
-CHUNK = 256  # bytes of a record per row of the ``replay_meta`` log
 # the record kinds, as the first byte of a record's payload
-EPISODES, PRIORITIES, META, STATIC = 1, 2, 3, 4
+EPISODES, PRIORITIES, META, STATIC, DICT = 1, 2, 3, 4, 5
+SAMPLE_LIMITS = (16384, 4096, 12288)  # a dictionary's sample: bytes of the episode batch, priorities, meta
 STATIC_KEYS = ("config", "spaces", "extra_attrs", "module_counters")  # with the templates: a STATIC record
 KINDS = ("float", "np:<f8", "np:<f4", "int", "np:<f2", "bool")  # a tree leaf's exact type, by code
 _CODE = {k: i for i, k in enumerate(KINDS)}
@@ -88,6 +89,9 @@ class Incremental:
     precs: List[List[int]] = field(default_factory=list)  # live priority records: [first row, rows, entries]
     static: List[int] = field(default_factory=list)  # the live static record: [first row, rows]
     static_raw: bytes = b""                           # its bytes before compression
+    dicts: List[List[int]] = field(default_factory=list)  # live dictionary records [first row, rows], oldest first
+    zdict: bytes = b""                                # the newest one's bytes: what records are compressed with
+    refresh: bool = False                             # the next save writes a new dictionary
     touched: List[List[int]] = field(default_factory=list)
     trees: Tuple[Any, ...] = ()
 
@@ -101,7 +105,8 @@ class Incremental:
         return self.append_raw(kind, _raw(state))
 
     def append_raw(self, kind: int, raw: bytes) -> Tuple[int, int]:
-        blob = _encode(kind, raw)
+        """Append a record (compressed with the newest dictionary; a dictionary record without one)."""
+        blob = _encode(kind, raw, zdict=None if kind == DICT else (self.zdict or None))
         m = len(blob)
         first = self.next_chunk
         add = {"row_id": np.arange(first, first + m, dtype=np.int64), "blob": blob}
@@ -110,7 +115,16 @@ class Incremental:
         return first, m
 
     def keep_rows(self, spans: List[Tuple[int, int]]) -> None:
-        """Keep only the log rows inside the [first, first + rows) spans (the live records)."""
+        """Keep only the log rows inside the [first, first + rows) spans (the live records) and the
+        dictionaries they were compressed with: a record's is the newest dictionary before it."""
+        starts = [d[0] for d in self.dicts]
+        used = {len(self.dicts) - 1}
+        for first, _ in spans:
+            i = int(np.searchsorted(starts, first)) - 1
+            if i >= 0:
+                used.add(i)
+        self.dicts = [d for i, d in enumerate(self.dicts) if i in used]
+        spans = list(spans) + [tuple(d) for d in self.dicts]
         ids = self.log["row_id"]
         alive = np.zeros(len(ids), bool)
         for first, m in spans:
@@ -165,65 +179,3 @@ def _leaf_codes(tree: Any, tidx: np.ndarray, what: str) -> Tuple[np.ndarray, np.
                                            f"(stored: {', '.join(KINDS)})") from None
         codes[i] = c
     return np.array(vals, np.float64), codes
-
-
-def _raw(state: Any) -> bytes:
-    """A nested state as bytes: a 4-byte length, the JSON of ray_ckpt's structure of it and of its
-    arrays' byte lengths, then the arrays' bytes. Not a safetensors file: its header names, types
-    and places every array again beside the structure (an episode table has ~90 small arrays: the
-    header was two thirds of a record's compressed bytes)."""
-    from ....formats.flat import pieces_of
-    from ....formats.nodes import structure_to_json
-    from ....formats.tree import flatten
-    flat = flatten(state, state_name="replay_meta")
-    if flat.tables:
-        raise UnsupportedTypeError("replay buffer: an Arrow table in the replay meta is not supported")
-    body = [bytes(p) for a in flat.arrays for p in pieces_of(a)]
-    head = structure_to_json({"s": flat.structure, "n": [int(a.nbytes) for a in flat.arrays]}).encode()
-    return b"".join([len(head).to_bytes(4, "little"), head] + body)
-
-
-def _unraw(data: bytes, where: str) -> Any:
-    """The state of :func:`_raw`'s bytes (RestoreError naming ``where`` for anything else)."""
-    from ....formats.tree import unflatten
-    try:
-        n = int.from_bytes(data[:4], "little")
-        head = json.loads(data[4:4 + n])
-        sizes = [int(x) for x in head["n"]]
-        if any(x < 0 for x in sizes) or 4 + n + sum(sizes) != len(data):
-            raise ValueError(f"{len(data) - 4 - n} bytes of arrays, the header says {sum(sizes)}")
-        views, at = [], 4 + n
-        for x in sizes:
-            views.append(bytearray(data[at:at + x]))
-            at += x
-        return unflatten(head["s"], views, [])
-    except RestoreError:
-        raise
-    except Exception as exc:  # a damaged record: its verified file holds other bytes than written
-        raise RestoreError(f"{where}: not a replay log record ({type(exc).__name__}: {exc})") from None
-
-
-def _encode(kind: int, raw: bytes, width: int = CHUNK) -> np.ndarray:
-    """A record as rows of ``width`` bytes: a 4-byte length, then the kind byte and ``raw`` (a state's
-    :func:`_raw` bytes), zlib-compressed (an episode table and the meta are mostly structure JSON:
-    they compress ~5x)."""
-    packed = zlib.compress(bytes([kind]) + raw, 9)
-    raw = len(packed).to_bytes(4, "little") + packed
-    raw += b"\0" * (-len(raw) % width)
-    return np.frombuffer(raw, np.uint8).reshape(-1, width)
-
-
-def _decode(rows: np.ndarray, kind: int, where: str) -> Any:
-    """The state of a record (its rows, in order), checked to be of ``kind``."""
-    rows = np.asarray(rows, np.uint8)
-    raw = np.ascontiguousarray(rows).reshape(-1).tobytes()
-    n = int.from_bytes(raw[:4], "little")
-    if not 0 <= len(raw) - 4 - n < rows.shape[-1]:  # its rows, no fewer and no more
-        raise RestoreError(f"{where}: says {n} bytes but has {len(raw) - 4}")
-    try:
-        data = zlib.decompress(raw[4:4 + n])
-    except zlib.error as exc:
-        raise RestoreError(f"{where}: {exc}") from None
-    if not data or data[0] != kind:
-        raise RestoreError(f"{where}: a record of kind {data[:1].hex() or 'none'}, expected {kind}")
-    return _unraw(data[1:], where)
