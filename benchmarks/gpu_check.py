@@ -6,10 +6,14 @@ checkpointing (goal >= 0.98x).
     python benchmarks/gpu_check.py                      # 4 GB bf16, 200 ms step, a save every 2 s
     python benchmarks/gpu_check.py --device cpu --gb 0.06 --steps 12   # dry run of the script itself
     python benchmarks/gpu_check.py --only verl --device cpu --verl-hidden 128 --verl-layers 2   # verl step, dry run
+    python benchmarks/gpu_check.py --only deepspeed --device cpu --ds-hidden 128 --ds-layers 2   # DeepSpeed, dry run
 
 The verl step (issue 28; needs the verl extra): verl's FSDP2 wrapping of a Qwen2 (~1.6 GB with AdamW
 at the default size) saved by ``RayCkptCheckpointManager`` and by verl's ``FSDPCheckpointManager``,
-reloaded by ours, bit-equal checked.
+reloaded by ours, bit-equal checked. The DeepSpeed step (issue 30; needs the openrlhf extra and
+``pip install --no-deps openrlhf``): OpenRLHF's strategy on one rank at ZeRO-2 (a Qwen2 of ~1.6 GB
+of fp32 masters, Adam moments and bf16 weights at the default size), ``save_ckpt`` of
+``RayCkptDeepspeedStrategy`` against the stock one, reloaded by ours, bit-equal checked.
 
 Without CUDA it prints why and exits with status 2, measuring nothing (the build VM has no GPU: the
 CUDA path of the overlapped copy — pinned host buffers reused across saves, a side stream, the
@@ -195,6 +199,106 @@ def verl_step(device: str, hidden: int, layers: int) -> None:
         sys.exit(1)
 
 
+def deepspeed_step(device: str, hidden: int, layers: int, stage: int) -> None:
+    """OpenRLHF's ``DeepspeedStrategy`` (one rank: NCCL on CUDA, gloo on CPU) with a Qwen2 at ZeRO
+    ``stage``: ``save_ckpt`` of ``RayCkptDeepspeedStrategy`` against the stock one (how long each
+    blocks the rank, the time to a durable version), then ``load_ckpt`` of ours into a model of
+    another seed and whether the fp32 masters, both Adam moments and the 16-bit weights came back
+    bit-equal (gathered with DeepSpeed's own calls). Torch's AdamW (``torch_adam``) on both, so that
+    nothing is compiled on the machine."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.startswith("cuda") else "cpu")
+    from ray_ckpt.integrations.openrlhf import cpu
+
+    cpu.prepare()  # flash_attn stubbed where it is not installed; the CPU-only parts only without CUDA
+    from types import SimpleNamespace as NS
+
+    from deepspeed.runtime.zero import GatheredParameters
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from openrlhf.utils.deepspeed import DeepspeedStrategy
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from ray_ckpt.integrations.openrlhf import RayCkptDeepspeedStrategy
+
+    root = tempfile.mkdtemp(prefix="gpu-check-ds-")
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    cfg = Qwen2Config(vocab_size=32000, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=max(1, hidden // 128), num_key_value_heads=max(1, hidden // 256),
+                      max_position_embeddings=256, tie_word_embeddings=False, attn_implementation="eager")
+    optim = {"optim": "adam", "adam": {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01},
+             "lr_scheduler": "cosine_with_min_lr", "lr_warmup_ratio": 0.1, "scheduler_steps": 20, "max_norm": 1.0}
+    run = f"gpuds{int(time.time()) % 10**6}"
+
+    def build(cls, seed, ray_ckpt=None):
+        args = NS(local_rank=-1, ds=NS(param_dtype="bf16"), train=NS(dynamic_batch_enable=False))
+        if ray_ckpt is not None:
+            args.ray_ckpt = NS(**ray_ckpt)
+        strategy = cpu.torch_adam(cls)(seed=seed, micro_train_batch_size=1, train_batch_size=1, zero_stage=stage,
+                                       args=args)
+        if device.startswith("cuda"):
+            strategy.setup_distributed()
+        else:
+            cpu.setup_distributed(strategy, 0, 1, 29533)
+        torch.manual_seed(seed)
+        model, opt, sched = strategy.prepare((AutoModelForCausalLM.from_config(cfg), dict(optim)))
+        tokens = torch.randint(0, cfg.vocab_size, (1, 64), generator=torch.Generator().manual_seed(seed))
+        tokens = tokens.to(torch.cuda.current_device() if device.startswith("cuda") else "cpu")
+        strategy.backward(model(input_ids=tokens, labels=tokens).loss, model, opt)
+        strategy.optimizer_step(opt, model, sched)
+        return strategy, model
+
+    def full(model):
+        opt = model.optimizer
+        if hasattr(opt, "_hp_optimizer_states_linked"):  # ZeRO-1/2 link the moments lazily
+            opt._hp_optimizer_states_linked = False
+            opt._lazy_init_hp_params_optimizer_state()
+        out = {}
+        for name, p in model.module.named_parameters():
+            out[f"fp32/{name}"] = safe_get_full_fp32_param(p).cpu().clone()
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"{key}/{name}"] = safe_get_full_optimizer_state(p, key).cpu().clone()
+            with GatheredParameters([p]):
+                out[f"lp/{name}"] = p.data.detach().cpu().clone()
+        return out
+
+    settings = {"run": run, "local_dir": os.path.join(root, "ckpt"), "critical_writers": 1, "best_effort_writers": 0}
+    ours, model = build(RayCkptDeepspeedStrategy, 0, settings)
+    nbytes = sum(getattr(p, "ds_numel", p.numel()) for p in model.module.parameters()) * (4 * 3 + 2)
+    ours.save_ckpt(model, os.path.join(root, "ours"), "global_step1")  # creates the run: not timed
+    ours.wait_until_finished(timeout=600)
+    t0 = time.perf_counter()
+    ours.save_ckpt(model, os.path.join(root, "ours"), "global_step2")
+    block = time.perf_counter() - t0
+    ours.wait_until_finished(timeout=600)
+    durable = time.perf_counter() - t0
+    stock = DeepspeedStrategy.__new__(DeepspeedStrategy)  # the stock save_ckpt on the same engine
+    stock.__dict__.update({k: v for k, v in ours.__dict__.items() if not k.startswith("_")})
+    t0 = time.perf_counter()
+    DeepspeedStrategy.save_ckpt(stock, model, os.path.join(root, "stock"), "global_step2")
+    stock_s = time.perf_counter() - t0
+    want = full(model)
+    fresh_strategy, fresh = build(RayCkptDeepspeedStrategy, 1, settings)
+    t0 = time.perf_counter()
+    fresh_strategy.load_ckpt(fresh, os.path.join(root, "ours"))
+    load_s = time.perf_counter() - t0
+    got = full(fresh)
+    same = want.keys() == got.keys() and all(torch.equal(want[k].view(torch.uint8), got[k].view(torch.uint8))
+                                             for k in want)
+    print(f"deepspeed step on {device}: ZeRO-{stage}, Qwen2 hidden {hidden} x {layers} layers, "
+          f"{nbytes / 2**30:.2f} GiB (fp32 masters + Adam moments + bf16 weights)")
+    print("| what | ray_ckpt | OpenRLHF stock save_ckpt | ratio |")
+    print(f"| save_ckpt blocks the rank, s | {block:.3f} | {stock_s:.3f} | {block / stock_s:.3f}x |")
+    print(f"| save to a durable version, s | {durable:.3f} | {stock_s:.3f} (no fsync) | {durable / stock_s:.3f}x |")
+    print(f"| load_ckpt (same world size), s | {load_s:.3f} | - | - |")
+    print(f"bit-equal after load (fp32 masters, Adam moments, 16-bit weights): {'yes' if same else 'NO'}")
+    fresh_strategy.wait_until_finished(timeout=60)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    shutil.rmtree(root, ignore_errors=True)
+    if not same:
+        sys.exit(1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, default=4.0)
@@ -202,9 +306,12 @@ def main():
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--every-s", type=float, default=2.0)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--only", choices=("overlap", "verl"), help="run one of the two steps (default: both)")
+    ap.add_argument("--only", choices=("overlap", "verl", "deepspeed"), help="run one step (default: all three)")
     ap.add_argument("--verl-hidden", type=int, default=2048, help="verl step: Qwen2 hidden size")
     ap.add_argument("--verl-layers", type=int, default=16, help="verl step: Qwen2 layers")
+    ap.add_argument("--ds-hidden", type=int, default=2048, help="deepspeed step: Qwen2 hidden size")
+    ap.add_argument("--ds-layers", type=int, default=8, help="deepspeed step: Qwen2 layers")
+    ap.add_argument("--ds-stage", type=int, default=2, choices=(1, 2, 3), help="deepspeed step: ZeRO stage")
     args = ap.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here (torch.cuda.is_available() is False, torch "
@@ -212,9 +319,11 @@ def main():
               "`--device cpu --gb 0.06` is a dry run of the script.", file=sys.stderr)
         sys.exit(2)
     ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "4"}})
-    if args.only != "overlap":
+    if args.only in (None, "verl"):
         verl_step(args.device, args.verl_hidden, args.verl_layers)
-    if args.only == "verl":
+    if args.only in (None, "deepspeed"):
+        deepspeed_step(args.device, args.ds_hidden, args.ds_layers, args.ds_stage)
+    if args.only in ("verl", "deepspeed"):
         ray.shutdown()
         return
     gpus = 1 if args.device.startswith("cuda") else 0
