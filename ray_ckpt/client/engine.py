@@ -135,18 +135,16 @@ class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes):
         return cls(coord, _ask(run, coord.config.remote(), "its configuration", timeout))
 
     def shutdown(self, timeout: float = 60.0, *, stop_coordinator: Optional[bool] = None) -> None:
-        """Stop the coordinator; its writers, which it owns, stop with it (and its peer replica
-        holders, which it does not own, are stopped too). The engine that created the
-        run (``create()``) stops it; an engine from ``connect()`` (a rank, a tool) only detaches, so
-        that a rank closing its engine does not stop checkpointing for the whole run, unless
-        ``stop_coordinator=True`` (e.g. to stop a detached coordinator whose driver is gone).
-
-        Stopping first waits, at most
-        ``timeout`` seconds, for the saves, retention deletions and uploads in progress to end, so
-        that nothing still writes or deletes files once this returns; what did not end by then is
-        logged as a warning and abandoned (a version whose commit did not happen is never listed).
-        Committed checkpoints stay in storage. Calling it again does nothing; this engine's other
-        methods raise ``CheckpointError`` afterwards."""
+        """Stop the coordinator; its writers (which it owns) and its peer replica holders stop too.
+        The engine that created the run (``create()``) stops it; an engine from ``connect()`` (a
+        rank, a tool) only detaches, so that a rank closing its engine does not stop checkpointing
+        for the whole run, unless ``stop_coordinator=True`` (e.g. a detached coordinator whose
+        driver is gone). Stopping first waits, at most ``timeout`` seconds, for the saves,
+        retention deletions and uploads in progress, so that nothing still writes or deletes files
+        once this returns; what did not end by then is logged as a warning and abandoned (a version
+        whose commit did not happen is never listed). Committed checkpoints stay in storage.
+        Calling it again does nothing; this engine's other methods raise ``CheckpointError``
+        afterwards."""
         if self._closed:
             return
         self._closed = True
