@@ -1,4 +1,11 @@
-"""Buffers (Arrow tables) as Arrow IPC files: columnar, memory-mappable, readable by any Arrow tool."""
+"""Buffers (Arrow tables) as Arrow IPC files: columnar, memory-mappable, readable by any Arrow tool.
+
+A table whose schema metadata says it is an append-only buffer's segment (:data:`SEGMENT_FORMAT`)
+is written in Arrow's IPC *stream* format instead (``pa.ipc.open_stream`` reads it): the file
+format writes the schema twice (at the start and in the footer), and a segment that holds one
+save's few hundred rows is small enough for that to be a tenth of its bytes. Segments are read
+whole and in order, so the footer's random access is not needed. :func:`open_validated` reads both.
+"""
 from __future__ import annotations
 
 from typing import Any, List, Optional
@@ -7,10 +14,19 @@ import pyarrow as pa
 
 from ..errors import IntegrityError
 
+FORMAT_KEY = b"ray_ckpt.format"
+SEGMENT_FORMAT = b"segment/1"  # buffer_io's buffer, as one segment of an append-only state
+_FILE_MAGIC = b"ARROW1"
+
+
+def is_segment(schema: pa.Schema) -> bool:
+    return (schema.metadata or {}).get(FORMAT_KEY) == SEGMENT_FORMAT
+
 
 def write(table: pa.Table, sink: Any, compression: Optional[str] = None) -> None:
     opts = pa.ipc.IpcWriteOptions(compression=compression)
-    with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), table.schema, options=opts) as w:
+    new = pa.ipc.new_stream if is_segment(table.schema) else pa.ipc.new_file
+    with new(pa.PythonFile(sink, mode="w"), table.schema, options=opts) as w:
         w.write_table(table)
 
 
@@ -52,9 +68,12 @@ def read(buf: Any, *, path: str = "<table>") -> pa.Table:
 
 
 def open_validated(buf: Any) -> pa.Table:
-    """``pa.ipc.open_file(buf).read_all()`` followed by ``table.validate(full=True)``: every
-    buffer, offset and length checked, so a crafted file is an error here, not a wild read later.
-    Raises pyarrow's own errors (the caller names the file)."""
-    table = pa.ipc.open_file(pa.py_buffer(buf)).read_all()
+    """``pa.ipc.open_file(buf).read_all()`` (``open_stream`` for a stream: no file magic at the
+    start) followed by ``table.validate(full=True)``: every buffer, offset and length checked, so a
+    crafted file is an error here, not a wild read later. Raises pyarrow's own errors (the caller
+    names the file)."""
+    data = pa.py_buffer(buf)
+    stream = data.size < len(_FILE_MAGIC) or data[:len(_FILE_MAGIC)].to_pybytes() != _FILE_MAGIC
+    table = (pa.ipc.open_stream if stream else pa.ipc.open_file)(data).read_all()
     table.validate(full=True)
     return table

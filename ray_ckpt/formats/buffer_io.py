@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from ..errors import IntegrityError
 from . import safetensors_io
-from .arrow_io import open_validated
+from .arrow_io import SEGMENT_FORMAT, open_validated
 from .flat import Flat, pieces_of
 from .nodes import structure_to_json
 
@@ -116,7 +116,7 @@ def read(buf: Any, *, path: str = "<buffer>") -> Tuple[Any, List[Any], List[pa.T
     try:
         table = open_validated(buf)  # validated in full: offsets and lengths inside the file
         meta = table.schema.metadata or {}
-        if meta.get(FORMAT_KEY) != FORMAT_VERSION:
+        if meta.get(FORMAT_KEY) not in (FORMAT_VERSION, SEGMENT_FORMAT):
             raise ValueError(f"no {FORMAT_KEY.decode()}={FORMAT_VERSION.decode()} in its schema metadata")
         structure = json.loads(meta[STRUCTURE_KEY])
         if isinstance(structure, dict) and structure.get("A") == 0:  # the state is this table

@@ -19,7 +19,7 @@ segment with the rows whose ``row_id`` is above the newest stored one (none if n
 added), and ``rank<r>.index.json``: the buffer's structure (its scalars and column types, with the
 live row count), the live ``row_id`` s as ranges, and the segments in order with their ``row_id``
 bounds (a JSON object whose fields are compressed: :meth:`SegmentIndex.to_json`; a segment file's
-own schema metadata holds only its columns). Every file is in the manifest with its checksum; the reader reads and verifies them all,
+own schema metadata holds only its columns, and it is an Arrow IPC stream: the schema once). Every file is in the manifest with its checksum; the reader reads and verifies them all,
 concatenates the segments, keeps the live rows and checks that exactly the indexed rows came back.
 
 This module knows nothing of storage or Ray: the writer and the reader (``checkpoint_io``) call it.
@@ -36,6 +36,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import IntegrityError
+from .arrow_io import SEGMENT_FORMAT
 from .buffer_io import FORMAT_KEY, STRUCTURE_KEY, _columns
 from .flat import Flat, pieces_of
 from .nodes import structure_to_json
@@ -209,13 +210,14 @@ def segment_table(table: pa.Table, start: int) -> pa.Table:
     """Rows ``start:`` of a buffer's table as a buffer file of their own (zero-copy slice). Its schema
     metadata is the least ``buffer_io.read`` needs: the format and the columns' structure with the
     segment's row count, as compact JSON. The buffer's scalars and leaf names are left to the index,
-    which holds them once (an Arrow file carries its schema twice, and a version's segment may hold
-    only a few rows: per-file metadata was a large part of its bytes)."""
+    which holds them once (a version's segment may hold only a few rows: per-file metadata was a
+    large part of its bytes). Its format, :data:`.arrow_io.SEGMENT_FORMAT`, has it written as an
+    Arrow IPC stream (the schema once, no footer)."""
     seg = table.slice(start)
     meta = dict(table.schema.metadata or {})
     structure = _with_rows(json.loads(meta[STRUCTURE_KEY]), seg.num_rows)
     structure["d"] = [[k, node] for k, node in structure["d"] if isinstance(node, dict) and "N" in node]
-    own = {FORMAT_KEY: meta[FORMAT_KEY], STRUCTURE_KEY: json.dumps(structure, separators=(",", ":")).encode()}
+    own = {FORMAT_KEY: SEGMENT_FORMAT, STRUCTURE_KEY: json.dumps(structure, separators=(",", ":")).encode()}
     return seg.replace_schema_metadata(own)
 
 
