@@ -14,10 +14,10 @@ of per-episode arrays (thousands of small leaves), the prioritized trees as Pyth
 and gym spaces. So the buffer is read attribute by attribute: every attribute of the instance must
 be one this package knows (or a plain JSON/numpy value, kept under ``extra_attrs``).
 
-Single-agent buffers are saved incrementally in format /3 (:mod:`.incremental_state`: the rows
-below, and ``replay_meta`` as an append-only log of compressed records -- the episodes that ended,
-the priorities that changed, the meta -- so a save converts and writes only what changed, in two
-files and two small indexes); a restore turns those back into the two-state form below and restores
+Single-agent buffers are saved incrementally in format /4 (:mod:`.incremental_state`: the rows
+below, and ``replay_meta`` as an append-only log of records compressed against a dictionary record
+-- the episodes that ended, the priorities that changed, the meta -- so a save converts and writes
+only what changed, in two files and two small indexes); a restore turns those back into the two-state form below and restores
 that. Multi-agent buffers are saved in the two-state form itself (format /1: rows append-only,
 ``replay_meta`` whole).
 
@@ -126,10 +126,11 @@ Modules, lowest first (each imports only modules above it in this list; none imp
 ``segment_trees``          sum/min segment trees and free-node deques <-> their row leaves
 ``priorities``             the priority part of format /1's meta, and the trees restored from it
 ``multi_agent``            multi-agent buffers captured in format /1; their episodes rebuilt
-``incremental_state``      format /3: its names and tags, the per-buffer cache, the log's records
-``incremental_priorities`` format /3, prioritized: ``prio`` columns and the priority records
-``incremental_capture``    format /3: a single-agent buffer's capture (only what changed)
-``incremental_restore``    format /3 -> format /1's two states; the caches seeded after a restore
+``records``                a log record's bytes: arrays narrowed and shuffled, compressed with a dictionary
+``incremental_state``      format /4: its names and tags, the per-buffer cache, the log's records
+``incremental_priorities`` format /4, prioritized: ``prio`` columns and the priority records
+``incremental_capture``    format /4: a single-agent buffer's capture (only what changed)
+``incremental_restore``    format /3 or /4 -> format /1's two states; the caches seeded after a restore
 ``two_state``              ``capture_replay`` / ``restore_replay``: any buffer <-> format /1's two states
 ``compare``                two buffers' complete states compared (tests, verification)
 ``algorithm``              the entry points the RLlib callback and restore call (strategy, capture into a

@@ -1,5 +1,5 @@
 """The entry points the RLlib callback and restore call: which strategy the replay states are saved
-with, capturing the algorithm's buffer into a save (format /3 single-agent, /1 multi-agent), keeping
+with, capturing the algorithm's buffer into a save (format /4 single-agent, /1 multi-agent), keeping
 the engine's registrations in step, and restoring a version's buffer into the algorithm.
 """
 from __future__ import annotations
@@ -94,13 +94,13 @@ def capture_algorithm_replay(algorithm: Any, out: Dict[str, Any], strategy: Any,
         errors[REPLAY] = f"{type(exc).__name__}: {exc}"
 
 
-REPLAY_APPEND_ONLY = True  # ``replay`` (and format /3's log) are registered append_only=True: a version writes what is new
+REPLAY_APPEND_ONLY = True  # ``replay`` (and the single-agent log) are registered append_only=True: a version writes what is new
 REPLAY_STATES = ("replay", "replay_meta")
 
 
 def _append_only(name: str, state: Any) -> bool:
-    """``replay`` always; ``replay_meta`` when it is format /3's log (a multi-agent buffer's format /1
-    meta is a nested state, written whole)."""
+    """``replay`` always; ``replay_meta`` when it is the single-agent log (formats /3 and /4; a
+    multi-agent buffer's format /1 meta is a nested state, written whole)."""
     return REPLAY_APPEND_ONLY and (name != REPLAY_META or (isinstance(state, dict)
                                                            and state.get("layout") == LOG_LAYOUT))
 
@@ -170,7 +170,7 @@ def restore_algorithm_replay(algorithm: Any, engine: Any, meta: Any, loaded: Dic
     fmt = from_storable(loaded[REPLAY_META]).get("format") if isinstance(loaded[REPLAY_META], dict) else None
     if fmt == META_FORMAT:
         restore_replay(buf, loaded[REPLAY], loaded[REPLAY_META], agent_to_module_mapping_fn=fn)
-    else:  # format /3 (:mod:`.incremental_state`): the rows and the replay_meta log
+    else:  # format /3 or /4 (:mod:`.incremental_state`): the rows and the replay_meta log
         replay, meta_v1, seeds = states_to_v1({REPLAY: loaded[REPLAY], REPLAY_META: loaded[REPLAY_META]})
         restore_replay(buf, replay, meta_v1, agent_to_module_mapping_fn=fn)
         seed(row_ids_of(buf), seeds, buf)

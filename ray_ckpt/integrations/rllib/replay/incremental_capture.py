@@ -1,4 +1,4 @@
-"""A single-agent buffer captured incrementally into the two states of format /3
+"""A single-agent buffer captured incrementally into the two states of format /4
 (:mod:`.incremental_state`): a save splits only the running episodes and those added since the
 previous one, gathers only the new rows, and appends to the log only the newly done episodes, the
 changed leaves and the meta.

@@ -1,4 +1,4 @@
-"""Format /3 back to the two-state form: the two states of a single-agent buffer (the rows and the
+"""Format /3 or /4 back to the two-state form: the two states of a single-agent buffer (the rows and the
 ``replay_meta`` log) turned into the ``(replay, replay_meta)`` that :func:`.two_state.restore_replay`
 takes, and the caches seeded after the restore so the next save goes on appending to the same log.
 """
