@@ -81,5 +81,9 @@ def test_versions_lost_with_a_node_stay_unlisted_after_a_restart_and_in_ray_ckpt
     rows = {line.split()[0]: line for line in out.splitlines()[1:] if line[:1].isdigit()}
     assert rows["2"].split()[-1] == "lost" and rows["1"].split()[-1] == "complete" and rows["3"].split()[-1] == "complete"
     assert "lost with node abc" in out
+    # gc counts it as no checkpoint: --keep-last 2 keeps 1 and 3 (not the lost 2), and deletes 2's leftovers
+    assert cli(["gc", str(tmp_path / "r"), "--keep-last", "2", "--dry-run", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["kept"] == [1, 3] and [(d["version"], d["kind"]) for d in plan["deleted"]] == [(2, "lost")], plan
     (tmp_path / "r" / "lost_versions.json").write_text("not json")  # garbage hides nothing
     assert sorted(recover(cfg, local, None).catalogue.committed) == [1, 2, 3]

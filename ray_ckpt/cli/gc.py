@@ -36,7 +36,9 @@ SUMMARY = "delete old versions by a retention rule"
 DESCRIPTION = ("Delete committed versions that the retention rule does not keep (the "
                "same rules as the engine: newest N, every K-th step, best by a metric; "
                "the newest committed version is always kept). Files that kept versions "
-               "refer to (a RELOADABLE state stored once) are never deleted. Refused while "
+               "refer to (a RELOADABLE state stored once) are never deleted. Versions "
+               "recorded lost with a node (lost_versions.json) are not counted as kept and "
+               "their leftover files are deleted. Refused while "
                "a live engine owns the run (a fresh lease in owner.json), naming it, unless --force.")
 
 
@@ -80,7 +82,8 @@ class Plan:
 
     def __init__(self, run: Run, policy: RetentionPolicy, partial: bool):
         self.committed = committed = run.committed()
-        self.unreadable = [v for v in run.with_manifest if v not in committed]
+        self.lost = run.lost_here()  # lost with a node: not checkpoints, their files are deleted
+        self.unreadable = [v for v in run.with_manifest if v not in committed and v not in self.lost]
         uncommitted = run.uncommitted()
         self.in_flight = [v for v, u in uncommitted.items() if u["kind"] == "in_flight"]
         self.abandoned = [v for v, u in uncommitted.items() if u["kind"] == "abandoned"]
@@ -100,6 +103,7 @@ class Plan:
         # no kept version refers to any more: complete files nobody can restore, never in flight
         targets += [(v, f"{_vdir(v)} (shared files of deleted versions)", "retired") for v, u in uncommitted.items()
                     if u["kind"] == "retired" and any(r not in self.keep_paths for r in u["rels"])]
+        targets += [(v, f"version {v} ({why})", "lost") for v, why in self.lost.items()]
         if partial:
             targets += [(v, f"uncommitted {_vdir(v)} (no manifest)", "abandoned") for v in self.abandoned]
         self.targets = sorted(targets)

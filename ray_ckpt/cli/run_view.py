@@ -187,12 +187,23 @@ class Run:
         return self._errors.get(v, "")
 
     def committed(self) -> Dict[int, Manifest]:
-        """Every readable manifest."""
+        """Every readable manifest, less those of versions recorded lost with a node."""
+        lost = self.lost_here()
         out = {}
         for v in self.with_manifest:
             m = self.load(v)
-            if m is not None:
+            if m is not None and v not in lost:
                 out[v] = m
+        return out
+
+    def lost_here(self) -> Dict[int, str]:
+        """version -> why, for the manifests on this tier whose versions were lost with a node
+        (``storage/lost.py``): not restorable, whatever their manifest says."""
+        out = {}
+        for v, e in self.lost.items():
+            m = self.load(v) if self.dirs.get(v) else None
+            if m is not None and e.matches(m):
+                out[v] = e.why
         return out
 
     def uncommitted(self) -> Dict[int, Dict[str, Any]]:
