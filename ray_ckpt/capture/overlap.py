@@ -32,6 +32,7 @@ their fence makes the training stream wait for the copy's CUDA event, without bl
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import os
 import queue
@@ -81,14 +82,20 @@ def _yield_cpu(nice: int) -> None:
         log.info("ray_ckpt: the overlapped copy thread keeps its priority (%s)", exc)
 
 
-def _ranges_of(arrays: Iterable[Any]) -> List[Tuple[int, int]]:
-    """Sorted, merged host address ranges [lo, hi) of numpy arrays (views of the state's memory)."""
-    spans = []
-    for a in arrays:
-        n = getattr(a, "nbytes", 0)
-        if n:
-            lo = a.__array_interface__["data"][0]
-            spans.append((lo, lo + n))
+def _ranges_of(flat: Any) -> List[Tuple[int, int]]:
+    """Sorted, merged host address ranges [lo, hi) of a flat state's arrays (views of the state's
+    memory): those ``flatten`` recorded, else read from the arrays."""
+    arrays = flat.arrays
+    recorded = getattr(flat, "spans", None)
+    if recorded is not None and len(recorded) == len(arrays):
+        spans = [s for s in recorded if s[1] > s[0]]
+    else:
+        spans = []
+        for a in arrays:
+            n = getattr(a, "nbytes", 0)
+            if n:
+                lo = a.__array_interface__["data"][0]
+                spans.append((lo, lo + n))
     spans.sort()
     merged: List[Tuple[int, int]] = []
     for lo, hi in spans:
@@ -151,6 +158,8 @@ class OverlapCopier:
         # (state, queued at, copy began at, copy seconds, page faults, bytes) of the last 1000 copies
         self.history: List[Tuple[str, float, float, float, int, int]] = []
         self.call_s: List[float] = []  # seconds each overlapped snapshot call took (last 1000)
+        self._holds = 0  # open held() blocks: jobs started meanwhile are parked, not queued
+        self._parked: List[CopyJob] = []
 
     def warm(self) -> None:
         """Start the copy thread now (at register) rather than at the first snapshot."""
@@ -173,7 +182,7 @@ class OverlapCopier:
             self._wait([prev], None)
         if check is None:
             check = check_enabled()
-        job = CopyJob(name, key, flat, _ranges_of(flat.arrays), list(cuda_events or []), dest=dest)
+        job = CopyJob(name, key, flat, _ranges_of(flat), list(cuda_events or []), dest=dest)
         if check:
             for ev in job.cuda_events:
                 ev.synchronize()  # the staged bytes are what the state was at the snapshot
@@ -182,8 +191,36 @@ class OverlapCopier:
             self._jobs[name] = job
             self.busy += 1
             self._ensure_thread()
+            if self._holds:
+                self._parked.append(job)
+                return job
         self._queue.put(job)
         return job
+
+    @contextlib.contextmanager
+    def held(self):
+        """Copies started inside the block begin when it ends (the outermost one, if nested).
+
+        Why: a rank that snapshots several states in a row (a model, then its optimizer) would
+        otherwise flatten the second while the first one's copy, and Ray's copy threads under it,
+        already take the cores; on a machine with few cores the snapshot calls then take several
+        times their own CPU. A fence inside the block on a parked copy starts the parked copies
+        first (it never waits for a copy that cannot begin)."""
+        with self._lock:
+            self._holds += 1
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._holds -= 1
+            if not self._holds:
+                self._release()
+
+    def _release(self) -> None:
+        with self._lock:
+            parked, self._parked = self._parked, []
+        for job in parked:
+            self._queue.put(job)
 
     def _run(self) -> None:
         _yield_cpu(self.nice)
@@ -256,6 +293,8 @@ class OverlapCopier:
     def _wait(self, jobs: List[CopyJob], timeout: Optional[float]) -> float:
         if not jobs:
             return 0.0
+        if self._parked:  # a copy parked by held() must begin before anything waits for it
+            self._release()
         t0 = time.perf_counter()
         deadline = None if timeout is None else t0 + timeout
         for j in jobs:

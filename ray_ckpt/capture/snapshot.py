@@ -200,6 +200,12 @@ def _copier() -> OverlapCopier:
     return process_copier(lambda: OverlapCopier(put=_put, deliver=_deliver, readback=_readback))
 
 
+def process_copier_or_new() -> OverlapCopier:
+    """This process's copier of overlapped snapshots (created on first use; its thread starts at
+    its first copy)."""
+    return _copier()
+
+
 def snapshot_overlapped(owner: Any, get: Callable[[], Any], name: str, allow_pickle: bool, mailbox: str,
                         check: bool, run: Optional[str] = None, actor: Any = None,
                         needed: bool = True) -> PendingSnapshot:

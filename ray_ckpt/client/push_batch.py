@@ -16,6 +16,7 @@ the coordinator's largest cost, and the queries (``list_checkpoints()``) would w
   tens of parts per call; a rank actor pushing its two states sends them in one). The previous
   answer is awaited at most ``PUSH_MAX_WAIT_S``;
 - it holds ``PUSH_BATCH_MAX`` parts;
+- (not while a ``held()`` block of the engine is open: its parts go when it ends, see there)
 - a handle needs its answer (``wait()``, ``result()``, ``done()``) or the engine's backpressure
   needs its commit, or the engine shuts down (:meth:`Pusher.send_all`).
 
@@ -28,6 +29,7 @@ and is pushed again sees the new attempt.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
@@ -116,6 +118,7 @@ class Pusher:
         self._send_lock = threading.Lock()  # batches leave in the order they were closed
         self._thread: Optional[threading.Thread] = None
         self._closed = False
+        self._holds = 0  # open held() blocks: the flusher waits for them to end
         self.commits: Dict[int, ray.ObjectRef] = {}  # version -> its shared wait, while in flight here
 
     def add(self, version: int, part: PushedPart) -> PushSlot:
@@ -134,6 +137,21 @@ class Pusher:
         if full:
             self.send_all()
         return slot
+
+    @contextlib.contextmanager
+    def held(self):
+        """The flusher sends nothing until the block ends (then at once if the window has passed):
+        parts pushed together go in one call, and the coordinator and the writers it wakes do not
+        take the cores while the pushing thread is still capturing. A handle that needs its answer
+        inside the block still sends at once (``send_all``)."""
+        with self._cond:
+            self._holds += 1
+        try:
+            yield self
+        finally:
+            with self._cond:
+                self._holds -= 1
+                self._cond.notify()
 
     def pending_versions(self) -> List[int]:
         """Versions with parts not sent yet."""
@@ -165,7 +183,7 @@ class Pusher:
     def _flusher(self) -> None:
         while True:
             with self._cond:
-                while not self._open and not self._closed:
+                while (not self._open or self._holds) and not self._closed:
                     self._cond.wait()
                 if self._closed and not self._open:
                     return

@@ -9,8 +9,9 @@ registration, saving and reading, and this one the rank side: declaring a state 
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import ray
 
@@ -107,6 +108,21 @@ class RankPushes:
         handle = SaveHandle(self, step, None, time.perf_counter() - t0, push=slot, rank_zero_only=rank_zero_only)
         self._in_flight.append(handle)
         return handle
+
+    @contextlib.contextmanager
+    def push_group(self) -> Iterator["RankPushes"]:
+        """``with engine.push_group(): engine.submit(...); engine.submit(...)``: the pushes of the
+        block begin their overlapped copies, and reach the coordinator, when the block ends.
+
+        Why: a rank that pushes its model, then its optimizer, would otherwise flatten the optimizer
+        while the model's copy (and Ray's copy threads under it) and the coordinator and writers
+        that the first push wakes already take the cores, so on a machine with few cores each
+        ``submit`` takes several times its own CPU. A fence or a handle's wait inside the block
+        does not deadlock: it starts or sends what it needs first."""
+        from ..capture.snapshot import process_copier_or_new
+
+        with self._pusher.held(), process_copier_or_new().held():
+            yield self
 
     def _push_overlapped(self, name: str, state: Any, allow_pickle: bool, objects: Iterable[Any]) -> Tuple[Any, int]:
         """(ref of a PendingSnapshot, bytes) of ``state`` copied in the background (``submit``)."""

@@ -56,6 +56,9 @@ class Flat:
     arrays: List[Any] = field(default_factory=list)  # flat uint8 views (or Pieces of them)
     tables: List[Any] = field(default_factory=list)  # pyarrow Tables
     leaf_info: List[dict] = field(default_factory=list)  # per array: name, st dtype, shape, itemsize
+    # per array: its host address range [lo, hi) as flatten found it (what an overlapped copy reads,
+    # for fences); not transported
+    spans: List[tuple] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:

@@ -129,37 +129,50 @@ def dtensor_chunk(t: Any) -> Tuple[List[int], List[int]]:
     return list(offsets), list(shape)
 
 
-def _global_rank() -> Optional[int]:
+def global_rank() -> Optional[int]:
+    """This process's rank in the default process group (None without one)."""
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
 
 
-_LAYOUTS: Dict[tuple, dict] = {}  # see dtensor_layout
+_LAYOUTS: Dict[tuple, Tuple[dict, bool]] = {}  # see layout_of
 _LAYOUTS_MAX = 4096
 
 
-def dtensor_layout(t: Any) -> dict:
-    """The "DT" node fields of a DTensor leaf except the array index and dtype.
+def dtensor_layout(t: Any, rank: Any = ...) -> dict:
+    """The "DT" node fields of a DTensor leaf except the array index and dtype; ``rank`` is
+    :func:`global_rank` (asked here when not given). A fresh copy: see :func:`layout_of`."""
+    layout, _ = layout_of(t, global_rank() if rank is ... else rank)
+    return {k: list(v) if isinstance(v, list) else v for k, v in layout.items()}
 
-    Remembered per (mesh, placements, global shape, this process's rank): a model's DTensors share
-    a few of those, and torch's answers (the mesh's coordinate and rank tensor, the local shape and
-    offset) cost about a millisecond per tensor, the larger part of flattening an FSDP2 state."""
+
+def layout_of(t: Any, rank: Optional[int]) -> Tuple[dict, bool]:
+    """(the "DT" node fields of DTensor ``t`` except the array index and dtype, whether this rank
+    stores its chunk: :func:`writes_chunk`); ``rank`` is :func:`global_rank`, asked once per walk.
+
+    Remembered per (mesh, placements, global shape, rank): a model's DTensors share a few of those,
+    and torch's answers (the mesh's coordinate and rank tensor, the local shape and offset) cost
+    about a millisecond per tensor, the larger part of flattening an FSDP2 state. The dict and its
+    lists are shared by every leaf of that layout (``flatten`` spreads them into each node, which a
+    structure is never changed after): never change them in place."""
+    placements = t.placements
     try:
-        key = (t.device_mesh, tuple(t.placements), tuple(t.shape), _global_rank())
+        key = (t.device_mesh, placements if type(placements) is tuple else tuple(placements), t.shape, rank)
         hit = _LAYOUTS.get(key)
     except TypeError:  # an unhashable mesh or placement: computed every time
         key, hit = None, None
     if hit is None:
-        hit = _dtensor_layout(t)
+        layout = _dtensor_layout(t, rank)
+        hit = (layout, writes_chunk(layout))
         if key is not None:
             if len(_LAYOUTS) >= _LAYOUTS_MAX:
                 _LAYOUTS.clear()
             _LAYOUTS[key] = hit
-    return {k: list(v) if isinstance(v, list) else v for k, v in hit.items()}
+    return hit
 
 
-def _dtensor_layout(t: Any) -> dict:
+def _dtensor_layout(t: Any, rank: Optional[int]) -> dict:
     offsets, sizes = dtensor_chunk(t)
     mesh = t.device_mesh
     coord = mesh.get_coordinate()
@@ -169,7 +182,7 @@ def _dtensor_layout(t: Any) -> dict:
         writer = int(mesh.mesh[wcoord].item())
     return {"sh": sizes, "g": list(t.shape), "o": offsets, "m": list(mesh.shape),
             "p": [str(p) for p in t.placements], "c": list(coord) if coord is not None else None,
-            "r": _global_rank(), "w": writer}
+            "r": rank, "w": writer}
 
 
 def writes_chunk(layout: dict) -> bool:
@@ -182,6 +195,6 @@ def writes_chunk(layout: dict) -> bool:
 def chunk_layout(chunk: TensorChunk, sizes: List[int]) -> dict:
     """The "DT" node fields of a :class:`TensorChunk` except the array index and dtype: every rank
     stores its own box (no replicas, no mesh)."""
-    rank = _global_rank()
+    rank = global_rank()
     return {"sh": sizes, "g": list(chunk.global_shape), "o": list(chunk.offsets), "m": [1], "p": ["box"],
             "c": None, "r": rank, "w": rank}

@@ -39,8 +39,8 @@ from ..errors import RestoreError, UnsupportedTypeError
 from .dtypes import import_torch, numpy_view, st_dtype_of_numpy, torch_to_st
 from .flat import Flat
 from .nodes import dec_key, enc_key, float_node, float_of, leaf_key, path_str
-from .sharded_leaf import (ShardedLeaf, TensorChunk, chunk_layout, dtensor_layout, dtensor_type, sharded_leaf,
-                           writes_chunk)
+from .sharded_leaf import (ShardedLeaf, TensorChunk, chunk_layout, dtensor_type, global_rank, layout_of,
+                           sharded_leaf)
 
 try:
     import pyarrow as pa
@@ -62,6 +62,7 @@ class _Encoder:
         self.to_host = to_host
         self.torch = sys.modules.get("torch")  # no torch imported: no tensor in the state (see dtypes)
         self.dtensor = dtensor_type() if self.torch is not None else None
+        self.rank = global_rank() if self.dtensor is not None else None  # once per walk, not per leaf
         self.flat = Flat(structure=None)
         self.names: set = set()
 
@@ -113,10 +114,10 @@ class _Encoder:
 
     def dtensor_node(self, obj: Any, path: list) -> dict:
         try:
-            layout = dtensor_layout(obj)
+            layout, writes = layout_of(obj, self.rank)
         except ValueError as exc:
             raise UnsupportedTypeError(f"state {self.state_name!r}: DTensor at {path_str(path)}: {exc}") from None
-        idx = self.tensor_array(obj.to_local(), path)[0] if writes_chunk(layout) else None
+        idx = self.tensor_array(obj.to_local(), path)[0] if writes else None
         return {"DT": idx, "dt": _torch_name(obj.dtype), **layout}
 
     def ndarray(self, obj: np.ndarray, path: list) -> dict:
@@ -155,25 +156,48 @@ class _Encoder:
         torch = self.torch
         if obj.layout != torch.strided or obj.is_quantized:
             raise self.unsupported(obj, path, f"tensor layout {obj.layout}")
-        x = obj.detach()
+        x = obj.detach() if obj.requires_grad else obj  # numpy() refuses a tensor that requires grad
         to_host = self.to_host
         if x.device.type != "cpu" or (to_host is not None and getattr(to_host, "stage_cpu", False)):
             x = to_host(x, leaf_key(path)) if to_host is not None else x.to("cpu")
         x = x.resolve_conj().resolve_neg().contiguous()
         st = torch_to_st().get(x.dtype, "U8")
-        u8 = x.reshape(-1).view(torch.uint8).numpy() if x.numel() else np.empty(0, np.uint8)
-        return self.add_array(u8, path, st, list(x.shape), x.element_size()), x
+        if not x.numel():
+            u8 = np.empty(0, np.uint8)
+        elif x.dtype in _numpy_dtypes(torch):  # numpy's reshape and view cost less than torch's dispatch
+            u8 = x.numpy().reshape(-1).view(np.uint8)
+        else:  # bfloat16, float8: no numpy dtype
+            u8 = x.reshape(-1).view(torch.uint8).numpy()
+        return self.add_array(u8, path, st, list(x.shape), x.element_size(), x.data_ptr()), x
 
-    def add_array(self, arr_u8: np.ndarray, path: list, st_dtype: str, shape: list, itemsize: int) -> int:
-        """Append one leaf's bytes and its header record; its name is made unique within the part."""
+    def add_array(self, arr_u8: np.ndarray, path: list, st_dtype: str, shape: list, itemsize: int,
+                  address: Optional[int] = None) -> int:
+        """Append one leaf's bytes and its header record; its name is made unique within the part.
+        ``address``: where the bytes are in memory, when the caller knows it cheaply (``Flat.spans``)."""
         idx = len(self.flat.arrays)
         name = leaf_key(path)
         if name in self.names:
             name = f"{name}#{idx}"
         self.names.add(name)
+        if address is None and arr_u8.nbytes:
+            address = arr_u8.__array_interface__["data"][0]
+        self.flat.spans.append((address or 0, (address or 0) + arr_u8.nbytes))
         self.flat.arrays.append(arr_u8)
         self.flat.leaf_info.append({"name": name, "dtype": st_dtype, "shape": shape, "itemsize": itemsize})
         return idx
+
+
+_NUMPY_DTYPES: Optional[frozenset] = None
+
+
+def _numpy_dtypes(torch: Any) -> frozenset:
+    """The torch dtypes whose ``Tensor.numpy()`` works (a numpy dtype of the same bytes)."""
+    global _NUMPY_DTYPES
+    if _NUMPY_DTYPES is None:
+        _NUMPY_DTYPES = frozenset(getattr(torch, n) for n in (
+            "float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool", "complex64",
+            "complex128") if hasattr(torch, n))
+    return _NUMPY_DTYPES
 
 
 def flatten(state: Any, *, state_name: str = "state", allow_pickle: bool = False,
@@ -188,7 +212,13 @@ def flatten(state: Any, *, state_name: str = "state", allow_pickle: bool = False
     has no safe format.
     """
     encoder = _Encoder(state_name, allow_pickle, to_host)
-    encoder.flat.structure = encoder.enc(state, [])
+    if encoder.torch is None:
+        encoder.flat.structure = encoder.enc(state, [])
+        return encoder.flat
+    # the bytes are read, never differentiated: without grad mode a DTensor's to_local() is its
+    # local tensor, not an autograd Function call per leaf
+    with encoder.torch.no_grad():
+        encoder.flat.structure = encoder.enc(state, [])
     return encoder.flat
 
 

@@ -193,15 +193,17 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
         # overlapped: the copy runs while the rank goes on; the optimizer's step (and load_checkpoint)
         # wait for it before they change a tensor being copied
         fenced = tuple(o for o in (self.model, self.optimizer) if o is not None) if self.settings.overlap else None
-        if self.should_save_model or self.should_save_hf_model:
-            handles.append(eng.submit(step, MODEL, self.model.state_dict(), rank=r, overlap_with=fenced))
-        if self.should_save_optimizer:
-            handles.append(eng.submit(step, OPTIMIZER, self.optimizer.state_dict(), rank=r, overlap_with=fenced))
-        if self.should_save_extra:
-            sched = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
-            handles.append(eng.submit(step, EXTRA, {"lr_scheduler": sched, "world_size": self.world_size,
-                                                    "global_step": step}, rank=r))
-            handles.append(eng.submit(step, RNG, rc.rng_state(), rank=r))
+        with eng.push_group():  # the copies begin, and the parts leave, once all four are captured
+            if self.should_save_model or self.should_save_hf_model:
+                handles.append(eng.submit(step, MODEL, self.model.state_dict(), rank=r, overlap_with=fenced))
+            if self.should_save_optimizer:
+                handles.append(eng.submit(step, OPTIMIZER, self.optimizer.state_dict(), rank=r,
+                                          overlap_with=fenced))
+            if self.should_save_extra:
+                sched = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
+                handles.append(eng.submit(step, EXTRA, {"lr_scheduler": sched, "world_size": self.world_size,
+                                                        "global_step": step}, rank=r))
+                handles.append(eng.submit(step, RNG, rc.rng_state(), rank=r))
         save = _Save(step, os.path.abspath(local_path), handles, hf=self.should_save_hf_model and r == 0)
         with self._lock:
             self._saves.append(save)
