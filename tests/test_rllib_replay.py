@@ -566,7 +566,7 @@ def test_incremental_save_writes_what_changed_not_the_buffer(tmp_path):
     buf = _make("prioritized", capacity=100_000)
     first = len(chunks) - 12
     _fill(buf, chunks, True, False, 0, first)
-    base, per_version = {}, []
+    base, per_version, dicts_at = {}, [], set()
     for v, i in enumerate(range(first, len(chunks), 2), 1):
         if v > 1:
             _fill(buf, chunks, True, False, i, i + 2, seed=v)
@@ -575,6 +575,9 @@ def test_incremental_save_writes_what_changed_not_the_buffer(tmp_path):
         per_version.append(written)
         own = [f for fs in base.values() for f in fs if f.path.startswith(f"v{v:012d}/")]
         assert len(own) == 4 or v == 1, own
+        # the first save's dictionary record serves the later ones: no version writes another
+        dicts_at.add(states["replay_meta"]["dict_at"])
+        assert len(dicts_at) == 1, dicts_at
     n_rows = buf.get_num_timesteps()
     assert n_rows > 3000
     whole = sum(f.size for f in base["replay"] if f.role == "segment")

@@ -89,7 +89,7 @@ def _append_dict(inc: Incremental, raws: List[bytes]) -> None:
     first, m = inc.append_raw(DICT, _raw({"sample": sample_of(raws, list(SAMPLE_LIMITS))}))
     inc.zdict = _decode_raw(inc.log["blob"][-m:], DICT, "the new dictionary record")
     inc.dicts.append([first, m])
-    inc.refresh = False
+    inc.refresh, inc.dict_base = False, 0
 
 
 def _split_changed(buffer: Any, rid: RowIds, evicted: int, bname: str) -> Tuple[Incremental, List[_EpisodeParts]]:
@@ -205,16 +205,20 @@ def _log_state(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, meta: Di
     the dictionary it is compressed with start."""
     raw = _raw(_packed_meta(buffer, rid, inc, kind, meta, n, bname))
     blob = _encode(META, raw, zdict=inc.zdict)  # not kept in inc.log: a meta record is live in its own version only
-    # the dictionary no longer halves the meta record (what the buffer holds changed): a new one next save
     packed = int.from_bytes(blob[0, :4].tobytes(), "little")
-    inc.refresh = packed > 512 and packed > 0.5 * len(zlib.compress(bytes([META]) + raw, 9))
+    if inc.dict_base <= 0:  # the save that wrote the dictionary: what the meta record costs with it
+        inc.dict_base = packed
+    # the dictionary no longer describes the meta record (what the buffer holds changed): a new one
+    # next save; not when it never helped much (a meta record of mostly new numbers)
+    inc.refresh = packed > 2 * inc.dict_base + CHUNK and packed > 0.5 * len(zlib.compress(bytes([META]) + raw, 9))
     meta_at = inc.next_chunk
     ids = np.concatenate([inc.log["row_id"], np.arange(meta_at, meta_at + len(blob), dtype=np.int64)])
     inc.next_chunk += len(blob)
     return {"row_id": ids, "blob": np.concatenate([inc.log["blob"], blob]), "layout": LOG_LAYOUT,
             "format": META_FORMAT4, "buffer_type": bname, "n_rows": int(n), "next_row_id": int(rid.next_id),
             "next_chunk": int(inc.next_chunk), "meta_at": int(meta_at), "dict_at": int(inc.dicts[-1][0]),
-            "dict_rows": int(inc.dicts[-1][1]), "refresh": bool(inc.refresh), "chunk": CHUNK}
+            "dict_rows": int(inc.dicts[-1][1]), "dict_base": int(inc.dict_base), "refresh": bool(inc.refresh),
+            "chunk": CHUNK}
 
 
 def _gather(new_keys: np.ndarray, parts: Dict[Tuple[int, int], Any], inc: Incremental,

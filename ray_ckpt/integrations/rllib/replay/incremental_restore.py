@@ -108,7 +108,8 @@ def states_to_v1(states: Dict[str, Any], *, seed: bool = True):
                         "next_chunk": int(log["next_chunk"]), "static": (static_at, static_raw),
                         "logged": logged, "running": {p.key[0] for p in running},
                         "dicts": np.asarray(meta.get("dicts", np.empty((0, 2))), np.int64).reshape(-1, 2).tolist(),
-                        "zdict": _newest_dict(log, rows), "refresh": bool(log.get("refresh", False))}
+                        "zdict": _newest_dict(log, rows), "refresh": bool(log.get("refresh", False)),
+                        "dict_base": int(log.get("dict_base", 0))}
 
 
 def _newest_dict(log: Dict[str, Any], rows: Dict[str, np.ndarray]) -> bytes:
@@ -176,7 +177,7 @@ def seed(rid: RowIds, s: Dict[str, Any], buffer: Any) -> None:
     inc.next_chunk, inc.next_batch = int(s["next_chunk"]), int(el["next_batch"])
     inc.static, inc.static_raw = list(s["static"][0]), s["static"][1]
     inc.dicts = [list(map(int, d)) for d in s["dicts"]]
-    inc.zdict, inc.refresh = s["zdict"], s["refresh"]
+    inc.zdict, inc.refresh, inc.dict_base = s["zdict"], s["refresh"], s["dict_base"]
     if s["leaves"] is not None:
         inc.precs = [list(map(int, x)) for x in np.asarray(meta["priority"]["records"], np.int64).reshape(-1, 3)]
         inc.leaves = {k: np.array(v) for k, v in s["leaves"].items()}

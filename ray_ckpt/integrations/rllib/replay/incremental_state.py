@@ -17,8 +17,9 @@ Arrow schema and index):
                  ids, ``meta_at``, where the newest dictionary record lies: ``dict_at``/``dict_rows``).
                  A save appends up to five records, each starting on a row of its own:
 
-                 * a *dictionary record* at the first save of a buffer (and when the dictionary no
-                   longer halves the meta record): a sample of this save's records, what the
+                 * a *dictionary record* at the first save of a buffer (and when the meta record
+                   compressed with it has grown to twice what it was then, and the dictionary
+                   no longer halves it): a sample of this save's records, what the
                    records after it are compressed against. It stays live while a live record
                    after it (and before the next dictionary) needs it;
 
@@ -102,6 +103,7 @@ class Incremental:
     dicts: List[List[int]] = field(default_factory=list)  # live dictionary records [first row, rows], oldest first
     zdict: bytes = b""                                # the newest one's bytes: what records are compressed with
     refresh: bool = False                             # the next save writes a new dictionary
+    dict_base: int = 0                                # the meta record's compressed bytes when it was written
     touched: List[List[int]] = field(default_factory=list)
     trees: Tuple[Any, ...] = ()
 
