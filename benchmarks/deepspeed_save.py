@@ -11,6 +11,10 @@ OpenRLHF's own ``prepare`` at ``--stage``, train one step (the Adam state exists
   of a run, which creates it (coordinator and writers), is a warm-up and not counted;
 * stock: ``save_ckpt`` on every rank (rotation, barrier, DeepSpeed's ``torch.save`` of every
   rank's partition and rank 0's module): it blocks until its files are written (no fsync);
+* "save + next step": ``save_ckpt`` and at once one training step, the longest rank's sum, against
+  one step alone (median of ``--repeats``). With ray_ckpt's ``overlap`` the partition's copy runs
+  beside the step's forward and backward and its optimizer step waits for what is left of it (the
+  fence): this row says what a save costs the training loop, the copy included;
 * load on the same number of ranks (both), and on ``--other`` ranks: ray_ckpt reads the same
   version; stock needs DeepSpeed's offline ``ds_to_universal`` conversion first (timed) and then
   loads with ``checkpoint.load_universal`` (OpenRLHF's ``--ds.use_universal_ckpt``).
@@ -52,6 +56,45 @@ def timed_save(rk, d, tag, ours):
         errors = ray.get([r.wait.remote(600) for r in rk])
         assert errors == [None] * len(rk), errors
     return max(blocks), time.perf_counter() - t0
+
+
+def _save_then_step(self, d, tag, step):
+    """In a rank: (save_ckpt's block, the next training step's time, what its fence waited)."""
+    from ray_ckpt.capture.overlap import process_copier
+
+    copier = process_copier()
+    before = len(copier.fence_waits) if copier is not None else 0
+    t0 = time.perf_counter()
+    self.strategy.save_ckpt(self.model, d, tag, client_state={"consumed_samples": 1})
+    t1 = time.perf_counter()
+    self.train(step, 1)
+    t2 = time.perf_counter()
+    copier = process_copier()
+    return t1 - t0, t2 - t1, sum(copier.fence_waits[before:]) if copier is not None else 0.0
+
+
+def _step(self, step):
+    t0 = time.perf_counter()
+    self.train(step, 1)
+    return time.perf_counter() - t0
+
+
+def save_and_step(rk, d, ours, repeats, first):
+    """Median over ``repeats`` of the longest rank's save_ckpt + next step, of its fence wait, and
+    of one step alone; ``first`` is the first step number used (each save is waited for)."""
+    totals, fences, alone = [], [], []
+    if ours:  # warm-up: the first save of this run creates it
+        ray.get([r.call.remote(_save_then_step, d, f"global_step{first}", first) for r in rk])
+        assert ray.get([r.wait.remote(600) for r in rk]) == [None] * len(rk)
+    for i in range(repeats):
+        step = first + 1 + 2 * i
+        alone.append(max(ray.get([r.call.remote(_step, step) for r in rk])))
+        out = ray.get([r.call.remote(_save_then_step, d, f"global_step{step + 1}", step + 1) for r in rk])
+        totals.append(max(b + s for b, s, _ in out))
+        fences.append(max(f for _, _, f in out))
+        if ours:
+            assert ray.get([r.wait.remote(600) for r in rk]) == [None] * len(rk)
+    return statistics.median(totals), statistics.median(fences), statistics.median(alone)
 
 
 def timed_load(rk, d, tag=None):
@@ -98,12 +141,16 @@ def main() -> None:
     timed_save(rk, ours_dir, "global_step1", True)  # warm-up: creates the run
     ours = [timed_save(rk, ours_dir, f"global_step{i + 2}", True) for i in range(a.repeats)]
     last = f"global_step{a.repeats + 1}"
+    ours_step = save_and_step(rk, os.path.join(a.dir, "ours", "_steps"), True, a.repeats, 100)
     rk = group(actors, a.ranks)
     ray.get([r.build.remote(a.stage, None, 0, a.hidden, a.layers) for r in rk])
     ray.get([r.train.remote(1, 1) for r in rk])
     stock = [timed_save(rk, stock_dir, f"global_step{i + 2}", False) for i in range(a.repeats)]
+    stock_step = save_and_step(rk, os.path.join(a.dir, "stock", "_steps"), False, a.repeats, 100)
     rows["save_ckpt blocks a rank"] = (statistics.median(b for b, _ in ours), statistics.median(b for b, _ in stock))
     rows["save to durable"] = (statistics.median(d for _, d in ours), statistics.median(d for _, d in stock))
+    rows[f"save + next step (step alone: {ours_step[2]:.3f} s / {stock_step[2]:.3f} s; "
+         f"fence waited {ours_step[1]:.3f} s)"] = (ours_step[0], stock_step[0])
 
     loads = {"ours": [], "stock": []}
     for _ in range(a.repeats):

@@ -77,9 +77,10 @@ class DSRank:
             getattr(groups, name).clear()
 
     def build(self, stage: int, ray_ckpt: Optional[dict] = None, seed: int = 0, hidden: int = 64,
-              layers: int = 2, ds: Optional[dict] = None) -> str:
+              layers: int = 2, ds: Optional[dict] = None, freeze: tuple = ()) -> str:
         """OpenRLHF's strategy (ours with ``ray_ckpt`` settings, else the stock one) and a Qwen2
-        prepared by it: the same initial weights on every rank (seeded)."""
+        prepared by it: the same initial weights on every rank (seeded); the parameters named in
+        ``freeze`` get ``requires_grad=False`` before ``prepare`` (a frozen embedding)."""
         from openrlhf.utils.deepspeed import DeepspeedStrategy
         from transformers import AutoModelForCausalLM
 
@@ -94,6 +95,8 @@ class DSRank:
         cpu.setup_distributed(self.strategy, self.rank, self.world, self.port)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(qwen2_config(hidden, layers))
+        for name, p in model.named_parameters():
+            p.requires_grad_(name not in freeze)
         self.model, self.opt, self.sched = self.strategy.prepare((model, dict(OPTIM)))
         return type(self.strategy).__name__
 
@@ -113,6 +116,24 @@ class DSRank:
         t0 = time.perf_counter()
         self.strategy.save_ckpt(self.model, save_dir, tag, max_num=max_num, client_state=client_state)
         return time.perf_counter() - t0
+
+    def save_between_backward_and_step(self, save_dir: str, tag: str, step: int) -> Dict[str, Any]:
+        """Training step ``step`` (as :meth:`train`) with ``save_ckpt`` between its backward and its
+        optimizer step: the step changes the fp32 masters and moments right after the call
+        returns, while an overlapped copy may still read them. Returns how long the call blocked
+        and what the step's fence waited (this process's copier)."""
+        from ray_ckpt.capture.overlap import process_copier
+
+        g = torch.Generator().manual_seed(step)
+        mine = torch.randint(0, 256, (6, 12), generator=g)[self.rank::self.world][:1]
+        self.strategy.backward(self.model(input_ids=mine, labels=mine).loss, self.model, self.opt)
+        copier = process_copier()
+        before = len(copier.fence_waits) if copier is not None else 0
+        blocked = self.save(save_dir, tag)
+        self.strategy.optimizer_step(self.opt, self.model, self.sched)
+        copier = process_copier()
+        waits = list(copier.fence_waits[before:]) if copier is not None else []
+        return {"blocked_s": blocked, "fence_waits": len(waits), "fence_wait_s": sum(waits)}
 
     def wait(self, timeout: float) -> Optional[str]:
         try:
@@ -142,8 +163,9 @@ class DSRank:
             opt._lazy_init_hp_params_optimizer_state()
         out = {}
         for name, p in self.model.module.named_parameters():
-            out[f"fp32/{name}"] = safe_get_full_fp32_param(p).clone()
-            for key in ("exp_avg", "exp_avg_sq") if moments else ():
+            if p.requires_grad:  # a frozen parameter has no fp32 master nor moments: its 16-bit values only
+                out[f"fp32/{name}"] = safe_get_full_fp32_param(p).clone()
+            for key in ("exp_avg", "exp_avg_sq") if moments and p.requires_grad else ():
                 out[f"{key}/{name}"] = safe_get_full_optimizer_state(p, key).clone()
             with GatheredParameters([p]):
                 out[f"lp/{name}"] = p.data.detach().clone()

@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional
 
 from ..settings_block import engine_create_options
+from ...errors import InvalidArgumentError
 
 # the CheckpointEngine.create() options a flag may name directly
 _CREATE = ("local_dir", "remote_uri", "keep_last", "keep_every", "critical_writers", "best_effort_writers",
            "rank_timeout_s")
-_OWN = ("run", "load_wait_s", "connect_timeout_s", "apply_max_num", "engine_options")
+_OWN = ("run", "load_wait_s", "connect_timeout_s", "apply_max_num", "engine_options", "overlap")
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,9 @@ class OpenRLHFSettings:
     load_wait_s: float = 600.0  # load_ckpt waits at most this long for a version still in flight
     connect_timeout_s: float = 120.0
     apply_max_num: bool = True  # save_ckpt's max_num becomes the run's keep_last (unless keep_last is set)
+    # copy the ZeRO partition into the object store while the rank trains on (the inner optimizer's
+    # step waits for the copy): save_ckpt then costs only flattening the partition into views
+    overlap: bool = True
 
     @property
     def creates(self) -> bool:
@@ -54,7 +58,21 @@ def add_arguments(parser: Any) -> Any:
                         help="versions kept (default: --ckpt.max_num, applied after each commit)")
     parser.add_argument("--ray_ckpt.rank_timeout_s", type=float, default=None)
     parser.add_argument("--ray_ckpt.load_wait_s", type=float, default=600.0)
+    parser.add_argument("--ray_ckpt.overlap", type=_flag, default=None, metavar="{true,false}",
+                        help="copy the ZeRO partition while training goes on (default true); false: save_ckpt "
+                             "returns after the copy")
     return parser
+
+
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def _flag(text: str) -> bool:
+    """A true/false command-line value (argparse reports the ValueError as a usage error)."""
+    value = _BOOLS.get(str(text).lower())
+    if value is None:
+        raise ValueError(f"expected true or false, got {text!r}")
+    return value
 
 
 def _as_dict(block: Any) -> Dict[str, Any]:
@@ -77,5 +95,10 @@ def read_settings(args: Any) -> Optional[OpenRLHFSettings]:
     if not block.get("run"):
         return None
     create = engine_create_options(block, _CREATE, _OWN, "args.ray_ckpt")
-    kw = {k: block[k] for k in ("load_wait_s", "connect_timeout_s", "apply_max_num") if k in block}
+    kw = {k: block[k] for k in ("load_wait_s", "connect_timeout_s", "apply_max_num", "overlap") if k in block}
+    if "overlap" in kw:
+        value = kw["overlap"]
+        kw["overlap"] = _BOOLS.get(value.lower()) if isinstance(value, str) else value
+        if not isinstance(kw["overlap"], bool):
+            raise InvalidArgumentError(f"args.ray_ckpt.overlap must be true or false, got {value!r}")
     return OpenRLHFSettings(run=str(block["run"]), create=create, **kw)

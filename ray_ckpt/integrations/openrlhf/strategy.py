@@ -10,17 +10,28 @@ N holds, by state name (run ``<args.ray_ckpt.run>-<basename of save_dir>``):
 state    pushed by                          holds
 ======== ================================== ===================================================
 optim    every rank (``TensorChunk`` boxes) fp32 masters and Adam moments of the rank's ZeRO range
-                                            of every parameter, placed in the flattened parameter
-module   rank 0's copy (replicated)         the 16-bit module weights (ZeRO-1/2, which replicate
-                                            them; ZeRO-3 casts its fp32 range on load)
+                                            of every trainable parameter, placed in the flattened
+                                            parameter; under ``frozen``, the rank's range of every
+                                            frozen parameter's 16-bit values
+module   rank 0's copy (replicated)         the module's persistent buffers
 extra    rank 0's copy (replicated)         client_state, LR scheduler, optimizer step and lrs,
-                                            engine counters, world size, stage, tag
+                                            engine counters, world size, stage, tag, layout
 rng      every rank (rank-local)            ``rc.rng_state()`` (restored at the same world size)
 ======== ================================== ===================================================
 
-``save_ckpt`` pushes and returns: no barrier, no file written by the call; a background thread
-per run waits for the commit, then rank 0 writes the pointer, OpenRLHF's ``metric.json`` and
-DeepSpeed's ``latest`` (``tracker.py``). Retention is the run's ``keep_last`` (``max_num`` by
+The 16-bit weights of trainable parameters are not stored: DeepSpeed's step sets them to the cast
+of their fp32 masters, so a load casts them again (ZeRO-1/2: ``update_lp_params``; ZeRO-3: each
+rank its ``ds_tensor`` range), bit-equal. Versions of layout 1 (no ``layout`` in extra) stored
+ZeRO-1/2's full 16-bit module state in ``module`` and nothing of ZeRO-3's frozen parameters; they
+still load.
+
+``save_ckpt`` pushes and returns: no barrier, no file written by the call. With ``overlap`` (the
+default) the ``optim`` state is only flattened into views of the live partition by the call; its
+copy into the object store runs on a background thread while the rank trains on, and the inner
+torch optimizer's ``step`` (which changes the fp32 masters and moments in place, before DeepSpeed
+casts them into the 16-bit weights) waits for that copy first; ``load_ckpt`` waits for it too. A
+background thread per run waits for the commit, then rank 0 writes the pointer, OpenRLHF's
+``metric.json`` and DeepSpeed's ``latest`` (``tracker.py``). Retention is the run's ``keep_last`` (``max_num`` by
 default), applied by the engine after a commit, so a failed save never leaves fewer than
 ``max_num`` committed versions."""
 from __future__ import annotations
@@ -39,17 +50,21 @@ import torch.distributed as dist
 from openrlhf.utils.deepspeed import DeepspeedStrategy
 
 import ray_ckpt as rc
-from ray_ckpt import InvalidArgumentError, SaveError
+from ray_ckpt import InvalidArgumentError, RestoreError, SaveError
 
 from . import zero
 from .settings import OpenRLHFSettings, read_settings
 from ..committed import (broadcast_error, error_line, read_pointer, wait_committed, wait_done, watch_saves,
                          write_pointer)
+from .keepalive import hold_mailbox
 from .tracker import advance_latest, read_latest, step_of_tag
 
 log = logging.getLogger("ray_ckpt.openrlhf")
 
 OPTIM, MODULE, EXTRA, RNG = "optim", "module", "extra", "rng"
+# what a version holds (extra["layout"]): 2 stores no 16-bit weight of a trainable parameter, and
+# the frozen parameters in optim["frozen"]; 1 (no layout key) stored ZeRO-1/2's whole module state
+LAYOUT = 2
 
 
 @dataclass
@@ -123,6 +138,8 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
                     engine = rc.CheckpointEngine.create(name, **s.create)
                 else:
                     engine = rc.CheckpointEngine.connect(name, timeout=s.connect_timeout_s)
+                if s.overlap:  # before any rank's overlapped push opens the mailbox (keepalive.py)
+                    hold_mailbox(name, timeout=s.connect_timeout_s)
             except Exception as exc:
                 error = f"ray_ckpt run {name!r} could not be {'created' if s.creates else 'connected'} on rank 0: " \
                         f"{error_line(exc)}"
@@ -135,7 +152,7 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
         return run
 
     # (name, replicated) of every version, whatever the stage: a run's declarations outlive a
-    # change of stage (ZeRO-3 pushes an empty module state: its 16-bit weights are the cast of fp32)
+    # change of stage
     STATES = ((OPTIM, False), (MODULE, True), (EXTRA, True), (RNG, False))
 
     def _declare(self, run: _Run, states: tuple) -> None:
@@ -195,19 +212,22 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
         if run.declared != (self.STATES, world):
             self._declare(run, self.STATES)
         eng = run.engine
+        frozen = zero.frozen_names(model)
         if rank == 0:  # first: a client_state ray_ckpt cannot store fails here, before any part is pushed
             sched = model.lr_scheduler.state_dict() if model.lr_scheduler is not None else None
             extra = {"client_state": dict(client_state or {}), "lr_scheduler": sched, "tag": tag,
                      "optimizer": zero.optimizer_scalars(model), "moments": zero.moment_keys(model),
-                     "zero_stage": zero.stage_of(model), "world_size": world,
+                     "zero_stage": zero.stage_of(model), "world_size": world, "layout": LAYOUT, "frozen": frozen,
                      "global_steps": int(model.global_steps), "global_samples": int(model.global_samples),
                      "skipped_steps": int(model.skipped_steps)}
         else:
             extra = {}  # a replicated state: rank 0's copy is stored
-        module = model.module.state_dict() if zero.stage_of(model) in (1, 2) and rank == 0 else {}
+        partition = zero.partition_state(model)
+        if frozen:
+            partition[zero.FROZEN] = zero.frozen_state(model)
         handles = [eng.submit(step, EXTRA, extra, rank=rank),
-                   eng.submit(step, OPTIM, zero.partition_state(model), rank=rank),
-                   eng.submit(step, MODULE, module, rank=rank),
+                   eng.submit(step, OPTIM, partition, rank=rank, overlap_with=self._fenced(model)),
+                   eng.submit(step, MODULE, zero.buffers(model) if rank == 0 else {}, rank=rank),
                    eng.submit(step, RNG, rc.rng_state(), rank=rank)]
         metric = (metric_value, metric_key) if metric_value is not None or metric_key is not None else None
         save = _Save(step, tag, os.path.join(os.path.abspath(save_dir), tag), handles, bool(save_latest), metric)
@@ -215,6 +235,22 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
             run.saves.append(save)
         run.jobs.put(save)
         self.last_block_s = time.perf_counter() - t0
+        return None
+
+    def _fenced(self, model: Any) -> Optional[Tuple[Any, ...]]:
+        """What an overlapped push of the partition fences: the torch optimizer DeepSpeed's ZeRO
+        optimizer wraps (its params are the fp32 partitions, its state the moments; its ``step``
+        is the only in-place change of them in training). None (a synchronous copy) without
+        ``overlap`` or where that inner optimizer is no ``torch.optim.Optimizer`` (no step hook)."""
+        if not self.ray_ckpt.overlap:
+            return None
+        inner = getattr(model.optimizer, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            return (inner,)
+        if not getattr(self, "_warned_sync", False):
+            self._warned_sync = True
+            log.warning("ray_ckpt: the ZeRO optimizer wraps %s, not a torch.optim.Optimizer: its step cannot be "
+                        "fenced, so save_ckpt copies the partition before it returns", type(inner).__name__)
         return None
 
     def _watch(self, run: _Run) -> None:
@@ -278,6 +314,7 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
         ``<load_dir>/latest``), saved on any data-parallel size and ZeRO stage. Returns
         ``(path, client_state)``, or ``(None, {})`` when ``load_dir`` holds no checkpoint."""
         assert isinstance(model, deepspeed.DeepSpeedEngine)
+        rc.fence()  # a save's overlapped copy still reading the partition this load overwrites ends first
         where = self._locate(load_dir, tag)
         if where is None:
             self.print(f"Warning: [ray_ckpt] No checkpoint found at {load_dir}, skipping checkpoint loading.")
@@ -288,9 +325,9 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
             rc.CheckpointEngine.connect(run_name, timeout=self.ray_ckpt.connect_timeout_s)
         self._wait_committed(engine, run_name, step)
         extra = engine.load(EXTRA, step=step, rank=0)
-        module = self._module_weights(engine, step)
+        module = engine.load(MODULE, step=step, rank=0)  # layout 2: the buffers (see the module)
         if load_module_only or not load_optimizer_states:
-            self._load_module(model, engine, step, module, load_module_strict)
+            self._load_module(model, engine, step, extra, module)
         else:
             self._load_partition(model, engine, step, extra, module)
         if not load_module_only:
@@ -307,13 +344,10 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
                         "(they are per rank); the ZeRO partitions were resharded", tag_dir, extra["world_size"], world)
         return tag_dir, dict(extra.get("client_state") or {})
 
-    def _module_weights(self, engine: "rc.CheckpointEngine", step: int) -> Dict[str, Any]:
-        """The stored 16-bit weights (a version saved by ZeRO-1/2; empty when saved by ZeRO-3)."""
-        return engine.load(MODULE, step=step, rank=0)
-
     def _full_fp32(self, engine: "rc.CheckpointEngine", step: int):
-        """name -> the full fp32 parameter (read once, on first use: only a ZeRO-1/2 load of a
-        version saved by ZeRO-3 needs it)."""
+        """name -> the full fp32 parameter (read once, on first use: only a ZeRO-1/2 load that
+        cannot cast its 16-bit weights from the fp32 ranges -- a layout-1 version saved by ZeRO-3,
+        a DeepSpeed without ``update_lp_params`` -- needs it)."""
         cache: Dict[str, Any] = {}
 
         def full(name: str) -> Any:
@@ -322,29 +356,68 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
             return cache[name]
         return full
 
+    def _agree(self, error: Optional[BaseException], what: str) -> None:
+        """Every rank learns whether every rank got this far (a collective follows: a rank that
+        failed must not leave the others waiting in it); this rank's own error is raised as it is."""
+        rank, world = self._world()
+        errors: List[Optional[str]] = [None] * world
+        if world > 1:
+            dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        bad = [(r, e) for r, e in enumerate(errors) if e]
+        if bad:
+            raise RestoreError(f"ray_ckpt: {what} failed on rank {bad[0][0]}: {bad[0][1]}")
+
+    def _read_ranges(self, model, engine, step: int, extra: Dict[str, Any], keys: List[str]) -> List[Any]:
+        """Read this rank's fp32 ranges (and moments ``keys``; ``[]``: the fp32 masters alone) and
+        frozen parameters into the live partition; returns the slots."""
+        rank = self._world()[0]
+        target, ss, in_place = zero.target_state(model, keys)
+        frozen = list(extra.get("frozen") or [])
+        put_back = lambda: None  # noqa: E731
+        error = None
+        try:
+            if frozen:
+                target[zero.FROZEN], put_back = zero.frozen_targets(model, frozen)
+            engine.load_into(OPTIM, target, step=step, rank=rank, strict=bool(keys))
+        except Exception as exc:
+            error = exc
+        if self._casts_lp(model, extra):
+            self._agree(error, f"reading step {step}'s ZeRO partition")
+        elif error is not None:
+            raise error
+        if not in_place:
+            zero.set_ranges(target, ss, keys)
+        put_back()
+        return ss
+
+    @staticmethod
+    def _casts_lp(model, extra: Dict[str, Any]) -> bool:
+        """ZeRO-1/2 loading a layout-2 version: the 16-bit weights are cast from the fp32 ranges
+        (a collective)."""
+        return zero.stage_of(model) in (1, 2) and int(extra.get("layout", 1)) >= 2
+
+    def _set_lp(self, model, engine, step: int, extra: Dict[str, Any], ss: List[Any], module: Dict[str, Any]) -> None:
+        """The 16-bit weights from the loaded fp32 masters (see the module), then the buffers."""
+        if not (self._casts_lp(model, extra) and zero.update_lp(model)):
+            zero.refresh_lp(model, ss, module, self._full_fp32(engine, step))
+        zero.load_module_entries(model, module)
+
     def _load_partition(self, model, engine, step: int, extra: Dict[str, Any], module) -> None:
         keys = list(extra.get("moments") or [])
         if keys:
             zero.ensure_optimizer_state(model)
-        target, ss, in_place = zero.target_state(model, keys)
-        engine.load_into(OPTIM, target, step=step, rank=self._world()[0])
-        if not in_place:
-            zero.set_ranges(target, ss, keys)
+        ss = self._read_ranges(model, engine, step, extra, keys)
         zero.set_optimizer_scalars(model, extra.get("optimizer") or {})
-        zero.refresh_lp(model, ss, module, self._full_fp32(engine, step))
+        self._set_lp(model, engine, step, extra, ss, module)
 
-    def _load_module(self, model, engine, step: int, module, strict: bool) -> None:
-        """``load_module_only`` / no optimizer states: the 16-bit weights, and the fp32 masters
-        refreshed from them (what DeepSpeed's ``refresh_fp32_params`` does after such a load)."""
-        if zero.stage_of(model) in (1, 2):
-            zero.refresh_lp(model, zero.slots(model), module, self._full_fp32(engine, step))
-        else:  # ds_tensor takes the cast of the stored fp32 range
-            target, ss, _ = zero.target_state(model, [])  # the fp32 ranges only: not the moments
-            engine.load_into(OPTIM, target, step=step, rank=self._world()[0], strict=False)
-            with torch.no_grad():
-                for s in ss:
-                    if s.count:
-                        s.param.ds_tensor.data.reshape(-1)[:s.count].copy_(target[zero.FP32][s.name].local)
+    def _load_module(self, model, engine, step: int, extra: Dict[str, Any], module) -> None:
+        """``load_module_only`` / no optimizer states: the 16-bit weights (the cast of the stored
+        fp32 masters, or a layout-1 version's stored ones), then the fp32 masters refreshed from
+        them (what DeepSpeed's ``refresh_fp32_params`` does after such a load); moments untouched."""
+        ss = self._read_ranges(model, engine, step, extra, [])
+        self._set_lp(model, engine, step, extra, ss, module)
         refresh = getattr(model.optimizer, "refresh_fp32_params", None)
         if refresh is not None:
             refresh()

@@ -29,6 +29,7 @@ from ray_ckpt import InvalidArgumentError, RestoreError
 from ray_ckpt.formats.sharded_leaf import TensorChunk
 
 FP32 = "fp32"
+FROZEN = "frozen"  # optim["frozen"]: the 16-bit values of the parameters the optimizer does not own
 
 
 @dataclass
@@ -145,6 +146,105 @@ def partition_state(engine: Any) -> Dict[str, Dict[str, TensorChunk]]:
         for key in [None] + keys:
             out[key or FP32][s.name] = TensorChunk(s.view(key), (s.numel,), (s.start,))
     return out
+
+
+def frozen_names(engine: Any) -> List[str]:
+    """The parameters the optimizer does not own (``requires_grad=False``: a frozen embedding, a
+    LoRA base): their 16-bit values are not the cast of any fp32 master, so they are stored."""
+    return [name for name, p in engine.module.named_parameters() if not p.requires_grad]
+
+
+def _frozen_range(engine: Any, p: Any) -> tuple:
+    """(flat 16-bit view of this rank's range, numel, start) of frozen parameter ``p``: ZeRO-3's
+    ``ds_tensor`` range (a partition like any other); on ZeRO-1/2, which replicate it, the rank's
+    equal share of it, so that every rank copies a part of the frozen bytes, none all of them."""
+    if stage_of(engine) == 3:
+        rank = dist.get_rank(group=engine.optimizer.dp_process_group)
+        numel, part = int(p.ds_numel), int(p.ds_tensor.ds_numel)
+        start = min(rank * part, numel)
+        return p.ds_tensor.data.reshape(-1).narrow(0, 0, max(0, min(part, numel - start))), numel, start
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    numel = p.numel()
+    share = -(-numel // world)
+    start = min(rank * share, numel)
+    return p.data.reshape(-1).narrow(0, start, max(0, min(share, numel - start))), numel, start
+
+
+def frozen_state(engine: Any) -> Dict[str, TensorChunk]:
+    """This rank's range of every frozen parameter, as views (see :func:`_frozen_range`)."""
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            local, numel, start = _frozen_range(engine, p)
+            out[name] = TensorChunk(local, (numel,), (start,))
+    return out
+
+
+def frozen_targets(engine: Any, names: List[str]) -> tuple:
+    """``load_into`` targets of the frozen parameters ``names`` and a function that puts what was
+    read in place: ZeRO-3 reads its ``ds_tensor`` range in place; ZeRO-1/2 read the whole
+    parameter (every rank holds it all)."""
+    params = dict(engine.module.named_parameters())
+    missing = [n for n in names if n not in params or params[n].requires_grad]
+    if missing:
+        raise RestoreError(f"the checkpoint's frozen parameters {missing[:4]} are not frozen parameters of this "
+                           f"model (requires_grad=False)")
+    out, copies = {}, []
+    for name in names:
+        p = params[name]
+        if stage_of(engine) == 3:
+            local, numel, start = _frozen_range(engine, p)
+        else:
+            local, numel, start = p.data.reshape(-1), p.numel(), 0
+            if not p.data.is_contiguous():  # reshape copied: read into it, then write it back
+                copies.append((p, local))
+        out[name] = TensorChunk(local, (numel,), (start,))
+
+    def put_back() -> None:
+        with torch.no_grad():
+            for p, flat in copies:
+                p.data.copy_(flat.reshape(p.shape))
+    return out, put_back
+
+
+def buffers(engine: Any) -> Dict[str, Any]:
+    """The module's persistent buffers, by state_dict name: stored as they are, from rank 0 (no
+    ZeRO stage partitions buffers; no parameter is gathered to find them)."""
+    out = {}
+    for prefix, m in engine.module.named_modules():
+        for name, b in m._buffers.items():
+            if b is not None and name not in m._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = b
+    return out
+
+
+def load_module_entries(engine: Any, stored: Dict[str, Any]) -> None:
+    """The stored buffers into the module's buffers of the same name; and, from a layout-1 version
+    (which stored ZeRO-1/2's whole 16-bit module state), its frozen parameters (ZeRO-3: the rank's
+    ``ds_tensor`` range of each)."""
+    with torch.no_grad():
+        for name, b in engine.module.named_buffers():
+            if name in stored and torch.is_tensor(b):
+                b.copy_(stored[name])
+        for name, p in engine.module.named_parameters():
+            if p.requires_grad or name not in stored:
+                continue
+            if stage_of(engine) == 3:
+                local, _, start = _frozen_range(engine, p)
+                local.copy_(stored[name].reshape(-1).narrow(0, start, local.numel()))
+            else:
+                p.data.copy_(stored[name])
+
+
+def update_lp(engine: Any) -> bool:
+    """ZeRO-1/2: every rank casts its fp32 range into its 16-bit partition and the partitions are
+    all-gathered (DeepSpeed's ``update_lp_params``, what its step does after the inner step; a
+    collective). False where this DeepSpeed has no such call."""
+    fn = getattr(engine.optimizer, "update_lp_params", None)
+    if fn is None:
+        return False
+    fn()
+    return True
 
 
 def target_state(engine: Any, keys: List[str]) -> tuple:
