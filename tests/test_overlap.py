@@ -491,6 +491,25 @@ def test_a_rank_push_overlapped_with_training_stores_the_state_of_its_step(engin
         eng.submit(step + 1, "policy", {"x": torch.zeros(2)}, overlap_with=())
 
 
+def test_overlapped_pushes_go_on_after_the_ranks_that_opened_the_mailbox_ended(engine_factory, run_name):
+    """The run's mailbox (where overlapped copies announce their refs) outlives the rank processes
+    that asked for it first: a job resumed with new ranks (another world size, after preemption)
+    saves overlapped again."""
+    eng = engine_factory(**LEAN)
+    eng.register("policy", world_size=1)
+    eng.register("optimizer", world_size=1)
+    first = _actor(PushingLearner).remote()
+    assert ray.get(first.connect.remote(run_name), timeout=120)
+    assert ray.get(first.push_and_train.remote(1, 1), timeout=300)[2] == [1, 1]
+    ray.kill(first)  # the rank that opened the mailbox is gone, with every handle it held
+    second = _actor(PushingLearner).remote()
+    assert ray.get(second.connect.remote(run_name), timeout=120)
+    want, _copying, versions = ray.get(second.push_and_train.remote(2, 1), timeout=300)
+    assert versions == [2, 2]
+    policy = eng.load("policy", step=2, rank=0)
+    assert all(torch.equal(policy[k[2:]], v) for k, v in want.items() if k.startswith("p."))
+
+
 def test_a_fence_finds_the_memory_of_a_dtensor_shard():
     """FSDP2's parameters and moments are DTensors, whose own data_ptr() is 0: a fence must wait for
     the copy of the shard's memory all the same."""

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 
 import ray
 
-from ..ray_internals import actor_ready
+from ..ray_internals import actor_id_hex, actor_ready
 
 MAILBOX_NAMESPACE = "ray_ckpt"
 
@@ -122,14 +122,24 @@ def _mailbox(name: str, wait_s: float = 10.0) -> Any:
 
 def _spawn_mailbox(coordinator: Any, name: str) -> Any:
     """Runs in the run's coordinator (``__ray_call__``): the mailbox is created by, so owned by, the
-    coordinator's process, and Ray stops it with that process (``engine.shutdown()``). Outside any
+    coordinator's process, and Ray stops it with that process (``engine.shutdown()``). The
+    coordinator keeps the handle: Ray also stops an actor once no handle of it is left, and the one
+    returned lives in the rank that asked first, so ranks that end (a job resumed on another number
+    of GPUs) would take the mailbox with them while the writers still use it. Outside any
     placement group: called from a Tune trial's process (no coordinator), it must not take, or fail
     to fit, the trial's bundles."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    return SnapshotMailbox.options(name=name, namespace=MAILBOX_NAMESPACE, get_if_exists=True, max_restarts=0,
-                                   scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None)
-                                   ).remote()
+    mb = SnapshotMailbox.options(name=name, namespace=MAILBOX_NAMESPACE, get_if_exists=True, max_restarts=0,
+                                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None)
+                                 ).remote()
+    if coordinator is not None:
+        held = coordinator.__dict__.setdefault("_held_mailboxes", {})
+        # keep the creating handle: the one get_if_exists gives for a mailbox that already runs
+        # does not count as a reference, so replacing it would let Ray stop the mailbox
+        if name not in held or actor_id_hex(held[name]) != actor_id_hex(mb):
+            held[name] = mb
+    return mb
 
 
 def open_mailbox(run: str, timeout: float = 120.0) -> Any:
