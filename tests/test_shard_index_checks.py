@@ -23,6 +23,7 @@ from ray_ckpt.errors import IntegrityError, RestoreError
 from ray_ckpt.formats.manifest import StateEntry
 from ray_ckpt.formats.shard_index import ShardIndex, index_of
 from ray_ckpt.formats.tree import flatten
+from ray_ckpt.storage.range_source import RangeSource
 from ray_ckpt.storage.tier import Tier
 
 ROWS, COLS, PIECE = 8, 4, 64
@@ -142,8 +143,18 @@ def test_huge_claimed_chunk_is_refused_before_any_allocation(tmp_path, monkeypat
             raise AssertionError(f"would read {end - begin} bytes into memory")
         return real_range(self, rel, begin, end)
 
+    real_into = RangeSource.read_into
+
+    def read_into(self, begin, out):  # ranges read straight into a target, or through an open file
+        n = memoryview(out).nbytes
+        asked.append(n)
+        if n > 64 << 20:
+            raise AssertionError(f"would read {n} bytes into memory")
+        return real_into(self, begin, out)
+
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(Tier, "read_range", read_range)
+    monkeypatch.setattr(RangeSource, "read_into", read_into)
     tracemalloc.start()
     try:
         for load in (load_full, lambda t, e: sharded_io.full_tensors([t], e, "model")):
@@ -165,6 +176,9 @@ def test_range_past_the_file_is_refused_before_reading(tmp_path, monkeypatch):
     reads = []
     real_range = Tier.read_range
     monkeypatch.setattr(Tier, "read_range", lambda self, rel, b, e: reads.append((rel, b, e)) or real_range(self, rel, b, e))
+    real_into = RangeSource.read_into
+    monkeypatch.setattr(RangeSource, "read_into",
+                        lambda self, b, out: reads.append((self.rel, b, len(out))) or real_into(self, b, out))
     with pytest.raises(IntegrityError) as ei:
         load_full(tier, entry)
     msg = str(ei.value)

@@ -40,7 +40,7 @@ from ..errors import IntegrityError, RestoreError
 from .pieces import verify_pieces
 from .shard_index import ShardedTensorMeta, ShardIndex, StoredChunk, _prod
 from .nodes import leaf_key
-from .sharded_leaf import dtensor_chunk
+from .sharded_leaf import global_rank, layout_of
 
 ReadRange = Callable[[str, int, int], Any]  # (file id, begin, end) -> bytes-like of end - begin bytes
 
@@ -118,6 +118,10 @@ def plan_reads(meta: ShardedTensorMeta, target_offsets: Optional[Sequence[int]] 
     if any(s == 0 for s in t_sz):
         return items
     for ci, c in enumerate(meta.chunks):
+        if c.chunk.offsets == t_off and c.chunk.sizes == t_sz:  # the same box (a load on the saved layout)
+            whole = ((0, c.nbytes),) if c.nbytes else ()
+            items.append(ReadItem(ci, c.file, (0,) * nd, (0,) * nd, t_sz, whole))
+            continue
         lo = [max(a, b) for a, b in zip(c.chunk.offsets, t_off)]
         hi = [min(a + s, b + t) for a, s, b, t in zip(c.chunk.offsets, c.chunk.sizes, t_off, t_sz)]
         if any(h <= l for l, h in zip(lo, hi)):
@@ -174,21 +178,27 @@ def _torch_dtype(name: str) -> Any:
     return getattr(torch, name)
 
 
-def target_chunk(target: Any) -> Tuple[Any, List[int], List[int]]:
+def target_chunk(target: Any, rank: Any = ...) -> Tuple[Any, List[int], List[int]]:
     """(local tensor to fill, global offsets, sizes) of a target: a DTensor's local shard, or a plain
-    tensor standing for the whole tensor."""
+    tensor standing for the whole tensor. ``rank``: ``sharded_leaf.global_rank()``, asked here when
+    not given (a caller with many targets asks once)."""
     from .sharded_leaf import TensorChunk, dtensor_type
 
     if isinstance(target, TensorChunk):
         return target.local, list(target.offsets), list(target.local.shape)
     dt = dtensor_type()
     if dt is not None and isinstance(target, dt):
-        offsets, sizes = dtensor_chunk(target)
-        return target.to_local(), offsets, sizes
+        import torch
+
+        layout, _ = layout_of(target, global_rank() if rank is ... else rank)  # remembered per layout
+        with torch.no_grad():  # the local tensor itself, not an autograd view of it
+            local = target.to_local()
+        return local, list(layout["o"]), list(layout["sh"])
     return target, [0] * target.dim(), list(target.shape)
 
 
-def load_into_tensor(target: Any, meta: ShardedTensorMeta, read_range: ReadRange, *, verify: bool = True) -> int:
+def load_into_tensor(target: Any, meta: ShardedTensorMeta, read_range: ReadRange, *, verify: bool = True,
+                     rank: Any = ...) -> int:
     """Fill ``target`` in place from the stored chunks of ``meta``; returns the bytes read.
 
     ``target`` is a DTensor (its local shard is filled: any mesh, any Shard/Replicate placements)
@@ -202,7 +212,7 @@ def load_into_tensor(target: Any, meta: ShardedTensorMeta, read_range: ReadRange
         raise RestoreError(
             f"{meta.key}: the target is shape {list(target.shape)} {dtype} but the checkpoint holds "
             f"shape {list(meta.global_shape)} {meta.dtype}")
-    local, offsets, sizes = target_chunk(target)
+    local, offsets, sizes = target_chunk(target, rank)
     return load_chunk(local, meta, offsets, sizes, read_range, verify=verify)
 
 
@@ -219,17 +229,17 @@ def load_chunk(local: Any, meta: ShardedTensorMeta, offsets: Sequence[int], size
     fetched: Dict[int, List[Tuple[int, Any]]] = {}
     total = 0
     checked = getattr(read_range, "read_checked", None)  # a reader with other copies to fall back on
+    into = getattr(read_range, "read_checked_into", None)
+    direct = _direct_targets(meta, items, local) if into is not None else {}
+    done: set = set()  # items read straight into the target
     for n, b, e in _fetches(meta, items, verify):
         c = meta.chunks[items[n].chunk]
-
-        def check(data: Any, c: StoredChunk = c, b: int = b, e: int = e) -> None:
-            if len(data) != e - b:
-                raise IntegrityError(f"{c.file}: {meta.key}: read {len(data)} bytes at {c.offset + b}, "
-                                     f"expected {e - b} (file truncated?)")
-            if verify and c.digests:
-                p = c.piece_size
-                verify_pieces(data, b // p, c.digests, p, file=c.file, what=meta.key)
-
+        if n in direct:  # the whole stored chunk into its place in the target: read there, checked there
+            into(c.file, c.offset, direct.pop(n), _piece_check(meta, c, 0, c.nbytes, verify))
+            done.add(n)
+            total += c.nbytes
+            continue
+        check = _piece_check(meta, c, b, e, verify)
         if checked is not None:  # read_checked(file, begin, end, check): the first copy check passes
             data = memoryview(checked(c.file, c.offset + b, c.offset + e, check)).cast("B")
         else:
@@ -241,6 +251,8 @@ def load_chunk(local: Any, meta: ShardedTensorMeta, offsets: Sequence[int], size
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*not writable.*")  # read-only views: only copied from
         for n, it in enumerate(items):
+            if n in done:
+                continue
             c = meta.chunks[it.chunk]
             s0, s1 = _span(meta, c, it)
             parts = fetched.get(n, [])
@@ -261,6 +273,42 @@ def load_chunk(local: Any, meta: ShardedTensorMeta, offsets: Sequence[int], size
             dst = local[tuple(slice(o, o + s) for o, s in zip(it.dst_offsets, it.sizes))]
             dst.copy_(src)
     return total
+
+
+def _direct_targets(meta: ShardedTensorMeta, items: Sequence[ReadItem], local: Any) -> Dict[int, Any]:
+    """item index -> the writable bytes of its place in ``local``, for the items that copy a whole
+    stored chunk into a contiguous region of a CPU target (the same layout as saved: every item;
+    a resharded one: the chunks that fall whole in the new shard, split on the leading dim): those
+    are read into the target's memory, not into a buffer copied from after."""
+    import torch
+
+    out: Dict[int, Any] = {}
+    if local.device.type != "cpu" or local.is_conj() or local.is_neg():
+        return out
+    for n, it in enumerate(items):
+        c = meta.chunks[it.chunk]
+        if c.nbytes == 0 or any(it.src_offsets) or tuple(it.sizes) != tuple(c.chunk.sizes):
+            continue
+        whole = not any(it.dst_offsets) and tuple(it.sizes) == tuple(local.shape)
+        dst = (local if whole else local[tuple(slice(o, o + s) for o, s in zip(it.dst_offsets, it.sizes))]).detach()
+        if not dst.is_contiguous() or dst.numel() * dst.element_size() != c.nbytes:
+            continue
+        out[n] = memoryview(dst.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return out
+
+
+def _piece_check(meta: ShardedTensorMeta, c: StoredChunk, b: int, e: int, verify: bool) -> Callable[[Any], None]:
+    """The check of bytes [b, e) of stored chunk ``c`` (chunk-relative): their length, and with
+    ``verify`` (and digests recorded) every piece's digest."""
+    def check(data: Any) -> None:
+        if len(data) != e - b:
+            raise IntegrityError(f"{c.file}: {meta.key}: read {len(data)} bytes at {c.offset + b}, "
+                                 f"expected {e - b} (file truncated?)")
+        if verify and c.digests:
+            p = c.piece_size
+            verify_pieces(data, b // p, c.digests, p, file=c.file, what=meta.key)
+
+    return check
 
 
 def assemble_full(meta: ShardedTensorMeta, read_range: ReadRange, *, verify: bool = True) -> Any:

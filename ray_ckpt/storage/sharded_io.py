@@ -25,7 +25,7 @@ from ..errors import IntegrityError, RestoreError, one_line
 from ..formats import safetensors_io
 from ..formats.manifest import ROLE_TABLE, ROLE_TENSORS, StateEntry
 from ..formats.nodes import leaf_key
-from ..formats.sharded_leaf import walk_sharded
+from ..formats.sharded_leaf import global_rank, walk_sharded
 from ..formats.tree import unflatten
 from .shard_header import check_header_chunks, digest_check, parse_header
 from .target_match import check_keys, match_tensor, merge_scalars, mismatch, refuse_mismatches, tensor_keys
@@ -57,6 +57,31 @@ class RangeReader:
                       for h in [((entry.shards or {}).get("heads") or {}).get(str(r))] if f.role == ROLE_TENSORS}
         self.index: Any = None  # set: the header of every file a chunk is read from is checked first
         self.headers_checked: set = set()
+        self._sources: Dict[Tuple[int, str], Any] = {}  # (tier, file) -> its RangeSource, opened once
+
+    def close(self) -> None:
+        """Close the files kept open for ranged reads (also done when the reader is dropped)."""
+        sources, self._sources = self._sources, {}
+        for src in sources.values():
+            src.close()
+
+    def __enter__(self) -> "RangeReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _source(self, t: int, tier: Tier, file: str) -> Any:
+        src = self._sources.get((t, file))
+        if src is None:
+            src = self._sources[(t, file)] = tier.open_ranges(file)
+        return src
 
     def __call__(self, file: str, begin: int, end: int) -> Any:
         return self.read_checked(file, begin, end, None)
@@ -92,6 +117,41 @@ class RangeReader:
         self.read_checked(file, 0, n, check)
 
     def read_checked(self, file: str, begin: int, end: int, check: Optional[Callable[[Any], None]]) -> Any:
+        def fetch(t: int, tier: Tier) -> Any:
+            if hasattr(tier, "open_ranges"):
+                buf = bytearray(end - begin)
+                self._source(t, tier, file).read_into(begin, buf)
+                return buf
+            return tier.read_range(file, begin, end)
+
+        return self._first_good(file, begin, end, check, fetch)
+
+    def read_checked_into(self, file: str, begin: int, out: Any, check: Optional[Callable[[Any], None]]) -> None:
+        """``read_checked`` of bytes ``[begin, begin + len(out))`` straight into the writable
+        buffer ``out`` (the memory of the tensor they restore: no second copy); ``check(out)`` runs
+        on it after each tier's read, and a tier whose bytes fail it is passed over like in
+        ``read_checked`` (``out`` then holds the next tier's bytes, or unverified ones on failure)."""
+        mv = memoryview(out).cast("B")
+
+        def fetch(t: int, tier: Tier) -> Any:
+            if hasattr(tier, "open_ranges"):
+                self._source(t, tier, file).read_into(begin, mv)
+            else:  # a tier that only hands out fresh buffers (a peer replica)
+                data = memoryview(tier.read_range(file, begin, begin + len(mv))).cast("B")
+                if len(data) != len(mv):
+                    raise IntegrityError(f"{file}: read {len(data)} bytes at {begin}, expected {len(mv)}")
+                mv[:] = data
+            return mv
+
+        self._first_good(file, begin, begin + len(mv), check, fetch)
+
+    def _drop(self, t: int, file: str) -> None:
+        src = self._sources.pop((t, file), None)
+        if src is not None:
+            src.close()
+
+    def _first_good(self, file: str, begin: int, end: int, check: Optional[Callable[[Any], None]],
+                    fetch: Callable[[int, Tier], Any]) -> Any:
         if file not in self.paths:
             raise IntegrityError(f"state {self.name!r}: the shard index names {file!r}, which is not one of the "
                                  f"state's files in the manifest: refused")
@@ -101,9 +161,9 @@ class RangeReader:
         if self.index is not None and file not in self.headers_checked:
             self.check_header(file)
         errors = []
-        for tier in self.tiers:
+        for t, tier in enumerate(self.tiers):
             try:
-                data = tier.read_range(file, begin, end)
+                data = fetch(t, tier)
                 self.bytes += len(data)
                 self.calls += 1
                 if check is not None:
@@ -116,6 +176,7 @@ class RangeReader:
                 continue
             except OSError as exc:
                 errors.append(f"{tier.name}: {tier.scrub(one_line(exc))}")
+                self._drop(t, file)  # a failing descriptor is not reused
                 continue
             if tier is not self.tiers[0]:
                 self.tier = farther(self.tier, tier.name)
@@ -204,9 +265,10 @@ def load_full(tiers: Sequence[Tier], entry: StateEntry, name: str, allow_pickle:
     index = index_of_entry(entry, name)
     reader = RangeReader(tiers, entry, name)
     reader.index = index
-    structure, arrays, tables = read_head(entry, name, reader, tiers, allow_pickle, index)
-    return full_state(structure, arrays, tables, index, reader, verify=verify, allow_pickle=allow_pickle,
-                      state_name=name), reader
+    with reader:  # its files are closed when done (the counters stay)
+        structure, arrays, tables = read_head(entry, name, reader, tiers, allow_pickle, index)
+        return full_state(structure, arrays, tables, index, reader, verify=verify, allow_pickle=allow_pickle,
+                          state_name=name), reader
 
 
 def full_tensors(tiers: Sequence[Tier], entry: StateEntry, name: str, verify: bool = True
@@ -218,12 +280,13 @@ def full_tensors(tiers: Sequence[Tier], entry: StateEntry, name: str, verify: bo
     index = index_of_entry(entry, name)
     reader = RangeReader(tiers, entry, name)
     reader.index = index
-    plain = _plain_of(entry, name, reader, tiers, False, index)
-    out: Dict[str, Any] = {}
-    for path, t in iter_tensor_leaves(plain):
-        out[leaf_key(path)] = t
-    for key, m in index.items():
-        out[key] = assemble_full(m, reader, verify=verify)
+    with reader:  # its files are closed when done (the counters stay)
+        plain = _plain_of(entry, name, reader, tiers, False, index)
+        out: Dict[str, Any] = {}
+        for path, t in iter_tensor_leaves(plain):
+            out[leaf_key(path)] = t
+        for key, m in index.items():
+            out[key] = assemble_full(m, reader, verify=verify)
     return out, reader
 
 
@@ -244,8 +307,9 @@ def load_into_state(tiers: Sequence[Tier], entry: StateEntry, name: str, state: 
     Every key, shape and dtype is checked before the first byte of the target changes: a mismatch
     is a RestoreError naming it; keys missing on either side are one too unless ``strict=False``
     (then skipped and named in the report's detail). A range with no good copy on any tier raises
-    RestoreError after part of the target was filled (the report of a successful call says which
-    tier was read)."""
+    RestoreError after part of the target was filled (whole chunks are read straight into the
+    target and verified there: that range may hold the bytes that failed; such a target is not to
+    be used). The report of a successful call says which tier was read."""
     from ..formats.shards import load_into_tensor
 
     torch = _torch()
@@ -259,6 +323,7 @@ def load_into_state(tiers: Sequence[Tier], entry: StateEntry, name: str, state: 
     targets = tensor_keys(state)
     saved_plain = {k: v for k, v in tensor_keys(plain).items()}
     jobs, missing, bad = [], [], []
+    rank = global_rank()  # once for every target
     for key, t in targets.items():
         m = index.get(key)
         if m is not None:
@@ -267,7 +332,7 @@ def load_into_state(tiers: Sequence[Tier], entry: StateEntry, name: str, state: 
                 try:
                     from ..formats.shards import target_chunk
 
-                    target_chunk(t)
+                    target_chunk(t, rank)
                 except ValueError as exc:
                     why = f"{key}: {exc}"
             bad.append(why) if why else jobs.append((t, m))
@@ -282,9 +347,10 @@ def load_into_state(tiers: Sequence[Tier], entry: StateEntry, name: str, state: 
                 with torch.no_grad():
                     t.copy_(src)
             else:
-                load_into_tensor(t, src, reader, verify=verify)
+                load_into_tensor(t, src, reader, verify=verify, rank=rank)
     except IntegrityError as exc:
         raise RestoreError(f"state {name!r}: {exc}; the target is partly filled") from None
+    reader.close()  # (on an error, when the reader is dropped)
     merge_scalars(state, plain)
     if reader.problems:
         detail = "; ".join([detail] * bool(detail) + reader.problems[:4])

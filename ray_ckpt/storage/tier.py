@@ -26,6 +26,7 @@ from ..errors import CheckpointError, IntegrityError, one_line
 from ..formats.checksum import HashingSink, combine, digest
 from .filesystems import OBJECT_STORES, redact_uri, resolve_filesystem, s3_hint, scrub
 from .layout import MANIFEST, manifest_path, parse_version_dir
+from .range_source import RangeSource
 from .confined import (NotOurs, kind_of, list_under, lstat_under, make_dirs_under, open_regular, prune_under,
                        unlink_under)
 from .local_files import (TMP_MARK, RateLimit, WholeWrites, hash_file, host_buffer, local_atomic, map_fd,
@@ -204,34 +205,21 @@ class Tier:
         locally a link or special file in its place) or the filesystem's OSError."""
         if begin < 0 or end < begin:
             raise ValueError(f"bad byte range [{begin}, {end}) of {rel}")
-        n = end - begin
-        buf = bytearray(n)
-        mv = memoryview(buf)
-        got = 0
-        if self.is_local:
-            fd = open_regular(self.root, rel)
-            try:
-                while got < n:
-                    k = os.preadv(fd, [mv[got:]], begin + got)
-                    if not k:
-                        break
-                    got += k
-            finally:
-                os.close(fd)
-        elif n:
-            f = self.fs.open_input_file(self.abspath(rel))
-            try:
-                while got < n:
-                    chunk = f.read_at(n - got, begin + got)
-                    if not len(chunk):
-                        break
-                    mv[got: got + len(chunk)] = memoryview(chunk).cast("B")
-                    got += len(chunk)
-            finally:
-                f.close()
-        if got != n:
-            raise IntegrityError(f"{self.describe(rel)}: short read ({got} of {n} bytes at {begin}): truncated?")
+        buf = bytearray(end - begin)
+        self.read_range_into(rel, begin, memoryview(buf))
         return buf
+
+    def read_range_into(self, rel: str, begin: int, out: Any) -> None:
+        """Bytes ``[begin, begin + len(out))`` of ``rel`` into the writable buffer ``out`` (e.g. the
+        memory of the tensor they restore, so they are not copied again), as :meth:`read_range`
+        reads them; not verified here either. Same errors as :meth:`read_range`."""
+        with self.open_ranges(rel) as src:
+            src.read_into(begin, out)
+
+    def open_ranges(self, rel: str) -> RangeSource:
+        """``rel`` opened once for many ranged reads (``RangeSource.read_into``; close it). Raises
+        what :meth:`read_range` raises for a missing file or one that is not a regular file."""
+        return RangeSource(self, rel)
 
     def read_verified(self, rel: str, size: int, checksum: str) -> Any:
         """Read ``rel`` and check it against the manifest. Raises FileNotFoundError or IntegrityError.

@@ -14,9 +14,10 @@ extra      every rank, stored once        the LR scheduler's state, the world si
 rng        every rank (rank-local)        ``rc.rng_state()`` of the rank's process
 ========== ============================== ====================================================
 
-``save_checkpoint`` pushes and returns (the only pause is the copy of the rank's state into Ray's
-object store); a background thread per manager waits for the commit, then rank 0 writes the
-pointer file and verl's tracker (``tracker.py``) and starts the ``hf_model`` export
+``save_checkpoint`` pushes and returns (with ``overlap``, the default, the pause is flattening the
+state into views: the four parts are captured inside one ``engine.push_group()``, and their copies
+into Ray's object store begin after it); a background thread per manager waits for the commit, then
+rank 0 writes the pointer file and verl's tracker (``tracker.py``) and starts the ``hf_model`` export
 (``hf_export.py``). Only the public API of ray_ckpt is used."""
 from __future__ import annotations
 
