@@ -56,7 +56,6 @@ from . import zero
 from .settings import OpenRLHFSettings, read_settings
 from ..committed import (broadcast_error, error_line, read_pointer, wait_committed, wait_done, watch_saves,
                          write_pointer)
-from .keepalive import hold_mailbox
 from .tracker import advance_latest, read_latest, step_of_tag
 
 log = logging.getLogger("ray_ckpt.openrlhf")
@@ -138,8 +137,6 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
                     engine = rc.CheckpointEngine.create(name, **s.create)
                 else:
                     engine = rc.CheckpointEngine.connect(name, timeout=s.connect_timeout_s)
-                if s.overlap:  # before any rank's overlapped push opens the mailbox (keepalive.py)
-                    hold_mailbox(name, timeout=s.connect_timeout_s)
             except Exception as exc:
                 error = f"ray_ckpt run {name!r} could not be {'created' if s.creates else 'connected'} on rank 0: " \
                         f"{error_line(exc)}"
