@@ -21,6 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_openrlhf_style_example_resumes_on_another_world_size(ray_session, tmp_path, capsys):
     mod = runpy.run_path(str(ROOT / "examples" / "openrlhf_style" / "train.py"), run_name="openrlhf_under_test")
@@ -63,6 +64,7 @@ def _deepspeed_installed() -> bool:
     return importlib.util.find_spec("openrlhf") is not None and importlib.util.find_spec("deepspeed") is not None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_deepspeed_backend_resumes_openrlhf_strategy_on_another_rank_count(ray_session, tmp_path, capsys):
     if not _deepspeed_installed():
