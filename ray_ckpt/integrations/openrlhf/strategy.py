@@ -224,10 +224,11 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
             partition[zero.FROZEN] = zero.frozen_state(model)
         # the overlapped push last: its copy starts at once and would take the cores (and the GIL)
         # from the small pushes after it
-        handles = [eng.submit(step, EXTRA, extra, rank=rank),
-                   eng.submit(step, MODULE, zero.buffers(model) if rank == 0 else {}, rank=rank),
-                   eng.submit(step, RNG, rc.rng_state(), rank=rank),
-                   eng.submit(step, OPTIM, partition, rank=rank, overlap_with=self._fenced(model))]
+        with eng.push_group():  # the copy begins, and the parts leave, once all four are captured
+            handles = [eng.submit(step, EXTRA, extra, rank=rank),
+                       eng.submit(step, MODULE, zero.buffers(model) if rank == 0 else {}, rank=rank),
+                       eng.submit(step, RNG, rc.rng_state(), rank=rank),
+                       eng.submit(step, OPTIM, partition, rank=rank, overlap_with=self._fenced(model))]
         metric = (metric_value, metric_key) if metric_value is not None or metric_key is not None else None
         save = _Save(step, tag, os.path.join(os.path.abspath(save_dir), tag), handles, bool(save_latest), metric)
         with self._lock:
