@@ -16,6 +16,13 @@ def path_str(path: list) -> str:
     return "".join(f"[{k!r}]" for k in path) or "<root>"
 
 
+def unsupported_at(obj: Any, path: list, why: str = "") -> str:
+    """How an unsupported-leaf error starts wherever a state is walked: the object's type, where it
+    lies, and why when there is more to say than its type."""
+    return (f"unsupported object of type {type(obj).__module__}.{type(obj).__qualname__} at {path_str(path)}"
+            + (f" ({why})" if why else ""))
+
+
 def leaf_key(path: list) -> str:
     """The key of the leaf at ``path`` (dict keys / list indices from the root) in a shard index:
     ``"optim/state/0/exp_avg"``. ``formats.shards`` walks a target state with the same function;

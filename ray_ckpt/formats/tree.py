@@ -38,7 +38,7 @@ import numpy as np
 from ..errors import RestoreError, UnsupportedTypeError
 from .dtypes import import_torch, numpy_view, st_dtype_of_numpy, torch_to_st
 from .flat import Flat
-from .nodes import dec_key, enc_key, float_node, float_of, leaf_key, path_str
+from .nodes import dec_key, enc_key, float_node, float_of, leaf_key, path_str, unsupported_at
 from .sharded_leaf import (ShardedLeaf, TensorChunk, chunk_layout, dtensor_type, global_rank, layout_of,
                            sharded_leaf)
 
@@ -68,12 +68,9 @@ class _Encoder:
 
     def unsupported(self, obj: Any, path: list, why: str = "") -> UnsupportedTypeError:
         name = self.state_name
-        return UnsupportedTypeError(
-            f"state {name!r}: unsupported object of type {type(obj).__module__}.{type(obj).__qualname__} "
-            f"at {path_str(path)}{(' (' + why + ')') if why else ''}; supported leaves are tensors, numpy "
-            f"arrays, Arrow tables and JSON scalars (pass allow_pickle=True when registering {name!r} "
-            f"to store it with pickle)"
-        )
+        return UnsupportedTypeError(f"state {name!r}: {unsupported_at(obj, path, why)}; supported leaves are "
+                                    f"tensors, numpy arrays, Arrow tables and JSON scalars (pass allow_pickle=True "
+                                    f"when registering {name!r} to store it with pickle)")
 
     def enc(self, obj: Any, path: list) -> Any:
         """The node of ``obj``; the order of the checks matters (a DTensor is a Tensor, a bool an int)."""

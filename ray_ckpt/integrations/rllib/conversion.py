@@ -20,11 +20,12 @@ import collections
 import io
 import math
 import zlib
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 
 from ...errors import UnsupportedTypeError
+from ...formats.nodes import unsupported_at
 from ._rllib_internals import RUNNING_STAT_ARRAYS, RUNNING_STAT_MARKER
 
 try:
@@ -41,10 +42,6 @@ _ITEMS = "__ray_ckpt_items__"   # a dict whose keys the formats do not support: 
 _NPY = "__ray_ckpt_npy__"       # an RLlib base64(zlib(np.save)) array string, stored as an array
 _SET = "__ray_ckpt_set__"       # a set / frozenset: {_SET: [items], "frozen": bool}
 _MARK = "__ray_ckpt_"
-
-
-def _path_str(path: Sequence[Any]) -> str:
-    return "".join(f"[{k!r}]" for k in path) or "<root>"
 
 
 def _decode_npy_b64(s: str) -> Optional[np.ndarray]:
@@ -78,11 +75,10 @@ class _ToStorable:
     def refuse(self, x: Any, path: list, why: str = "") -> UnsupportedTypeError:
         name = self.state_name
         return UnsupportedTypeError(
-            f"RLlib state {name!r}: unsupported object of type {type(x).__module__}."
-            f"{type(x).__qualname__} at {_path_str(path)}{(' (' + why + ')') if why else ''}; "
-            f"ray_ckpt stores tensors, numpy arrays, Arrow tables, JSON scalars and dicts/lists/tuples "
-            f"of them without pickle. Pass allow_pickle=({name!r},) to make_callback / "
-            f"restore_algorithm to store this state with pickle (loading it then runs code)")
+            f"RLlib state {name!r}: {unsupported_at(x, path, why)}; ray_ckpt stores tensors, numpy arrays, "
+            f"Arrow tables, JSON scalars and dicts/lists/tuples of them without pickle. Pass "
+            f"allow_pickle=({name!r},) to make_callback / restore_algorithm to store this state with pickle "
+            f"(loading it then runs code)")
 
     def conv_dict(self, x: dict, path: list) -> Any:
         conv = self.conv

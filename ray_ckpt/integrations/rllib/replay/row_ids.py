@@ -55,18 +55,10 @@ class RowIds:
         self.inc = None
 
     def agent_code(self, aid: Any) -> int:
-        c = self._agent_code.get(aid)
-        if c is None:
-            c = self._agent_code[aid] = len(self.agents)
-            self.agents.append(aid)
-        return c
+        return _code(self._agent_code, self.agents, aid)
 
     def module_code(self, mid: Any) -> int:
-        c = self._module_code.get(mid)
-        if c is None:
-            c = self._module_code[mid] = len(self.modules)
-            self.modules.append(mid)
-        return c
+        return _code(self._module_code, self.modules, mid)
 
     def seed(self, agents: List[Any], modules: List[Any], next_id: int) -> None:
         for a in agents:
@@ -136,3 +128,12 @@ def _update_ids(rid: RowIds, buffer: Any, lists: List[Tuple[Any, List[tuple], in
     keys = np.concatenate(out_k) if out_k else np.empty((0, 2), np.int64)
     ids = np.concatenate(out_i) if out_i else np.empty(0, np.int64)
     return keys, ids
+
+
+def _code(codes: Dict[Any, int], order: List[Any], key: Any) -> int:
+    """``key``'s small integer code, given in order of first use (``order[code] == key``)."""
+    c = codes.get(key)
+    if c is None:
+        c = codes[key] = len(order)
+        order.append(key)
+    return c
