@@ -133,3 +133,26 @@ def small_disk(tmp_path):
     yield mount
     for path in mounted:
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_runs_left_by_the_module():
+    """Stop the ray_ckpt actors (coordinators, with the writers they own; mailboxes; replica holders)
+    that a module's tests started and left running: a run created inside a rank actor (verl,
+    OpenRLHF) has a coordinator that outlives the actor, and its writers' CPUs would be missing from
+    the session's 4 for every later module."""
+    if not ray.is_initialized():
+        yield
+        return
+    from ray_ckpt.protocol import NAMESPACE
+
+    def ours():
+        return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a.get("namespace") == NAMESPACE}
+
+    before = ours()
+    yield
+    for name in ours() - before:
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        except (ValueError, ray.exceptions.RayError):
+            pass
