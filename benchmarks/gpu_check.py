@@ -112,6 +112,21 @@ def run(learner, steps, every, save):
     return ray.get(learner.result.remote()), calls
 
 
+def _report(title, stock, save, load, times, want, got) -> bool:
+    """Print a framework step's table (ours vs the stock save, a durable version, the load) and
+    whether every tensor came back bit-equal; returns that."""
+    block, durable, load_s, stock_s = times
+    same = want.keys() == got.keys() and all(torch.equal(want[k].view(torch.uint8), got[k].view(torch.uint8))
+                                             for k in want)
+    print(title)
+    print(f"| what | ray_ckpt | {stock} | ratio |")
+    print(f"| {save} blocks the rank, s | {block:.3f} | {stock_s:.3f} | {block / stock_s:.3f}x |")
+    print(f"| save to a durable version, s | {durable:.3f} | {stock_s:.3f} (no fsync) | {durable / stock_s:.3f}x |")
+    print(f"| {load} (same world size), s | {load_s:.3f} | - | - |")
+    print(f"bit-equal after load: {'yes' if same else 'NO'}")
+    return same
+
+
 def verl_step(device: str, hidden: int, layers: int) -> None:
     """verl's FSDP2 wrapping (``apply_fsdp2``) of a Qwen2 on ``device`` (one rank: NCCL on CUDA, gloo
     on CPU), saved by ``RayCkptCheckpointManager`` and by verl's own ``FSDPCheckpointManager``, then
@@ -184,15 +199,9 @@ def verl_step(device: str, hidden: int, layers: int) -> None:
     loader.load_checkpoint(path)
     load_s = time.perf_counter() - t0
     got = full(fresh, fresh_opt)
-    same = want.keys() == got.keys() and all(torch.equal(want[k].view(torch.uint8), got[k].view(torch.uint8))
-                                             for k in want)
-    print(f"verl step on {device}: Qwen2 hidden {hidden} x {layers} layers, {nbytes / 2**30:.2f} GiB "
-          f"(params + AdamW moments)")
-    print("| what | ray_ckpt | verl FSDPCheckpointManager | ratio |")
-    print(f"| save_checkpoint blocks the rank, s | {block:.3f} | {stock_s:.3f} | {block / stock_s:.3f}x |")
-    print(f"| save to a committed version, s | {committed:.3f} | {stock_s:.3f} | {committed / stock_s:.3f}x |")
-    print(f"| load_checkpoint (same world size), s | {load_s:.3f} | - | - |")
-    print(f"bit-equal after load (parameters and AdamW moments): {'yes' if same else 'NO'}")
+    same = _report(f"verl step on {device}: Qwen2 hidden {hidden} x {layers} layers, {nbytes / 2**30:.2f} GiB "
+                   f"(params + AdamW moments)", "verl FSDPCheckpointManager", "save_checkpoint",
+                   "load_checkpoint", (block, committed, load_s, stock_s), want, got)
     dist.destroy_process_group()
     shutil.rmtree(root, ignore_errors=True)
     if not same:
@@ -281,15 +290,9 @@ def deepspeed_step(device: str, hidden: int, layers: int, stage: int) -> None:
     fresh_strategy.load_ckpt(fresh, os.path.join(root, "ours"))
     load_s = time.perf_counter() - t0
     got = full(fresh)
-    same = want.keys() == got.keys() and all(torch.equal(want[k].view(torch.uint8), got[k].view(torch.uint8))
-                                             for k in want)
-    print(f"deepspeed step on {device}: ZeRO-{stage}, Qwen2 hidden {hidden} x {layers} layers, "
-          f"{nbytes / 2**30:.2f} GiB (fp32 masters + Adam moments + bf16 weights)")
-    print("| what | ray_ckpt | OpenRLHF stock save_ckpt | ratio |")
-    print(f"| save_ckpt blocks the rank, s | {block:.3f} | {stock_s:.3f} | {block / stock_s:.3f}x |")
-    print(f"| save to a durable version, s | {durable:.3f} | {stock_s:.3f} (no fsync) | {durable / stock_s:.3f}x |")
-    print(f"| load_ckpt (same world size), s | {load_s:.3f} | - | - |")
-    print(f"bit-equal after load (fp32 masters, Adam moments, 16-bit weights): {'yes' if same else 'NO'}")
+    same = _report(f"deepspeed step on {device}: ZeRO-{stage}, Qwen2 hidden {hidden} x {layers} layers, "
+                   f"{nbytes / 2**30:.2f} GiB (fp32 masters + Adam moments + bf16 weights)",
+                   "OpenRLHF stock save_ckpt", "save_ckpt", "load_ckpt", (block, durable, load_s, stock_s), want, got)
     fresh_strategy.wait_until_finished(timeout=60)
     import torch.distributed as dist
 
