@@ -180,9 +180,11 @@ def verl_step(device: str, hidden: int, layers: int) -> None:
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
     ours = RayCkptCheckpointManager(model=model, optimizer=opt, lr_scheduler=None, processing_class=None,
                                     checkpoint_config=ckpt)
-    path = os.path.join(root, "trainer", "global_step_1", "actor")
+    ours.save_checkpoint(os.path.join(root, "trainer", "global_step_1", "actor"), None, global_step=1)
+    ours.wait_until_finished(timeout=600)  # the first save creates the run: not timed
+    path = os.path.join(root, "trainer", "global_step_2", "actor")
     t0 = time.perf_counter()
-    ours.save_checkpoint(path, None, global_step=1)
+    ours.save_checkpoint(path, None, global_step=2)
     block = time.perf_counter() - t0
     ours.wait_until_finished(timeout=600)
     committed = time.perf_counter() - t0
