@@ -38,10 +38,8 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import deepspeed
@@ -56,6 +54,7 @@ from . import zero
 from .settings import OpenRLHFSettings, read_settings
 from ..committed import (broadcast_error, error_line, read_pointer, wait_committed, wait_done, watch_saves,
                          write_pointer)
+from .runs import Run as _Run, Save as _Save
 from .tracker import advance_latest, read_latest, step_of_tag
 
 log = logging.getLogger("ray_ckpt.openrlhf")
@@ -64,30 +63,6 @@ OPTIM, MODULE, EXTRA, RNG = "optim", "module", "extra", "rng"
 # what a version holds (extra["layout"]): 2 stores no 16-bit weight of a trainable parameter, and
 # the frozen parameters in optim["frozen"]; 1 (no layout key) stored ZeRO-1/2's whole module state
 LAYOUT = 2
-
-
-@dataclass
-class _Save:
-    step: int
-    tag: str
-    tag_dir: str
-    handles: List[Any]
-    save_latest: bool
-    metric: Optional[Tuple[Any, Any]]
-    done: threading.Event = field(default_factory=threading.Event)
-    error: Optional[str] = None
-
-
-class _Run:
-    """One save_dir's run on this rank: its engine, what it declared, its saves in flight."""
-
-    def __init__(self, name: str, engine: "rc.CheckpointEngine"):
-        self.name, self.engine = name, engine
-        self.declared: Optional[tuple] = None
-        self.kept: Optional[int] = None
-        self.saves: List[_Save] = []
-        self.failures: List[str] = []
-        self.jobs: "queue.Queue[_Save]" = queue.Queue()
 
 
 class RayCkptDeepspeedStrategy(DeepspeedStrategy):
