@@ -1,5 +1,5 @@
 """The entry points the RLlib callback and restore call: which strategy the replay states are saved
-with, capturing the algorithm's buffer into a save (format /4 single-agent, /1 multi-agent), keeping
+with, capturing the algorithm's buffer into a save (format /4 single-agent, /5 multi-agent), keeping
 the engine's registrations in step, and restoring a version's buffer into the algorithm.
 """
 from __future__ import annotations
@@ -10,12 +10,11 @@ from ....errors import InvalidArgumentError, RestoreError, SaveError
 from ....types import Strategy
 from ..conversion import from_storable
 from ..names import REPLAY, REPLAY_META, log
-from .buffers import META_FORMAT, buffer_kind, replay_buffer_of
+from .buffers import META_FORMAT, replay_buffer_of
 from .row_ids import RowIds, row_ids_of
-from .incremental_capture import capture_states
-from .incremental_restore import seed, states_to_v1
+from .incremental_ma_restore import log_to_v1, seed_log
 from .incremental_state import LOG_FORMATS, LOG_LAYOUT, META_FORMAT2
-from .two_state import capture_replay, restore_replay
+from .two_state import capture_log_states, restore_replay
 
 
 REPLAY_STRATEGIES = ("auto", "critical", "best_effort", "off")
@@ -38,14 +37,14 @@ def replay_strategy(setting: str, algorithm: Any):
     return Strategy.BEST_EFFORT if setting == "best_effort" else Strategy.CRITICAL
 
 
-def _row_floor(engine: Any, rid: RowIds, v3: bool = False) -> Optional[int]:
+def _row_floor(engine: Any, rid: RowIds) -> Optional[int]:
     """Where the ids of a buffer about to be saved into ``engine``'s run must start so that no id
     of the run's newest version is given to another row (None: the ids are that version's own).
     The ids are the run's own only after a restore of its newest version; a buffer restored from an
     older version or another run (a PBT exploit), or a new buffer on a run that has versions, gets
-    new ids for all its rows (its next save writes them all once); so does a single-agent buffer
-    (``v3``: captured by :mod:`.incremental_capture`, rows with ``prio`` columns) whose run's newest
-    version is of another format, and the ``replay_meta`` log starts at that version's next ids."""
+    new ids for all its rows (its next save writes them all once); so does a buffer whose run's
+    newest version is not a log (format /1 or /2: rows without ``prio`` columns), and the
+    ``replay_meta`` log starts at that version's next ids."""
     metas = sorted(engine.list_checkpoints(), key=lambda m: m.version)
     if not metas:
         return None
@@ -54,7 +53,7 @@ def _row_floor(engine: Any, rid: RowIds, v3: bool = False) -> Optional[int]:
         return None  # the engine checks new rows against the newest version only
     meta = from_storable(engine.load(name=REPLAY_META, version=newest.version))
     fmt = meta.get("format")
-    if rid.restored_from == (engine.run, newest.version) and (fmt in LOG_FORMATS) == v3:
+    if rid.restored_from == (engine.run, newest.version) and fmt in LOG_FORMATS:
         return None
     # ids of another run / version, or the stored rows have other columns (format /1, /2): all anew
     if fmt in LOG_FORMATS:
@@ -76,16 +75,13 @@ def capture_algorithm_replay(algorithm: Any, out: Dict[str, Any], strategy: Any,
     try:
         rid = row_ids_of(buf)
         if engine is not None and rid.checked_run != engine.run:
-            floor = _row_floor(engine, rid, v3=not buffer_kind(buf).multi_agent)
+            floor = _row_floor(engine, rid)
             if floor is not None:
                 log.info("ray_ckpt: run %r: the replay buffer's rows get new row ids from %d (its state is not "
                          "the run's newest version's): this save writes all of them", engine.run, floor)
                 rid.renumber(floor, rid.floors)
             rid.checked_run = engine.run
-        if buffer_kind(buf).multi_agent:
-            out[REPLAY], out[REPLAY_META] = capture_replay(buf, row_ids=rid)
-        else:
-            out.update(capture_states(buf, rid))
+        out.update(capture_log_states(buf, rid))
     except Exception as exc:  # best effort: this save goes on without the buffer, the reason logged
         if strategy is Strategy.CRITICAL or errors is None:
             raise
@@ -99,8 +95,8 @@ REPLAY_STATES = ("replay", "replay_meta")
 
 
 def _append_only(name: str, state: Any) -> bool:
-    """``replay`` always; ``replay_meta`` when it is the single-agent log (formats /3 and /4; a
-    multi-agent buffer's format /1 meta is a nested state, written whole)."""
+    """``replay`` always; ``replay_meta`` when it is a log (formats /3, /4, /5; format /1's meta, no
+    longer written, was a nested state written whole)."""
     return REPLAY_APPEND_ONLY and (name != REPLAY_META or (isinstance(state, dict)
                                                            and state.get("layout") == LOG_LAYOUT))
 
@@ -170,8 +166,8 @@ def restore_algorithm_replay(algorithm: Any, engine: Any, meta: Any, loaded: Dic
     fmt = from_storable(loaded[REPLAY_META]).get("format") if isinstance(loaded[REPLAY_META], dict) else None
     if fmt == META_FORMAT:
         restore_replay(buf, loaded[REPLAY], loaded[REPLAY_META], agent_to_module_mapping_fn=fn)
-    else:  # format /3 or /4 (:mod:`.incremental_state`): the rows and the replay_meta log
-        replay, meta_v1, seeds = states_to_v1({REPLAY: loaded[REPLAY], REPLAY_META: loaded[REPLAY_META]})
+    else:  # formats /3, /4 and /5 (:mod:`.incremental_state`): the rows and the replay_meta log
+        replay, meta_v1, seeds = log_to_v1({REPLAY: loaded[REPLAY], REPLAY_META: loaded[REPLAY_META]})
         restore_replay(buf, replay, meta_v1, agent_to_module_mapping_fn=fn)
-        seed(row_ids_of(buf), seeds, buf)
+        seed_log(row_ids_of(buf), seeds, buf)
     row_ids_of(buf).restored_from = (engine.run, int(meta.version))

@@ -6,7 +6,7 @@ changed leaves and the meta.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
 
@@ -14,7 +14,7 @@ from ....errors import UnsupportedTypeError
 from ..names import REPLAY, REPLAY_META, log
 from .buffers import _Kind, _attributes, buffer_kind, common_meta, extra_attrs, handled_attrs
 from .episode_parts import LAYOUT, _EpisodeParts, _int32, _split_episode, _table
-from .incremental_priorities import _priorities, _priority_record, _priority_scalars
+from .incremental_priorities import _hook, _priorities, _priority_record, _priority_scalars, touched_by_group
 from .incremental_state import (CHUNK, DICT, EPISODES, LOG_LAYOUT, META, META_FORMAT4, PRIORITIES, SAMPLE_LIMITS,
                                 STATIC, STATIC_KEYS, Incremental, _empty_log, _encode, _raw, pack_ids)
 from .records import _decode_raw, sample_of
@@ -33,17 +33,23 @@ def capture_states(buffer: Any, rid: RowIds) -> Dict[str, Any]:
     meta = common_meta(buffer, attrs, bname, META_FORMAT4)
     meta["module_counters"] = {}
     meta["extra_attrs"] = extra_attrs(attrs, handled_attrs(kind), bname)
-    for _ in range(2):
-        try:
-            out = _capture(buffer, rid, kind, bname, meta)
-            break
-        except _Misaligned as exc:
-            log.warning("ray_ckpt: replay buffer %s: %s: every row, episode and priority gets a new id "
-                        "(this save rewrites the buffer)", bname, exc)
-            rid.renumber(rid.next_id)
-    else:  # pragma: no cover - a full capture never misaligns
-        raise UnsupportedTypeError(f"replay buffer {bname}: could not be captured")
-    return {REPLAY: out[0], REPLAY_META: out[1]}
+    replay, log = with_retry(lambda: _capture(buffer, rid, kind, bname, dict(meta)), rid, bname)
+    return {REPLAY: replay, REPLAY_META: log}
+
+
+def with_retry(capture: Callable[[], Tuple[Any, Any]], rid: RowIds, bname: str) -> Tuple[Any, Any]:
+    """``capture()``; where the caches no longer describe the buffer, once more after forgetting
+    them (every row, episode and priority gets a new id: that save rewrites the buffer)."""
+    try:
+        return capture()
+    except _Misaligned as exc:
+        log.warning("ray_ckpt: replay buffer %s: %s: every row, episode and priority gets a new id "
+                    "(this save rewrites the buffer)", bname, exc)
+        rid.renumber(rid.next_id)
+    try:
+        return capture()
+    except _Misaligned as exc:  # pragma: no cover - a full capture never misaligns
+        raise UnsupportedTypeError(f"replay buffer {bname}: could not be captured ({exc})") from None
 
 
 class _Misaligned(Exception):
@@ -65,10 +71,23 @@ def _capture(buffer: Any, rid: RowIds, kind: _Kind, bname: str, meta: Dict[str, 
     if inc.refresh or not inc.dicts:  # a dictionary first: this save's records are compressed with it
         provisional = _raw(_packed_meta(buffer, rid, inc, kind, dict(meta), n, bname))
         _append_dict(inc, [ep_raw or b"", prio[0] if prio else b"", provisional])
+    append_records(inc, ep_raw, [p.key[0] for p in newly_done], prio, static, evicted)
+    rid.spaces.prune()
+    inc.keep_rows(live_spans(inc))
+    rid.inc = inc
+    rid.floors = None
+    packed = _packed_meta(buffer, rid, inc, kind, meta, n, bname)
+    return replay, _log_state(rid, inc, packed, n, bname, META_FORMAT4)
+
+
+def append_records(inc: Incremental, ep_raw: Any, done_keys: List[int], prio: Any, static: bytes,
+                   evicted: int) -> None:
+    """Append this save's episode batch (the episodes ``done_keys``), priority record and static
+    record (when it changed) to the log; episode batches whose episodes are all evicted leave."""
     if ep_raw is not None:
         first, m = inc.append_raw(EPISODES, ep_raw)
-        inc.batches.append([inc.next_batch, newly_done[-1].key[0], first, m])
-        inc.logged.update(p.key[0] for p in newly_done)
+        inc.batches.append([inc.next_batch, max(done_keys), first, m])
+        inc.logged.update(done_keys)
         inc.next_batch += 1
     inc.batches = [x for x in inc.batches if x[1] >= evicted]  # all their episodes evicted: they leave
     if prio is not None:
@@ -77,11 +96,12 @@ def _capture(buffer: Any, rid: RowIds, kind: _Kind, bname: str, meta: Dict[str, 
     if static != inc.static_raw or not inc.static:  # the live one leaves the log
         inc.static = list(inc.append_raw(STATIC, static))
         inc.static_raw = static
-    rid.spaces.prune()
-    inc.keep_rows([(a, m) for _, _, a, m in inc.batches] + [(a, m) for a, m, _ in inc.precs] + [tuple(inc.static)])
-    rid.inc = inc
-    rid.floors = None
-    return replay, _log_state(buffer, rid, inc, kind, meta, n, bname)
+
+
+def live_spans(inc: Incremental) -> List[Tuple[int, int]]:
+    """The log rows of the live records (the meta record aside): [first, rows) each."""
+    return ([(a, m) for _, _, a, m in inc.batches] + [(a, m) for a, m, _ in inc.precs] +
+            [(a, m) for a, m, _ in inc.env_recs] + [tuple(inc.static)])
 
 
 def _append_dict(inc: Incremental, raws: List[bytes]) -> None:
@@ -156,28 +176,35 @@ def _new_rows(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, full: boo
         if n < s or not np.array_equal(ids[:s], inc.ids[keep]):
             raise _Misaligned("its index list changed other than by appends and evictions")
     new_keys = keys[s:]
-    new = _gather(new_keys, rid.parts, inc, bname)
+    new = _gather(new_keys[:, 0], np.full(len(new_keys), -1, np.int64), new_keys[:, 1], rid.parts, inc, bname)
     new["episode"] = new_keys[:, 0].copy()
     new["t"] = _int32(new_keys[:, 1], "t")
-    if kind.prioritized:
-        new["tree"] = _int32(new_keys[:, 2], "tree")
     entries: List[Dict[str, np.ndarray]] = []
     if kind.prioritized:
-        entries = _priorities(buffer, inc, keep, new, ids, s, full, bname)
+        new["tree"] = _int32(new_keys[:, 2], "tree")
+        hooked = _hook(buffer, inc)
+        entries = _priorities({0: (buffer._sum_segment, buffer._min_segment)}, inc, keep, new, ids, s, full,
+                              hooked, touched_by_group(inc, None), bname)
+    merge_cols(inc, new, keep, s, full)
+    inc.ids, inc.evicted = ids, evicted
+    return {"row_id": ids, **inc.cols, "layout": LAYOUT}, entries
+
+
+def merge_cols(inc: Incremental, new: Dict[str, np.ndarray], keep: np.ndarray, s: int, full: bool) -> None:
+    """``inc.cols``: the surviving rows' columns, then the new rows'."""
     cols = {}
     for c, v in new.items():
         cols[c] = v if full else (np.concatenate([inc.cols[c][keep], v]) if s < len(keep)
                                   else np.concatenate([inc.cols[c], v]))
     if not full and set(cols) != set(inc.cols):
         raise _Misaligned(f"its columns changed ({sorted(set(cols) ^ set(inc.cols))})")
-    inc.cols, inc.ids, inc.evicted = cols, ids, evicted
-    return {"row_id": ids, **cols, "layout": LAYOUT}, entries
+    inc.cols = cols
 
 
-def _static_of(inc: Incremental, meta: Dict[str, Any], rid: RowIds) -> bytes:
+def _static_of(inc: Incremental, meta: Dict[str, Any], rid: RowIds, keys: Tuple[str, ...] = STATIC_KEYS) -> bytes:
     """What seldom changes, taken out of ``meta``, as a static record's bytes (a new record is
     appended only when they differ from the live one's)."""
-    static = {k: meta.pop(k, None) for k in STATIC_KEYS}
+    static = {k: meta.pop(k, None) for k in keys}
     static["spaces"] = rid.spaces.table
     static["templates"] = inc.templates
     return _raw(static)
@@ -198,50 +225,53 @@ def _packed_meta(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, meta: 
     return {k: v for k, v in meta.items() if k not in ("format", "buffer_type")}
 
 
-def _log_state(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, meta: Dict[str, Any], n: int,
-               bname: str) -> Dict[str, Any]:
-    """The ``replay_meta`` state: the log's live records and this save's meta record after them, and
-    in the open (plain scalars) what is read without decoding a record: where the meta record and
-    the dictionary it is compressed with start."""
-    raw = _raw(_packed_meta(buffer, rid, inc, kind, meta, n, bname))
+def _log_state(rid: RowIds, inc: Incremental, packed: Dict[str, Any], n: int, bname: str,
+               fmt: str) -> Dict[str, Any]:
+    """The ``replay_meta`` state: the log's live records and this save's meta record (``packed``)
+    after them, and in the open (plain scalars) what is read without decoding a record: where the
+    meta record and the dictionary it is compressed with start."""
+    raw = _raw(packed)
     blob = _encode(META, raw, zdict=inc.zdict)  # not kept in inc.log: a meta record is live in its own version only
-    packed = int.from_bytes(blob[0, :4].tobytes(), "little")
+    packed_len = int.from_bytes(blob[0, :4].tobytes(), "little")
     if inc.dict_base <= 0:  # the save that wrote the dictionary: what the meta record costs with it
-        inc.dict_base = packed
+        inc.dict_base = packed_len
     # the dictionary no longer describes the meta record (what the buffer holds changed): a new one
     # next save; not when it never helped much (a meta record of mostly new numbers)
-    inc.refresh = packed > 2 * inc.dict_base + CHUNK and packed > 0.5 * len(zlib.compress(bytes([META]) + raw, 9))
+    inc.refresh = packed_len > 2 * inc.dict_base + CHUNK and \
+        packed_len > 0.5 * len(zlib.compress(bytes([META]) + raw, 9))
     meta_at = inc.next_chunk
     ids = np.concatenate([inc.log["row_id"], np.arange(meta_at, meta_at + len(blob), dtype=np.int64)])
     inc.next_chunk += len(blob)
     return {"row_id": ids, "blob": np.concatenate([inc.log["blob"], blob]), "layout": LOG_LAYOUT,
-            "format": META_FORMAT4, "buffer_type": bname, "n_rows": int(n), "next_row_id": int(rid.next_id),
+            "format": fmt, "buffer_type": bname, "n_rows": int(n), "next_row_id": int(rid.next_id),
             "next_chunk": int(inc.next_chunk), "meta_at": int(meta_at), "dict_at": int(inc.dicts[-1][0]),
             "dict_rows": int(inc.dicts[-1][1]), "dict_base": int(inc.dict_base), "refresh": bool(inc.refresh),
             "chunk": CHUNK}
 
 
-def _gather(new_keys: np.ndarray, parts: Dict[Tuple[int, int], Any], inc: Incremental,
+def _gather(e: np.ndarray, a: np.ndarray, t: np.ndarray, parts: Dict[Tuple[int, int], Any], inc: Incremental,
             bname: str) -> Dict[str, np.ndarray]:
-    """The data columns of the new rows, read from their episodes' timesteps."""
-    m = len(new_keys)
+    """The data columns of the new rows (episode ``e``, agent code ``a`` (-1: single-agent), step ``t``),
+    read from their (agent) episodes' timesteps."""
+    m = len(e)
     pieces: Dict[str, List[np.ndarray]] = {c: [] for c in inc.sig}
     if m == 0:
         return {c: np.empty((0,) + sh, dt) for c, (dt, sh) in inc.sig.items()}
-    e, t = new_keys[:, 0], new_keys[:, 1]
-    uniq, inv = np.unique(e, return_inverse=True)
+    code = e.astype(np.int64) * (1 << 20) + (a.astype(np.int64) + 1)
+    uniq, inv = np.unique(code, return_inverse=True)
     order = np.argsort(inv, kind="stable")
     counts = np.bincount(inv)
     start = 0
-    for j, ek in enumerate(uniq.tolist()):
-        hit = parts.get((ek, -1))
+    for j, ck in enumerate(uniq.tolist()):
+        ek, ak = ck >> 20, (ck & ((1 << 20) - 1)) - 1
+        hit = parts.get((ek, ak))
         if hit is None:
-            raise UnsupportedTypeError(f"{bname}: an index refers to episode {ek}, which the buffer does not hold")
+            raise UnsupportedTypeError(f"{bname}: an index refers to episode {(ek, ak)}, which the buffer does not hold")
         p = hit[1]
         tt = t[order[start:start + counts[j]]]
         start += counts[j]
         if tt.max() >= p.n:
-            raise UnsupportedTypeError(f"{bname}: an index refers to a timestep beyond episode {ek}'s end")
+            raise UnsupportedTypeError(f"{bname}: an index refers to a timestep beyond episode {(ek, ak)}'s end")
         for f in p.fields:
             if f.template is None:
                 continue

@@ -1,11 +1,14 @@
-"""Prioritized single-agent buffers, incrementally: each new row's ``prio`` columns, and the priority
-records of the ``replay_meta`` log (the tree leaves that changed) fed by a recorder around the
-instance's ``update_priorities`` and spot-checked against the trees at each capture; compacted when
-they outgrow the buffer.
+"""Prioritized buffers, incrementally: each new row's ``prio`` columns, and the priority records of
+the ``replay_meta`` log (the tree leaves that changed) fed by a recorder around the instance's
+``update_priorities`` and spot-checked against the trees at each capture; compacted when they
+outgrow the buffer.
+
+A row's leaves live in one pair of sum/min trees: the buffer's (single-agent; group 0) or its
+module's (multi-agent; the group is the row's ``module`` code). The multi-agent buffer's env-step
+trees are not per row: :mod:`.incremental_multi_agent` keeps their leaves with the env steps.
 """
 from __future__ import annotations
 
-import itertools
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -13,26 +16,32 @@ import numpy as np
 from ....errors import UnsupportedTypeError
 from ..names import log
 from .incremental_state import Incremental, _leaf_codes, _raw
-from .segment_trees import _check_maps, _check_neutral, _free_nodes_state
-from .values import _pack_one
+from .priorities import tree_scalars
+from .segment_trees import _check_maps, _check_neutral
 
 # the log is compacted when it holds more than COMPACT_FACTOR entries per row (plus COMPACT_MIN)
 COMPACT_FACTOR = 2
 COMPACT_MIN = 4096
 SPOT = 64  # leaves compared against the cache at every capture
 
+Trees = Dict[int, Tuple[Any, Any]]  # group (module code; 0 single-agent) -> (sum tree, min tree)
 
-def _hook(buffer: Any, inc: Incremental) -> bool:
-    """Record the tree indices ``update_priorities`` changes (True: the recorder was in place)."""
+
+def _hook(buffer: Any, inc: Incremental, multi_agent: bool = False) -> bool:
+    """Record the tree indices ``update_priorities`` changes, as (module id or None, indices)
+    (True: the recorder was in place)."""
     cur = buffer.__dict__.get("update_priorities")
     if getattr(cur, "_ray_ckpt_inc", None) is inc:
         return True
     orig = type(buffer).update_priorities.__get__(buffer)
     touched = inc.touched
-    last = lambda: buffer._last_sampled_indices  # noqa: E731
 
     def update_priorities(*args: Any, **kw: Any) -> Any:
-        touched.append(list(last()))
+        if multi_agent:
+            mid = kw["module_id"] if "module_id" in kw else args[1]
+            touched.append((mid, list(buffer._module_to_last_sampled_indices[mid])))
+        else:
+            touched.append((None, list(buffer._last_sampled_indices)))
         return orig(*args, **kw)
     update_priorities._ray_ckpt_hook = True
     update_priorities._ray_ckpt_inc = inc
@@ -40,45 +49,73 @@ def _hook(buffer: Any, inc: Incremental) -> bool:
     return False
 
 
-def _priorities(buffer: Any, inc: Incremental, keep: np.ndarray, new: Dict[str, np.ndarray], ids: np.ndarray,
-                s: int, full: bool, bname: str) -> List[Dict[str, np.ndarray]]:
-    """New rows' ``prio`` columns; the log entries of the old rows whose leaves changed."""
-    st, mt = buffer._sum_segment, buffer._min_segment
-    cap = st.capacity
+def _group_leaves(trees: Trees, groups: np.ndarray, tidx: np.ndarray) -> Tuple[np.ndarray, ...]:
+    """(sum value, sum kind, min value, min kind) of the leaves ``tidx`` in each row's group's trees."""
+    sv, mv = np.empty(len(tidx), np.float64), np.empty(len(tidx), np.float64)
+    sk, mk = np.empty(len(tidx), np.int8), np.empty(len(tidx), np.int8)
+    for g in np.unique(groups).tolist():
+        sel = groups == g
+        if g not in trees:
+            raise UnsupportedTypeError(f"replay buffer: rows of module {g} but no segment trees for it")
+        st, mt = trees[g]
+        sv[sel], sk[sel] = _leaf_codes(st, tidx[sel], "sum tree")
+        mv[sel], mk[sel] = _leaf_codes(mt, tidx[sel], "min tree")
+    return sv, sk, mv, mk
+
+
+def _groups_of(cols: Dict[str, np.ndarray], n: int) -> np.ndarray:
+    return cols["module"].astype(np.int64) if "module" in cols else np.zeros(n, np.int64)
+
+
+def check_freed(trees: Tuple[Any, ...], freed: np.ndarray, what: str) -> None:
+    """Leaves no row holds any more must hold the neutral element (else the trees cannot be rebuilt)."""
+    for tr in trees:
+        if len(freed):
+            v, _ = _leaf_codes(tr, freed, what)
+            if np.any(v != tr.neutral_element):
+                raise UnsupportedTypeError(f"replay buffer: {what}: a freed leaf does not hold "
+                                           f"{tr.neutral_element}: the tree cannot be rebuilt from its rows")
+
+
+def _priorities(trees: Trees, inc: Incremental, keep: np.ndarray, new: Dict[str, np.ndarray], ids: np.ndarray,
+                s: int, full: bool, hooked: bool, touched: Dict[int, List[int]], bname: str
+                ) -> List[Dict[str, np.ndarray]]:
+    """New rows' ``prio`` columns; the log entries of the old rows whose leaves changed (``touched``:
+    tree indices ``update_priorities`` was given since the last capture, per group)."""
     tnew = new["tree"].astype(np.int64)
-    sv, sk = _leaf_codes(st, tnew, "_sum_segment")
-    mv, mk = _leaf_codes(mt, tnew, "_min_segment")
+    gnew = _groups_of(new, len(tnew))
+    sv, sk, mv, mk = _group_leaves(trees, gnew, tnew)
     new["prio"], new["prio_k"] = sv, sk
     entries = []
     differ = np.flatnonzero((mv != sv) | (mk != sk))
     if len(differ):  # RLlib sets both leaves alike: a min leaf of its own is logged
         entries.append(_entries(ids[s + differ], 2, mv[differ], mk[differ]))
-    trees = (st, mt, st.value, mt.value)
-    hooked = _hook(buffer, inc)
-    if full or inc.tree_to_row is None or len(inc.tree_to_row) != cap:
-        _check_neutral(st, np.concatenate([inc.cols["tree"][keep].astype(np.int64) if not full else
-                                             np.empty(0, np.int64), tnew]), f"{bname}._sum_segment")
-        _check_neutral(mt, np.concatenate([inc.cols["tree"][keep].astype(np.int64) if not full else
-                                             np.empty(0, np.int64), tnew]), f"{bname}._min_segment")
-        inc.tree_to_row = np.full(cap, -1, np.int64)
-        changed_pos = np.empty(0, np.int64)
-        if not full:
-            changed_pos = np.arange(s)  # compare every surviving row once
+    now = {g: (st, mt, st.value, mt.value) for g, (st, mt) in trees.items()}
+    told = inc.cols["tree"][keep].astype(np.int64) if not full else np.empty(0, np.int64)
+    gold = _groups_of(inc.cols, len(keep))[keep] if not full else np.empty(0, np.int64)
+    if full or any(g not in inc.tree_to_row or len(inc.tree_to_row[g]) != st.capacity
+                   for g, (st, _) in trees.items() if g in inc.trees):
+        for g, (st, mt) in trees.items():
+            used = np.concatenate([told[gold == g], tnew[gnew == g]])
+            _check_neutral(st, used, f"{bname} sum tree {g}")
+            _check_neutral(mt, used, f"{bname} min tree {g}")
+        inc.tree_to_row = {}
+        changed_pos = np.arange(s) if not full else np.empty(0, np.int64)
     else:
-        gone = inc.cols["tree"][~keep].astype(np.int64)
-        inc.tree_to_row[gone] = -1
-        free = np.setdiff1d(gone, tnew)
-        for tr, what in ((st, "_sum_segment"), (mt, "_min_segment")):
-            if len(free):
-                v, _ = _leaf_codes(tr, free, what)
-                if np.any(v != tr.neutral_element):
-                    raise UnsupportedTypeError(f"replay buffer: {bname}.{what}: a freed leaf does not hold "
-                                               f"{tr.neutral_element}: the tree cannot be rebuilt from its rows")
-        touched = np.unique(np.array(list(itertools.chain.from_iterable(inc.touched)), np.int64))
-        rows = inc.tree_to_row[touched[(touched >= 0) & (touched < cap)]] if len(touched) else touched
-        rows = rows[rows >= 0]
+        gone, ggone = inc.cols["tree"][~keep].astype(np.int64), _groups_of(inc.cols, len(keep))[~keep]
+        rows = []
+        for g, (st, mt) in trees.items():
+            t2r = inc.tree_to_row.get(g)
+            if t2r is None:
+                continue
+            t2r[gone[ggone == g]] = -1
+            check_freed((st, mt), np.setdiff1d(gone[ggone == g], tnew[gnew == g]), f"{bname} trees {g}")
+            tt = np.unique(np.array(touched.get(g, []), np.int64))
+            r = t2r[tt[(tt >= 0) & (tt < len(t2r))]] if len(tt) else tt
+            rows.append(r[r >= 0])
+        rows = np.sort(np.concatenate(rows)) if rows else np.empty(0, np.int64)
         changed_pos = np.searchsorted(ids[:s], rows)
-        intact = hooked and inc.trees[:2] == trees[:2] and inc.trees[2] is trees[2] and inc.trees[3] is trees[3]
+        intact = hooked and all(_same_trees(inc.trees.get(g, t), t) for g, t in now.items())
         if not intact:
             log.info("ray_ckpt: replay buffer %s: its trees were replaced or update_priorities was not "
                      "recorded: every row's leaves are compared once", bname)
@@ -86,23 +123,17 @@ def _priorities(buffer: Any, inc: Incremental, keep: np.ndarray, new: Dict[str, 
         elif s:
             spot = np.unique(np.linspace(0, s - 1, min(s, SPOT)).astype(np.int64))
             old_pos = np.flatnonzero(keep)[spot]
-            v, k = _leaf_codes(st, inc.cols["tree"][old_pos].astype(np.int64), "_sum_segment")
-            if np.any(v != inc.leaves["sv"][old_pos]) or np.any(k != inc.leaves["sk"][old_pos]):
-                untracked = np.setdiff1d(spot, changed_pos)
-                if len(untracked) and (np.any(v[np.isin(spot, untracked)] !=
-                                              inc.leaves["sv"][old_pos][np.isin(spot, untracked)])):
-                    log.warning("ray_ckpt: replay buffer %s: a priority changed outside update_priorities: "
-                                "every row's leaves are compared", bname)
-                    changed_pos = np.arange(s)
-    inc.touched.clear()
-    inc.trees = trees
-    # leaves of the surviving rows, then the changed ones compared with what was stored
+            v, k, _, _ = _group_leaves(trees, gold[spot], told[spot])
+            untracked = ~np.isin(spot, changed_pos)
+            if np.any(untracked & ((v != inc.leaves["sv"][old_pos]) | (k != inc.leaves["sk"][old_pos]))):
+                log.warning("ray_ckpt: replay buffer %s: a priority changed outside update_priorities: "
+                            "every row's leaves are compared", bname)
+                changed_pos = np.arange(s)
+    inc.trees = now
     lv = {k: (v[keep] if not full else v[:0]) for k, v in inc.leaves.items()} if inc.leaves else \
         {"sv": np.empty(0), "sk": np.empty(0, np.int8), "mv": np.empty(0), "mk": np.empty(0, np.int8)}
     if len(changed_pos):
-        tr_old = (inc.cols["tree"][keep] if not full else new["tree"][:0]).astype(np.int64)[changed_pos]
-        csv, csk = _leaf_codes(st, tr_old, "_sum_segment")
-        cmv, cmk = _leaf_codes(mt, tr_old, "_min_segment")
+        csv, csk, cmv, cmk = _group_leaves(trees, gold[changed_pos], told[changed_pos])
         ds = (csv != lv["sv"][changed_pos]) | (csk != lv["sk"][changed_pos])
         dm = (cmv != lv["mv"][changed_pos]) | (cmk != lv["mk"][changed_pos])
         both = (ds | dm) & (csv == cmv) & (csk == cmk)
@@ -115,10 +146,29 @@ def _priorities(buffer: Any, inc: Incremental, keep: np.ndarray, new: Dict[str, 
         lv["mv"][changed_pos], lv["mk"][changed_pos] = cmv, cmk
     inc.leaves = {"sv": np.concatenate([lv["sv"], sv]), "sk": np.concatenate([lv["sk"], sk]),
                   "mv": np.concatenate([lv["mv"], mv]), "mk": np.concatenate([lv["mk"], mk])}
-    inc.tree_to_row[tnew] = ids[s:]
+    for g, (st, _) in trees.items():
+        t2r = inc.tree_to_row.get(g)
+        if t2r is None:
+            t2r = inc.tree_to_row[g] = np.full(st.capacity, -1, np.int64)
+            sel = gold == g
+            t2r[told[sel]] = ids[:s][sel]
+        sel = gnew == g
+        t2r[tnew[sel]] = ids[s:][sel]
     return entries
 
 
+def _same_trees(a: Tuple[Any, ...], b: Tuple[Any, ...]) -> bool:
+    """The same tree objects holding the same value lists (RLlib's set_state replaces them)."""
+    return all(x is y for x, y in zip(a, b))
+
+
+def touched_by_group(inc: Incremental, code_of: Any) -> Dict[int, List[int]]:
+    """The recorder's tree indices since the last capture, per group (``code_of``: module id -> code)."""
+    out: Dict[int, List[int]] = {}
+    for mid, idx in inc.touched:
+        out.setdefault(0 if mid is None else code_of(mid), []).extend(idx)
+    inc.touched.clear()
+    return out
 def _entries(rows: np.ndarray, which: int, v: np.ndarray, k: np.ndarray) -> Dict[str, np.ndarray]:
     return {"row": rows.astype(np.int64), "which": np.full(len(rows), which, np.int8),
             "v": v.astype(np.float64), "k": k.astype(np.int8)}
@@ -171,9 +221,4 @@ def unpack_entries(e: Dict[str, Any]) -> Dict[str, np.ndarray]:
 def _priority_scalars(buffer: Any, inc: Incremental, bname: str) -> Dict[str, Any]:
     _check_maps(buffer._tree_idx_to_sample_idx, inc.cols["tree"].astype(np.int64),
                   f"{bname}._tree_idx_to_sample_idx")
-    return {"max_priority": _pack_one(buffer._max_priority, "_max_priority"),
-            "max_idx": int(buffer._max_idx),
-            "free_nodes": _free_nodes_state(buffer._free_nodes),
-            "last_sampled": [int(i) for i in buffer._last_sampled_indices],
-            "tree_capacity": int(buffer._sum_segment.capacity),
-            "records": np.array(inc.precs, np.int64).reshape(len(inc.precs), 3)}
+    return {**tree_scalars(buffer), "records": np.array(inc.precs, np.int64).reshape(len(inc.precs), 3)}

@@ -61,10 +61,10 @@ def _record(rows: Dict[str, np.ndarray], first: int, m: int, kind: int, where: s
     return (_decode_raw if raw else _decode)(rows["blob"][a:a + m], kind, where, dicts)
 
 
-def states_to_v1(states: Dict[str, Any], *, seed: bool = True):
-    """``(replay, replay_meta)`` in the two-state form (what :func:`.two_state.restore_replay` takes) from
-    the two states, and (``seed``) what :func:`seed` needs to continue the log."""
-    replay = dict(states[REPLAY])
+def open_log(states: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, np.ndarray],
+                                                Dict[int, bytes], Dict[str, Any]]:
+    """(the log, its meta record with the static record's content merged in, the log's rows, the
+    live dictionaries, where the static record is and its bytes) of the two states."""
     log = from_storable(states[REPLAY_META])
     meta, rows, dicts = read_log(log)
     static_at = [int(x) for x in meta.pop("static")]
@@ -72,6 +72,29 @@ def states_to_v1(states: Dict[str, Any], *, seed: bool = True):
     static_raw = _raw(static)  # what the next capture compares its own with (equal: no new record)
     meta["rows"]["templates"] = static.pop("templates")
     meta.update(static)
+    return log, meta, rows, dicts, {"static": (static_at, static_raw)}
+
+
+def row_leaves(meta: Dict[str, Any], rows: Dict[str, np.ndarray], dicts: Dict[int, bytes],
+               replay: Dict[str, Any]) -> Dict[str, np.ndarray]:
+    """Each row's final sum/min leaves: its ``prio`` and the live priority records' entries."""
+    recs = np.asarray(meta["priority"]["records"], np.int64).reshape(-1, 3)
+    entries = [unpack_entries(_record(rows, first, m, PRIORITIES, f"replay_meta priority record at {first}", dicts))
+               for first, m, _ in recs.tolist()]
+    return final_leaves(replay, entries)
+
+
+def sum_min(sv: np.ndarray, sk: np.ndarray, mv: np.ndarray, mk: np.ndarray) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """Sum and min leaves in format /1's form (the min ones as a marker where they are the sum's)."""
+    same = np.array_equal(sv, mv, equal_nan=True) and np.array_equal(sk, mk)
+    return _pack(sv, sk), ({"same_as_sum": True} if same else _pack(mv, mk))
+
+
+def states_to_v1(states: Dict[str, Any], *, seed: bool = True):
+    """``(replay, replay_meta)`` in the two-state form (what :func:`.two_state.restore_replay` takes) from
+    the two states of a single-agent buffer, and (``seed``) what :func:`seed` needs to continue the log."""
+    replay = dict(states[REPLAY])
+    log, meta, rows, dicts, seeds = open_log(states)
     bname = meta["buffer_type"]
     templates = meta["rows"]["templates"]
     evicted = int(meta["counters"]["_num_episodes_evicted"])
@@ -90,26 +113,26 @@ def states_to_v1(states: Dict[str, Any], *, seed: bool = True):
     replay = {k: v for k, v in replay.items() if k not in ("prio", "prio_k")}
     leaves = None
     if "priority" in meta:
-        recs = np.asarray(meta["priority"]["records"], np.int64).reshape(-1, 3)
-        entries = [unpack_entries(_record(rows, first, m, PRIORITIES, f"replay_meta priority record at {first}",
-                                            dicts))
-                   for first, m, _ in recs.tolist()]
-        leaves = final_leaves(stored_replay, entries)
+        leaves = row_leaves(meta, rows, dicts, stored_replay)
         pr = dict(meta["priority"])
         pr.pop("records", None)
-        pr["sum"] = _pack(leaves["sv"], leaves["sk"])
-        mn = _pack(leaves["mv"], leaves["mk"])
-        pr["min"] = {"same_as_sum": True} if (np.array_equal(leaves["sv"], leaves["mv"], equal_nan=True)
-                                              and np.array_equal(leaves["sk"], leaves["mk"])) else mn
+        pr["sum"], pr["min"] = sum_min(leaves["sv"], leaves["sk"], leaves["mv"], leaves["mk"])
         v1["priority"] = pr
     if not seed:
         return replay, v1, None
-    return replay, v1, {"replay": stored_replay, "meta": meta, "log": rows, "leaves": leaves,
-                        "next_chunk": int(log["next_chunk"]), "static": (static_at, static_raw),
-                        "logged": logged, "running": {p.key[0] for p in running},
-                        "dicts": np.asarray(meta.get("dicts", np.empty((0, 2))), np.int64).reshape(-1, 2).tolist(),
-                        "zdict": _newest_dict(log, rows), "refresh": bool(log.get("refresh", False)),
-                        "dict_base": int(log.get("dict_base", 0))}
+    return replay, v1, seed_state(seeds, log, rows, meta, stored_replay, leaves, logged, {p.key[0] for p in running})
+
+
+def seed_state(seeds: Dict[str, Any], log: Dict[str, Any], rows: Dict[str, np.ndarray], meta: Dict[str, Any],
+               replay: Dict[str, Any], leaves: Optional[Dict[str, np.ndarray]], logged: Any, running: Any
+               ) -> Dict[str, Any]:
+    """What :func:`seed` takes (``seeds``: :func:`open_log`'s, updated)."""
+    seeds.update({"replay": replay, "meta": meta, "log": rows, "leaves": leaves,
+                  "next_chunk": int(log["next_chunk"]), "logged": set(logged), "running": set(running),
+                  "dicts": np.asarray(meta.get("dicts", np.empty((0, 2))), np.int64).reshape(-1, 2).tolist(),
+                  "zdict": _newest_dict(log, rows), "refresh": bool(log.get("refresh", False)),
+                  "dict_base": int(log.get("dict_base", 0))})
+    return seeds
 
 
 def _newest_dict(log: Dict[str, Any], rows: Dict[str, np.ndarray]) -> bytes:
@@ -157,13 +180,13 @@ def _pack(v: np.ndarray, k: np.ndarray) -> Dict[str, Any]:
     return out
 
 
-def seed(rid: RowIds, s: Dict[str, Any], buffer: Any) -> None:
+def seed(rid: RowIds, s: Dict[str, Any], buffer: Any) -> Incremental:
     """After a restore: the caches as if this buffer had made the restored version's capture."""
     replay, meta = s["replay"], s["meta"]
     ids = np.asarray(replay["row_id"], np.int64).copy()
     cols = {c: np.array(v) for c, v in replay.items() if isinstance(v, np.ndarray) and c != "row_id"}
     sig = {c: (v.dtype, v.shape[1:]) for c, v in cols.items()
-           if c not in ("episode", "t", "tree", "prio", "prio_k")}
+           if c not in ("episode", "t", "tree", "prio", "prio_k", "agent", "module")}
     inc = Incremental(ids, cols, sig, dict(meta["rows"]["templates"]))
     evicted = int(meta["counters"]["_num_episodes_evicted"])
     inc.evicted = evicted
@@ -181,11 +204,20 @@ def seed(rid: RowIds, s: Dict[str, Any], buffer: Any) -> None:
     if s["leaves"] is not None:
         inc.precs = [list(map(int, x)) for x in np.asarray(meta["priority"]["records"], np.int64).reshape(-1, 3)]
         inc.leaves = {k: np.array(v) for k, v in s["leaves"].items()}
-        # the restored trees, and the recorder of their changes
-        st, mt = buffer._sum_segment, buffer._min_segment
-        inc.tree_to_row = np.full(st.capacity, -1, np.int64)
-        inc.tree_to_row[cols["tree"].astype(np.int64)] = ids
-        inc.trees = (st, mt, st.value, mt.value)
-        _hook(buffer, inc)
+        # the restored trees (per module, multi-agent), and the recorder of their changes
+        multi_agent = "module" in cols
+        if multi_agent:
+            trees = {rid.module_code(m): (st, buffer._module_to_min_segment[m])
+                     for m, st in buffer._module_to_sum_segment.items() if m in buffer._module_to_min_segment}
+        else:
+            trees = {0: (buffer._sum_segment, buffer._min_segment)}
+        groups = cols["module"].astype(np.int64) if multi_agent else np.zeros(len(ids), np.int64)
+        for g, (st, mt) in trees.items():
+            sel = groups == g
+            inc.tree_to_row[g] = np.full(st.capacity, -1, np.int64)
+            inc.tree_to_row[g][cols["tree"][sel].astype(np.int64)] = ids[sel]
+            inc.trees[g] = (st, mt, st.value, mt.value)
+        _hook(buffer, inc, multi_agent)
     rid.spaces = _Spaces(meta["spaces"])
     rid.inc = inc
+    return inc

@@ -68,10 +68,11 @@ from .values import _kind_of, _type_name
 META_FORMAT2 = "ray_ckpt.rllib.replay/2"  # four states; no longer read (its name is recognised)
 META_FORMAT3 = "ray_ckpt.rllib.replay/3"  # records without a dictionary: read, no longer written
 META_FORMAT4 = "ray_ckpt.rllib.replay/4"
-LOG_FORMATS = (META_FORMAT3, META_FORMAT4)
+META_FORMAT5 = "ray_ckpt.rllib.replay/5"  # multi-agent buffers: format /4's log with env-step records
+LOG_FORMATS = (META_FORMAT3, META_FORMAT4, META_FORMAT5)
 LOG_LAYOUT = "rllib_replay_log/1"
 # the record kinds, as the first byte of a record's payload
-EPISODES, PRIORITIES, META, STATIC, DICT = 1, 2, 3, 4, 5
+EPISODES, PRIORITIES, META, STATIC, DICT, ENV = 1, 2, 3, 4, 5, 6
 SAMPLE_LIMITS = (16384, 4096, 12288)  # a dictionary's sample: bytes of the episode batch, priorities, meta
 STATIC_KEYS = ("config", "spaces", "extra_attrs", "module_counters")  # with the templates: a STATIC record
 KINDS = ("float", "np:<f8", "np:<f4", "int", "np:<f2", "bool")  # a tree leaf's exact type, by code
@@ -96,7 +97,7 @@ class Incremental:
     next_batch: int = 0
     # prioritized
     leaves: Dict[str, np.ndarray] = field(default_factory=dict)  # sv, sk, mv, mk per live row
-    tree_to_row: Optional[np.ndarray] = None
+    tree_to_row: Dict[int, np.ndarray] = field(default_factory=dict)  # per group: tree index -> row id, -1
     precs: List[List[int]] = field(default_factory=list)  # live priority records: [first row, rows, entries]
     static: List[int] = field(default_factory=list)  # the live static record: [first row, rows]
     static_raw: bytes = b""                           # its bytes before compression
@@ -104,8 +105,15 @@ class Incremental:
     zdict: bytes = b""                                # the newest one's bytes: what records are compressed with
     refresh: bool = False                             # the next save writes a new dictionary
     dict_base: int = 0                                # the meta record's compressed bytes when it was written
-    touched: List[List[int]] = field(default_factory=list)
-    trees: Tuple[Any, ...] = ()
+    touched: List[Tuple[Any, List[int]]] = field(default_factory=list)  # (module id or None, tree indices)
+    trees: Dict[int, Tuple[Any, ...]] = field(default_factory=dict)  # per group: (sum, min, their value lists)
+    # multi-agent (format /5)
+    ep_agents: Dict[int, List[int]] = field(default_factory=dict)   # episode index -> its agents' codes
+    running_ma: Dict[int, Any] = field(default_factory=dict)        # running episode -> its own state
+    env_keys: Optional[np.ndarray] = None                           # the live env-step index entries
+    env_leaves: Dict[str, np.ndarray] = field(default_factory=dict)  # their env-tree leaves (sv, sk, mv, mk)
+    env_recs: List[List[int]] = field(default_factory=list)  # live env-step records: [first row, rows, top episode]
+    next_env: int = 0                                        # the next env-step entry's cache id
 
     @property
     def log_entries(self) -> int:

@@ -36,11 +36,17 @@ def _ma_rows(buffer: Any, rid: RowIds, evicted: int, kind: _Kind):
     if len(ids) == 0:
         keys = np.empty((0, 5 if kind.prioritized else 4), np.int64)
     order = np.argsort(ids, kind="stable")
-    keys, ids = keys[order], ids[order]
-    # the env-step level index list is meta (its entries are env steps, not agent timesteps)
-    width = 3 if kind.prioritized else 2
-    env = np.array(buffer._indices, np.int64).reshape(len(buffer._indices), width)
-    return keys, ids, {"env_indices": env, "module_order": [rid.module_code(m) for m in buffer._module_to_indices]}
+    return keys[order], ids[order]
+
+
+def module_order(buffer: Any, rid: RowIds) -> List[int]:
+    """The modules' codes in ``_module_to_indices``'s key order (restored in it)."""
+    return [rid.module_code(m) for m in buffer._module_to_indices]
+
+
+def module_counters(attrs: Dict[str, Any]) -> Dict[str, Any]:
+    """The per-module counters, each as (module id, exact value) pairs in the map's order."""
+    return {k: [(m, _scalar_state(v, k)) for m, v in attrs[k].items()] for k in _MA_MODULE_COUNTERS if k in attrs}
 
 
 def _ma_episode_state(ep: Any, rid: RowIds, spaces: _Spaces, where: str) -> Dict[str, Any]:
@@ -142,17 +148,19 @@ def capture_multi_agent(buffer: Any, kind: _Kind, rid: RowIds) -> Tuple[Dict[str
     evicted = int(buffer._num_episodes_evicted)
     meta = common_meta(buffer, attrs, bname, META_FORMAT)
     parts, ma_eps, now = _split_episodes(buffer, rid, evicted, bname)
-    keys, ids, lists_meta = _ma_rows(buffer, rid, evicted, kind)
+    keys, ids = _ma_rows(buffer, rid, evicted, kind)
     replay, templates, field_meta = _rows(parts, keys, ids, kind, bname)
+    # the env-step level index list is meta (its entries are env steps, not agent timesteps)
+    env = np.array(buffer._indices, np.int64).reshape(len(buffer._indices), 3 if kind.prioritized else 2)
     meta["rows"] = {"next_row_id": int(rid.next_id), "n_rows": int(len(ids)), "agent_ids": list(rid.agents),
-                    "module_ids": list(rid.modules), "templates": templates, **lists_meta}
+                    "module_ids": list(rid.modules), "templates": templates, "env_indices": env,
+                    "module_order": module_order(buffer, rid)}
     meta["episodes"] = _episode_table(parts, field_meta, bname)
     meta["spaces"] = rid.spaces.table
     meta["ma_episodes"] = ma_eps
     if kind.prioritized:
         meta["priority"] = _priority_state(buffer, kind, replay, rid, bname)
-    meta["module_counters"] = {k: [(m, _scalar_state(v, k)) for m, v in attrs[k].items()]
-                               for k in _MA_MODULE_COUNTERS if k in attrs}
+    meta["module_counters"] = module_counters(attrs)
     meta["extra_attrs"] = extra_attrs(attrs, handled_attrs(kind), bname)
     rid.parts = now
     rid.spaces.prune()

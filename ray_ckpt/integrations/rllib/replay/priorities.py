@@ -16,13 +16,18 @@ from .segment_trees import (_check_maps, _check_neutral, _free_nodes_from, _free
 from .values import _pack_one, _unpack_one
 
 
+def tree_scalars(buffer: Any) -> Dict[str, Any]:
+    """The buffer's (env-step) trees' state beside their leaves: max priority / index, free nodes,
+    last sampled indices, capacity."""
+    return {"max_priority": _pack_one(buffer._max_priority, "_max_priority"), "max_idx": int(buffer._max_idx),
+            "free_nodes": _free_nodes_state(buffer._free_nodes),
+            "last_sampled": [int(i) for i in buffer._last_sampled_indices],
+            "tree_capacity": int(buffer._sum_segment.capacity)}
+
+
 def _priority_state(buffer: Any, kind: _Kind, replay: Dict[str, Any], rid: RowIds, bname: str) -> Dict[str, Any]:
     """Leaves per row (and per env step, multi-agent), plus the trees' small state."""
-    out: Dict[str, Any] = {"max_priority": _pack_one(buffer._max_priority, "_max_priority"),
-                           "max_idx": int(buffer._max_idx),
-                           "free_nodes": _free_nodes_state(buffer._free_nodes),
-                           "last_sampled": [int(i) for i in buffer._last_sampled_indices],
-                           "tree_capacity": int(buffer._sum_segment.capacity)}
+    out = tree_scalars(buffer)
     if kind.multi_agent:
         env = np.array(buffer._indices, np.int64).reshape(len(buffer._indices), 3)
         tidx = env[:, 2]
@@ -36,15 +41,9 @@ def _priority_state(buffer: Any, kind: _Kind, replay: Dict[str, Any], rid: RowId
         _check_neutral(buffer._min_segment, tidx, f"{bname}._min_segment")
         modules = []
         codes = replay["module"]
-        maps = ("_module_to_max_priority", "_module_to_sum_segment", "_module_to_min_segment",
-                "_module_to_free_nodes", "_module_to_max_idx", "_module_to_tree_idx_to_sample_idx",
-                "_module_to_last_sampled_indices")
         # each map's own key order (dicts keep insertion order; RLlib's defaultdicts add keys on reads)
-        out["module_key_order"] = {k: [rid.module_code(m) for m in getattr(buffer, k)] for k in maps}
-        seen: Dict[Any, None] = {}
-        for k in maps:
-            seen.update(dict.fromkeys(getattr(buffer, k)))
-        for mid in seen:
+        out["module_key_order"] = {k: [rid.module_code(m) for m in getattr(buffer, k)] for k in MODULE_MAPS}
+        for mid in modules_of(buffer):
             mc = rid.module_code(mid)
             rows = np.flatnonzero(codes == mc)
             t_m = replay["tree"][rows]
@@ -57,20 +56,8 @@ def _priority_state(buffer: Any, kind: _Kind, replay: Dict[str, Any], rid: RowId
                 m["min"] = _tree_leaves(mt, t_m, "module min tree")
                 if "sum" in m:
                     m["min"] = _same_leaves(m["sum"], m["min"])
-                m["min_is_sum_tree"] = type(mt).__name__ == "SumSegmentTree"
                 _check_neutral(mt, t_m, f"{bname} module {mid!r} min tree")
-            if mid in buffer._module_to_free_nodes:
-                m["free_nodes"] = _free_nodes_state(buffer._module_to_free_nodes[mid])
-            if mid in buffer._module_to_max_priority:
-                m["max_priority"] = _pack_one(buffer._module_to_max_priority[mid], "module max priority")
-            if mid in buffer._module_to_max_idx:
-                m["max_idx"] = int(buffer._module_to_max_idx[mid])
-            if mid in buffer._module_to_last_sampled_indices:
-                m["last_sampled"] = [int(i) for i in buffer._module_to_last_sampled_indices[mid]]
-            if mid in buffer._module_to_tree_idx_to_sample_idx:
-                _check_maps(buffer._module_to_tree_idx_to_sample_idx[mid], t_m,
-                            f"{bname}._module_to_tree_idx_to_sample_idx[{mid!r}]")
-                m["tree_map"] = True
+            m.update(module_scalars(buffer, mid, t_m, bname))
             modules.append(m)
         out["modules"] = modules
     else:
@@ -81,6 +68,40 @@ def _priority_state(buffer: Any, kind: _Kind, replay: Dict[str, Any], rid: RowId
         _check_neutral(buffer._sum_segment, tidx, f"{bname}._sum_segment")
         _check_neutral(buffer._min_segment, tidx, f"{bname}._min_segment")
     return out
+
+
+MODULE_MAPS = ("_module_to_max_priority", "_module_to_sum_segment", "_module_to_min_segment",
+               "_module_to_free_nodes", "_module_to_max_idx", "_module_to_tree_idx_to_sample_idx",
+               "_module_to_last_sampled_indices")
+
+
+def modules_of(buffer: Any) -> List[Any]:
+    """Every module id any per-module map of a multi-agent prioritized buffer holds, in first-seen order."""
+    seen: Dict[Any, None] = {}
+    for k in MODULE_MAPS:
+        seen.update(dict.fromkeys(getattr(buffer, k)))
+    return list(seen)
+
+
+def module_scalars(buffer: Any, mid: Any, t_m: np.ndarray, bname: str) -> Dict[str, Any]:
+    """A module's tree state beside its row leaves (``t_m``: its rows' tree indices, in row order):
+    the min tree's class, free nodes, max priority / index, last sampled, whether it has a tree map."""
+    m: Dict[str, Any] = {}
+    if mid in buffer._module_to_min_segment:
+        m["min_is_sum_tree"] = type(buffer._module_to_min_segment[mid]).__name__ == "SumSegmentTree"
+    if mid in buffer._module_to_free_nodes:
+        m["free_nodes"] = _free_nodes_state(buffer._module_to_free_nodes[mid])
+    if mid in buffer._module_to_max_priority:
+        m["max_priority"] = _pack_one(buffer._module_to_max_priority[mid], "module max priority")
+    if mid in buffer._module_to_max_idx:
+        m["max_idx"] = int(buffer._module_to_max_idx[mid])
+    if mid in buffer._module_to_last_sampled_indices:
+        m["last_sampled"] = [int(i) for i in buffer._module_to_last_sampled_indices[mid]]
+    if mid in buffer._module_to_tree_idx_to_sample_idx:
+        _check_maps(buffer._module_to_tree_idx_to_sample_idx[mid], t_m,
+                    f"{bname}._module_to_tree_idx_to_sample_idx[{mid!r}]")
+        m["tree_map"] = True
+    return m
 
 
 def _restore_priority(buffer: Any, kind: _Kind, replay: Dict[str, Any], pr: Dict[str, Any], new: Dict[str, Any],
@@ -106,9 +127,7 @@ def _restore_priority(buffer: Any, kind: _Kind, replay: Dict[str, Any], pr: Dict
         return
     s2t = np.asarray(pr["sample_idx_to_tree_idx"], np.int64)
     new["_sample_idx_to_tree_idx"] = dict(zip(s2t[0].tolist(), s2t[1].tolist()))
-    maps = {k: _like(getattr(buffer, k), {}) for k in
-            ("_module_to_max_priority", "_module_to_sum_segment", "_module_to_min_segment", "_module_to_free_nodes",
-             "_module_to_max_idx", "_module_to_tree_idx_to_sample_idx", "_module_to_last_sampled_indices")}
+    maps = {k: _like(getattr(buffer, k), {}) for k in MODULE_MAPS}
     codes = np.asarray(replay["module"])
     trees = np.asarray(replay["tree"], np.int64)
     for mm in pr["modules"]:

@@ -15,8 +15,9 @@ from .buffers import META_FORMAT, _Kind, _like, buffer_kind
 from .episode_parts import LAYOUT
 from .episode_rebuild import _rebuild_records
 from .incremental_capture import capture_states
-from .incremental_restore import states_to_v1
-from .multi_agent import _rebuild_ma_episode, capture_multi_agent
+from .incremental_ma_restore import log_to_v1
+from .incremental_multi_agent import capture_ma_states
+from .multi_agent import _rebuild_ma_episode
 from .priorities import _restore_priority
 from .row_ids import RowIds, _IndexList, _TRACKERS, row_ids_of
 from .values import _Spaces, _type_name
@@ -24,13 +25,18 @@ from .values import _Spaces, _type_name
 
 def capture_replay(buffer: Any, *, row_ids: Optional[RowIds] = None) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """``(replay, replay_meta)`` of ``buffer`` (see the package docstring). The buffer is not changed;
-    its row-id cache (:func:`.row_ids.row_ids_of`) is advanced. Raises UnsupportedTypeError naming the
+    its caches (:func:`.row_ids.row_ids_of`) are advanced: it is captured as a save captures it, then
+    turned into this form. Raises UnsupportedTypeError naming the
     buffer type and the attribute or episode field it cannot store."""
-    kind = buffer_kind(buffer)
     rid = row_ids if row_ids is not None else row_ids_of(buffer)
-    if not kind.multi_agent:  # single-agent buffers are captured incrementally, then turned into this form
-        return states_to_v1(capture_states(buffer, rid), seed=False)[:2]
-    return capture_multi_agent(buffer, kind, rid)
+    return log_to_v1(capture_log_states(buffer, rid), seed=False)[:2]
+
+
+def capture_log_states(buffer: Any, rid: RowIds) -> Dict[str, Any]:
+    """The two states of ``buffer`` as saved (format /4 single-agent, /5 multi-agent); advances its caches."""
+    if buffer_kind(buffer).multi_agent:
+        return capture_ma_states(buffer, rid)
+    return capture_states(buffer, rid)
 
 
 def restore_replay(buffer: Any, replay: Dict[str, Any], meta: Dict[str, Any], *,
