@@ -79,7 +79,7 @@ def _commit(d: str, save_world: int) -> None:
     """The manifest of version 1 from the ranks' written parts (what the coordinator does)."""
     from ray_ckpt.coordinator.catalogue import Catalogue
     from ray_ckpt.formats.manifest import FileEntry
-    from ray_ckpt.protocol import WrittenPart
+    from ray_ckpt.protocol import ShardRecord, WrittenPart
     from ray_ckpt.storage.checkpoint_io import write_manifest
     from ray_ckpt.storage.tier import Tier
 
@@ -90,7 +90,7 @@ def _commit(d: str, save_world: int) -> None:
             w = json.load(f)
         cat.accept_push(1, 1, "model", r)
         cat.part_written(1, "model", r, WrittenPart(tuple(FileEntry(**x) for x in w["files"]), w["written"],
-                                                    shards=w["shards"]))
+                                                    shards=ShardRecord.from_json(w["shards"])))
     assert cat.pending[1].error is None, cat.pending[1].error
     write_manifest(Tier(os.path.join(d, "ray_ckpt")), cat.manifest_for(1))
 

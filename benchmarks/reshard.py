@@ -75,7 +75,8 @@ def _save(rank: int, world: int, d: str, n: int, rows: int) -> None:
     state = _state(world, mesh, n, rows, True)
     part = PartWriter(Tier(os.path.join(d, "ray_ckpt"))).write_part(1, "model", rank, flatten(state, state_name="model"))
     with open(os.path.join(d, f"written{rank}.json"), "w") as f:
-        json.dump({"files": [vars(x) for x in part.files], "written": part.written, "shards": part.shards}, f)
+        json.dump({"files": [vars(x) for x in part.files], "written": part.written,
+                   "shards": part.shards.to_json()}, f)
     dcp.save(state, checkpoint_id=os.path.join(d, "dcp"))
     dist.barrier()
     dist.destroy_process_group()
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
     os.makedirs(d, exist_ok=True)
     from ray_ckpt.coordinator.catalogue import Catalogue
     from ray_ckpt.storage.checkpoint_io import write_manifest
-    from ray_ckpt.protocol import WrittenPart
+    from ray_ckpt.protocol import ShardRecord, WrittenPart
     from ray_ckpt.formats.manifest import FileEntry
     from ray_ckpt.storage.tier import Tier
 
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
             w = json.load(open(os.path.join(d, f"written{r}.json")))
             cat.accept_push(1, 1, "model", r)
             cat.part_written(1, "model", r, WrittenPart(tuple(FileEntry(**f) for f in w["files"]), w["written"],
-                                                        shards=w["shards"]))
+                                                        shards=ShardRecord.from_json(w["shards"])))
         assert cat.pending[1].error is None, cat.pending[1].error
         write_manifest(Tier(os.path.join(d, "ray_ckpt")), cat.manifest_for(1))
         total = rows * 1024 * 4 * args.tensors

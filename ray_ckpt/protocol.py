@@ -16,6 +16,10 @@ spelled out at the top of ``coordinator/actor.py``.
     coordinator --CoordinatorStatus--> engine         status()
     coordinator --StoredState-->       engine         load() / load_into(): one state's manifest entry
     provider    --StagedState-->       engine         restore(): a state read and verified in the actor
+
+A part with DTensor leaves carries its :class:`ShardRecord` in ``WrittenPart.shards``. That record
+(and its :class:`ShardHead`) is defined in ``formats.shard_record``, because the storage layer that
+builds it may not import this module; it is named here as one of the messages.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 from .formats.manifest import FileEntry, StateEntry
+from .formats.shard_record import ShardHead, ShardRecord  # noqa: F401 (messages named here)
 from .types import SaveResult, Strategy
 
 NAMESPACE = "ray_ckpt"  # the Ray namespace of a run's named actors (coordinator, mailbox)
@@ -87,7 +92,7 @@ class WrittenPart:
     node: str = ""                        # the node whose local tier holds the files
     snapshot_wait_s: float = 0.0          # the writer's wait for the snapshot to be ready
     write_s: float = 0.0                  # serialise + checksum + fsync
-    shards: Optional[dict] = None         # a part with DTensor leaves: its shard record (checkpoint_io.shard_record)
+    shards: Optional[ShardRecord] = None  # a part with DTensor leaves: its chunks and header (checkpoint_io.shard_record)
 
     def with_node(self, node: str, snapshot_wait_s: float) -> "WrittenPart":
         return dataclasses.replace(self, node=node, snapshot_wait_s=snapshot_wait_s)

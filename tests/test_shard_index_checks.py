@@ -1,7 +1,7 @@
 """Sharded reads verify the shard index's structure, not just bytes (issue 29, item 5).
 
 A sharded state is laid out as the writer lays it out (``checkpoint_io.write_flat`` per rank,
-``shard_record`` + ``shard_index.index_of`` + rank 0's "head", as the catalogue stores it), without
+``shard_record`` + ``shard_record.index_of`` + rank 0's "head", as the catalogue stores it), without
 Ray: each rank's part is a flattened state whose "w" leaf is a DTensor ("DT") node holding that
 rank's rows. Then the manifest entry's index is tampered with and ``load(rank=None)``'s path
 (``sharded_io.load_full``) and ``load_into``'s (``sharded_io.load_into_state``) must refuse it with
@@ -21,7 +21,8 @@ from ray_ckpt.storage import sharded_io
 from ray_ckpt.storage.checkpoint_io import shard_record, write_flat
 from ray_ckpt.errors import IntegrityError, RestoreError
 from ray_ckpt.formats.manifest import StateEntry
-from ray_ckpt.formats.shard_index import ShardIndex, index_of
+from ray_ckpt.formats.shard_index import ShardIndex
+from ray_ckpt.formats.shard_record import index_of
 from ray_ckpt.formats.tree import flatten
 from ray_ckpt.storage.range_source import RangeSource
 from ray_ckpt.storage.tier import Tier
@@ -49,7 +50,7 @@ def make_state(tmp_path, world: int = 2):
         files[str(r)] = entries
         recs.append(shard_record(flat, entries[0].path, piece_size=PIECE))
     index = index_of(recs).to_json()
-    index["heads"] = {"0": recs[0]["head"]}
+    index["heads"] = {"0": recs[0].head.to_json()}
     return tier, StateEntry("critical", "stored", files=files, shards=index)
 
 

@@ -14,8 +14,9 @@ import torch
 
 from ray_ckpt.errors import IntegrityError, RestoreError
 from ray_ckpt.formats import shard_index, shards
+from ray_ckpt.formats.shard_record import ShardRecord, index_of, part_record
 from ray_ckpt.formats.pieces import PieceHasher, piece_digests, pieces_for_range, verify_pieces
-from ray_ckpt.formats.shard_index import ChunkMeta, ShardedTensorMeta, ShardIndex, StoredChunk, index_of
+from ray_ckpt.formats.shard_index import ChunkMeta, ShardedTensorMeta, ShardIndex, StoredChunk
 from ray_ckpt.formats.shards import (assemble_full, box_ranges, load_chunk, load_into_tensor, plan_bytes,
                                      plan_reads)
 from ray_ckpt.formats.sharded_leaf import sharded_leaves
@@ -274,9 +275,9 @@ def test_index_json_round_trip_and_coverage():
         ShardIndex.from_json({"tensors": {}})
 
     def rec(chunks, shape=(10, 6), dtype="float32"):
-        return {"format": 1, "file": "x", "tensors": {"w": {
+        return ShardRecord.from_json({"format": 1, "file": "x", "tensors": {"w": {
             "path": ["w"], "shape": list(shape), "dtype": dtype, "mesh": [2], "placements": ["S(0)"],
-            "chunks": [c.to_json() for c in chunks]}}}
+            "chunks": [c.to_json() for c in chunks]}}})
 
     recs = [rec([c]) for c in meta.chunks]
     assert index_of(recs)["w"].chunks == sorted(meta.chunks, key=lambda c: c.chunk.offsets)
@@ -391,12 +392,18 @@ def _write_part(tmp, rank, state):
             offsets.append(pos)
             f.write(arr.tobytes())
             pos += arr.nbytes
-    rec = shard_index.part_record(flat, f"rank{rank}", offsets, piece_size=256)
+    rec = part_record(flat, f"rank{rank}", offsets, piece_size=256)
     with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
-        json.dump(rec, f)
+        json.dump(rec.to_json(), f)
     with open(os.path.join(tmp, f"rank{rank}.structure.json"), "w") as f:
         json.dump({"structure": flat.structure, "at": offsets, "n": [a.nbytes for a in flat.arrays]}, f)
     return flat
+
+
+def _record(tmp: str, rank: int) -> ShardRecord:
+    """Rank ``rank``'s part record as :func:`_write_part` left it in a JSON file."""
+    with open(os.path.join(tmp, f"rank{rank}.json")) as f:
+        return ShardRecord.from_json(json.load(f))
 
 
 def _read_part(tmp, rank):
@@ -445,7 +452,7 @@ def _restore_fsdp(rank, world, tmp, nsaved):
     model = _fsdp(_mlp(12345), mesh)  # other values
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train_step(model, opt, 7)  # creates the moments to fill
-    index = shard_index.index_of(json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(nsaved))
+    index = index_of(_record(tmp, r) for r in range(nsaved))
     index = shard_index.ShardIndex.from_json(index.dumps())
     counter = {}
     read = shards.file_reader({f"rank{r}": os.path.join(tmp, f"rank{r}.bin") for r in range(nsaved)}, counter)
@@ -477,8 +484,7 @@ def fsdp_saved(tmp_path_factory):
 @pytest.mark.timeout(180)
 def test_fsdp_index_assembles_full_tensors(fsdp_saved):
     tmp = fsdp_saved
-    recs = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(4)]
-    index = index_of(recs)
+    index = index_of(_record(tmp, r) for r in range(4))
     want = torch.load(os.path.join(tmp, "full.pt"))
     assert set(want) <= set(index)
     assert index["model/4.bias"].global_shape == (5,)
@@ -561,7 +567,7 @@ def _restore_1d(rank, world, tmp):
 
     _init(rank, world, os.path.join(tmp, "store-restore"))
     mesh = init_device_mesh("cpu", (world,))
-    index = index_of(json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(4))
+    index = index_of(_record(tmp, r) for r in range(4))
     read = shards.file_reader({f"rank{r}": os.path.join(tmp, f"rank{r}.bin") for r in range(4)})
     for k, (shape, _) in _MESH_CASES.items():
         for pl in [Shard(0), Replicate()] + ([Shard(1)] if len(shape) > 1 else []):
@@ -575,9 +581,9 @@ def _restore_1d(rank, world, tmp):
 def test_2x2_mesh_restored_on_1d_mesh_of_2(tmp_path):
     tmp = str(tmp_path)
     _spawn(_save_2x2, (4, tmp), 4)
-    recs = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(4)]
+    recs = [_record(tmp, r) for r in range(4)]
     # replicated chunks are written once
-    n_chunks = {k: sum(len(r["tensors"][k]["chunks"]) for r in recs) for k in _MESH_CASES}
+    n_chunks = {k: sum(len(m.chunks) for r in recs for m in r.tensors if m.key == k) for k in _MESH_CASES}
     assert n_chunks == {"ss": 4, "rs": 2, "sr": 2, "rr": 1, "s0s0": 4}
     index = index_of(recs)
     assert index["ss"].placements == ("S(0)", "S(1)") and index["ss"].mesh_shape == (2, 2)

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 from ..errors import InvalidArgumentError, SaveError
 from ..formats.manifest import ROLE_INDEX, FileEntry, Manifest, StateEntry, chain_digest, sign_manifest
-from ..protocol import Declaration, PartPlan, WrittenPart
+from ..protocol import Declaration, PartPlan, ShardRecord, WrittenPart
 from ..storage.layout import validate_name
 from ..storage.retention import RetentionPolicy, VersionInfo, plan_deletions
 from ..types import CheckpointMeta, Strategy
@@ -160,8 +160,9 @@ class Catalogue:
 
     def part_written(self, version: int, name: str, rank: int, result: Union[WrittenPart, dict]) -> None:
         if isinstance(result, dict):  # the plain form, for code and tests without writers
+            shards = result.get("shards")
             result = WrittenPart(tuple(result["files"]), result.get("written", 0), result.get("content_hash"),
-                                 shards=result.get("shards"))
+                                 shards=None if shards is None else ShardRecord.from_json(shards))
         pv = self.pending[version]
         part = pv.parts[(name, rank)]
         end_part(pv, part, "written")
@@ -170,7 +171,7 @@ class Catalogue:
         part.content_hash = result.content_hash
         part.timings = {"snapshot_wait_s": result.snapshot_wait_s, "write_s": result.write_s}
         part.reuse_paths = set()  # what it refers to is in part.files now
-        add_shard_record(pv, name, rank, getattr(result, "shards", None))
+        add_shard_record(pv, name, rank, result.shards)
 
     def part_failed(self, version: int, name: str, rank: int, error: str) -> bool:
         """Record a failed part; returns True when the version can no longer commit."""
@@ -220,11 +221,10 @@ class Catalogue:
                 entry.files = {str(p.rank): p.files for p in sorted(parts, key=lambda p: p.rank)}
                 entry.bytes = sum(f.size for p in parts for f in p.files)
                 entry.content_hash = parts[0].content_hash if len(parts) == 1 else None
-                index = pv.shard_index.get(name)
-                if index is not None and "error" in index:
-                    entry.status, entry.detail, entry.files, entry.bytes = "missing", index["error"], {}, 0
-                elif index is not None:
-                    entry.shards = index
+                if name in pv.shard_error:
+                    entry.status, entry.detail, entry.files, entry.bytes = "missing", pv.shard_error[name], {}, 0
+                else:
+                    entry.shards = pv.shard_index.get(name)
             m.states[name] = entry
         if self.signing_key:
             sign_manifest(m, self.signing_key)

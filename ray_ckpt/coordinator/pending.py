@@ -8,11 +8,11 @@ decides with them. No Ray, no storage.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 from ..errors import IntegrityError, SaveError
 from ..formats.manifest import FileEntry
-from ..protocol import PartPlan, PartStatus, VersionStatus
+from ..protocol import PartPlan, PartStatus, ShardRecord, VersionStatus
 from ..types import Strategy
 
 PartKey = Tuple[str, int]
@@ -63,10 +63,11 @@ class PendingVersion:
     n_critical_pending: int = 0   # of those, parts that block the commit (not best-effort)
     n_failed: int = 0
     revision: int = 0             # bumped whenever a part ends: a manifest built at an older one is stale
-    # sharded (DTensor) states: each written part's shard record (None: a part without DTensors),
-    # and, once every part of a state is written, its index as the manifest stores it
-    shard_records: Dict[str, Dict[int, Optional[dict]]] = field(default_factory=dict)
-    shard_index: Dict[str, dict] = field(default_factory=dict)
+    # sharded (DTensor) states: each written part's shard record (None: a part without DTensors);
+    # once every part of a state is written, its index as the manifest stores it, or why it has none
+    shard_records: Dict[str, Dict[int, Optional[ShardRecord]]] = field(default_factory=dict)
+    shard_index: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    shard_error: Dict[str, str] = field(default_factory=dict)  # best-effort or late states: reported missing
     shard_expected: Dict[str, int] = field(default_factory=dict)  # parts of each sharded state
 
     def stages(self) -> Dict[str, float]:
@@ -107,32 +108,37 @@ def end_part(pv: PendingVersion, part: Part, status: str) -> None:
     pv.revision += 1
 
 
-def add_shard_record(pv: PendingVersion, name: str, rank: int, record: Optional[dict]) -> None:
+def add_shard_record(pv: PendingVersion, name: str, rank: int, record: Optional[ShardRecord]) -> None:
     """Collect a written part's shard record; once every part of a state with DTensors is
-    written, build its index (``formats.shard_index.index_of``). Ranks that disagree on a tensor,
-    chunks that do not tile it, or a rank without the DTensors the others have fail the
-    version (a best-effort state is reported missing instead): it could not be restored."""
+    written, build its index (``formats.shard_record.index_of``) with rank 0's header record under
+    ``"heads"``. Ranks that disagree on a tensor, chunks that do not tile it, or a rank without the
+    DTensors the others have fail the version (a best-effort state is reported missing instead): it
+    could not be restored."""
     recs = pv.shard_records.setdefault(name, {})
     recs[rank] = record
     if record is not None and name not in pv.shard_expected:  # once per sharded state
         pv.shard_expected[name] = sum(1 for (n, _r) in pv.parts if n == name)
     want = pv.shard_expected.get(name)
-    if want is None or len(recs) < want or name in pv.shard_index:
+    if want is None or len(recs) < want or name in pv.shard_index or name in pv.shard_error:
         return
     plain = sorted(r for r, rec in recs.items() if rec is None)
     try:
         if plain:
             raise SaveError(f"ranks {plain} pushed no DTensor leaves while ranks "
                             f"{sorted(r for r in recs if r not in plain)} did")
-        from ..formats.shard_index import index_of
+        from ..formats.shard_record import index_of
 
+        first = sorted(recs)[0]
+        head = recs[first].head
+        if head is None:
+            raise SaveError(f"rank {first}'s shard record has no header record")
         index = index_of(recs[r] for r in sorted(recs)).to_json()
-        index["heads"] = {str(r): recs[r]["head"] for r in sorted(recs)[:1]}  # rank 0's header
+        index["heads"] = {str(first): head.to_json()}  # rank 0's header
         pv.shard_index[name] = index
-    except (SaveError, IntegrityError, KeyError, TypeError, ValueError) as exc:
+    except (SaveError, IntegrityError) as exc:
         why = f"sharded state {name!r}: {exc}"
         if pv.strategies.get(name) is Strategy.BEST_EFFORT or pv.committed:
-            pv.shard_index[name] = {"error": why}
+            pv.shard_error[name] = why
         elif not pv.error:
             pv.error = why
 

@@ -3,10 +3,10 @@
 What DCP keeps in its ``Metadata``, for ray_ckpt: for every sharded tensor its global shape and
 dtype and, for every stored chunk, its box in the global tensor, the file and offset of its
 row-major bytes and its piece digests (``formats.pieces``). A writer records one
-:func:`part_record` per rank file; the coordinator merges them with :func:`index_of` at the commit
-and stores ``ShardIndex.to_json()`` in the manifest entry of the state. A reader gets it back with
-``ShardIndex.from_json`` (validated: a manifest read from storage may be hostile) and plans reads
-with ``formats.shards``. No Ray, no storage.
+``formats.shard_record.ShardRecord`` per rank file; the coordinator merges them with
+``shard_record.index_of`` at the commit and stores ``ShardIndex.to_json()`` in the manifest entry of
+the state. A reader gets it back with ``ShardIndex.from_json`` (validated: a manifest read from
+storage may be hostile) and plans reads with ``formats.read_plan``. No Ray, no storage.
 """
 from __future__ import annotations
 
@@ -17,10 +17,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import IntegrityError
-from .pieces import PIECE_SIZE, PieceHasher
-from .flat import Flat, pieces_of
-from .nodes import leaf_key
-from .sharded_leaf import walk_sharded
+from .pieces import PIECE_SIZE
 
 INDEX_FORMAT = 1
 
@@ -31,7 +28,7 @@ _ITEMSIZE = {
 }
 
 
-def _itemsize(dtype: str) -> int:
+def itemsize_of(dtype: str) -> int:
     """Bytes per element of a torch dtype named ``dtype`` ("float32"); ValueError for anything that
     is not the name of a torch dtype (the name comes from a manifest: never ``getattr`` a non-dtype)."""
     if not isinstance(dtype, str):
@@ -51,7 +48,12 @@ _MAX_DIM = 1 << 48  # bound of any offset, size or byte count read from an index
 _DIGEST_CHARS = frozenset("0123456789abcdef")
 
 
-def _int(x: Any, what: str) -> int:
+def is_digest(x: Any) -> bool:
+    """Whether ``x`` is an xxh3-128 hex digest (32 lowercase hex characters)."""
+    return isinstance(x, str) and len(x) == 32 and set(x) <= _DIGEST_CHARS
+
+
+def json_int(x: Any, what: str) -> int:
     if type(x) is not int or not -_MAX_DIM <= x <= _MAX_DIM:
         raise ValueError(f"{what} {x!r} is not an integer of at most 2**48")
     return x
@@ -60,10 +62,10 @@ def _int(x: Any, what: str) -> int:
 def _ints(xs: Any, what: str) -> Tuple[int, ...]:
     if not isinstance(xs, list) or len(xs) > 64:
         raise ValueError(f"{what} {xs!r} is not a list of integers")
-    return tuple(_int(x, what) for x in xs)
+    return tuple(json_int(x, what) for x in xs)
 
 
-def _prod(xs: Iterable[int]) -> int:
+def numel_of(xs: Iterable[int]) -> int:
     n = 1
     for x in xs:
         n *= x
@@ -86,7 +88,7 @@ class ChunkMeta:
 
     @property
     def numel(self) -> int:
-        return _prod(self.sizes)
+        return numel_of(self.sizes)
 
 
 @dataclass(frozen=True)
@@ -123,14 +125,13 @@ class StoredChunk:
         if not isinstance(d["file"], str) or not d["file"]:
             raise ValueError(f"file {d['file']!r} is not a file name")
         digests = d.get("xxh3", [])
-        if not isinstance(digests, list) or not all(
-                isinstance(x, str) and len(x) == 32 and set(x) <= _DIGEST_CHARS for x in digests):
+        if not isinstance(digests, list) or not all(is_digest(x) for x in digests):
             raise ValueError("xxh3 is not a list of xxh3-128 hex digests")
-        ps = _int(d.get("ps", PIECE_SIZE), "piece size")
+        ps = json_int(d.get("ps", PIECE_SIZE), "piece size")
         if ps <= 0:
             raise ValueError(f"piece size {ps}")
         return cls(ChunkMeta(_ints(d["o"], "offsets"), _ints(d["s"], "sizes")), d["file"],
-                   _int(d["at"], "byte offset"), _int(d["n"], "byte count"), ps, tuple(digests))
+                   json_int(d["at"], "byte offset"), json_int(d["n"], "byte count"), ps, tuple(digests))
 
 
 _PAIRWISE_UP_TO = 16  # chunks of one tensor compared pair by pair; more: with numpy, in blocks
@@ -165,11 +166,11 @@ class ShardedTensorMeta:
 
     @property
     def itemsize(self) -> int:
-        return _itemsize(self.dtype)
+        return itemsize_of(self.dtype)
 
     @property
     def numel(self) -> int:
-        return _prod(self.global_shape)
+        return numel_of(self.global_shape)
 
     def validate(self, file_sizes: Optional[Dict[str, int]] = None, require_digests: bool = False) -> None:
         """Structural checks of the chunks (a manifest is read from storage that may be hostile):
@@ -296,73 +297,3 @@ class ShardIndex(Dict[str, ShardedTensorMeta]):
         for m in out.values():
             m.validate(file_sizes, require_digests)
         return out
-
-
-def part_record(flat_or_structure: Any, file: str, array_offsets: Sequence[int], *,
-                arrays: Optional[Sequence[Any]] = None, piece_size: int = PIECE_SIZE) -> dict:
-    """What one rank's file contributes to the shard index (JSON-able; merge with :func:`index_of`).
-
-    ``flat_or_structure`` is the part's :class:`~ray_ckpt.formats.flat.Flat` (its DTensor chunks'
-    piece digests are computed from its arrays, at memory speed) or only its structure (then
-    ``arrays`` gives the bytes, or no digests are recorded). ``array_offsets[i]`` is the byte offset
-    of ``arrays[i]`` in ``file``. A writer that hashes while streaming may instead fill the digests
-    itself with :class:`PieceHasher` over each DTensor array."""
-    if isinstance(flat_or_structure, Flat):
-        structure, arrays = flat_or_structure.structure, flat_or_structure.arrays
-    else:
-        structure = flat_or_structure
-    tensors: dict = {}
-    for path, node in walk_sharded(structure):
-        key = leaf_key(path)
-        entry = {"path": path, "shape": node["g"], "dtype": node["dt"], "mesh": node["m"],
-                 "placements": node["p"], "chunks": []}
-        if key in tensors:
-            raise ValueError(f"two sharded leaves have the key {key!r}")
-        tensors[key] = entry
-        i = node["DT"]
-        if i is None or _prod(node["sh"]) == 0:
-            continue  # a replica (stored by rank node["w"]) or an empty chunk
-        digests: List[str] = []
-        if arrays is not None:
-            h = PieceHasher(piece_size)
-            for p in pieces_of(arrays[i]):
-                h.update(p)
-            digests, nbytes = h.hexdigests(), h.size
-        else:
-            nbytes = _prod(node["sh"]) * _itemsize(node["dt"])
-        c = StoredChunk(ChunkMeta(node["o"], node["sh"]), file, int(array_offsets[i]), nbytes, piece_size,
-                        tuple(digests))
-        entry["chunks"].append(c.to_json())
-    return {"format": INDEX_FORMAT, "file": file, "tensors": tensors}
-
-
-def index_of(records: Iterable[dict]) -> ShardIndex:
-    """Merge every rank's :func:`part_record` into the index of a sharded state.
-
-    Checks that the ranks agree on each tensor's shape and dtype and that its stored chunks tile
-    it (:meth:`ShardedTensorMeta.validate`: a missing rank file leaves a hole); raises
-    :class:`IntegrityError` otherwise."""
-    index = ShardIndex()
-    seen: Dict[str, set] = {}
-    for rec in records:
-        for key, e in rec["tensors"].items():
-            m = index.get(key)
-            if m is None:
-                m = index[key] = ShardedTensorMeta(key, tuple(e["shape"]), e["dtype"], [], e.get("path"),
-                                                   tuple(e.get("mesh", ())), tuple(e.get("placements", ())))
-                seen[key] = set()
-            elif tuple(e["shape"]) != m.global_shape or e["dtype"] != m.dtype:
-                raise IntegrityError(
-                    f"{key}: the parts disagree on the global tensor: shape {list(m.global_shape)} "
-                    f"{m.dtype} vs shape {e['shape']} {e['dtype']} (file {rec.get('file')!r})")
-            for cj in e["chunks"]:
-                c = StoredChunk.from_json(cj)
-                box = (c.chunk.offsets, c.chunk.sizes)
-                if box in seen[key]:
-                    continue  # the same chunk written twice: keep the first
-                seen[key].add(box)
-                m.chunks.append(c)
-    for m in index.values():
-        m.chunks.sort(key=lambda c: c.chunk.offsets)
-        m.validate()
-    return index

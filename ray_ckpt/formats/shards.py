@@ -1,175 +1,38 @@
-"""Sharded (DTensor) state: what a new layout reads, and reading it verified.
+"""Sharded (DTensor) state: reading what a new layout needs, verified.
 
 No Ray here, and no storage: bytes come through a ``read_range(file, begin, end)`` callable.
-
-The index of what is stored where lives in ``formats.shard_index``, the per-piece digests in
-``formats.pieces``; this module plans and performs the reads of a target layout.
 
 A rank's part of a sharded state is an ordinary flattened state (``tree.flatten``) whose DTensor
 leaves hold that rank's LOCAL chunk ("DT" nodes). To restore on another world size or mesh, a
 reader needs what DCP keeps in its ``Metadata``: for every sharded tensor its global shape and
 dtype and, for every stored chunk, its box in the global tensor and where its bytes are. That is a
-:class:`ShardIndex`, built from one :func:`part_record` per rank file by :func:`index_of`, stored as
-JSON (in the manifest). :func:`plan_reads` intersects a target chunk (a rank's local shard in the
-new layout, or the whole tensor) with the stored chunks; :func:`load_into_tensor` then reads only
-the byte ranges those boxes need, checked against per-piece digests of each chunk's data
-(:func:`piece_digests`, xxh3-128 per ``PIECE_SIZE`` bytes): a rank of a 64-way restore reads and
-verifies about its own share of the checkpoint, never the whole of it.
+:class:`ShardIndex` (``formats.shard_index``), merged from one ``ShardRecord`` per rank file
+(``formats.shard_record``) and stored as JSON in the manifest. ``formats.read_plan`` intersects a
+target chunk (a rank's local shard in the new layout, or the whole tensor) with the stored chunks;
+:func:`load_into_tensor` then reads only the byte ranges those boxes need, checked against
+per-piece digests of each chunk's data (``formats.pieces``, xxh3-128 per ``PIECE_SIZE`` bytes): a
+rank of a 64-way restore reads and verifies about its own share of the checkpoint, never the whole
+of it.
 
-Integration (the save side):
-  * a writer, after laying out rank r's file, calls ``part_record(flat, file_id, array_offsets)``
-    (``array_offsets[i]`` = byte offset of ``flat.arrays[i]`` in the file; for ray_ckpt's
-    safetensors files ``safetensors_io.parse_header(head, size).offsets`` reads them from the head) and hands
-    the JSON-able record to the coordinator with the part;
-  * at commit the coordinator calls ``index_of(records).to_json()`` and stores it in the manifest
-    entry of the state (it raises if the chunks of a tensor do not cover it: a missing rank).
 The restore side: ``ShardIndex.from_json(...)`` then ``load_state_into(state, index, read_range,
 plain=<rank 0's part unflattened>)`` for ``load_into(name, state, rank=r)`` (DTensor leaves filled in
 place on any mesh, whatever the saved world size), or ``full_state(<rank 0's part>, index,
 read_range)`` for ``load(name, rank=None)`` (DTensor leaves assembled by :func:`assemble_full`).
+The planning names (``ReadItem``, ``plan_reads``, ``box_ranges``, ``plan_bytes``) are re-exported here.
 """
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
-
-import numpy as np
 
 from ..errors import IntegrityError, RestoreError
 from .pieces import verify_pieces
-from .shard_index import ShardedTensorMeta, ShardIndex, StoredChunk, _prod
+from .read_plan import ReadItem, box_ranges, fetches, plan_bytes, plan_reads, row_span
+from .shard_index import ShardedTensorMeta, ShardIndex, StoredChunk
 from .nodes import leaf_key
 from .sharded_leaf import global_rank, layout_of
 
 ReadRange = Callable[[str, int, int], Any]  # (file id, begin, end) -> bytes-like of end - begin bytes
-
-
-# --------------------------------------------------------------------------------------------------
-# planning reads
-
-
-@dataclass(frozen=True)
-class ReadItem:
-    """Copy the box ``sizes`` at ``src_offsets`` within stored chunk ``meta.chunks[chunk]`` to
-    ``dst_offsets`` within the target chunk. ``ranges`` are the byte ranges of the stored chunk's
-    row-major data (relative to its start) that the box occupies, contiguous rows coalesced."""
-
-    chunk: int
-    file: str
-    src_offsets: Tuple[int, ...]
-    dst_offsets: Tuple[int, ...]
-    sizes: Tuple[int, ...]
-    ranges: Tuple[Tuple[int, int], ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(e - b for b, e in self.ranges)
-
-
-def box_ranges(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int],
-               itemsize: int) -> List[Tuple[int, int]]:
-    """Byte ranges of the row-major array ``shape`` that the box (offsets, sizes) occupies, in order,
-    adjacent ones coalesced: a box of whole trailing dimensions is one range."""
-    nd = len(shape)
-    if any(s == 0 for s in sizes):
-        return []
-    if nd == 0:
-        return [(0, itemsize)]
-    strides = [itemsize] * nd
-    for d in range(nd - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
-    k = nd - 1  # the innermost dimension the box does not cover whole
-    while k > 0 and offsets[k] == 0 and sizes[k] == shape[k]:
-        k -= 1
-    run = sizes[k] * strides[k]
-    starts = np.array([offsets[k] * strides[k]], dtype=np.int64)
-    for d in range(k - 1, -1, -1):  # one run per index of the box's outer dimensions, in order
-        starts = (((offsets[d] + np.arange(sizes[d], dtype=np.int64)) * strides[d])[:, None]
-                  + starts[None, :]).reshape(-1)
-    ends = starts + run
-    if len(starts) > 1:  # coalesce runs that touch (a box of size-1 dims)
-        keep = np.ones(len(starts), bool)
-        keep[1:] = starts[1:] != ends[:-1]
-        first = np.flatnonzero(keep)
-        last = np.append(first[1:] - 1, len(starts) - 1)
-        starts, ends = starts[first], ends[last]
-    return list(zip(starts.tolist(), ends.tolist()))
-
-
-def plan_reads(meta: ShardedTensorMeta, target_offsets: Optional[Sequence[int]] = None,
-               target_sizes: Optional[Sequence[int]] = None) -> List[ReadItem]:
-    """The stored chunks a target chunk overlaps and the boxes to copy from each.
-
-    ``target_offsets`` / ``target_sizes`` place the target in the global tensor (a rank's local
-    shard in the new layout); both None: the whole tensor (``load(..., rank=None)``)."""
-    nd = len(meta.global_shape)
-    if target_offsets is None and target_sizes is None:
-        target_offsets, target_sizes = (0,) * nd, tuple(meta.global_shape)
-    t_off, t_sz = tuple(target_offsets), tuple(target_sizes)
-    if len(t_off) != nd or len(t_sz) != nd:
-        raise RestoreError(f"{meta.key}: a target chunk of rank {len(t_sz)} for a tensor of shape "
-                           f"{list(meta.global_shape)}")
-    for d in range(nd):
-        if t_off[d] < 0 or t_sz[d] < 0 or t_off[d] + t_sz[d] > meta.global_shape[d]:
-            raise RestoreError(f"{meta.key}: target chunk at {list(t_off)} of sizes {list(t_sz)} lies "
-                               f"outside the tensor's shape {list(meta.global_shape)}")
-    items: List[ReadItem] = []
-    if any(s == 0 for s in t_sz):
-        return items
-    for ci, c in enumerate(meta.chunks):
-        if c.chunk.offsets == t_off and c.chunk.sizes == t_sz:  # the same box (a load on the saved layout)
-            whole = ((0, c.nbytes),) if c.nbytes else ()
-            items.append(ReadItem(ci, c.file, (0,) * nd, (0,) * nd, t_sz, whole))
-            continue
-        lo = [max(a, b) for a, b in zip(c.chunk.offsets, t_off)]
-        hi = [min(a + s, b + t) for a, s, b, t in zip(c.chunk.offsets, c.chunk.sizes, t_off, t_sz)]
-        if any(h <= l for l, h in zip(lo, hi)):
-            continue
-        sizes = tuple(h - l for l, h in zip(lo, hi))
-        src = tuple(l - o for l, o in zip(lo, c.chunk.offsets))
-        dst = tuple(l - o for l, o in zip(lo, t_off))
-        ranges = tuple(box_ranges(c.chunk.sizes, src, sizes, meta.itemsize))
-        items.append(ReadItem(ci, c.file, src, dst, sizes, ranges))
-    return items
-
-
-def plan_bytes(meta: ShardedTensorMeta, items: Sequence[ReadItem], *, verify: bool = True) -> int:
-    """Bytes :func:`load_into_tensor` reads for ``items`` (whole pieces when it verifies)."""
-    return sum(e - b for _, b, e in _fetches(meta, items, verify))
-
-
-# --------------------------------------------------------------------------------------------------
-# reading
-
-
-def _span(meta: ShardedTensorMeta, c: StoredChunk, it: ReadItem) -> Tuple[int, int]:
-    """The byte range of the stored chunk's rows (leading dim) that the item's box spans."""
-    if not c.chunk.sizes:
-        return 0, meta.itemsize
-    row = _prod(c.chunk.sizes[1:]) * meta.itemsize
-    return it.src_offsets[0] * row, (it.src_offsets[0] + it.sizes[0]) * row
-
-
-def _fetches(meta: ShardedTensorMeta, items: Sequence[ReadItem], verify: bool
-             ) -> List[Tuple[int, int, int]]:
-    """(item index, begin, end) chunk-relative byte ranges to read: the items' ranges, widened to
-    whole pieces when verifying against digests, adjacent ones coalesced."""
-    out = []
-    for n, it in enumerate(items):
-        c = meta.chunks[it.chunk]
-        rs: List[Tuple[int, int]] = list(it.ranges)
-        if verify and c.digests:
-            p = c.piece_size
-            rs = [(b // p * p, min(-(-e // p) * p, c.nbytes)) for b, e in rs]
-        merged: List[List[int]] = []
-        for b, e in rs:
-            if merged and b <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], e)
-            else:
-                merged.append([b, e])
-        out.extend((n, b, e) for b, e in merged)
-    return out
 
 
 def _torch_dtype(name: str) -> Any:
@@ -232,7 +95,7 @@ def load_chunk(local: Any, meta: ShardedTensorMeta, offsets: Sequence[int], size
     into = getattr(read_range, "read_checked_into", None)
     direct = _direct_targets(meta, items, local) if into is not None else {}
     done: set = set()  # items read straight into the target
-    for n, b, e in _fetches(meta, items, verify):
+    for n, b, e in fetches(meta, items, verify):
         c = meta.chunks[items[n].chunk]
         if n in direct:  # the whole stored chunk into its place in the target: read there, checked there
             into(c.file, c.offset, direct.pop(n), _piece_check(meta, c, 0, c.nbytes, verify))
@@ -254,7 +117,7 @@ def load_chunk(local: Any, meta: ShardedTensorMeta, offsets: Sequence[int], size
             if n in done:
                 continue
             c = meta.chunks[it.chunk]
-            s0, s1 = _span(meta, c, it)
+            s0, s1 = row_span(meta, c, it)
             parts = fetched.get(n, [])
             whole = [(b, d) for b, d in parts if b <= s0 and b + len(d) >= s1]
             if whole:

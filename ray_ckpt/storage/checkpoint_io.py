@@ -5,6 +5,7 @@ actors, the coordinator and the ``ray-ckpt`` command line alike.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import xxhash
@@ -15,6 +16,7 @@ from ..formats.checksum import BLOCK, HashingSink
 from ..formats.manifest import (ROLE_BUFFER, ROLE_INDEX, ROLE_SEGMENT, ROLE_TABLE, ROLE_TENSORS, FileEntry, Manifest,
                                 StateEntry)
 from ..formats.flat import Flat
+from ..formats.shard_record import PlainArray, ShardHead, ShardRecord, part_record
 from ..formats.tree import unflatten
 from . import layout
 from .durable_batch import DurableBatch
@@ -130,17 +132,17 @@ def _base_index(tier: Tier, base: Sequence[FileEntry]) -> Optional[segments.Segm
         return None
 
 
-def shard_record(flat: Flat, rel: str, piece_size: Optional[int] = None) -> Optional[dict]:
+def shard_record(flat: Flat, rel: str, piece_size: Optional[int] = None) -> Optional[ShardRecord]:
     """The shard record of a part written as the safetensors file ``rel`` (``write_flat``), or None
     when the part has no DTensor leaf.
 
-    It is ``formats.shard_index.part_record`` (every stored DTensor chunk: its box in the global tensor,
-    its byte offset in ``rel``, xxh3-128 digests per piece) plus ``"head"``: the file's header
-    length and digest and, for every other array of the part (non-sharded tensors such as AdamW's
-    ``step``), its offset, size and digest. With these a reader of another layout reads only the
-    header and the byte ranges it needs, each verified, never the whole file. The offsets come from
-    the same header ``write_flat`` writes (serialisation is deterministic): nothing is read back."""
-    from ..formats import shard_index
+    It is ``formats.shard_record.part_record`` (every stored DTensor chunk: its box in the global
+    tensor, its byte offset in ``rel``, xxh3-128 digests per piece) with the file's
+    :class:`ShardHead`: the header's length and digest and, for every other array of the part
+    (non-sharded tensors such as AdamW's ``step``), its offset, size and digest. With these a reader
+    of another layout reads only the header and the byte ranges it needs, each verified, never the
+    whole file. The offsets come from the same header ``write_flat`` writes (serialisation is
+    deterministic): nothing is read back."""
     from ..formats.flat import pieces_of
     from ..formats.sharded_leaf import walk_sharded
 
@@ -151,7 +153,7 @@ def shard_record(flat: Flat, rel: str, piece_size: Optional[int] = None) -> Opti
     data_len = sum(a.nbytes for a in flat.arrays)
     offsets = safetensors_io.parse_header(head, len(head) + data_len, path=rel).offsets
     kw = {} if piece_size is None else {"piece_size": piece_size}
-    rec = shard_index.part_record(flat, rel, offsets, **kw)
+    rec = part_record(flat, rel, offsets, **kw)
     plain = []
     for i, arr in enumerate(flat.arrays):
         if i in sharded:
@@ -159,9 +161,8 @@ def shard_record(flat: Flat, rel: str, piece_size: Optional[int] = None) -> Opti
         h = xxhash.xxh3_128()
         for p in pieces_of(arr):
             h.update(memoryview(p).cast("B"))
-        plain.append([i, int(offsets[i]), int(arr.nbytes), h.hexdigest()])
-    rec["head"] = {"n": len(head), "xxh3": xxhash.xxh3_128_hexdigest(head), "plain": plain}
-    return rec
+        plain.append(PlainArray(i, int(offsets[i]), int(arr.nbytes), h.hexdigest()))
+    return dataclasses.replace(rec, head=ShardHead(len(head), xxhash.xxh3_128_hexdigest(head), tuple(plain)))
 
 
 def _write_table(tier: Tier, rel: str, table: Any, compression: Optional[str], threads: int,

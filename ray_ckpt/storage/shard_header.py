@@ -45,7 +45,7 @@ def check_header_chunks(index: Any, file: str, structure: Any, header: Dict[str,
     here (the index's chunks tile each tensor, each one checked against its own file). A chunk whose
     box was swapped with another's, or that points at other bytes of the file, is an
     :class:`IntegrityError` naming the file and the chunk."""
-    from ..formats.shard_index import _prod
+    from ..formats.shard_index import numel_of
 
     def bad(key: str, why: str) -> IntegrityError:
         return IntegrityError(f"{file}: {key}: the shard index does not match the file's header: {why}")
@@ -54,7 +54,7 @@ def check_header_chunks(index: Any, file: str, structure: Any, header: Dict[str,
     try:
         for path, node in walk_sharded(structure):
             key, i = leaf_key(path), node["DT"]
-            if i is None or _prod(node["sh"]) == 0:
+            if i is None or numel_of(node["sh"]) == 0:
                 continue
             m = index.get(key)
             if m is None:

@@ -25,6 +25,7 @@ from ..errors import IntegrityError, RestoreError, one_line
 from ..formats import safetensors_io
 from ..formats.manifest import ROLE_TABLE, ROLE_TENSORS, StateEntry
 from ..formats.nodes import leaf_key
+from ..formats.shard_record import ShardHead
 from ..formats.sharded_leaf import global_rank, walk_sharded
 from ..formats.tree import unflatten
 from .shard_header import check_header_chunks, digest_check, parse_header
@@ -53,8 +54,9 @@ class RangeReader:
         self.tier = self.tiers[0].name
         self.problems: List[str] = []
         self.sizes = {f.path: f.size for f in entry.all_files()}
-        self.heads = {f.path: h for r, fs in entry.files.items() for f in fs
-                      for h in [((entry.shards or {}).get("heads") or {}).get(str(r))] if f.role == ROLE_TENSORS}
+        heads = (entry.shards or {}).get("heads")
+        self.heads = {f.path: h for r, h in (heads.items() if isinstance(heads, dict) else ())
+                      for f in entry.files.get(r, ()) if f.role == ROLE_TENSORS}  # raw: parsed when used
         self.index: Any = None  # set: the header of every file a chunk is read from is checked first
         self.headers_checked: set = set()
         self._sources: Dict[Tuple[int, str], Any] = {}  # (tier, file) -> its RangeSource, opened once
@@ -92,12 +94,13 @@ class RangeReader:
         a tier whose copy does not agree is passed over like a corrupt one."""
         self.headers_checked.add(file)
         size = self.sizes.get(file, 0)
-        head = self.heads.get(file)
-        try:
-            n = int(head["n"]) if isinstance(head, dict) else None
-            want = str(head["xxh3"]) if isinstance(head, dict) else None
-        except (KeyError, TypeError, ValueError):
-            n = want = None
+        n = want = None  # no record (only rank 0's file has one): the length prefix is read
+        if file in self.heads:
+            try:
+                head = ShardHead.from_json(self.heads[file])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise IntegrityError(f"{file}: the manifest's shard head is malformed ({exc})") from None
+            n, want = head.nbytes, head.xxh3
         if n is None:
             if size < 8:
                 raise IntegrityError(f"{file}: {size} bytes: not a safetensors file")
@@ -213,11 +216,10 @@ def read_head(entry: StateEntry, name: str, reader: RangeReader, tiers: Sequence
         raise IntegrityError(f"state {name!r}: rank 0 has {len(tensors)} tensors files, expected 1")
     f = tensors[0]
     try:
-        h = (entry.shards or {})["heads"]["0"]
-        n, head_digest = int(h["n"]), str(h["xxh3"])
-        plain = [(int(i), int(off), int(nb), str(dg)) for i, off, nb, dg in h["plain"]]
+        head = ShardHead.from_json((entry.shards or {})["heads"]["0"])
     except (KeyError, TypeError, ValueError) as exc:
         raise IntegrityError(f"state {name!r}: the manifest's shard heads are malformed ({exc})") from None
+    n, head_digest, plain = head.nbytes, head.xxh3, head.plain
     if not 8 <= n <= min(f.size, safetensors_io.MAX_HEADER):
         raise IntegrityError(f"{f.path}: recorded header length {n} does not fit the file ({f.size} bytes)")
     reader.headers_checked.add(f.path)  # checked here, against the index when one is given

@@ -11,7 +11,7 @@ from typing import Dict, Iterable, List, Optional, Tuple, Union
 from ..errors import CheckpointError, IntegrityError, SaveError, one_line
 from ..formats.manifest import ROLE_TENSORS, FileEntry
 from ..formats.flat import Flat
-from ..protocol import WrittenPart
+from ..protocol import ShardRecord, WrittenPart
 from ..storage.checkpoint_io import content_hash, shard_record, write_append_only, write_flat
 from ..storage.durable_batch import DurableBatch
 from ..storage.tier import RateLimit, Tier
@@ -126,7 +126,7 @@ class PartWriter:
         return total
 
 
-def _shards_of(flat: Flat, files: Iterable[FileEntry]) -> Optional[dict]:
+def _shards_of(flat: Flat, files: Iterable[FileEntry]) -> Optional[ShardRecord]:
     """The shard record of a part with DTensor leaves (None otherwise): where its chunks lie in its
     tensors file, so that the manifest can index the state for resharded, ranged restores."""
     tensors = [f for f in files if f.role == ROLE_TENSORS]

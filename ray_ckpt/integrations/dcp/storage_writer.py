@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ...errors import InvalidArgumentError, InvalidSaveError, SaveError, one_line
-from ...formats.shard_index import _itemsize
+from ...formats.shard_index import itemsize_of
 from .named_version import NamedVersion
 
 __all__ = ["RayCkptStorageWriter", "check_dtype"]
@@ -40,7 +40,7 @@ def check_dtype(dtype: torch.dtype, fqn: str) -> None:
     row-major boxes of whole elements (quantized tensors, sub-byte packed dtypes)."""
     name = str(dtype).replace("torch.", "")
     try:
-        _itemsize(name)
+        itemsize_of(name)
         ok = isinstance(dtype, torch.dtype) and not re.fullmatch(r"u?int[1-7]|bits.*|q.*", name)
     except ValueError:
         ok = False
