@@ -524,7 +524,7 @@ def test_retention_keeps_the_file_a_writer_may_refer_to_instead_of_writing():
     cat.begin(2, 2, [{"name": "reference", "strategy": "reloadable"}])
     cat.begin(3, 3, [{"name": "other", "strategy": "critical"}])
     part = cat.pending[2].parts[("reference", 0)]
-    assert cat.reuse_for(part) == {"h": [ref]}
+    assert cat.reuse_for(part) == {"h": [dict(ref, node=None)]}  # node: where it was written (unknown here)
     cat.part_written(3, "other", 0, {"files": [{"path": "v000000000003/other/rank0.safetensors", "size": 1,
                                                "checksum": "x"}], "written": 1})
     cat.mark_committed(3, cat.manifest_for(3))  # version 3 commits first: retention may drop version 1

@@ -96,7 +96,7 @@ class CheckpointCoordinator:
         self.catalogue, self.uploads, self.skipped = found.catalogue, found.uploads, found.skipped
         self.heads = HeadRecords(config.run, found.heads)  # storage/head.py: a rollback is seen at the next start
         self.queries = CoordinatorQueries(config.run, self.catalogue, self.uploads, self.skipped, self.pools)
-        self.file_nodes: Dict[str, str] = {}  # local file path -> node whose local tier holds it
+        self.file_nodes: Dict[str, str] = found.file_nodes  # local file path -> node whose local tier holds it
         self.accepted_at: Dict[int, float] = {}  # version -> when it opened (commit latency metrics)
         self.counts: Dict[str, int] = {"pushed_parts": 0, "submit_calls": 0}
         self.last_error: Optional[str] = None

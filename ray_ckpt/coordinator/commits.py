@@ -91,8 +91,9 @@ class VersionCommits:
         """A part's WrittenPart, or the error that stopped it, into the catalogue."""
         if not isinstance(result, BaseException):
             if not result.reused:
-                for f in result.files:
-                    self.file_nodes[f.path] = result.node or self.node_id
+                for f in result.files:  # in the manifest too: a restarted coordinator reads it back
+                    f.node = f.node or result.node or self.node_id  # an append base keeps its own writer's
+                    self.file_nodes[f.path] = f.node
             self.catalogue.part_written(version, name, rank, result)
         else:  # reaches the handle through the commit future
             exc = result

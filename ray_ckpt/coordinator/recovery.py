@@ -3,8 +3,9 @@
 The coordinator keeps nothing that storage does not also hold, so its start is a recovery: scan
 both tiers' manifests (what is committed, what is not trusted and why), clear what a predecessor
 left half-done (version directories without a manifest, temporary files of a killed writer), and
-read back the pushed-state declarations and the driver's states. Kept apart from the actor so that
-the start-up rules read in one place and run without Ray (``recover`` needs only the tiers).
+read back the pushed-state declarations, the driver's states and which node holds each local file
+(its manifest says). Kept apart from the actor so that the start-up rules read in one place and
+run without Ray (``recover`` needs only the tiers).
 """
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ class Recovered:
     uploads: UploadPlan
     skipped: Dict[int, str]
     heads: Dict[str, int]  # each tier's head record (storage/head.py): the newest step committed there
+    # local file path -> the node whose local tier holds it, as the local manifests record it
+    # (replication.py judges a node's loss by it)
+    file_nodes: Dict[str, str]
 
 
 def recover(config: EngineConfig, local: Tier, remote: Optional[Tier]) -> Recovered:
@@ -87,7 +91,14 @@ def recover(config: EngineConfig, local: Tier, remote: Optional[Tier]) -> Recove
         log.error("run %r: version %d was %s", config.run, step, why)
         skipped.setdefault(step, why)
         catalogue.reserved_through = max(catalogue.reserved_through, step)
-    return Recovered(catalogue, uploads, skipped, heads)
+    return Recovered(catalogue, uploads, skipped, heads, recorded_nodes(catalogue.committed))
+
+
+def recorded_nodes(committed: Dict[int, Manifest]) -> Dict[str, str]:
+    """file path -> node, for every file of ``committed`` whose manifest names its node (a manifest
+    written before nodes were recorded names none: its files count as the coordinator's node's)."""
+    return {f.path: f.node for m in committed.values() for e in m.states.values() for f in e.all_files()
+            if f.node is not None}
 
 
 def problems_by_version(problems: List[str]) -> Dict[int, str]:

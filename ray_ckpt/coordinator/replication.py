@@ -14,14 +14,16 @@ The coordinator polls Ray's node table. When a node dies:
   survived too; a pass also runs when a node joins, for versions that had nowhere to go;
 * a version committed only locally (not uploaded) with a critical file that now exists nowhere (its
   node gone, no live replica, not on this node's disk either) is no longer listed: it is reported in
-  ``status()["skipped_versions"]`` with the node that took it, and its number is never reused.
+  ``status()["skipped_versions"]`` with the node that took it, and its number is never reused. So
+  is one whose last replica the holders drop (older than the newest ``peer_keep``) after its
+  writer's node died.
 
 Without peer replicas the second rule still holds: a version restorable nowhere is never listed.
 The lost versions are recorded on this node's local tier (``storage/lost.py``): a restarted
 coordinator and ``ray-ckpt ls`` do not list them either. The holders are detached from the
 coordinator's process: a coordinator that Ray restarts adopts them and the copies they hold whose
-checksums its manifests name (which node wrote each file is not kept across the restart: a node
-lost after it is judged by the copies held elsewhere).
+checksums its manifests name; the manifests say which node wrote each file (``FileEntry.node``),
+so it judges a node's loss as before, those that died while no coordinator watched included.
 """
 from __future__ import annotations
 
@@ -71,7 +73,8 @@ class Replication:
         self.held_bytes: Dict[str, int] = {}  # node -> bytes sent to its holder (placement: least first)
         self.futures: Dict[int, asyncio.Future] = {}  # version -> its "replicated" outcome
         self.alive: Dict[str, Dict[str, str]] = {}  # node -> labels, as last read
-        self.dead: Set[str] = set()
+        self.dead: Set[str] = set()  # nodes judged lost
+        self.table_dead: Set[str] = set()  # nodes Ray's node table lists dead, as last read
         self.short: Dict[int, str] = {}  # version -> why it has fewer copies than asked
         self._task: Optional[asyncio.Future] = None
         self._lock = asyncio.Lock()  # one pass of sends at a time
@@ -100,7 +103,9 @@ class Replication:
                 await self._read_nodes()
             problems = await self._fill(version)
         self._settle(version, problems)
-        self._prune()
+        dropped = self._prune()
+        if dropped and self.dead:  # their last copies may have been the holders' (their writer's node gone)
+            await self._judge(dropped, f"versions {dropped} left the peer replicas (peer_keep={self.cfg.peer_keep})")
 
     def _settle(self, version: int, problems: List[str]) -> None:
         fut = self.future(version)
@@ -121,11 +126,29 @@ class Replication:
 
     async def _fill(self, version: int) -> List[str]:
         """Send ``version``'s files where copies are missing; returns what could not be done."""
+        sends, problems = self._plan(version)
+        held = self.copies.get(version, {})
+        calls = [(key, fs, self._send(version, key, fs)) for key, fs in sends.items()]
+        for (how, src, target), fs, ref in calls:
+            try:
+                await ref
+            except Exception as exc:
+                problems.append(f"sending {len(fs)} file(s) from node {src[:12]} to node {target[:12]} failed: "
+                                f"{one_line(exc)[:300]}")
+                continue
+            for f in fs:
+                held[f.path].add(target)
+            self.held_bytes[target] = self.held_bytes.get(target, 0) + sum(f.size for f in fs)
+        return problems
+
+    def _plan(self, version: int) -> Tuple[Dict[Tuple[str, str, str], List[FileEntry]], List[str]]:
+        """The sends that give ``version``'s files their copies, (how: "writer" or "holder", from node,
+        to node) -> files; and what cannot be done."""
         m = self.catalogue.committed.get(version)
         if m is None:
-            return [f"version {version} is no longer listed"]
+            return {}, [f"version {version} is no longer listed"]
         held = self.copies.setdefault(version, {})
-        sends: Dict[Tuple[str, str, str], List[FileEntry]] = {}  # (how, from, to) -> files
+        sends: Dict[Tuple[str, str, str], List[FileEntry]] = {}
         problems: List[str] = []
         for f in held_files(m):
             have = held.setdefault(f.path, set())
@@ -147,18 +170,7 @@ class Replication:
                 continue
             for t in targets:
                 sends.setdefault((how[0], how[1], t), []).append(f)
-        calls = [(key, fs, self._send(version, key, fs)) for key, fs in sends.items()]
-        for (how, src, target), fs, ref in calls:
-            try:
-                await ref
-            except Exception as exc:
-                problems.append(f"sending {len(fs)} file(s) from node {src[:12]} to node {target[:12]} failed: "
-                                f"{one_line(exc)[:300]}")
-                continue
-            for f in fs:
-                held[f.path].add(target)
-            self.held_bytes[target] = self.held_bytes.get(target, 0) + sum(f.size for f in fs)
-        return problems
+        return sends, problems
 
     def _send(self, version: int, key: Tuple[str, str, str], files: List[FileEntry]) -> Any:
         how, src, target = key
@@ -189,14 +201,16 @@ class Replication:
               and (label is None or (self.alive[n].get(label) is not None and self.alive[n].get(label) != domain))]
         return sorted(ok, key=lambda n: (self.held_bytes.get(n, 0), n))[:need]
 
-    def _prune(self) -> None:
-        """Forget copies of versions older than the newest ``peer_keep`` (holders dropped them)."""
-        for v in sorted(self.copies)[:-self.cfg.peer_keep]:
+    def _prune(self) -> List[int]:
+        """Forget copies of versions older than the newest ``peer_keep`` (holders dropped them); returns them."""
+        dropped = sorted(self.copies)[:-self.cfg.peer_keep]
+        for v in dropped:
             self.copies.pop(v, None)
             self.short.pop(v, None)
         for v in sorted(self.futures)[:-32]:
             if self.futures[v].done():
                 self.futures.pop(v)
+        return dropped
 
     # ------------------------------------------------------------------ nodes
     def start(self) -> None:
@@ -208,6 +222,7 @@ class Replication:
         nodes = await asyncio.to_thread(ray.nodes)
         before = set(self.alive)
         self.alive = {n["NodeID"]: dict(n.get("Labels") or {}) for n in nodes if n.get("Alive")}
+        self.table_dead = {n["NodeID"] for n in nodes if not n.get("Alive")} - set(self.alive)
         gone = (before - set(self.alive)) | {n["NodeID"] for n in nodes if not n.get("Alive") and n["NodeID"] in before}
         return gone - self.dead
 
@@ -250,12 +265,27 @@ class Replication:
             log.info("run %r: adopted %d replica(s) held by %d holder(s) from before this coordinator started",
                      self.cfg.run, adopted, len(self.holders))
 
-    async def _watch(self) -> None:
+    async def _begin(self) -> None:
+        """A (re)started coordinator: adopt the holders, then judge the nodes that died while no
+        coordinator watched, those of them that hold files of this run (their manifests say)."""
         if self.enabled:
-            try:
-                await self._adopt()
-            except Exception as exc:  # nothing adopted: the repair passes send the newest versions again
-                log.warning("run %r: adopting the replica holders failed: %s", self.cfg.run, one_line(exc))
+            await self._adopt()  # raises when it cannot: the copies are unknown, nothing is judged lost
+        else:
+            await self._read_nodes()
+        if self.died_unwatched():
+            await self.nodes_lost(self.died_unwatched())
+            if self.enabled:
+                await self.repair()
+
+    def died_unwatched(self) -> Set[str]:
+        """Nodes Ray's node table lists dead that wrote files of this run and that are not judged yet."""
+        return (set(self.file_nodes.values()) & self.table_dead) - self.dead
+
+    async def _watch(self) -> None:
+        try:
+            await self._begin()
+        except Exception as exc:  # nothing adopted: the repair passes send the newest versions again
+            log.warning("run %r: adopting the replica holders failed: %s", self.cfg.run, one_line(exc))
         tick = 0
         while True:
             await asyncio.sleep(NODE_POLL_S)
@@ -279,9 +309,17 @@ class Replication:
         for held in self.copies.values():
             for nodes in held.values():
                 nodes.difference_update(gone)
+        names = ", ".join(n[:12] for n in sorted(gone))
+        if not await self._judge(sorted(self.catalogue.committed), f"node(s) {names} lost"):
+            log.warning("run %r: node(s) %s lost; every listed version is still restorable", self.cfg.run, names)
+
+    async def _judge(self, versions: List[int], cause: str) -> List[int]:
+        """Stop listing those of ``versions`` that can no longer be restored (a critical file on a
+        lost node's disk only), record them lost and report them; returns them."""
         lost: Dict[int, LostVersion] = {}
-        for v, m in sorted(self.catalogue.committed.items()):
-            if v in self.uploads.committed or v in self.catalogue.pending:
+        for v in versions:
+            m = self.catalogue.committed.get(v)
+            if m is None or v in self.uploads.committed or v in self.catalogue.pending:
                 continue
             missing = [f.path for f in held_files(m) if not await self._restorable(v, f)]
             if missing:
@@ -293,18 +331,16 @@ class Replication:
                 self.catalogue.reserved_through = max(self.catalogue.reserved_through, v)
                 self.skipped[v] = why
                 self.copies.pop(v, None)
-        names = ", ".join(n[:12] for n in sorted(gone))
         if lost:
             try:  # so that a restarted coordinator (or ray-ckpt ls) does not list them again
                 await asyncio.to_thread(record_lost, self.local, lost)
             except Exception as exc:
                 log.error("run %r: cannot record the lost versions on %s: %s", self.cfg.run, self.local.display,
                           one_line(exc))
-            msg = f"node(s) {names} lost: versions {sorted(lost)} can no longer be restored and are no longer listed"
+            msg = f"{cause}: versions {sorted(lost)} can no longer be restored and are no longer listed"
             self._set_error(msg)
             log.error("run %r: %s", self.cfg.run, msg)
-        else:
-            log.warning("run %r: node(s) %s lost; every listed version is still restorable", self.cfg.run, names)
+        return sorted(lost)
 
     async def _restorable(self, version: int, f: FileEntry) -> bool:
         if self.file_nodes.get(f.path, self.node_id) not in self.dead:

@@ -14,6 +14,10 @@ unset, so such manifests are byte for byte what earlier ray_ckpt versions wrote 
   configured with (:func:`sign_manifest`, :func:`verify_signature`); a reader given the key refuses
   unsigned and mis-signed manifests.
 
+A file entry's optional ``node`` (absent when unset, likewise) is the Ray node whose local tier the
+file was written on: a restarted coordinator learns from it which versions a node's loss costs.
+The digests and the signature cover it like every other field.
+
 This module knows nothing of storage: the path rule below is the layout's
 (``storage.layout`` re-exports it).
 """
@@ -55,6 +59,7 @@ class FileEntry:
     size: int
     checksum: str
     role: str = ROLE_TENSORS  # one of the ROLE_* above
+    node: Optional[str] = None  # the Ray node whose local tier holds the file (None: not recorded)
 
 
 @dataclass
@@ -104,6 +109,10 @@ class Manifest:
         for s in d["states"].values():
             if s.get("shards") is None:
                 s.pop("shards", None)  # unsharded entries stay byte for byte what they were
+            for fs in s["files"].values():
+                for f in fs:
+                    if f.get("node") is None:
+                        f.pop("node", None)
         return d
 
     def to_json(self) -> bytes:
@@ -145,6 +154,8 @@ class Manifest:
                         raise ValueError(f"state {name!r} file {f.path!r}: size {f.size!r} is not a byte count")
                     if not isinstance(f.checksum, str):
                         raise ValueError(f"state {name!r} file {f.path!r}: checksum {f.checksum!r} is not a string")
+                    if f.node is not None and (not isinstance(f.node, str) or not f.node):
+                        raise ValueError(f"state {name!r} file {f.path!r}: node {f.node!r} is not a node id")
                 if s.get("shards") is not None and not isinstance(s["shards"], dict):
                     raise ValueError(f"state {name!r}: 'shards' is not an object")
                 states[name] = StateEntry(files=files, **s)
