@@ -4,12 +4,10 @@ The driver submits each provider's snapshot itself (so Ray's per-caller ordering
 after that actor's training call for the same step) and passes the resulting ObjectRefs, inside a
 list, to the coordinator: the driver never touches the bytes of an actor's state.
 
-This module holds the public API and what ties it together (the run's coordinator, its owner
-lease, the registry, step counters); the work behind it lives beside it:
-``capture/calls.py`` (which process captures each state, prefault, publish), ``reading.py``
-(load, load_into, restore), ``rank_push.py`` (declaring pushed states, a rank's ``submit``) and
-``push_batch.py`` (ranks' pushes batched per version), ``in_flight.py`` (backpressure and the
-handles in flight), ``coordinator_client.py`` (starting, calling and reviving the coordinator).
+This module holds the public API and what ties it together (coordinator, owner lease, registry,
+step counters); the work lives beside it: ``capture/calls.py`` (who captures each state),
+``reading.py`` (load, restore), ``rank_push.py`` / ``push_batch.py`` (ranks' pushes),
+``in_flight.py`` (backpressure), ``coordinator_client.py`` (starting and reviving the coordinator).
 """
 from __future__ import annotations
 
@@ -148,14 +146,20 @@ class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes):
         if self._closed:
             return
         self._closed = True
-        self._pusher.close()  # parts pushed within the last window reach the coordinator first
-        if not (self._owner if stop_coordinator is None else bool(stop_coordinator)):
-            if self._lease is not None:
-                self._lease.stop(release_record=False)
-            return
-        refs = [h._ref for h in self._in_flight if h._ref is not None and not h.done()]
-        stop_run(self._coordinator, self.run, refs, timeout, self._lease,  # run_lifetime.py
-                 holders=self.config.peer_replicas > 0)
+        try:
+            self._pusher.close()  # parts pushed within the last window reach the coordinator first
+            if not (self._owner if stop_coordinator is None else bool(stop_coordinator)):
+                if self._lease is not None:
+                    self._lease.stop(release_record=False)
+                return
+            refs = [h._ref for h in self._in_flight if h._ref is not None and not h.done()]
+            stop_run(self._coordinator, self.run, refs, timeout, self._lease,  # run_lifetime.py
+                     holders=self.config.peer_replicas > 0)
+        finally:
+            # engine and helpers refer to each other (a cycle lives until the collector runs): drop the
+            # providers' handles now, so actors the user no longer holds stop and free their CPUs
+            self._registry.clear()
+            self._last_handle = None
 
     # ------------------------------------------------------------------ registration
     def register(self, name: str, provider: Any = None, *, strategy: Union[Strategy, str] = Strategy.CRITICAL,
@@ -278,12 +282,10 @@ class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes):
 
     def publish(self, name: str, to: Iterable[Any], method: str, handle: Optional[SaveHandle] = None
                 ) -> List[ray.ObjectRef]:
-        """Hand the snapshot of state ``name`` (of ``handle``, default: this engine's latest save) to
-        each actor of ``to``: ``actor.<method>(state)`` runs with the state read from the object
-        store — the bytes the save already holds, mapped zero-copy by an actor on the same node — so
-        the learner does not copy its weights a second time for the broadcast. Returns at once with
-        the calls' ObjectRefs (``ray.get`` them to wait); a rollout actor's own calls are ordered
-        with the driver's as usual. Works for overlapped states too (the actor waits for the copy)."""
+        """Hand the snapshot of state ``name`` (of ``handle``, default: the latest save) to each actor
+        of ``to``: ``actor.<method>(state)`` runs with the bytes the save already holds in the object
+        store (zero-copy on the same node), so the learner does not copy its weights again for the
+        broadcast. Returns the calls' ObjectRefs at once; overlapped states work too."""
         self._check_open()
         return publish_calls(handle or self._last_handle, name, to, method)
 
