@@ -1,6 +1,6 @@
 """RLlib: what checkpointing every iteration costs train(), side by side in one run.
 
-    python benchmarks/rllib_iteration.py [--iterations 8] [--prefill 30000] [--configs ppo0,ppo1,dqn] [--dir /tmp/rllib_bench]
+    python benchmarks/rllib_iteration.py [--iterations 8] [--prefill 30000] [--configs ppo0,ppo1,dqn[,madqn]] [--dir /tmp/rllib_bench]
 
 Per algorithm config, one Algorithm per arm, built from the same config and seed, all built first
 and then trained ``--iterations`` iterations *interleaved* (iteration i of every arm, the arms'
@@ -11,12 +11,14 @@ first two iterations are warm-up and not counted):
   ray_ckpt     ray_ckpt's callback saves every iteration (make_callback(..., every=1)); train()
                includes the callback's capture and save() call, not the writers' work (they run
                beside it, on the same 2 cores)
-  ray_ckpt_full  DQN only: the same with the replay buffer written whole every version
+  ray_ckpt_full  DQN only (both): the same with the replay buffer written whole every version
                (append_only off) -- what incremental segments save
   rllib_save   RLlib's own ``algo.save_to_path()`` after every train() (synchronous)
 
-Configs: PPO on CartPole with num_learners=0 and =1; DQN on CartPole with a prioritized replay
-buffer of capacity 1M, prefilled with ``--prefill`` timesteps of the untrained (epsilon-greedy) policy so that a save's buffer
+Configs: PPO on CartPole with num_learners=0 and =1 (``ppo0``, ``ppo1``); DQN on CartPole with a
+prioritized replay buffer of capacity 1M (``dqn``), and multi-agent DQN on MultiAgentCartPole (two
+agents, one policy each) with a multi-agent prioritized buffer of capacity 1M (``madqn``, not run by
+default), each prefilled with ``--prefill`` timesteps of the untrained (epsilon-greedy) policy so that a save's buffer
 is large next to what one iteration adds.
 
 Printed: median train() seconds per arm, the iteration rate relative to ``none``, and for ray_ckpt
@@ -59,6 +61,26 @@ def dqn_config(seed: int = 1):
     return (DQNConfig().environment("CartPole-v1")
             .env_runners(num_env_runners=0, rollout_fragment_length=100)
             .training(replay_buffer_config={"type": "PrioritizedEpisodeReplayBuffer", "capacity": 1_000_000},
+                      num_steps_sampled_before_learning_starts=1000, train_batch_size_per_learner=32)
+            .reporting(min_sample_timesteps_per_iteration=500)
+            .debugging(seed=seed))
+
+
+def _policy_of(agent_id, episode, **kw):
+    return f"p{agent_id}"
+
+
+def ma_dqn_config(seed: int = 1):
+    """Multi-agent DQN: MultiAgentCartPole with two agents, one policy each, a multi-agent
+    prioritized buffer of capacity 1M (rows are agent timesteps: ~2 per env step)."""
+    from ray.rllib.algorithms.dqn import DQNConfig
+    from ray.rllib.examples.envs.classes.multi_agent import MultiAgentCartPole
+
+    return (DQNConfig().environment(MultiAgentCartPole, env_config={"num_agents": 2})
+            .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=_policy_of)
+            .env_runners(num_env_runners=0, rollout_fragment_length=100)
+            .training(replay_buffer_config={"type": "MultiAgentPrioritizedEpisodeReplayBuffer",
+                                            "capacity": 1_000_000},
                       num_steps_sampled_before_learning_starts=1000, train_batch_size_per_learner=32)
             .reporting(min_sample_timesteps_per_iteration=500)
             .debugging(seed=seed))
@@ -194,7 +216,7 @@ def _dir_bytes(path: str) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iterations", type=int, default=8)
-    ap.add_argument("--prefill", type=int, default=30_000, help="DQN: random timesteps put in the buffer first")
+    ap.add_argument("--prefill", type=int, default=30_000, help="DQN: random (env) timesteps put in the buffer first")
     ap.add_argument("--configs", default="ppo0,ppo1,dqn")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--arms", default=None, help="only these arms (comma-separated; 'none' is run unless --bytes-only)")
@@ -209,7 +231,8 @@ def main() -> None:
     root = args.dir or tempfile.mkdtemp(prefix="rllib_bench_")
     configs = {"ppo0": (lambda: ppo_config(0), ["none", "ray_ckpt", "rllib_save"], 0),
                "ppo1": (lambda: ppo_config(1), ["none", "ray_ckpt", "rllib_save"], 0),
-               "dqn": (dqn_config, ["none", "ray_ckpt", "ray_ckpt_full", "rllib_save"], args.prefill)}
+               "dqn": (dqn_config, ["none", "ray_ckpt", "ray_ckpt_full", "rllib_save"], args.prefill),
+               "madqn": (ma_dqn_config, ["none", "ray_ckpt", "ray_ckpt_full", "rllib_save"], args.prefill)}
     rows, files = [], []
     try:
         for name in args.configs.split(","):

@@ -100,10 +100,10 @@ def capture_algorithm_state(algorithm: Any, *, rng: bool = True, metrics: bool =
             out[METRICS] = to_storable({"algorithm": algorithm.metrics.get_state(),
                                         "learner": lg.get(COMPONENT_METRICS_LOGGER)},
                                        METRICS, METRICS in pickled)
-        except UnsupportedTypeError as exc:
+        except (UnsupportedTypeError, TypeError) as exc:  # TypeError: RLlib's get_state on int agent ids
             if errors is None:
                 raise
-            errors[METRICS] = str(exc)
+            errors[METRICS] = f"{type(exc).__name__}: {exc}"
     if replay is not None:  # a Strategy: the replay buffer's ``replay`` + ``replay_meta`` (the replay package)
         capture_algorithm_replay(algorithm, out, replay, engine, errors)
     return out

@@ -17,9 +17,11 @@ be one this package knows (or a plain JSON/numpy value, kept under ``extra_attrs
 Single-agent buffers are saved incrementally in format /4 (:mod:`.incremental_state`: the rows
 below, and ``replay_meta`` as an append-only log of records compressed against a dictionary record
 -- the episodes that ended, the priorities that changed, the meta -- so a save converts and writes
-only what changed, in two files and two small indexes); a restore turns those back into the two-state form below and restores
-that. Multi-agent buffers are saved in the two-state form itself (format /1: rows append-only,
-``replay_meta`` whole).
+only what changed, in two files and two small indexes); multi-agent buffers likewise in format /5
+(:mod:`.incremental_multi_agent`: the same log, with the multi-agent episodes' own states and
+RLlib's env-step index list as records of it). A restore turns those back into the two-state form
+below and restores that. The two-state form itself (format /1) was how multi-agent buffers were
+saved before (rows append-only, ``replay_meta`` whole): such versions are still restored.
 
 The two states (names ``replay`` and ``replay_meta`` in a version):
 
@@ -109,31 +111,34 @@ algorithm's ``policy_mapping_fn`` (or the one passed); restored episodes share o
 per distinct space (equal, not separate copies); a multi-agent buffer with non-str agent ids has no
 metrics state (RLlib's ``MetricsLogger.get_state`` fails on them): its metrics restart empty. Not
 supported (refused by name): agents whose spaces differ in one buffer, non-numpy'ized nested data.
-The meta is O(rows) for prioritized buffers (the per-row leaves: 8-9 bytes per row) and for
+Format /1's meta is O(rows) for prioritized buffers (the per-row leaves: 8-9 bytes per row) and for
 multi-agent buffers (env-step keys and env-to-agent step maps); for the others it grows only with
 episodes and with infos that are not ``{}``.
 
 Modules, lowest first (each imports only modules above it in this list; none imports this package):
 
-========================== ===========================================================================
-``values``                 exact scalars (value and Python/numpy type) and the gym spaces table
-``buffers``                the supported buffer classes, their attributes, the meta every family shares,
-                           format /1's tag
-``episode_parts``          (agent) episodes -> parts (timestep bodies, edges, scalars), the rows'
-                           columns and the columnar episode table; the table read back into parts
-``episode_rebuild``        rows + episode table -> ``SingleAgentEpisode`` objects
-``row_ids``                stable row ids across saves (:class:`~.row_ids.RowIds`, kept beside each buffer)
-``segment_trees``          sum/min segment trees and free-node deques <-> their row leaves
-``priorities``             the priority part of format /1's meta, and the trees restored from it
-``multi_agent``            multi-agent buffers captured in format /1; their episodes rebuilt
-``records``                a log record's bytes: arrays narrowed and shuffled, compressed with a dictionary
-``incremental_state``      format /4: its names and tags, the per-buffer cache, the log's records
-``incremental_priorities`` format /4, prioritized: ``prio`` columns and the priority records
-``incremental_capture``    format /4: a single-agent buffer's capture (only what changed)
-``incremental_restore``    format /3 or /4 -> format /1's two states; the caches seeded after a restore
-``two_state``              ``capture_replay`` / ``restore_replay``: any buffer <-> format /1's two states
-``compare``                two buffers' complete states compared (tests, verification)
-``algorithm``              the entry points the RLlib callback and restore call (strategy, capture into a
-                           save, registrations, restore of a version)
-========================== ===========================================================================
+============================ ===========================================================================
+``values``                   exact scalars (value and Python/numpy type) and the gym spaces table
+``buffers``                  the supported buffer classes, their attributes, the meta every family shares,
+                             format /1's tag
+``episode_parts``            (agent) episodes -> parts (timestep bodies, edges, scalars), the rows'
+                             columns and the columnar episode table; the table read back into parts
+``episode_rebuild``          rows + episode table -> ``SingleAgentEpisode`` objects
+``row_ids``                  stable row ids across saves (:class:`~.row_ids.RowIds`, kept beside each buffer)
+``segment_trees``            sum/min segment trees and free-node deques <-> their row leaves
+``priorities``               the priority part of format /1's meta, and the trees restored from it
+``multi_agent``              multi-agent buffers captured in format /1 (no longer saved; tests make it); their
+                             index lists and episodes' own states; their episodes rebuilt
+``records``                  a log record's bytes: arrays narrowed and shuffled, compressed with a dictionary
+``incremental_state``        format /4: its names and tags, the per-buffer cache, the log's records
+``incremental_priorities``   formats /4 and /5, prioritized: ``prio`` columns and the priority records
+``incremental_capture``      format /4: a single-agent buffer's capture (only what changed)
+``incremental_restore``      format /3 or /4 -> format /1's two states; the caches seeded after a restore
+``incremental_multi_agent``  format /5: a multi-agent buffer's capture (only what changed)
+``incremental_ma_restore``   format /5 -> format /1's two states; either log format's restore and seeding
+``two_state``                ``capture_replay`` / ``restore_replay``: any buffer <-> format /1's two states
+``compare``                  two buffers' complete states compared (tests, verification)
+``algorithm``                the entry points the RLlib callback and restore call (strategy, capture into a
+                             save, registrations, restore of a version)
+============================ ===========================================================================
 """

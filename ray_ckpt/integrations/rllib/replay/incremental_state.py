@@ -51,7 +51,8 @@ A restore turns the two back into the two-state form ``(replay, replay_meta)`` o
 (:func:`.incremental_restore.states_to_v1`) and restores that; it then seeds the caches so the next
 save goes on appending to the same log. Format /3 (the same log without dictionaries) is read and
 continued; format /2 (four states, written by earlier versions of this package) is not read.
-Multi-agent buffers are saved in format /1 (:mod:`.multi_agent`).
+Multi-agent buffers are saved in format /5 (:mod:`.incremental_multi_agent`): this log with *env
+records* (kind :data:`ENV`) beside the others.
 """
 from __future__ import annotations
 

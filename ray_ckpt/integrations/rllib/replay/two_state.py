@@ -1,6 +1,6 @@
 """Any supported buffer <-> the two-state form ``(replay, replay_meta)`` of format /1 (the package
-docstring describes it): multi-agent buffers are saved in it; single-agent ones are saved by
-:mod:`.incremental_capture` and turned back into it to be restored.
+docstring describes it): buffers are saved as logs (:mod:`.incremental_capture`,
+:mod:`.incremental_multi_agent`) and turned back into it to be restored.
 """
 from __future__ import annotations
 

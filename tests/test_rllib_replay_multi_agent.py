@@ -1,0 +1,192 @@
+"""Multi-agent replay buffers saved incrementally (format /5): version after version written as the
+engine writes append-only states and restored exactly; a version's bytes grow with the rows it
+adds, not with the buffer; format /1 versions (the earlier multi-agent form) still restore and are
+continued as /5; multi-agent DQN (two policies, prioritized buffer) saved by the callback and
+restored into a fresh Algorithm. Real RLlib episodes from RLlib's own MultiAgentEnvRunner; CPU."""
+import numpy as np
+import pytest
+
+pytest.importorskip("gymnasium")
+pytest.importorskip("ray.rllib")
+
+from test_rllib_replay import (BUFFERS, _assert_same, _fill, _ma_mapping, _make, _same_states,  # noqa: E402
+                               _sampled, _store_version, _through_storage)
+
+import ray_ckpt as rc  # noqa: E402
+from ray_ckpt.integrations import rllib as rr  # noqa: E402
+from ray_ckpt.integrations.rllib.replay import (compare, incremental_ma_restore, incremental_multi_agent,  # noqa: E402
+                                                multi_agent, row_ids, two_state)
+from ray_ckpt.integrations.rllib.replay.buffers import buffer_kind  # noqa: E402
+from ray_ckpt.storage.tier import Tier  # noqa: E402
+
+_CHUNKS = {}
+
+
+def _chunks(n_samples):
+    """Episode chunks from RLlib's MultiAgentEnvRunner on MultiAgentCartPole (two agents, modules p0
+    and p1, random actions, 20 env steps a sample): agents' episodes end at different times."""
+    if n_samples not in _CHUNKS:
+        from ray.rllib.algorithms.ppo import PPOConfig
+        from ray.rllib.env.multi_agent_env_runner import MultiAgentEnvRunner
+        from ray.rllib.examples.envs.classes.multi_agent import MultiAgentCartPole
+        cfg = (PPOConfig().environment(MultiAgentCartPole, env_config={"num_agents": 2})
+               .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=_ma_mapping)
+               .env_runners(rollout_fragment_length=20).debugging(seed=1))
+        runner = MultiAgentEnvRunner(config=cfg)
+        out = []
+        for _ in range(n_samples):
+            out += runner.sample(num_timesteps=20, random_actions=True)
+        runner.stop()
+        _CHUNKS[n_samples] = out
+    return _CHUNKS[n_samples]
+
+
+def _restored(name, states, capacity):
+    """A fresh buffer restored from the two states, its caches seeded (as restore_algorithm does)."""
+    fresh = _make(name, capacity, seed=99)
+    replay, meta, seeds = incremental_ma_restore.log_to_v1(states)
+    two_state.restore_replay(fresh, replay, meta, agent_to_module_mapping_fn=_ma_mapping)
+    incremental_ma_restore.seed_log(row_ids.row_ids_of(fresh), seeds, fresh)
+    return fresh
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["multi_agent", "multi_agent_prioritized"])
+def test_multi_agent_versions_restore_exactly_and_a_restored_buffer_continues_the_log(name, tmp_path):
+    """Captured every few adds (evictions, and priority updates per module in between), the two
+    states are written version after version as the engine writes them (append-only over the
+    previous version); each version restores into a fresh buffer exactly; a buffer restored from
+    version 3 and fed the same since captures the same states, byte for byte, as the original."""
+    prioritized = "prioritized" in name
+    tier = Tier(str(tmp_path / "tier"), "local")
+    chunks = _chunks(24)
+    buf = _make(name, capacity=120)
+    base, restored, step = {}, None, 4
+    for v, i in enumerate(range(0, len(chunks), step), 1):
+        for b in (buf, restored) if restored is not None else (buf,):
+            _fill(b, chunks, prioritized, True, i, i + step, seed=v)
+        states = incremental_multi_agent.capture_ma_states(buf, row_ids.row_ids_of(buf))
+        assert states["replay_meta"]["format"] == "ray_ckpt.rllib.replay/5"
+        base, back, _ = _store_version(tier, v, states, base)
+        if restored is not None:
+            _same_states(states, incremental_multi_agent.capture_ma_states(restored, row_ids.row_ids_of(restored)))
+        fresh = _restored(name, back, 120)
+        assert compare.buffer_state_equal(buf, fresh) == [], v
+        if v == 3:
+            restored = fresh
+    assert buf.get_num_episodes_evicted() > 10
+    assert len(row_ids.row_ids_of(buf).inc.env_recs) < v  # env records of evicted episodes left the log
+    _assert_same(_sampled(buf, True), _sampled(restored, True), "sample")
+
+
+@pytest.mark.timeout(300)
+def test_multi_agent_save_writes_the_new_rows_not_the_buffer(tmp_path):
+    """A multi-agent prioritized buffer of ~6k agent rows, then versions that each add ~80 and
+    update priorities of both modules: a version's bytes are a small multiple of its new rows'
+    segment and do not grow with the buffer, while format /1's meta (written whole each save) is
+    tens of KB and grows with it."""
+    tier = Tier(str(tmp_path / "tier"), "local")
+    chunks = _chunks(170)
+    buf = _make("multi_agent_prioritized", capacity=100_000)
+    first = len(chunks) - 16
+    _fill(buf, chunks, True, True, 0, first)
+    base, per_version, sizes = {}, [], []
+    for v, i in enumerate(range(first, len(chunks), 4), 1):
+        if v > 1:
+            _fill(buf, chunks, True, True, i, i + 4, seed=v)
+        states = incremental_multi_agent.capture_ma_states(buf, row_ids.row_ids_of(buf))
+        base, back, written = _store_version(tier, v, states, base)
+        new_segment = [f.size for f in base["replay"] if f.path.startswith(f"v{v:012d}/") and f.role == "segment"]
+        per_version.append((written, sum(new_segment)))
+        sizes.append(buf._num_agent_timesteps)
+    n_rows = buf._num_agent_timesteps
+    assert n_rows > 5000
+    whole = sum(f.size for f in base["replay"] if f.role == "segment")
+    for (w, seg) in per_version[1:]:
+        assert 0 < seg < 0.05 * whole
+        assert w["replay_meta"] < 8000, w          # O(what was added), not O(N)
+        assert sum(w.values()) < seg + 10000, (w, seg)
+    # format /1's meta of the same buffer, written whole every save: O(episodes + env steps + rows)
+    _, meta_v1 = two_state.capture_replay(buf, row_ids=row_ids.RowIds())
+    files, _ = _through_storage(tmp_path / "v1", "replay_meta", meta_v1)
+    assert sum(f.size for f in files) > 5 * max(w["replay_meta"] for w, _ in per_version[1:])
+    fresh = _restored("multi_agent_prioritized", back, 100_000)
+    assert compare.buffer_state_equal(buf, fresh) == []
+
+
+@pytest.mark.timeout(300)
+def test_a_format_1_version_restores_and_continues_as_format_5(tmp_path):
+    """Format /1 (rows + a nested meta written whole, the earlier multi-agent form) is read: the
+    buffer comes back exactly; its next capture is a whole format /5 log, which restores exactly."""
+    name = "multi_agent_prioritized"
+    chunks = _chunks(24)
+    buf = _make(name, capacity=120)
+    _fill(buf, chunks, True, True, 0, 40)
+    replay, meta = multi_agent.capture_multi_agent(buf, buffer_kind(buf), row_ids.RowIds())
+    assert meta["format"] == "ray_ckpt.rllib.replay/1"
+    _, replay_back = _through_storage(tmp_path / "r", "replay", replay)
+    _, meta_back = _through_storage(tmp_path / "m", "replay_meta", meta)
+    old = _make(name, capacity=120, seed=7)
+    two_state.restore_replay(old, replay_back, meta_back, agent_to_module_mapping_fn=_ma_mapping)
+    assert compare.buffer_state_equal(buf, old) == []
+    for b in (buf, old):
+        _fill(b, chunks, True, True, 40, len(chunks), seed=3)
+    states = incremental_multi_agent.capture_ma_states(old, row_ids.row_ids_of(old))
+    assert states["replay_meta"]["format"] == "ray_ckpt.rllib.replay/5"
+    _, back, _ = _store_version(Tier(str(tmp_path / "tier"), "local"), 2, states, {})
+    assert compare.buffer_state_equal(buf, _restored(name, back, 120)) == []
+
+
+# ---------------------------------------------------------------- multi-agent DQN, saved by the callback
+def _ma_dqn_config(cb, seed=3):
+    from ray.rllib.algorithms.dqn import DQNConfig
+    from ray.rllib.examples.envs.classes.multi_agent import MultiAgentCartPole
+    return (DQNConfig().environment(MultiAgentCartPole, env_config={"num_agents": 2})
+            .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=_ma_mapping)
+            .env_runners(num_env_runners=0, rollout_fragment_length=32)
+            .training(replay_buffer_config={"type": "MultiAgentPrioritizedEpisodeReplayBuffer", "capacity": 300,
+                                            "alpha": 0.6, "beta": 0.4},
+                      num_steps_sampled_before_learning_starts=64, train_batch_size=32)
+            .rl_module(model_config={"fcnet_hiddens": [32]})
+            .reporting(min_sample_timesteps_per_iteration=100)
+            .callbacks(cb).debugging(seed=seed))
+
+
+@pytest.mark.timeout(300)
+def test_multi_agent_dqn_buffer_saved_by_callback_restores_exactly(engine_factory, run_name):
+    """Two policies, a multi-agent prioritized buffer that evicts: saved every iteration (each
+    version appends its new rows and log records), resumed into a fresh Algorithm: the buffer's
+    contents, per-module priorities and trees, counters and generator equal; the resumed run's next
+    save appends to the same log."""
+    engine = engine_factory(critical_writers=1)
+    cb = rr.make_callback(run_name, every=1, on_busy="wait")
+    algo = _ma_dqn_config(cb).build_algo()
+    try:
+        for _ in range(4):
+            algo.train()
+        assert sorted(rr.wait_for_saves(algo, timeout=120)) == [1, 2, 3, 4]
+        buf = algo.local_replay_buffer
+        assert buf.get_num_episodes_evicted() > 0
+        r3, r4 = engine.load(name="replay", version=3), engine.load(name="replay", version=4)
+        assert len(r4["row_id"]) == buf._num_agent_timesteps and set(np.unique(r4["module"])) == {0, 1}
+        common, i3, i4 = np.intersect1d(r3["row_id"], r4["row_id"], return_indices=True)
+        assert len(common) > 0 and np.array_equal(r3["obs"][i3], r4["obs"][i4])
+        assert engine.load(name="replay_meta", version=4)["format"] == "ray_ckpt.rllib.replay/5"
+    finally:
+        algo.stop()
+    fresh = _ma_dqn_config(rr.make_callback(run_name, every=1, on_busy="wait", resume=True)).build_algo()
+    try:
+        report = rr.find_callback(fresh).resumed
+        assert report.version == 4 and report.states["replay"] == "restored"
+        assert compare.buffer_state_equal(buf, fresh.local_replay_buffer) == []
+        chunk_before = engine.load(name="replay_meta", version=4)["next_chunk"]
+        fresh.train()
+        rr.wait_for_saves(fresh, timeout=120)
+        meta5 = engine.load(name="replay_meta", version=5)
+        r5 = engine.load(name="replay", version=5)
+        assert meta5["meta_at"] >= chunk_before  # the log continued: no rewrite from chunk 0
+        assert np.setdiff1d(r5["row_id"], r4["row_id"]).min() > r4["row_id"].max()
+    finally:
+        fresh.stop()
+    with pytest.raises(rc.RestoreError):  # a single-agent buffer cannot take it: named, nothing changed
+        two_state.restore_replay(BUFFERS["prioritized"][0](capacity=300), *two_state.capture_replay(buf))
