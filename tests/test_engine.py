@@ -669,3 +669,29 @@ def test_shutdown_lets_saves_and_retention_in_flight_finish(engine_factory, tmp_
     assert left == ["head.json", "v000000000003", "v000000000003/manifest.json", "v000000000003/policy",
                     "v000000000003/policy/rank0.safetensors"], left
     assert json.loads((run_dir / "head.json").read_bytes())["step"] == 3  # written before shutdown returned
+
+
+def test_shutdown_lets_go_of_the_provider_actors_the_user_dropped(engine_factory):
+    """A provider actor whose last handle the user dropped stops once the engine shuts down, even
+    while Python's cycle collector has not run (the engine and its helpers refer to each other):
+    otherwise it keeps its process and CPUs until some later collection."""
+    import gc
+
+    from actors import Replay, remote
+
+    buf = remote(Replay).remote(capacity=64)
+    actor_id = buf._actor_id.hex()
+    eng = engine_factory(remote_uri=None, **LEAN)
+    eng.register("buffer", buf, strategy="best_effort")
+    assert eng.save(1).wait(120).step == 1
+    gc.collect()
+    gc.disable()  # what a test cannot rely on: a collection happening to run in between
+    try:
+        eng.shutdown()
+        del buf
+        deadline = time.monotonic() + 60
+        while ray._private.state.actors(actor_id)["State"] != "DEAD":
+            assert time.monotonic() < deadline, "the provider actor is still alive 60 s after shutdown()"
+            time.sleep(0.2)
+    finally:
+        gc.enable()
