@@ -74,7 +74,7 @@ def test_versions_lost_with_a_node_stay_unlisted_after_a_restart_and_in_ray_ckpt
     assert sorted(found.catalogue.committed) == [1, 3]
     assert found.skipped == {2: "lost with node abc: 1 critical file(s) ..."}
     assert found.catalogue.reserved_through == 2
-    with pytest.raises(rc.SaveError, match="version 2 .* not trusted .*lost with node abc"):
+    with pytest.raises(rc.SaveError, match="step 2 .* not trusted .*lost with node abc"):
         found.catalogue.begin(2, 2, [])
     assert cli(["ls", str(tmp_path / "r")]) == 0
     out = capsys.readouterr().out

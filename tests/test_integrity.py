@@ -94,7 +94,7 @@ def test_keys_rotate_with_a_key_ring_and_untrusted_versions_are_never_written_ov
     eng2 = _reopen(eng, engine_factory, learner, signing_key=new)
     assert eng2.list_checkpoints() == [] and set(eng2.status()["skipped_versions"]) == {1, 2, 3}
     # ... and a save of one of those steps is refused, not written over the version it would replace
-    with pytest.raises(rc.SaveError, match=r"version 3 .* is not trusted \(.*signature does not verify.*never "
+    with pytest.raises(rc.SaveError, match=r"step 3 .* is not trusted \(.*signature does not verify.*never "
                                            r"written over"):
         eng2.save(3).result(timeout=60)
     assert _manifest(tmp_path, run_name, 3).read_bytes() == v3

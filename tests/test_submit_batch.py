@@ -31,7 +31,7 @@ def test_a_refused_part_fails_only_its_own_handle(engine_factory, run_name):
     # b's engine cannot know that a pushed rank 0: the coordinator refuses it, inside b's batch
     dup = b.submit(1, "s", {"w": np.full(8, 99, np.float32)}, rank=0)
     good = b.submit(1, "s", state(2), rank=2)
-    with pytest.raises(rc.SaveError, match=r"^state 's' rank 0 was already submitted for version 1$"):
+    with pytest.raises(rc.SaveError, match=r"^state 's' rank 0 was already submitted for step 1$"):
         dup.wait(timeout=60)
     assert dup.done() and isinstance(dup.exception(timeout=10), rc.SaveError)
     assert good.wait(timeout=60).version == 1  # the batch's other part went on

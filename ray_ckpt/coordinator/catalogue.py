@@ -65,7 +65,7 @@ class Catalogue:
         if not 0 <= rank < d.world_size:
             raise SaveError(f"rank {rank} is out of range for state {name!r} (world_size {d.world_size})")
         if version in self.committed and version not in self.pending:
-            raise SaveError(f"version {version} of run {self.run!r} is already committed")
+            raise SaveError(f"step {step} of run {self.run!r} is already committed")
         pv = self.pending.get(version)
         if pv is None:
             pv = self.begin(version, step, [])
@@ -77,9 +77,9 @@ class Catalogue:
                     pv.n_critical_pending += 1
         part = pv.parts.get((name, rank))
         if part is None:
-            raise SaveError(f"version {version} does not expect state {name!r} rank {rank}")
+            raise SaveError(f"step {step} does not expect state {name!r} rank {rank}")
         if part.submitted:
-            raise SaveError(f"state {name!r} rank {rank} was already submitted for version {version}")
+            raise SaveError(f"state {name!r} rank {rank} was already submitted for step {step}")
         part.submitted = True
         return pv
 
@@ -109,16 +109,16 @@ class Catalogue:
         if pv is not None and pv.opened_by_push and not pv.committed and not pv.error:
             return self._merge(pv, parts, metrics)  # ranks pushed first; the driver's parts join them
         if version in self.untrusted and version not in self.committed:
-            raise SaveError(f"version {version} of run {self.run!r} exists in storage but is not trusted "
+            raise SaveError(f"step {step} of run {self.run!r} exists in storage but is not trusted "
                             f"({self.untrusted[version]}); it is kept as found and never written over: save "
                             f"a later step, or move it aside after inspecting it (ray-ckpt verify)")
         if version <= self.reserved_through and version not in self.committed and version not in self.pending:
-            raise SaveError(f"version {version} of run {self.run!r}: steps up to {self.reserved_through} were "
+            raise SaveError(f"step {step} of run {self.run!r}: steps up to {self.reserved_through} were "
                             f"committed before and are missing now (rolled back behind the engine's back), and "
                             f"a step is never reused: save a step after {self.reserved_through}, or restore "
                             f"with rewind=True to go on from an older version with its step numbers")
         if version in self.committed or version in self.pending:
-            raise SaveError(f"version {version} of run {self.run!r} already exists"
+            raise SaveError(f"step {step} of run {self.run!r} already exists"
                             + (" and is committed" if version in self.committed else "")
                             + "; steps must increase")
         pv = PendingVersion(version, step, time.time(), dict(metrics or {}), {}, set(), set(), {})
@@ -135,7 +135,7 @@ class Catalogue:
                 del pv.parts[key]
         both = sorted({p.name for p in parts} & set(pv.strategies))
         if both:
-            raise SaveError(f"version {pv.version}: states {both} are both pushed and saved by the driver")
+            raise SaveError(f"step {pv.step}: states {both} are both pushed and saved by the driver")
         pv.opened_by_push = False
         pv.metrics.update(metrics or {})
         self._add_parts(pv, parts)
