@@ -17,7 +17,7 @@ address = sys.argv[4] if len(sys.argv) > 4 and not sys.argv[4].startswith("--") 
 if address:
     ray.init(address=address, log_to_driver=False)
 else:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # its own, always
 state = {"w": np.zeros(8, np.float32)}  # numpy, not torch: this driver starts ~3 s sooner
 eng = rc.CheckpointEngine.create(run, local_dir=local_dir, critical_writers=1, best_effort_writers=0,
                                  critical_cpus=0.05)

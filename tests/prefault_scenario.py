@@ -91,7 +91,7 @@ def run(learner, prefault: bool, root: str) -> dict:
 
 
 def main() -> int:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=STORE)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=STORE)
     try:
         learner = Learner.remote()  # first: its process starts while the first engine's do
         with tempfile.TemporaryDirectory() as root:
