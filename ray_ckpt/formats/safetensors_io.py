@@ -23,7 +23,9 @@ FORMAT_KEY = "ray_ckpt.format"
 FORMAT_VERSION = "1"
 
 
-def _header(flat: Flat) -> Tuple[bytes, List[int]]:
+def file_header(flat: Flat) -> Tuple[bytes, List[int]]:
+    """(the file's first bytes: length prefix and JSON header, the order its arrays follow in):
+    deterministic, so a writer knows every array's offset without reading the file back."""
     order = sorted(range(len(flat.arrays)), key=lambda i: -flat.leaf_info[i]["itemsize"])
     header: dict = {
         "__metadata__": {
@@ -47,7 +49,7 @@ def _header(flat: Flat) -> Tuple[bytes, List[int]]:
 
 def segments(flat: Flat) -> List[Any]:
     """The file as consecutive byte pieces: the header, then each tensor's bytes (no copies)."""
-    head, order = _header(flat)
+    head, order = file_header(flat)
     return [head] + [piece for i in order for piece in pieces_of(flat.arrays[i])]
 
 

@@ -149,7 +149,7 @@ def shard_record(flat: Flat, rel: str, piece_size: Optional[int] = None) -> Opti
     sharded = {node["DT"] for _, node in walk_sharded(flat.structure)}
     if not sharded:
         return None
-    head, _order = safetensors_io._header(flat)
+    head, _order = safetensors_io.file_header(flat)
     data_len = sum(a.nbytes for a in flat.arrays)
     offsets = safetensors_io.parse_header(head, len(head) + data_len, path=rel).offsets
     kw = {} if piece_size is None else {"piece_size": piece_size}
