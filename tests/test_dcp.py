@@ -21,6 +21,7 @@ declared to push).
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -341,9 +342,12 @@ def test_plain_process_reads_verified_and_a_flipped_byte_fails_the_load(pool, pu
     d = pool["dirs"][ENGINE_RUN]
     local_only = {"local_dir": d["local_dir"]}
     target = _plain_target(pushed)
-    dcp.load(target, storage_reader=rc.dcp.reader(ENGINE_RUN, SAVED, **local_only), no_dist=True)
+    reader = rc.dcp.reader(ENGINE_RUN, SAVED, **local_only)
+    dcp.load(target, storage_reader=reader, no_dist=True)
     for k, v in target["model"].items():
         assert same_bits(v, pushed[f"model.{k}"]), k
+    open_files = [os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")]
+    assert not [p for p in open_files if p.startswith(os.path.realpath(d["local_dir"]))]  # closed after the load
 
     # flip one byte in the last chunk of rank 1's model file on the local tier
     tier = Tier(f"{d['local_dir']}/{ENGINE_RUN}")

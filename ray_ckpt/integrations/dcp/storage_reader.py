@@ -225,23 +225,28 @@ class RayCkptStorageReader(NamedVersion, StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         """Fill each ReadItem: only the byte ranges of its box (whole pieces, each verified)."""
-        for item in plan.items:
-            fqn = item.storage_index.fqn
-            if item.type == LoadItemType.BYTE_IO:
-                if fqn not in self._objects:
-                    raise RestoreError(f"{self.checkpoint_id}: {fqn} is not a non-tensor leaf of the version")
-                buf = io.BytesIO()
-                torch.save(self._objects[fqn], buf)  # a value decoded from our JSON structure, not stored bytes
-                buf.seek(0)
-                planner.load_bytes(item, buf)
-                continue
-            offsets = [a + b for a, b in zip(item.storage_index.offset, item.storage_offsets)]
-            target = planner.resolve_tensor(item).detach()
-            if list(target.shape) != list(item.lengths):
-                raise RestoreError(f"{fqn}: DCP asked for a box of sizes {list(item.lengths)} into a target of "
-                                   f"shape {list(target.shape)}")
-            self._fill(fqn, target, offsets, list(item.lengths))
-            planner.commit_tensor(item, target)
+        try:
+            for item in plan.items:
+                fqn = item.storage_index.fqn
+                if item.type == LoadItemType.BYTE_IO:
+                    if fqn not in self._objects:
+                        raise RestoreError(f"{self.checkpoint_id}: {fqn} is not a non-tensor leaf of the version")
+                    buf = io.BytesIO()
+                    torch.save(self._objects[fqn], buf)  # a value decoded from our JSON structure, not stored bytes
+                    buf.seek(0)
+                    planner.load_bytes(item, buf)
+                    continue
+                offsets = [a + b for a, b in zip(item.storage_index.offset, item.storage_offsets)]
+                target = planner.resolve_tensor(item).detach()
+                if list(target.shape) != list(item.lengths):
+                    raise RestoreError(f"{fqn}: DCP asked for a box of sizes {list(item.lengths)} into a target of "
+                                       f"shape {list(target.shape)}")
+                self._fill(fqn, target, offsets, list(item.lengths))
+                planner.commit_tensor(item, target)
+        finally:  # DCP reads once per load: close the files the range readers keep open
+            for s in getattr(self, "_states", {}).values():
+                if s.reader is not None:
+                    s.reader.close()
         fut: Future = Future()
         fut.set_result(None)
         return fut
