@@ -103,3 +103,16 @@ def test_malformed_head_is_refused_by_name(tmp_path, change):
     with pytest.raises(RestoreError, match="shard heads are malformed.*nothing was loaded"):
         sharded_io.load_into_state([tier], entry, "model", target)
     assert not target["w"].any()  # nothing was filled
+
+
+def test_show_summarises_the_index_and_names_a_damaged_one(tmp_path):
+    from ray_ckpt.cli.show import sharded_summary
+
+    _tier, entry = committed_entry(tmp_path)
+    assert sharded_summary(entry.shards) == {"w": {
+        "shape": [ROWS, COLS], "dtype": "float32", "mesh": [WORLD], "placements": ["S(0)"], "chunks": WORLD,
+        "chunk_bytes": ROWS * COLS * 4, "files": WORLD}}
+    entry.shards["tensors"]["w"]["chunks"].pop()  # a rank's chunk gone: the rows it held are a hole
+    assert sharded_summary(entry.shards) == {"problem": "malformed shard index (shard index: w: the stored chunks "
+                                             "hold 24 of the 36 elements of shape [9, 4]: a rank's part is missing "
+                                             "or chunks repeat)"}

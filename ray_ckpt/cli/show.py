@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any, Dict, Tuple
 
-from ..errors import CheckpointError, one_line
+from ..errors import CheckpointError, IntegrityError, one_line
 from ..formats.manifest import ROLE_BUFFER, ROLE_TABLE, ROLE_TENSORS, FileEntry, Manifest
 from ..formats.safetensors_io import LEAVES_KEY, STRUCTURE_KEY, header_length
 from ..storage import layout
@@ -135,18 +135,18 @@ def _file_details(tier: Tier, f: FileEntry) -> Dict[str, Any]:
 
 def sharded_summary(shards: Any) -> Dict[str, Any]:
     """The DTensor leaves of a sharded state's index (manifest only): key -> global shape, dtype,
-    how it was sharded (mesh, placements), its stored chunks and their bytes."""
-    out: Dict[str, Any] = {}
+    how it was sharded (mesh, placements), its stored chunks and their bytes. Parsed and checked
+    like a restore parses it (``ShardIndex.from_json``), so a damaged index is named as a problem."""
+    from ..formats.shard_index import ShardIndex
+
     try:
-        for key, t in (shards.get("tensors") or {}).items():
-            chunks = t.get("chunks") or []
-            out[key] = {"shape": t.get("shape"), "dtype": t.get("dtype"), "mesh": t.get("mesh"),
-                        "placements": t.get("placements"), "chunks": len(chunks),
-                        "chunk_bytes": sum(int(c.get("n", 0)) for c in chunks),
-                        "files": len({c.get("file") for c in chunks})}
-    except (AttributeError, TypeError, ValueError) as exc:
+        index = ShardIndex.from_json(shards, require_digests=False)
+    except IntegrityError as exc:
         return {"problem": f"malformed shard index ({one_line(exc)})"}
-    return out
+    return {key: {"shape": list(m.global_shape), "dtype": m.dtype, "mesh": list(m.mesh_shape),
+                  "placements": list(m.placements), "chunks": len(m.chunks),
+                  "chunk_bytes": sum(c.nbytes for c in m.chunks), "files": len({c.file for c in m.chunks})}
+            for key, m in index.items()}
 
 
 def describe(run: Run, m: Manifest) -> Dict[str, Any]:
