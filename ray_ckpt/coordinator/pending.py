@@ -126,14 +126,14 @@ def add_shard_record(pv: PendingVersion, name: str, rank: int, record: Optional[
         if plain:
             raise SaveError(f"ranks {plain} pushed no DTensor leaves while ranks "
                             f"{sorted(r for r in recs if r not in plain)} did")
-        from ..formats.shard_record import index_of
+        from ..formats.shard_record import HEADS_KEY, index_of
 
         first = sorted(recs)[0]
         head = recs[first].head
         if head is None:
             raise SaveError(f"rank {first}'s shard record has no header record")
         index = index_of(recs[r] for r in sorted(recs)).to_json()
-        index["heads"] = {str(first): head.to_json()}  # rank 0's header
+        index[HEADS_KEY] = {str(first): head.to_json()}  # rank 0's header
         pv.shard_index[name] = index
     except (SaveError, IntegrityError) as exc:
         why = f"sharded state {name!r}: {exc}"

@@ -20,6 +20,9 @@ from .shard_index import (INDEX_FORMAT, ChunkMeta, ShardedTensorMeta, ShardIndex
                           itemsize_of, json_int, numel_of)
 from .sharded_leaf import walk_sharded
 
+# the key of the manifest's shard index under which ranks' ShardHead JSON lies (rank 0's only)
+HEADS_KEY = "heads"
+
 
 class PlainArray(NamedTuple):
     """A non-sharded array of a rank's file (AdamW's ``step``): its index among the part's arrays,

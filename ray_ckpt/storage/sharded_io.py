@@ -25,7 +25,7 @@ from ..errors import IntegrityError, RestoreError, one_line
 from ..formats import safetensors_io
 from ..formats.manifest import ROLE_TABLE, ROLE_TENSORS, StateEntry
 from ..formats.nodes import leaf_key
-from ..formats.shard_record import ShardHead
+from ..formats.shard_record import HEADS_KEY, ShardHead
 from ..formats.sharded_leaf import global_rank, walk_sharded
 from ..formats.tree import unflatten
 from .shard_header import check_header_chunks, digest_check, parse_header
@@ -54,7 +54,7 @@ class RangeReader:
         self.tier = self.tiers[0].name
         self.problems: List[str] = []
         self.sizes = {f.path: f.size for f in entry.all_files()}
-        heads = (entry.shards or {}).get("heads")
+        heads = (entry.shards or {}).get(HEADS_KEY)
         self.heads = {f.path: h for r, h in (heads.items() if isinstance(heads, dict) else ())
                       for f in entry.files.get(r, ()) if f.role == ROLE_TENSORS}  # raw: parsed when used
         self.index: Any = None  # set: the header of every file a chunk is read from is checked first
@@ -216,7 +216,7 @@ def read_head(entry: StateEntry, name: str, reader: RangeReader, tiers: Sequence
         raise IntegrityError(f"state {name!r}: rank 0 has {len(tensors)} tensors files, expected 1")
     f = tensors[0]
     try:
-        head = ShardHead.from_json((entry.shards or {})["heads"]["0"])
+        head = ShardHead.from_json((entry.shards or {})[HEADS_KEY]["0"])
     except (KeyError, TypeError, ValueError) as exc:
         raise IntegrityError(f"state {name!r}: the manifest's shard heads are malformed ({exc})") from None
     n, head_digest, plain = head.nbytes, head.xxh3, head.plain
