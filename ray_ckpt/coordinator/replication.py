@@ -327,16 +327,17 @@ class Replication:
                 why = (f"lost with node {node[:12]}: {len(missing)} critical file(s) (e.g. {missing[0]}) were on its "
                        f"local disk only (not uploaded, no live peer replica)")
                 lost[v] = LostVersion(why, float(m.created_at))
-                self.catalogue.forget(v)
-                self.catalogue.reserved_through = max(self.catalogue.reserved_through, v)
-                self.skipped[v] = why
-                self.copies.pop(v, None)
         if lost:
-            try:  # so that a restarted coordinator (or ray-ckpt ls) does not list them again
+            try:  # first, so that a restart right after the report does not list them again (nor ray-ckpt ls)
                 await asyncio.to_thread(record_lost, self.local, lost)
             except Exception as exc:
                 log.error("run %r: cannot record the lost versions on %s: %s", self.cfg.run, self.local.display,
                           one_line(exc))
+            for v, e in lost.items():
+                self.catalogue.forget(v)
+                self.catalogue.reserved_through = max(self.catalogue.reserved_through, v)
+                self.skipped[v] = e.why
+                self.copies.pop(v, None)
             msg = f"{cause}: versions {sorted(lost)} can no longer be restored and are no longer listed"
             self._set_error(msg)
             log.error("run %r: %s", self.cfg.run, msg)
