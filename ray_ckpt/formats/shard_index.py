@@ -274,6 +274,17 @@ class ShardIndex(Dict[str, ShardedTensorMeta]):
     def to_json(self) -> dict:
         return {"format": INDEX_FORMAT, "tensors": {k: m.to_json() for k, m in self.items()}}
 
+    def chunks_in(self, file: str) -> List[Tuple[str, StoredChunk]]:
+        """(tensor key, chunk) of every chunk stored in ``file``. Grouped once per index (a reader
+        checks the header of every file it reads from); an index is not changed once read."""
+        by_file = self.__dict__.get("_by_file")
+        if by_file is None:
+            by_file = self._by_file = {}
+            for key, m in self.items():
+                for c in m.chunks:
+                    by_file.setdefault(c.file, []).append((key, c))
+        return by_file.get(file, [])
+
     def dumps(self) -> str:
         return json.dumps(self.to_json(), separators=(",", ":"))
 

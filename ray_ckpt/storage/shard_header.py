@@ -67,17 +67,7 @@ def check_header_chunks(index: Any, file: str, structure: Any, header: Dict[str,
             want[(key, offsets[i])] = (tuple(node["o"]), tuple(node["sh"]), sizes[i])
     except (KeyError, TypeError, ValueError) as exc:
         raise IntegrityError(f"{file}: the header's DTensor records are malformed ({exc})") from None
-    by_file = getattr(index, "_chunks_by_file", None)
-    if by_file is None:  # once per index: a reader checks the header of every file it reads from
-        by_file = {}
-        for key, m in index.items():
-            for c in m.chunks:
-                by_file.setdefault(c.file, []).append((key, c))
-        try:
-            index._chunks_by_file = by_file
-        except AttributeError:
-            pass
-    for key, c in by_file.get(file, ()):
+    for key, c in index.chunks_in(file):
         box = (list(c.chunk.offsets), list(c.chunk.sizes))
         w = want.get((key, c.offset))
         if w is None:
