@@ -17,6 +17,8 @@ step (the replay's reference):
 * ``load_module_only``: the 16-bit weights, fp32 masters refreshed from them (ZeRO-2, ZeRO-3);
 * an overlapped save (the default) between a backward and its optimizer step, and the next one:
   each version holds the state at its call, bit-exact (ZeRO-2, ZeRO-3);
+* the partition flattened once and reused across saves follows the optimizer's buffers: saves
+  before the first step, after it, and after the moments were replaced each hold their call's state;
 * a version of layout 1 (the whole 16-bit module state stored, as before) still loads;
 * docs/openrlhf.md's CPU recipe runs as written (one rank, ZeRO-2, save and load);
 * retention (``max_num``) keeps the newest committed versions only after a commit; a rank killed
@@ -263,6 +265,41 @@ def test_overlapped_save_holds_the_state_at_its_call(setup, stage):
     full_equal(after, ray.get([r.full.remote() for r in rk], timeout=60)[0], f"ZeRO-{stage}: the second version")
     print(f"ZeRO-{stage} overlapped saves: blocked {[round(x['blocked_s'] * 1e3, 1) for s in stats for x in s]} ms; "
           f"fences that waited {sum(x['fence_waits'] for s in stats for x in s)}")
+
+
+def _replace_moments_then_step(self, step: int) -> bool:
+    """Give the base optimizer new ``exp_avg`` tensors (same values, new memory), as an optimizer
+    that does not update in place would, then train ``step``; whether the strategy's reused
+    partition was dropped for a new one."""
+    cache = self.strategy._partitions
+    before = cache.get(self.model)[0]
+    state = self.model.optimizer.optimizer.state
+    for st in state.values():
+        st["exp_avg"] = st["exp_avg"].clone()
+    self.train(step, 1)
+    return cache.get(self.model)[0] is not before and cache.get(self.model)[0] is cache.get(self.model)[0]
+
+
+def test_the_reused_partition_follows_the_optimizers_buffers(setup):
+    """save_ckpt flattens its partition once and reuses it; a save before the first step (no
+    moments yet), after it (moments appear) and after the moments were replaced by new tensors each
+    store the state at their call: the reused views never point at memory the optimizer left."""
+    ck = dict(setup["ck"], run=setup["ck"]["run"] + "pc")
+    d = str(setup["root"] / "reuse" / "_actor")
+    solo = group(setup["actors"][2:], 1)
+    ray.get(solo[0].build.remote(2, ck, 0, freeze=FREEZE), timeout=120)
+    ray.get(solo[0].save.remote(d, "global_step1"), timeout=60)
+    ray.get(solo[0].train.remote(1, 1), timeout=60)
+    ray.get(solo[0].save.remote(d, "global_step2"), timeout=60)
+    want = {2: ray.get(solo[0].full.remote(), timeout=60)}
+    assert ray.get(solo[0].call.remote(_replace_moments_then_step, 2), timeout=60)
+    ray.get(solo[0].save.remote(d, "global_step3"), timeout=60)
+    want[3] = ray.get(solo[0].full.remote(), timeout=60)
+    assert ray.get(solo[0].wait.remote(60), timeout=90) is None
+    for step in (2, 3):
+        ray.get(solo[0].build.remote(2, ck, 5, freeze=FREEZE), timeout=120)
+        load_ok(solo, d, f"global_step{step}")
+        full_equal(want[step], ray.get(solo[0].full.remote(), timeout=60), f"the save of step {step}")
 
 
 def _push_layout_1(self, save_dir: str, step: int) -> None:

@@ -20,6 +20,12 @@ the coordinator's largest cost, and the queries (``list_checkpoints()``) would w
 - a handle needs its answer (``wait()``, ``result()``, ``done()``) or the engine's backpressure
   needs its commit, or the engine shuts down (:meth:`Pusher.send_all`).
 
+A part may come with its object instead of its ref (``add(..., put=obj)``: an overlapped
+snapshot's small ``PendingSnapshot``, or a small state whose bytes ``submit`` already copied): the
+sender puts it into the object store just before the call, so ``submit`` does not wait for the
+store's round trip (several ms on a loaded host, per part). A put that fails there fails the batch's
+handles with its error.
+
 The coordinator answers with a :class:`SubmitBatchResult`: which entries it refused and why (pushed
 twice, rank out of range on its side, version already committed), so a bad entry fails only its
 own rank's handle, with the same message a call of its own would have raised. Right after the
@@ -55,6 +61,7 @@ class PushBatch:
         self.ack: Optional[ray.ObjectRef] = None      # the call's SubmitBatchResult
         self.commit: Optional[ray.ObjectRef] = None   # the version's shared wait (see handle._shared_wait)
         self.error: Optional[str] = None              # the call could not even be made
+        self.later: Dict[int, Any] = {}                # index -> object the sender puts (see the module)
 
 
 class PushSlot:
@@ -121,7 +128,9 @@ class Pusher:
         self._holds = 0  # open held() blocks: the flusher waits for them to end
         self.commits: Dict[int, ray.ObjectRef] = {}  # version -> its shared wait, while in flight here
 
-    def add(self, version: int, part: PushedPart) -> PushSlot:
+    def add(self, version: int, part: PushedPart, put: Any = None) -> PushSlot:
+        """Join ``part`` to its version's open batch; ``put``: the object the sender puts into the
+        object store for it (``part.ref`` None), see the module."""
         with self._cond:
             batch = self._open.get(version)
             if batch is None:
@@ -132,6 +141,8 @@ class Pusher:
                     self._thread.start()
                 self._cond.notify()  # a new batch: the flusher times its window (not woken per part)
             batch.parts.append(part)
+            if put is not None:
+                batch.later[len(batch.parts) - 1] = put
             slot = PushSlot(self, batch, len(batch.parts) - 1)
             full = len(batch.parts) >= self.max_parts
         if full:
@@ -167,6 +178,16 @@ class Pusher:
                 self._send(b)
 
     def _send(self, batch: PushBatch) -> None:
+        later, batch.later = batch.later, {}
+        for i, obj in later.items():
+            part = batch.parts[i]
+            try:
+                batch.parts[i] = part._replace(ref=ray.put(obj))
+            except Exception as exc:  # e.g. the object store is full: this engine's parts of the version fail
+                batch.error = f"state {part.name!r} rank {part.rank}: its snapshot could not be put into the object " \
+                              f"store: {exc}"
+                batch.sent = True
+                return
         coord = self._coordinator()
         try:
             batch.ack = self._last_ack = coord.submit_parts.remote(batch.version, batch.parts)

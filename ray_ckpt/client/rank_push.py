@@ -18,12 +18,17 @@ import ray
 from ..capture.mailbox import open_mailbox
 from ..capture.object_store import start_prefault
 from ..capture.snapshot import capture
+from ..formats.flat import owned_copy
 from ..capture.providers import Registration, rank_provider
 from ..errors import InvalidArgumentError, InvalidSaveError
 from ..protocol import Declaration, PushedPart
 from ..storage.layout import validate_name
 from ..types import OnBusy
 from .handle import SaveHandle
+
+# a state flattened to at most this many bytes is copied at ``submit`` (a memcpy costs less than the
+# object store's round trip) and put by the sender after the call returns (push_batch.py)
+PUT_LATER_UP_TO = 1 << 20
 
 
 class RankPushes:
@@ -91,19 +96,24 @@ class RankPushes:
             ray.wait(refs, num_returns=max(0, min(len(refs), len(busy) - self.config.max_in_flight + 1)))
             self._pushes_in_flight()
         rank_zero_only = decl.replicated and rank != 0
-        ref, nbytes = None, 0
+        ref, nbytes, later = None, 0, None
         if not rank_zero_only:  # replicas: rank 0's copy is stored; this rank's handle follows the version
             if self.config.prefault_object_store:
                 start_prefault()  # once per process; this rank's later copies land in mapped pages
             if overlap_with is not None:
-                ref, nbytes = self._push_overlapped(name, state, decl.allow_pickle, overlap_with)
+                later = self._push_overlapped(name, state, decl.allow_pickle, overlap_with)
+                nbytes = later.nbytes
             else:
                 flat = capture(state, name, decl.allow_pickle)
-                ref, nbytes = ray.put(flat), flat.nbytes
+                nbytes = flat.nbytes
+                if nbytes <= PUT_LATER_UP_TO:  # its bytes copied now, put by the sender (push_batch.py)
+                    later = owned_copy(flat)
+                else:
+                    ref = ray.put(flat)
         pushes = self._pushes[(name, rank)] = self._pushes.get((name, rank), 0) + 1
         # joins this engine's open batch of the version: one coordinator call per batch (push_batch.py)
         slot = self._pusher.add(step, PushedPart(name, rank, ref, nbytes, pushes % self.config.remote_every == 0,
-                                                 last))
+                                                 last), put=later)
         self._last_pushed[(name, rank)] = step
         handle = SaveHandle(self, step, None, time.perf_counter() - t0, push=slot, rank_zero_only=rank_zero_only)
         self._in_flight.append(handle)
@@ -124,8 +134,8 @@ class RankPushes:
         with self._pusher.held(), process_copier_or_new().held():
             yield self
 
-    def _push_overlapped(self, name: str, state: Any, allow_pickle: bool, objects: Iterable[Any]) -> Tuple[Any, int]:
-        """(ref of a PendingSnapshot, bytes) of ``state`` copied in the background (``submit``)."""
+    def _push_overlapped(self, name: str, state: Any, allow_pickle: bool, objects: Iterable[Any]) -> Any:
+        """The PendingSnapshot of ``state`` copied in the background (``submit``; the sender puts it)."""
         from ..capture.mailbox import mailbox_name, self_handle_ref
         from ..capture.snapshot import snapshot_overlapped
 
@@ -144,7 +154,7 @@ class RankPushes:
         pending = snapshot_overlapped(owner, lambda: state, name, allow_pickle, mailbox_name(self.run),
                                       self.config.overlap_check, self.run, self_handle_ref() if in_actor else None,
                                       self.config.prefault_needed)
-        return ray.put(pending), pending.nbytes
+        return pending
 
     def _pushes_in_flight(self) -> List[int]:
         """This engine's pushed versions not yet committed or failed (those with parts not sent yet

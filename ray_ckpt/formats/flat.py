@@ -67,3 +67,9 @@ class Flat:
     def __reduce__(self):
         return _from_transport, (self.structure, [_for_transport(a) for a in self.arrays], self.tables,
                                  self.leaf_info)
+
+
+def owned_copy(flat: Flat) -> Flat:
+    """``flat`` with its arrays copied into memory of its own: what it holds no longer changes with
+    the state it was flattened from (views) once this returns. Tables are immutable, not copied."""
+    return Flat(flat.structure, [np.array(a, copy=True) for a in flat.arrays], flat.tables, flat.leaf_info)

@@ -205,9 +205,14 @@ def flatten(state: Any, *, state_name: str = "state", allow_pickle: bool = False
     the snapshot path passes a :class:`~ray_ckpt.capture.snapshot.HostStaging` that copies into reused
     pinned buffers on a side stream.
 
+    A :class:`Flat` is returned as it is: a caller that pushes the same views at every save
+    flattens them once (host memory only: ``to_host`` is not applied to it).
+
     Raises :class:`UnsupportedTypeError` naming the state and the key path of the first object that
     has no safe format.
     """
+    if type(state) is Flat:
+        return state
     encoder = _Encoder(state_name, allow_pickle, to_host)
     if encoder.torch is None:
         encoder.flat.structure = encoder.enc(state, [])

@@ -8,6 +8,7 @@ module              holds
                     of OpenRLHF or DeepSpeed
 ``tracker``         the pointer file and DeepSpeed's ``latest`` file, written when a version commits
 ``zero``            a rank's ZeRO-1/2/3 partition as boxes of each flattened parameter, and back
+``partition``       the ``optim`` state a save pushes, flattened once per layout and reused
 ``strategy``        :class:`RayCkptDeepspeedStrategy`
 =================== ===============================================================================
 

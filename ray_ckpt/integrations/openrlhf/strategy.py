@@ -26,8 +26,8 @@ ZeRO-1/2's full 16-bit module state in ``module`` and nothing of ZeRO-3's frozen
 still load.
 
 ``save_ckpt`` pushes and returns: no barrier, no file written by the call. With ``overlap`` (the
-default) the ``optim`` state is only flattened into views of the live partition by the call; its
-copy into the object store runs on a background thread while the rank trains on, and the inner
+default) the ``optim`` state is views of the live partition, flattened once and reused while the
+partition's buffers stay (``partition.py``); its copy into the object store runs on a background thread while the rank trains on, and the inner
 torch optimizer's ``step`` (which changes the fp32 masters and moments in place, before DeepSpeed
 casts them into the 16-bit weights) waits for that copy first; ``load_ckpt`` waits for it too. A
 background thread per run waits for the commit, then rank 0 writes the pointer, OpenRLHF's
@@ -51,6 +51,7 @@ import ray_ckpt as rc
 from ray_ckpt import InvalidArgumentError, RestoreError, SaveError
 
 from . import zero
+from .partition import PartitionCache
 from .settings import OpenRLHFSettings, read_settings
 from ..committed import (broadcast_error, error_line, read_pointer, wait_committed, wait_done, watch_saves,
                          write_pointer)
@@ -81,6 +82,7 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
         self.ray_ckpt: OpenRLHFSettings = settings
         self._runs: Dict[str, _Run] = {}
         self._lock = threading.Lock()
+        self._partitions = PartitionCache()
         self.last_block_s: Optional[float] = None  # how long the last save_ckpt blocked this rank
         self.last_load_wait_s: Optional[float] = None
 
@@ -184,7 +186,7 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
         if run.declared != (self.STATES, world):
             self._declare(run, self.STATES)
         eng = run.engine
-        frozen = zero.frozen_names(model)
+        partition, frozen = self._partitions.get(model)
         if rank == 0:  # first: a client_state ray_ckpt cannot store fails here, before any part is pushed
             sched = model.lr_scheduler.state_dict() if model.lr_scheduler is not None else None
             extra = {"client_state": dict(client_state or {}), "lr_scheduler": sched, "tag": tag,
@@ -194,9 +196,6 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
                      "skipped_steps": int(model.skipped_steps)}
         else:
             extra = {}  # a replicated state: rank 0's copy is stored
-        partition = zero.partition_state(model)
-        if frozen:
-            partition[zero.FROZEN] = zero.frozen_state(model)
         # the overlapped push last: its copy starts at once and would take the cores (and the GIL)
         # from the small pushes after it
         with eng.push_group():  # the copy begins, and the parts leave, once all four are captured

@@ -52,7 +52,7 @@ def _moment_keys(state: Dict[str, Any], flat: Any) -> List[str]:
     return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == flat.shape)
 
 
-def _flat_groups(engine: Any) -> List[Any]:
+def flat_groups(engine: Any) -> List[Any]:
     """The fp32 flat partitions the base optimizer steps (its ``state`` is keyed by them)."""
     opt = engine.optimizer
     if stage_of(engine) == 3:
@@ -96,7 +96,7 @@ def slots(engine: Any) -> List[Slot]:
 
             out.append(Slot(name, p, numel, start, count, view, put))
         return out
-    flats = _flat_groups(engine)
+    flats = flat_groups(engine)
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:
             continue
@@ -120,14 +120,14 @@ def slots(engine: Any) -> List[Slot]:
 
 def moment_keys(engine: Any) -> List[str]:
     """The optimizer's per-element states (Adam: exp_avg, exp_avg_sq); [] before its first step."""
-    flats = _flat_groups(engine)
+    flats = flat_groups(engine)
     state = engine.optimizer.optimizer.state
     return _moment_keys(state[flats[0]], flats[0]) if flats and flats[0] in state else []
 
 
 def optimizer_scalars(engine: Any) -> Dict[str, Any]:
     """What is the same on every rank: each group's ``step`` and learning rate."""
-    flats = _flat_groups(engine)
+    flats = flat_groups(engine)
     state = engine.optimizer.optimizer.state
     steps = []
     for f in flats:
@@ -138,7 +138,7 @@ def optimizer_scalars(engine: Any) -> Dict[str, Any]:
 
 def partition_state(engine: Any) -> Dict[str, Dict[str, TensorChunk]]:
     """This rank's partition: ``{"fp32": {name: chunk}, "<moment>": {name: chunk}}`` (views, no
-    copy: ``submit`` copies them into the object store before it returns)."""
+    copy: the push copies them into the object store; ``partition.py`` keeps them across saves)."""
     keys = moment_keys(engine)
     out: Dict[str, Dict[str, TensorChunk]] = {FP32: {}}
     out.update({k: {} for k in keys})
@@ -146,12 +146,6 @@ def partition_state(engine: Any) -> Dict[str, Dict[str, TensorChunk]]:
         for key in [None] + keys:
             out[key or FP32][s.name] = TensorChunk(s.view(key), (s.numel,), (s.start,))
     return out
-
-
-def frozen_names(engine: Any) -> List[str]:
-    """The parameters the optimizer does not own (``requires_grad=False``: a frozen embedding, a
-    LoRA base): their 16-bit values are not the cast of any fp32 master, so they are stored."""
-    return [name for name, p in engine.module.named_parameters() if not p.requires_grad]
 
 
 def _frozen_range(engine: Any, p: Any) -> tuple:
@@ -277,7 +271,7 @@ def ensure_optimizer_state(engine: Any) -> None:
     """A fresh engine's base optimizer has no moments before its first step; give it zeroed ones
     (and ``step`` 0), as torch's Adam would create them, so that loaded ranges have a place."""
     state = engine.optimizer.optimizer.state
-    for f in _flat_groups(engine):
+    for f in flat_groups(engine):
         st = state[f]
         if not st:
             st["step"] = torch.tensor(0.0)
@@ -286,7 +280,7 @@ def ensure_optimizer_state(engine: Any) -> None:
 
 
 def set_optimizer_scalars(engine: Any, scalars: Dict[str, Any]) -> None:
-    flats = _flat_groups(engine)
+    flats = flat_groups(engine)
     state = engine.optimizer.optimizer.state
     steps = [s for s in scalars.get("steps", []) if s is not None]
     if steps:
