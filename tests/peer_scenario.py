@@ -15,9 +15,15 @@ Run by tests/test_peer_replicas.py in its own process (a Cluster needs its own r
      report says ``peer:<node>``);
   5. a holder's process is killed: Ray restarts it empty, the coordinator notices and sends the
      newest versions to it again;
-  6. the coordinator is killed and restarted by Ray: versions 1-4 (recorded lost on H's disk) are
-     still not listed (``ray-ckpt ls`` of H's disk marks them lost); the holders outlived it and it
-     adopts their copies of 7; ``shutdown()`` stops them.
+  6. version 8 is saved on D: the holders drop 6 (peer_keep=2), its last copies (A's disk is
+     gone): 6 is reported lost too. The coordinator is killed and restarted by Ray: versions 1-4
+     and 6 (recorded lost on H's disk) are still not listed; the holders outlived it: at the next
+     save (9) it adopts their copies of 7 and 8, and 7, dropped by the holders for 9, is reported
+     lost as it would have been without the restart (its manifest says A wrote it);
+  7. a node E joins, node D (which wrote 8 before the restart) is removed with its disk: the
+     restarted coordinator knows from 8's manifest that D held its files, and sends 8 a second
+     copy from the surviving one, as it would have without the restart; 8 and 9 stay listed.
+     ``shutdown()`` stops the holders.
 """
 import os
 import shutil
@@ -76,7 +82,7 @@ def main() -> int:
         expected = reference.snapshot()
         engine = rc.CheckpointEngine.create("peer", local_dir=os.path.join(root, "local", "{node_id}"),
                                             remote_uri="file://" + os.path.join(root, "remote"),
-                                            critical_writers=1, best_effort_writers=0, writer_placement_s=5,
+                                            critical_writers=1, best_effort_writers=0, writer_placement_s=90,
                                             peer_replicas=1, remote_every=5)
         assert ray.get(learner.node.remote(), timeout=120) == a
         for name in ("policy", "optimizer", "rng"):
@@ -160,22 +166,50 @@ def main() -> int:
         say(f"holder {key} restarted empty; version 7 sent to it again")
         with_lost = engine.status()["skipped_versions"]
         assert sorted(with_lost) == [1, 2, 3, 4], with_lost  # B's loss cost nothing more
-        # 6. the coordinator restarts (Ray restarts it by name, it rebuilds from storage): 1-4 stay unlisted
+        # 6. version 8 saved on D: the holders keep the newest 2, so 6 (A's) now exists nowhere
+        ray.get(learner.train.remote(1))
+        assert engine.save(8).wait(timeout=120, durability="replicated").version == 8
+        assert os.path.exists(os.path.join(root, "local", d[:12], "peer", "v000000000008", "policy", "rank0.safetensors"))
+        from ray_ckpt.storage.checkpoint_io import read_manifest
+        from ray_ckpt.storage.tier import Tier
+
+        m8 = read_manifest(Tier(os.path.join(root, "local", head[:12], "peer")), 8)
+        assert {f.node for f in m8.states["policy"].all_files()} == {d}, m8  # the manifest names D
+        until("version 6 reported lost once the holders dropped it",
+              lambda: sorted(engine.status()["skipped_versions"]) == [1, 2, 3, 4, 6])
+        # the coordinator restarts (Ray restarts it by name, it rebuilds from storage): 1-4 and 6 stay unlisted
         from ray_ckpt.protocol import NAMESPACE, actor_name
 
         coordinator = ray.get_actor(actor_name("peer"), namespace=NAMESPACE)
         pid = _pid(coordinator)
         os.kill(pid, 9)  # its process dies (the head node's: this machine); Ray restarts it
         until("the restarted coordinator answering", lambda: _pid(coordinator) not in (None, pid), timeout=120)
-        assert sorted(engine.status()["skipped_versions"]) == [1, 2, 3, 4], engine.status()
-        assert [m.version for m in engine.list_checkpoints()][:1] == [5], engine.list_checkpoints()
-        # ... and the holders (detached) outlived it: it adopts their copies of 7 (whose files exist
-        # nowhere else now), and training goes on
+        assert sorted(engine.status()["skipped_versions"]) == [1, 2, 3, 4, 6], engine.status()
+        assert [m.version for m in engine.list_checkpoints()] == [5, 7, 8], engine.list_checkpoints()
+        # ... and the holders (detached) outlived it: at the next save it adopts their copies of 8;
+        # 7 (A's files), dropped by the holders for 9, now exists nowhere: reported lost
         ray.get(learner.train.remote(1))
-        assert engine.save(8).wait(timeout=120, durability="replicated").version == 8
-        until("version 7 held by the adopted holders", lambda: "peer" in tiers_of(engine, 7))
-        say(f"coordinator restarted: versions 1-4 still reported lost, not listed; 7 adopted from "
-            f"{engine.status()['replicas'][7]}; 8 saved and replicated")
+        assert engine.save(9).wait(timeout=120, durability="replicated").version == 9
+        until("version 7 reported lost once the holders dropped it after the restart",
+              lambda: sorted(engine.status()["skipped_versions"]) == [1, 2, 3, 4, 6, 7])
+        until("version 8 held by the adopted holders", lambda: "peer" in tiers_of(engine, 8))
+        assert [m.version for m in engine.list_checkpoints()] == [5, 8, 9], engine.list_checkpoints()
+        policy8 = m8.states["policy"].all_files()[0].path
+        assert _holders_of(policy8, 8) == {head[:12]}, _holders_of(policy8, 8)  # D's file: held on H only
+        say(f"coordinator restarted: versions 1-4 and 6 still reported lost, 7 lost when dropped; 8 adopted, "
+            f"9 replicated: {engine.status()['replicas']}")
+        # 7. D, which wrote 8 before the restart, is lost: 8 gets a second copy (its manifest says D held it)
+        node_e = cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        e = node_e.node_id
+        cluster.remove_node(node_d)
+        shutil.rmtree(os.path.join(root, "local", d[:12]))
+        say("node E joined; node D removed, its disk deleted")
+        until("a second copy of D's files of version 8 after D was lost",
+              lambda: _holders_of(policy8, 8) == {head[:12], e[:12]})
+        assert [m.version for m in engine.list_checkpoints()] == [5, 8, 9], engine.list_checkpoints()
+        assert sorted(engine.status()["skipped_versions"]) == [1, 2, 3, 4, 6, 7], engine.status()
+        say(f"version 8 re-replicated after the restart: held by {engine.status()['replicas'][8]}")
         engine.shutdown()
         until("the holders stopped with the run", lambda: not holder_handles("peer"), timeout=60)
         say("PEER OK")
@@ -190,6 +224,20 @@ def _pid(actor):
         return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=10)
     except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
         return None
+
+
+def _holders_of(path, version):
+    """The nodes (first 12 characters) whose live holder has ``path`` of ``version``."""
+    from ray_ckpt.capture.peer_reads import holder_handles
+
+    out = set()
+    for key, holder in holder_handles("peer").items():
+        try:
+            if path in ray.get(holder.index.remote(), timeout=20).get(version, ()):
+                out.add(key)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            continue  # a dead node's holder
+    return out
 
 
 def _node_of(actor):
