@@ -80,7 +80,7 @@ def ma_dqn_config(seed: int = 1):
             .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=_policy_of)
             .env_runners(num_env_runners=0, rollout_fragment_length=100)
             .training(replay_buffer_config={"type": "MultiAgentPrioritizedEpisodeReplayBuffer",
-                                            "capacity": 1_000_000},
+                                            "capacity": 1_000_000, "alpha": 0.6, "beta": 0.4},
                       num_steps_sampled_before_learning_starts=1000, train_batch_size_per_learner=32)
             .reporting(min_sample_timesteps_per_iteration=500)
             .debugging(seed=seed))

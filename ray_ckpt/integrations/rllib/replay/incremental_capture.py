@@ -112,26 +112,32 @@ def _append_dict(inc: Incremental, raws: List[bytes]) -> None:
     inc.refresh, inc.dict_base = False, 0
 
 
-def _split_changed(buffer: Any, rid: RowIds, evicted: int, bname: str) -> Tuple[Incremental, List[_EpisodeParts]]:
-    """Split the episodes that may have changed since the previous capture (all of them on a full
-    capture; else the running ones and those added since), forget the evicted ones; returns the
-    cache to advance and the episodes that became done (in no episode batch of the log yet)."""
+def changed_keys(buffer: Any, rid: RowIds, evicted: int, bname: str) -> Tuple[Incremental, List[int]]:
+    """The cache to advance (a new one on a full capture: none yet) and the indices of the episodes
+    that may have changed since the previous capture: all of them on a full capture, else the
+    running ones and those added since."""
     inc = rid.inc
-    episodes = buffer.episodes
-    E = len(episodes)
+    E = len(buffer.episodes)
     if len(buffer.episode_id_to_index) != E:
         raise UnsupportedTypeError(f"{bname}: episode_id_to_index has {len(buffer.episode_id_to_index)} entries "
                                    f"for {E} episodes")
     if inc is None:
-        todo = list(range(evicted, evicted + E))
-        floors = getattr(rid, "floors", None) or {}
         inc = Incremental(np.empty(0, np.int64), {}, {}, {}, evicted=evicted)
         inc.log = _empty_log()
-        inc.next_chunk = int(floors.get("chunk", 0))
+        inc.next_chunk = int((rid.floors or {}).get("chunk", 0))
         rid.parts = {}
-    else:
-        todo = sorted(k for k in inc.open_keys if k >= evicted)
-        todo += list(range(max(inc.max_key + 1, evicted), evicted + E))
+        return inc, list(range(evicted, evicted + E))
+    todo = sorted(k for k in inc.open_keys if k >= evicted)
+    return inc, todo + list(range(max(inc.max_key + 1, evicted), evicted + E))
+
+
+def _split_changed(buffer: Any, rid: RowIds, evicted: int, bname: str) -> Tuple[Incremental, List[_EpisodeParts]]:
+    """Split the episodes that may have changed since the previous capture (all of them on a full
+    capture; else the running ones and those added since), forget the evicted ones; returns the
+    cache to advance and the episodes that became done (in no episode batch of the log yet)."""
+    inc, todo = changed_keys(buffer, rid, evicted, bname)
+    episodes = buffer.episodes
+    E = len(episodes)
     for k in range(inc.evicted, evicted):  # forget evicted episodes
         rid.parts.pop((k, -1), None)
         inc.logged.discard(k)

@@ -28,10 +28,10 @@ from ....errors import UnsupportedTypeError
 from ..names import REPLAY, REPLAY_META
 from .buffers import _Kind, _attributes, buffer_kind, common_meta, extra_attrs, handled_attrs
 from .episode_parts import LAYOUT, _EpisodeParts, _int32, _split_episode, _table
-from .incremental_capture import (_Misaligned, _append_dict, _gather, _log_state, _static_of, append_records,
+from .incremental_capture import (_Misaligned, _append_dict, _gather, changed_keys, _log_state, _static_of, append_records,
                                   live_spans, merge_cols, with_retry)
 from .incremental_priorities import _hook, _priorities, _priority_record, check_freed, touched_by_group
-from .incremental_state import ENV, META_FORMAT5, Incremental, _empty_log, _leaf_codes, _raw, pack_ids
+from .incremental_state import ENV, META_FORMAT5, Incremental, _leaf_codes, _raw, pack_ids
 from .multi_agent import _ma_episode_state, _ma_rows, module_counters, module_order
 from .priorities import MODULE_MAPS, module_scalars, modules_of, tree_scalars
 from .row_ids import RowIds
@@ -58,7 +58,7 @@ def capture_ma_states(buffer: Any, rid: RowIds) -> Dict[str, Any]:
 def _capture(buffer: Any, rid: RowIds, kind: _Kind, bname: str, meta: Dict[str, Any]):
     evicted = int(buffer._num_episodes_evicted)
     full = rid.inc is None
-    inc, newly_done = _split_changed(buffer, rid, evicted, full, bname)
+    inc, newly_done = _split_changed(buffer, rid, evicted, bname)
     replay, entries = _new_rows(buffer, rid, inc, kind, full, evicted, bname)
     env = _new_env(buffer, rid, inc, kind, full, evicted, bname)
     n = len(replay["row_id"])
@@ -81,26 +81,14 @@ def _capture(buffer: Any, rid: RowIds, kind: _Kind, bname: str, meta: Dict[str, 
                               META_FORMAT5)
 
 
-def _split_changed(buffer: Any, rid: RowIds, evicted: int, full: bool, bname: str
+def _split_changed(buffer: Any, rid: RowIds, evicted: int, bname: str
                    ) -> Tuple[Incremental, List[Tuple[int, List[_EpisodeParts], Dict[str, Any]]]]:
     """Split the episodes that may have changed since the previous capture (all on a full one; else
     the running ones and those added since) into their agents' parts and their own state; forget
     the evicted ones. Returns the cache to advance and the episodes that became done."""
-    inc = rid.inc
+    inc, todo = changed_keys(buffer, rid, evicted, bname)
     episodes = buffer.episodes
     E = len(episodes)
-    if len(buffer.episode_id_to_index) != E:
-        raise UnsupportedTypeError(f"{bname}: episode_id_to_index has {len(buffer.episode_id_to_index)} entries "
-                                   f"for {E} episodes")
-    if full:
-        todo = list(range(evicted, evicted + E))
-        inc = Incremental(np.empty(0, np.int64), {}, {}, {}, evicted=evicted)
-        inc.log = _empty_log()
-        inc.next_chunk = int((rid.floors or {}).get("chunk", 0))
-        rid.parts = {}
-    else:
-        todo = sorted(k for k in inc.open_keys if k >= evicted)
-        todo += list(range(max(inc.max_key + 1, evicted), evicted + E))
     for k in range(inc.evicted, evicted):  # forget evicted episodes
         for a in inc.ep_agents.pop(k, ()):
             rid.parts.pop((k, a), None)
