@@ -155,9 +155,7 @@ class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes):
             refs = [h._ref for h in self._in_flight if h._ref is not None and not h.done()]
             stop_run(self._coordinator, self.run, refs, timeout, self._lease,  # run_lifetime.py
                      holders=self.config.peer_replicas > 0)
-        finally:
-            # engine and helpers refer to each other (a cycle lives until the collector runs): drop the
-            # providers' handles now, so actors the user no longer holds stop and free their CPUs
+        finally:  # the engine is held by a reference cycle: let go of the providers' actors now
             self._registry.clear()
             self._last_handle = None
 

@@ -18,12 +18,11 @@ The coordinator polls Ray's node table. When a node dies:
   is one whose last replica the holders drop (older than the newest ``peer_keep``) after its
   writer's node died.
 
-Without peer replicas the second rule still holds: a version restorable nowhere is never listed.
-The lost versions are recorded on this node's local tier (``storage/lost.py``): a restarted
-coordinator and ``ray-ckpt ls`` do not list them either. The holders are detached from the
-coordinator's process: a coordinator that Ray restarts adopts them and the copies they hold whose
-checksums its manifests name; the manifests say which node wrote each file (``FileEntry.node``),
-so it judges a node's loss as before, those that died while no coordinator watched included.
+Without peer replicas the second rule still holds. Lost versions are recorded on this node's local
+tier (``storage/lost.py``): a restarted coordinator and ``ray-ckpt ls`` do not list them either.
+Holders are detached: a coordinator that Ray restarts adopts them and the copies whose checksums
+its manifests name; the manifests say which node wrote each file (``FileEntry.node``), so it judges
+a node's loss as before, those that died while no coordinator watched included.
 """
 from __future__ import annotations
 
@@ -142,8 +141,7 @@ class Replication:
         return problems
 
     def _plan(self, version: int) -> Tuple[Dict[Tuple[str, str, str], List[FileEntry]], List[str]]:
-        """The sends that give ``version``'s files their copies, (how: "writer" or "holder", from node,
-        to node) -> files; and what cannot be done."""
+        """The sends that give ``version``'s files their copies ((how, from, to) -> files), and the problems."""
         m = self.catalogue.committed.get(version)
         if m is None:
             return {}, [f"version {version} is no longer listed"]
