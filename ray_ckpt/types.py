@@ -84,6 +84,13 @@ class TierName(_StrEnum):
     REMOTE = "remote"
 
 
+def step_label(step: int, version: Optional[int] = None) -> str:
+    """How a message names a version to a person: by its step, the public id ("step 7"), and by its
+    directory's number too only where that differs ("step 70 (version 7)": runs written before every
+    version was numbered by its step)."""
+    return f"step {step}" if version is None or version == step else f"step {step} (version {version})"
+
+
 @dataclass(frozen=True)
 class SaveResult:
     """What a save's handle resolves to once its version is committed on a tier.
@@ -154,7 +161,7 @@ class RestoreReport:
     skipped_versions: Dict[int, str] = field(default_factory=dict)
 
     def __str__(self) -> str:  # a table a person can read
-        lines = [f"restored version {self.version} (step {self.step}) in {self.seconds:.3f}s"]
+        lines = [f"restored {step_label(self.step, self.version)} in {self.seconds:.3f}s"]
         for name, r in sorted(self.states.items()):
             lines.append(
                 f"  {name:<20} {r.status:<9} tier={r.tier or '-':<6} verified={'yes' if r.verified else 'no':<3}"

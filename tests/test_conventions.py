@@ -183,7 +183,7 @@ def test_restore_fallback_goes_to_the_newest_version_that_verifies(engine, provi
     data = bytearray(f.read_bytes())
     data[-1] ^= 0xFF
     f.write_bytes(bytes(data))
-    with pytest.raises(rc.RestoreError, match=f"cannot restore version {v2}"):
+    with pytest.raises(rc.RestoreError, match=f"cannot restore step {v2} of run"):
         eng.restore()
     report = eng.restore(fallback=True)
     assert report.version == v1 and list(report.skipped_versions) == [v2]

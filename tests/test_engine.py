@@ -137,7 +137,7 @@ def test_interrupted_write_is_never_listed_nor_restored(engine_factory, tmp_path
     # load() fetches one state's entry (coordinator.stored_state), and says what else the version has
     want = ray.get(frozen.ckpt_get_state.remote("reference"))["w"]
     assert torch.equal(torch.as_tensor(eng2.load("reference", step=2)["w"]), want)
-    with pytest.raises(rc.RestoreError, match=r"version 2 of run .* has no state 'nope' \(it has: .*reference"):
+    with pytest.raises(rc.RestoreError, match=r"step 2 of run .* has no state 'nope' \(it has: .*reference"):
         eng2.load("nope", step=2)
     with pytest.raises(rc.RestoreError, match="no committed checkpoint at step 5"):
         eng2.load("reference", step=5)
@@ -202,7 +202,7 @@ def test_a_coordinator_killed_for_good_is_created_again_by_the_driver(engine_fac
     ray.kill(eng._coordinator)
     _wait_dead(eng._coordinator)
     h = eng.save(3)
-    with pytest.raises(rc.SaveError, match="died while version 3 was in flight.*a new coordinator was created"):
+    with pytest.raises(rc.SaveError, match="died while step 3 was in flight.*a new coordinator was created"):
         h.wait(timeout=60)
     assert eng.save(4).wait(timeout=60, durability="remote").version == 4
     assert [m.version for m in eng.list_checkpoints()] == [1, 2, 4]
@@ -519,7 +519,7 @@ def test_an_upload_whose_local_copy_is_corrupt_fails_loudly_and_passes_its_turn(
     p = tmp_path / "local" / run_name / "v000000000002" / "policy" / "rank0.safetensors"
     p.write_bytes(p.read_bytes()[:-1] + b"\x01")
     unblock()
-    with pytest.raises(rc.SaveError, match=r"version 2 .*cannot be uploaded.*does not match its manifest"):
+    with pytest.raises(rc.SaveError, match=r"step 2 .*cannot be uploaded.*does not match its manifest"):
         h2.wait(timeout=120, durability="remote")
     assert eng.save(3).wait(timeout=60, durability="remote").version == 3  # took version 2's turn
     assert sorted(m.version for m in eng.list_checkpoints() if "remote" in m.tiers) == [3]

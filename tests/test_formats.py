@@ -432,7 +432,7 @@ def test_full_disk_is_a_clear_save_error_and_leaves_nothing(small_disk, mb, dire
     tier = Tier(str(disk / "run"), "local")
     small = write_flat(tier, 1, "s", 0, flatten({"w": torch.arange(1000)}))
     big = flatten({"w": torch.zeros(mb << 18)})  # mb MiB of float32
-    with pytest.raises(rc.SaveError, match=r"writing state 's' rank 0 of version 2 .*No space left on device"):
+    with pytest.raises(rc.SaveError, match=r"writing state 's' rank 0 of step 2 .*No space left on device"):
         write_flat(tier, 2, "s", 0, big, threads=2, direct=direct)
     assert sorted(str(p.relative_to(disk)) for p in disk.rglob("*") if p.is_file()) == [f"run/{small[0].path}"]
     bufs, _, _ = read_files([tier], small)

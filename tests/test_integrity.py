@@ -136,7 +136,7 @@ def test_an_untrusted_remote_copy_is_never_uploaded_over(engine_factory, tmp_pat
     while "is not uploaded: the remote tier holds a copy" not in (eng3.status()["last_error"] or ""):
         assert time.monotonic() < deadline, eng3.status()
         time.sleep(0.1)
-    assert "version 1" in eng3.status()["last_error"] and "never written over" in eng3.status()["last_error"]
+    assert "step 1 of run" in eng3.status()["last_error"] and "never written over" in eng3.status()["last_error"]
     assert eng3.save(2).wait(timeout=60, durability="remote").version == 2  # later versions upload as usual
     assert remote_v1.read_bytes() == signed_by_old
     assert [m.version for m in eng3.list_checkpoints()] == [1, 2]

@@ -338,7 +338,7 @@ def test_remote_outage_local_commits_go_on_then_upload_resumes(engine_factory, s
         print(f"local commit during the outage: {time.monotonic() - t_save:.2f}s")
         assert (res.version, res.durability) == (2, "local")
         t0 = time.monotonic()
-        with pytest.raises(rc.SaveError, match=r"version 2 .* not durable on the remote tier after 1s") as ei:
+        with pytest.raises(rc.SaveError, match=r"step 2 .* not durable on the remote tier after 1s") as ei:
             h.wait(timeout=1, durability="remote")  # waited out on purpose: 1 s is enough
         print("remote wait during the outage:", ei.value)
         assert time.monotonic() - t0 < 20

@@ -18,6 +18,6 @@ def test_a_remote_wait_shows_the_upload_and_ends_at_100_percent(engine_factory, 
     lines = [ln.strip("\r ") for ln in err.replace("\r", "\n").splitlines() if "upload" in ln]
     assert res.version == 1 and res.durability == "remote", res
     assert lines, err
-    assert re.match(r"^version 1 upload: 12\.\d MiB / 12\.\d MiB \(100%\)", lines[-1]), lines
+    assert re.match(r"^step 1 upload: 12\.\d MiB / 12\.\d MiB \(100%\)", lines[-1]), lines
     res2 = eng.save(2).wait(timeout=120, durability="remote")  # no flag: nothing on stderr
     assert res2.durability == "remote" and "upload:" not in capsys.readouterr().err

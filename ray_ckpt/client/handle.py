@@ -185,7 +185,7 @@ class SaveHandle(concurrent.futures.Future):
 
         ``best_effort=True`` also waits for the version's best-effort parts to be written or
         reported missing (a commit never waits for them). ``progress=True`` with
-        ``durability="remote"`` shows the upload on stderr as it goes (``version 100 upload:
+        ``durability="remote"`` shows the upload on stderr as it goes (``step 100 upload:
         1.2 GiB / 3.4 GiB (35%), 80 MiB/s, 27s left``), as the CLI shows its long work."""
         if self.skipped:
             return SaveResult(None, self.step, 0, "skipped")
@@ -226,12 +226,12 @@ class SaveHandle(concurrent.futures.Future):
                     detail = f"; last upload error: {err}" if err else "; upload still in progress"
                 except Exception:
                     pass
-            raise SaveTimeoutError(f"version {self.version} (step {self.step}) of run {self._engine.run!r} is "
-                                   f"not durable on the {durability} tier after {timeout}s{detail}") from None
+            raise SaveTimeoutError(f"step {self.step} of run {self._engine.run!r} is not durable on the "
+                                   f"{durability} tier after {timeout}s{detail}") from None
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
             revived = isinstance(exc, ray.exceptions.ActorDiedError) and (
                 self._engine._coordinator is not self._coordinator or self._engine._revive())
-            raise SaveError(f"the coordinator of run {self._engine.run!r} died while version {self.version} was in "
+            raise SaveError(f"the coordinator of run {self._engine.run!r} died while step {self.step} was in "
                             f"flight; its outcome is lost (listed only if its manifest was written before) "
                             f"({one_line(exc)[:200]})"
                             + ("; a new coordinator was created: later saves go to it" if revived else "")) from None
@@ -313,8 +313,9 @@ class SaveHandle(concurrent.futures.Future):
 
 
 def _show_upload(coord: Any, version: int, ref: Any, timeout: Optional[float], every: float = 1.0) -> None:
-    """Show the upload of ``version`` (``coordinator.upload_progress``) until ``ref`` (its remote
-    wait) is ready or ``timeout`` passes; the caller then takes the result or the timeout error."""
+    """Show the upload of ``version`` (``coordinator.upload_progress``), labelled by its step (a
+    save's version is its step), until ``ref`` (its remote wait) is ready or ``timeout`` passes; the
+    caller then takes the result or the timeout error."""
     from .progress import Progress
 
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -330,7 +331,7 @@ def _show_upload(coord: Any, version: int, ref: Any, timeout: Optional[float], e
             if bar is None or bar.total != now[1]:  # a retried attempt starts over
                 if bar is not None:
                     bar.finish()
-                bar = Progress(now[1], True, f"version {version} upload")
+                bar = Progress(now[1], True, f"step {version} upload")
             if now[0] > bar.done:
                 bar.add(now[0] - bar.done)
         if ready or left == 0.0:

@@ -23,7 +23,7 @@ from ..metrics import for_run as metrics_for_run
 from ..capture.providers import Registration
 from ..capture.restored import read_state, tiers_of
 from ..storage.layout import validate_name
-from ..types import RestoreReport, StateReport
+from ..types import RestoreReport, StateReport, step_label
 
 log = logging.getLogger("ray_ckpt")
 
@@ -47,24 +47,24 @@ class StateReader:
             raise RestoreError(f"run {self.run!r} has no committed checkpoint{what}")
         return m
 
-    def stored_state(self, name: str, step: int, allow_pickle: Optional[bool]) -> Tuple[int, StateEntry, bool]:
-        """(version, the entry of ``name``, allow_pickle) for a load: RestoreError unless stored.
+    def stored_state(self, name: str, step: int, allow_pickle: Optional[bool]) -> Tuple[str, StateEntry, bool]:
+        """(the version's name in messages, the entry of ``name``, allow_pickle) for a load:
+        RestoreError unless stored.
         Fetches that one state's entry, not the whole manifest (``coordinator.stored_state``)."""
         found = self._call(lambda c: c.stored_state.remote(name, -1, None if step == -1 else step),
                            "a manifest", error=RestoreError)
         if found is None:
             what = "" if step == -1 else f" at step {step}"
             raise RestoreError(f"run {self.run!r} has no committed checkpoint{what}")
-        entry = found.entry
+        entry, of = found.entry, step_label(found.step, found.version)
         if entry is None:
-            raise RestoreError(f"version {found.version} of run {self.run!r} has no state {name!r} "
-                               f"(it has: {', '.join(found.names)})")
+            raise RestoreError(f"{of} of run {self.run!r} has no state {name!r} (it has: {', '.join(found.names)})")
         if entry.status != "stored":
-            raise RestoreError(f"state {name!r} of version {found.version} is {entry.status}: {entry.detail}")
+            raise RestoreError(f"state {name!r} of {of} is {entry.status}: {entry.detail}")
         if allow_pickle is None:
             reg = self._registry.get(name)
             allow_pickle = bool(reg and reg.allow_pickle)
-        return found.version, entry, allow_pickle
+        return of, entry, allow_pickle
 
     # ------------------------------------------------------------------ one state into this process
     def load(self, name: Any, step: Any, rank: Optional[int], allow_pickle: Optional[bool]) -> Any:
@@ -77,23 +77,23 @@ class StateReader:
             raise InvalidArgumentError(f"load: step must be a step number or -1 (the latest), got {step!r}")
         if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
             raise InvalidArgumentError(f"load: rank must be a non-negative integer or None, got {rank!r}")
-        version, entry, allow_pickle = self.stored_state(name, step, allow_pickle)
+        of, entry, allow_pickle = self.stored_state(name, step, allow_pickle)
         if rank is None and entry.shards is not None:  # the full tensors of a sharded state
             try:
                 return sharded_io.load_full(tiers_of(self.config), entry, name, bool(allow_pickle))[0]
             except IntegrityError as exc:
-                raise RestoreError(f"state {name!r} of version {version}: {exc}") from None
+                raise RestoreError(f"state {name!r} of {of}: {exc}") from None
         if rank is None:
             if len(entry.files) > 1 and not entry.replicated:
                 raise InvalidArgumentError(
-                    f"load({name!r}, rank=None): state {name!r} of version {version} holds {len(entry.files)} "
+                    f"load({name!r}, rank=None): state {name!r} of {of} holds {len(entry.files)} "
                     f"rank-local parts of plain tensors (no DTensors), which cannot be assembled into full "
                     f"tensors; load one rank's part with rank=r")
             rank = 0
         try:
             state, _tier, _ = read_state(tiers_of(self.config), rank_files(entry, name, rank), name, allow_pickle)
         except (IntegrityError, OSError) as exc:
-            raise RestoreError(f"state {name!r} of version {version}: {one_line(exc)}") from None
+            raise RestoreError(f"state {name!r} of {of}: {one_line(exc)}") from None
         return state
 
     def load_into(self, name: str, state: Any, step: int, rank: int, strict: bool, world_size: Optional[int],
@@ -110,11 +110,11 @@ class StateReader:
             dist = getattr(sys.modules.get("torch"), "distributed", None)
             if dist is not None and dist.is_available() and dist.is_initialized():
                 world_size = dist.get_world_size()
-        version, entry, allow_pickle = self.stored_state(name, step, allow_pickle)
+        of, entry, allow_pickle = self.stored_state(name, step, allow_pickle)
         tiers = tiers_of(self.config)
         if entry.shards is not None:
             return sharded_io.load_into_state(tiers, entry, name, state, strict=strict, allow_pickle=allow_pickle)
-        sharded_io.check_world_size(entry, name, version, world_size)
+        sharded_io.check_world_size(entry, name, of, world_size)
         return sharded_io.load_rank_local_into(tiers, entry, name, state, rank, strict=strict,
                                                allow_pickle=allow_pickle)
 
@@ -149,8 +149,8 @@ class StateReader:
                                            + "; ".join(f"{v}: {why}" for v, why in skipped.items())) from None
                     raise
                 skipped[m.version] = one_line(exc)
-                log.warning("restore(fallback=True): version %d does not verify, trying an older one: %s",
-                            m.version, one_line(exc))
+                log.warning("restore(fallback=True): %s does not verify, trying an older one: %s",
+                            step_label(m.step, m.version), one_line(exc))
                 continue
             break
         stages.apply(staged, reports, self._registry, self.run)

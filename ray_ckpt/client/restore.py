@@ -33,7 +33,7 @@ from ..capture.providers import Registration
 from ..capture.restored import (NothingStagedError, apply_in_actor, discard_in_actor, hold, read_state,
                                 stage_in_actor, tiers_of)
 from ..capture.snapshot import ActorProvider, actor_get
-from ..types import StateReport, Strategy
+from ..types import StateReport, Strategy, step_label
 
 StageKey = Tuple[str, Optional[int]]  # (state, rank) — rank None: the state's single provider
 
@@ -87,7 +87,8 @@ def plan(manifest: Manifest, registry: Mapping[str, Registration], names: Sequen
         reg = registry[name]
         entry = m.states.get(name)
         if entry is None:
-            p.reports[name] = StateReport("missing", None, False, f"version {m.version} has no state {name!r}")
+            p.reports[name] = StateReport("missing", None, False,
+                                          f"{step_label(m.step, m.version)} has no state {name!r}")
         elif entry.status == "loader":
             p.reports[name] = StateReport("reloaded", None, False, "rebuilt by its loader")
             p.reloads.append(name)
@@ -117,8 +118,8 @@ def _plan_ranks(p: RestorePlan, reg: Registration, entry: Any) -> None:
         return
     saved = len(entry.files)
     if not entry.replicated and saved != len(reg.rank_providers):
-        raise RestoreError(f"state {name!r} of version {m.version} was saved by {saved} ranks; it cannot be "
-                           f"restored into {len(reg.rank_providers)} rank providers (world size {saved} != "
+        raise RestoreError(f"state {name!r} of {step_label(m.step, m.version)} was saved by {saved} ranks; it "
+                           f"cannot be restored into {len(reg.rank_providers)} rank providers (world size {saved} != "
                            f"{len(reg.rank_providers)}): its parts are rank-local, not resharding-capable; "
                            f"nothing was loaded")
     for r, prov in enumerate(reg.rank_providers):
@@ -245,7 +246,7 @@ def verify(s: Staged, registry: Mapping[str, Registration], strict: bool, run: s
     if strict and failed:
         discard(s)
         m = s.plan.manifest
-        raise RestoreError(f"cannot restore version {m.version} (step {m.step}) of run {run!r}; nothing was "
+        raise RestoreError(f"cannot restore {step_label(m.step, m.version)} of run {run!r}; nothing was "
                            f"loaded: " + " | ".join(failed))
     return reports
 
@@ -285,7 +286,7 @@ def apply(s: Staged, reports: Mapping[str, StateReport], registry: Mapping[str, 
             refused.append(f"{name}: its loader raised {type(exc).__name__}: {one_line(exc)[:300]}")
     if refused:
         m = s.plan.manifest
-        raise RestoreError(f"version {m.version} (step {m.step}) of run {run!r} verified, but loading it into "
+        raise RestoreError(f"{step_label(m.step, m.version)} of run {run!r} verified, but loading it into "
                            f"its providers failed: {' | '.join(refused)}; loaded: "
                            f"{', '.join(sorted(set(loaded))) or 'nothing'}")
     return loaded

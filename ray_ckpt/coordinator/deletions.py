@@ -19,6 +19,7 @@ from ..storage.layout import in_version
 from ..config import EngineConfig
 from ..errors import SaveError, one_line
 from ..storage.tier import Tier
+from ..types import step_label
 from .upload_plan import UploadPlan
 from ..writers.pools import WriterPools
 
@@ -68,8 +69,9 @@ class Deletions:
         ``rewind``); refused while saves are in flight. Returns the versions deleted."""
         busy = sorted(v for v in self.catalogue.pending if v > version)
         if busy:
-            raise SaveError(f"cannot rewind run {self.cfg.run!r} to version {version}: versions {busy} are "
-                            f"still being written; wait for their handles first")
+            m = self.catalogue.committed.get(version)  # busy: saves, whose versions are their steps
+            raise SaveError(f"cannot rewind run {self.cfg.run!r} to {step_label(m.step if m else version, version)}"
+                            f": steps {busy} are still being written; wait for their handles first")
         newer_local = sorted(v for v in self.catalogue.committed if v > version)
         keep = self.catalogue.kept_paths(set(newer_local))
         for v in newer_local:

@@ -61,12 +61,12 @@ class UploadPlan:
 
     def on_commit(self, version: int) -> Optional[str]:
         """``version`` committed locally: None when it is to be uploaded now (it is then marked as
-        uploading), else why not (the text its remote handle raises)."""
+        uploading), else why not (the text its remote handle raises; a save's version is its step)."""
         if not self.enabled:
             return "no remote tier"
         if version not in self.due and not self.owed:
             e = self.every
-            return (f"version {version} is not uploaded: remote_every={e} uploads one in every {e} versions "
+            return (f"step {version} is not uploaded: remote_every={e} uploads one in every {e} versions "
                     f"saved: save() calls number {e}, {2 * e}, {3 * e}, ... (or the next to commit after such "
                     f"a one failed)")
         self.due.discard(version)

@@ -24,6 +24,7 @@ from ..errors import IntegrityError, SaveError, one_line
 from ..metrics import Metrics
 from ..protocol import SaveOutcome
 from ..storage.tier import Tier
+from ..types import step_label
 from .upload_plan import UploadPlan
 from ..writers.pools import WriterPools
 
@@ -76,10 +77,11 @@ class Uploader:
         """Start the uploads found undone at start-up (needs the event loop: first async call)."""
         for v in self.plan.take_resume():
             if v in self.plan.committed:
-                log.warning("version %d: its remote copy lacks parts its local manifest gained before a restart "
-                            "(late best-effort parts); uploading them now", v)
+                log.warning("%s: its remote copy lacks parts its local manifest gained before a restart "
+                            "(late best-effort parts); uploading them now", self.named(v))
             else:
-                log.warning("version %d: committed locally but not uploaded before a restart; uploading it now", v)
+                log.warning("%s: committed locally but not uploaded before a restart; uploading it now",
+                            self.named(v))
             self.future(v)
             self.start(v)
 
@@ -109,12 +111,12 @@ class Uploader:
                     msg = one_line(getattr(exc, "cause", None) or exc)
                     permanent = isinstance(root_cause(exc), IntegrityError)  # the local copy is bad: no retry helps
                     self.plan.failed(version, msg, permanent)
-                    self._on_error(f"version {version} upload: {msg}")
+                    self._on_error(f"{self.named(version)} upload: {msg}")
                     self.metrics.failed("upload")
                     if permanent:
                         await self.give_up(version, msg)
                         break
-                    log.warning("version %d: remote upload failed, retrying in %.1fs: %s", version, backoff, msg)
+                    log.warning("%s: remote upload failed, retrying in %.1fs: %s", self.named(version), backoff, msg)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 30.0)
                     continue
@@ -144,6 +146,12 @@ class Uploader:
         await asyncio.gather(*[one(node, fs[i:i + UPLOAD_FILES_PER_CALL]) for node, fs in by_node.items()
                                for i in range(0, len(fs), UPLOAD_FILES_PER_CALL)])
 
+    def named(self, version: int) -> str:
+        """``version`` as messages name it: by its manifest's step (an upload resumed at start-up may
+        be of a version written before versions were numbered by their steps)."""
+        m = self.catalogue.committed.get(version)
+        return step_label(version if m is None else m.step, version)
+
     def note(self, version: int, done: int, total: int) -> None:
         self.bytes[version] = (done, total)
         while len(self.bytes) > PROGRESS_VERSIONS:  # bookkeeping for the waits of recent versions only
@@ -156,20 +164,20 @@ class Uploader:
     async def give_up(self, version: int, msg: str) -> None:
         """Remove what the attempts left on the remote tier (never listed: no manifest), then fail
         the remote handle."""
-        log.error("version %d: not uploaded, its local copy cannot be: %s", version, msg)
+        log.error("%s: not uploaded, its local copy cannot be: %s", self.named(version), msg)
         try:
             kept = {p for m in self.plan.committed.values() for p in m.referenced_paths()}
             await asyncio.to_thread(delete_version, self.remote, version, kept, [])
         except Exception as cleanup:
-            log.warning("version %d: removing its partial upload failed: %s", version, one_line(cleanup))
+            log.warning("%s: removing its partial upload failed: %s", self.named(version), one_line(cleanup))
         fut = self.future(version)
         if not fut.done():
-            fut.set_exception(SaveError(f"version {version} of run {self.run!r} cannot be uploaded: {msg}"))
+            fut.set_exception(SaveError(f"{self.named(version)} of run {self.run!r} cannot be uploaded: {msg}"))
 
     async def refuse(self, version: int, why: str) -> None:
         """The remote tier holds a copy of ``version`` that no key verifies (or that is damaged):
         it is kept as found, never uploaded over, and the version stays local only."""
-        msg = (f"version {version} of run {self.run!r} is not uploaded: the remote tier holds a copy of it that "
+        msg = (f"{self.named(version)} of run {self.run!r} is not uploaded: the remote tier holds a copy of it that "
                f"is not trusted ({why}); that copy is kept as found and never written over: inspect it "
                f"(ray-ckpt verify) and move it aside to upload this one")
         self.plan.failed(version, msg, True)

@@ -44,7 +44,7 @@ class VersionWaits:
 
     async def wait(self, version: int, durability: str = "local", best_effort: bool = False,
                    pushed: bool = False) -> SaveOutcome:
-        """See ``CheckpointCoordinator.wait``."""
+        """See ``CheckpointCoordinator.wait``. ``version`` is a save's, so its step names it in errors."""
         if durability not in ("local", "remote", "replicated"):
             raise SaveError(f"durability must be 'local', 'replicated' or 'remote', got {durability!r}")
         if durability == "replicated":
@@ -66,14 +66,14 @@ class VersionWaits:
                 raise SaveError(f"run {self.run!r} has no remote tier (remote_uri was not given)")
             return await self.uploader.future(version)
         if version in self.catalogue.failed:
-            raise SaveError(f"version {version} of run {self.run!r} failed: {self.catalogue.failed[version]}")
+            raise SaveError(f"step {version} of run {self.run!r} failed: {self.catalogue.failed[version]}")
         if version in self.catalogue.committed and durability == "local":
             return outcome_of(self.catalogue.committed[version], "local")
         if version in self.uploads.committed:
             return outcome_of(self.uploads.committed[version], durability)
         if version in self.uploader.futures and version in self.catalogue.committed:  # resumed upload
             return await self.uploader.futures[version]
-        raise SaveError(f"version {version} is unknown to the coordinator of run {self.run!r} "
+        raise SaveError(f"step {version} is unknown to the coordinator of run {self.run!r} "
                         f"(it may have restarted while the save was in flight)")
 
     async def _wait_replicated(self, version: int, best_effort: bool, pushed: bool) -> SaveOutcome:
@@ -84,7 +84,7 @@ class VersionWaits:
         outcome = await self.wait(version, "local", best_effort, pushed)
         fut = self.replication.futures.get(version)  # made at the commit, before the local outcome resolved
         if fut is None and not self.replication.fully_replicated(version):
-            raise SaveError(f"version {version} of run {self.run!r} has no peer replicas: it was committed before the "
+            raise SaveError(f"step {version} of run {self.run!r} has no peer replicas: it was committed before the "
                             f"coordinator (re)started, or is older than the newest peer_keep="
                             f"{self.replication.cfg.peer_keep} versions the holders keep")
         if fut is not None:

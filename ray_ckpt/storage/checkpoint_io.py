@@ -70,7 +70,7 @@ def write_flat(tier: Tier, version: int, name: str, rank: int, flat: Flat,
             entries.append(FileEntry(rel, *_write_table(tier, rel, table, compression, threads, direct, atomic),
                                      ROLE_TABLE))
     except (OSError, IntegrityError) as exc:  # IntegrityError: a link where a directory should be
-        raise SaveError(f"writing state {name!r} rank {rank} of version {version} to "
+        raise SaveError(f"writing state {name!r} rank {rank} of step {version} to "
                         f"{tier.describe(rel)} failed: {one_line(exc)}") from None
     return entries
 
@@ -111,7 +111,7 @@ def write_append_only(tier: Tier, version: int, name: str, rank: int, flat: Flat
         entries.append(FileEntry(rel, sink.size, sink.digest(), ROLE_INDEX))
         written += sink.size
     except (OSError, IntegrityError) as exc:
-        raise SaveError(f"writing state {name!r} rank {rank} of version {version} to "
+        raise SaveError(f"writing state {name!r} rank {rank} of step {version} to "
                         f"{tier.describe(rel)} failed: {one_line(exc)}") from None
     return entries, written
 

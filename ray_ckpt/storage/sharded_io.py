@@ -359,11 +359,12 @@ def load_into_state(tiers: Sequence[Tier], entry: StateEntry, name: str, state: 
     return StateReport("restored", reader.tier, verify, detail, reader.bytes)
 
 
-def check_world_size(entry: StateEntry, name: str, version: int, world_size: Optional[int]) -> None:
-    """A rank-local (not sharded) state saved by N ranks cannot be restored by M != N ranks."""
+def check_world_size(entry: StateEntry, name: str, of: str, world_size: Optional[int]) -> None:
+    """A rank-local (not sharded) state saved by N ranks cannot be restored by M != N ranks (``of``:
+    its version as messages name it, e.g. "step 7")."""
     saved = len(entry.files)
     if entry.shards is None and not entry.replicated and world_size is not None and world_size != saved:
-        raise RestoreError(f"state {name!r} of version {version} was saved by {saved} ranks; it cannot be "
+        raise RestoreError(f"state {name!r} of {of} was saved by {saved} ranks; it cannot be "
                            f"restored with world size {world_size} (world size {saved} != {world_size}): its "
                            f"parts are rank-local plain tensors, not DTensors, so not resharding-capable; "
                            f"nothing was loaded")
