@@ -346,10 +346,10 @@ def test_remote_outage_local_commits_go_on_then_upload_resumes(engine_factory, s
         deadline = time.monotonic() + 45
         while time.monotonic() < deadline:
             err = eng.status()["last_error"] or ""
-            if "version 2 upload" in err:
+            if "step 2 upload" in err:
                 break
             time.sleep(0.5)
-        assert "version 2 upload" in err and "127.0.0.1" in err, err
+        assert "step 2 upload" in err and "127.0.0.1" in err, err
         print(f"first upload error after {time.monotonic() - t0:.2f}s: {err}")
         with pytest.raises(rc.SaveError, match="last upload error: .*failed after") as ei:
             h.wait(timeout=1, durability="remote")
