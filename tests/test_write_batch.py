@@ -107,9 +107,12 @@ class Pusher:
 
         self.engine = rc.CheckpointEngine.connect(run)
 
-    def push(self, step: int, ranks: int, n: int) -> int:
-        for r in range(ranks):
-            self.engine.submit(step, "s", {"w": np.full(n, r + step * 1000, np.float32)}, rank=r)
+    def push(self, step: int, ranks: int, n: int, wait: bool = False) -> int:
+        """``wait``: until the version is committed (its parts reach the coordinator in the background)."""
+        handles = [self.engine.submit(step, "s", {"w": np.full(n, r + step * 1000, np.float32)}, rank=r)
+                   for r in range(ranks)]
+        for h in handles if wait else ():
+            h.wait(120)
         return ranks
 
 
@@ -142,8 +145,8 @@ def test_a_writer_actor_killed_mid_batch_commits_nothing_partial_and_the_next_ve
     listed = [m.version for m in _listed(eng, 1, 120)]
     outcome = "committed on the restarted writer" if 1 in listed else f"failed: {eng.status()['last_error']}"
     print(f"\nversion 1 after the writer was killed mid-batch: {outcome}")
-    if 1 not in listed:  # failed: said so, naming the version, and none of its files stay
-        assert "version 1" in (eng.status()["last_error"] or ""), outcome
+    if 1 not in listed:  # failed: said so, naming the step, and none of its files stay
+        assert "step 1" in (eng.status()["last_error"] or ""), outcome
         assert not [p for p in vdir.rglob("*") if p.is_file()] if vdir.exists() else True
     else:
         for r in (0, world // 2, world - 1):
@@ -153,7 +156,7 @@ def test_a_writer_actor_killed_mid_batch_commits_nothing_partial_and_the_next_ve
         while [p for p in vdir.rglob(f"*{TMP_MARK}*")]:
             assert time.monotonic() < deadline, f"temporary files left: {list(vdir.rglob(f'*{TMP_MARK}*'))[:3]}"
             time.sleep(0.1)
-    assert ray.get(host.push.remote(2, world, 256), timeout=120) == world
+    assert ray.get(host.push.remote(2, world, 256, wait=True), timeout=180) == world
     assert 2 in [m.version for m in _listed(eng, 2, 120)], outcome
     for r in (0, world - 1):
         assert np.array_equal(eng.load("s", step=2, rank=r)["w"], np.full(256, r + 2000, np.float32))

@@ -58,6 +58,7 @@ from ..errors import SaveError, one_line
 from ..formats.manifest import Manifest
 from .lease import ray_identity
 from ..metrics import Metrics
+from ..types import step_label
 from ..ray_internals import actor_ready
 from ..protocol import (CoordinatorStatus, Declaration, PartPlan, PushedPart, SaveOutcome, StoredState, SubmitAck,
                         SubmitBatchResult)
@@ -285,7 +286,7 @@ class CheckpointCoordinator:
         if d is not None and d.replicated and rank != 0:
             return SubmitAck(version, rank_zero_only=True)  # DDP replicas: rank 0's copy is stored
         if part.ref is None:
-            raise SaveError(f"state {name!r} rank {rank}: the push of version {version} carries no snapshot")
+            raise SaveError(f"state {name!r} rank {rank}: the push of step {version} carries no snapshot")
         is_new = version not in self.catalogue.pending
         self.catalogue.accept_push(version, step, name, rank)
         if is_new:
@@ -294,9 +295,9 @@ class CheckpointCoordinator:
         for v in self.catalogue.barrier_violations(version, name, rank, part.after):
             pv = self.catalogue.pending[v]
             self.catalogue.fail(v, f"ranks disagree on the step: state {name!r} rank {rank} submitted step "
-                                   f"{step} while version {v} (step {pv.step}) still awaits its part")
+                                   f"{step} while {step_label(pv.step, v)} still awaits its part")
             log.error("version %d: %s", v, pv.error)
-            self.last_error = f"version {v}: {pv.error}"
+            self.last_error = f"step {v}: {pv.error}"
             self._in_background(self.versions.progress(v))
         self.writes.dispatch(version, name, rank, part.ref, part.nbytes)
         return SubmitAck(version)
@@ -381,8 +382,8 @@ class CheckpointCoordinator:
             if left <= 0:
                 break
             await asyncio.wait(list(self.background), timeout=left)
-        unfinished = [f"version {v}: {pv.stage()}" for v, pv in sorted(self.catalogue.pending.items())]
-        unfinished += [f"version {v}: upload" for v in sorted(self.uploads.uploading)]
+        unfinished = [f"step {v}: {pv.stage()}" for v, pv in sorted(self.catalogue.pending.items())]
+        unfinished += [f"step {v}: upload" for v in sorted(self.uploads.uploading)]
         return unfinished if self.background else []
 
     async def ready(self) -> bool:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Optional, Set
 from ..config import EngineConfig
 from ..errors import SaveError, UnsupportedTypeError, one_line
 from ..metrics import Metrics
+from ..types import step_label
 from ..storage.checkpoint_io import write_manifest
 from ..storage.tier import Tier
 from .catalogue import Catalogue
@@ -83,7 +84,7 @@ class VersionCommits:
         what, fails = expired
         log.error("version %d: %s", version, what)
         if fails:
-            self._set_error(f"version {version}: {what}")
+            self._set_error(f"step {version}: {what}")
         await self.progress(version)
 
     # ------------------------------------------------------------------ 3: written
@@ -101,7 +102,7 @@ class VersionCommits:
                 self.unsupported.add(version)  # the handle raises the same class as an in-process save
             msg = one_line(getattr(exc, "cause", None) or exc)
             log.error("version %d: state %r rank %d failed: %s", version, name, rank, msg)
-            self._set_error(f"version {version} state {name!r} rank {rank}: {msg}")
+            self._set_error(f"step {version} state {name!r} rank {rank}: {msg}")
             self.catalogue.part_failed(version, name, rank, msg)
 
     # ------------------------------------------------------------------ 4-5: manifest, committed
@@ -175,7 +176,7 @@ class VersionCommits:
                 self.catalogue.committed[version] = manifest
                 self.manifest_revision[version] = revision
             except Exception as exc:  # the committed manifest stays; the late part is reported
-                msg = f"version {version}: adding best-effort parts to the manifest failed: {one_line(exc)}"
+                msg = f"step {version}: adding best-effort parts to the manifest failed: {one_line(exc)}"
                 self._set_error(msg)
                 log.error(msg)
                 return
@@ -204,7 +205,7 @@ class VersionCommits:
         error = UnsupportedTypeError if version in self.unsupported else SaveError
         self.unsupported.discard(version)
         fut.set_exception(
-            error(f"version {version} (step {pv.step}) of run {self.cfg.run!r} failed and is not listed: {pv.error}"))
+            error(f"{step_label(pv.step, version)} of run {self.cfg.run!r} failed and is not listed: {pv.error}"))
 
     def _prune_bookkeeping(self, keep: int = 32) -> None:
         """Forget futures and locks of old, finished versions (wait() answers those from the catalogue)."""

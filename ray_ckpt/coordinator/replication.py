@@ -118,7 +118,7 @@ class Replication:
                 self.future(version).set_result(True)
             return
         if problems:
-            fut.set_exception(SaveError(f"version {version} of run {self.cfg.run!r} is not held by "
+            fut.set_exception(SaveError(f"step {version} of run {self.cfg.run!r} is not held by "
                                         f"{self.cfg.peer_replicas} peer replica(s): {'; '.join(problems)}"))
         else:
             fut.set_result(True)
@@ -144,7 +144,7 @@ class Replication:
         """The sends that give ``version``'s files their copies ((how, from, to) -> files), and the problems."""
         m = self.catalogue.committed.get(version)
         if m is None:
-            return {}, [f"version {version} is no longer listed"]
+            return {}, [f"step {version} is no longer listed"]
         held = self.copies.setdefault(version, {})
         sends: Dict[Tuple[str, str, str], List[FileEntry]] = {}
         problems: List[str] = []
