@@ -66,24 +66,8 @@ class RankPushes:
             policy = OnBusy.parse(on_busy)
         except ValueError as exc:
             raise InvalidSaveError(str(exc)) from None
-        validate_name(name, "state name")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise InvalidSaveError(f"step must be a non-negative integer, got {step!r}")
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-            raise InvalidSaveError(f"rank must be a non-negative integer, got {rank!r}")
-        decl = self._declared.get(name)
-        if decl is None:
-            self._declared = self._call(lambda c: c.declared.remote(), "the declared states")
-            decl = self._declared.get(name)
-        if decl is None:
-            raise InvalidSaveError(f"state {name!r} is not declared for pushing in run {self.run!r}; the "
-                                   f"driver registers it with engine.register({name!r}, world_size=N)")
-        if rank >= decl.world_size:
-            raise InvalidSaveError(f"rank {rank} is out of range for state {name!r} (world_size {decl.world_size})")
+        decl = self._checked_push(step, name, rank)
         last = self._last_pushed.get((name, rank), -1)
-        if step <= last:
-            raise InvalidSaveError(f"state {name!r} rank {rank}: step {step} is not after its last submitted "
-                                   f"step {last}; steps must increase")
         # backpressure is judged when this engine starts a version: pushes for one in flight always go
         new_version = step not in self._pusher.commits and step not in self._pusher.pending_versions()
         busy = [v for v in self._pushes_in_flight() if v != step] if new_version else []
@@ -118,6 +102,29 @@ class RankPushes:
         handle = SaveHandle(self, step, None, time.perf_counter() - t0, push=slot, rank_zero_only=rank_zero_only)
         self._in_flight.append(handle)
         return handle
+
+    def _checked_push(self, step: Any, name: str, rank: Any) -> Declaration:
+        """The declaration of pushed state ``name``, once ``step`` and ``rank`` are valid for it
+        (``InvalidSaveError`` otherwise, before anything is captured)."""
+        validate_name(name, "state name")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise InvalidSaveError(f"step must be a non-negative integer, got {step!r}")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise InvalidSaveError(f"rank must be a non-negative integer, got {rank!r}")
+        decl = self._declared.get(name)
+        if decl is None:
+            self._declared = self._call(lambda c: c.declared.remote(), "the declared states")
+            decl = self._declared.get(name)
+        if decl is None:
+            raise InvalidSaveError(f"state {name!r} is not declared for pushing in run {self.run!r}; the "
+                                   f"driver registers it with engine.register({name!r}, world_size=N)")
+        if rank >= decl.world_size:
+            raise InvalidSaveError(f"rank {rank} is out of range for state {name!r} (world_size {decl.world_size})")
+        last = self._last_pushed.get((name, rank), -1)
+        if step <= last:
+            raise InvalidSaveError(f"state {name!r} rank {rank}: step {step} is not after its last submitted "
+                                   f"step {last}; steps must increase")
+        return decl
 
     @contextlib.contextmanager
     def push_group(self) -> Iterator["RankPushes"]:
