@@ -6,16 +6,35 @@ tests/ is not importable in Ray workers: a test module that ships these into ran
 this module by value too (``ray.cloudpickle.register_pickle_by_value(gloo_util)``)."""
 from __future__ import annotations
 
+import os
+import random
 import socket
+import time
 
 import torch
 
 
 def free_port() -> int:
-    """A port nobody listens on now, for ``init_process_group(init_method="tcp://127.0.0.1:PORT")``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nobody uses now, for ``init_process_group(init_method="tcp://127.0.0.1:PORT")``.
+
+    Taken below the kernel's ephemeral range (and above Ray's worker ports, 10002-19999): a port the
+    kernel hands out (bind to port 0) is also what it gives the next outgoing connection as its
+    source port, and Ray opens many, so the rendezvous' listen failed with EADDRINUSE now and then."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    rng = random.Random(os.getpid() ^ time.time_ns())
+    for _ in range(1000):
+        port = rng.randrange(20000, max(ephemeral, 20001))
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))  # the rendezvous' store listens on every address
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free TCP port below the ephemeral range")
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
