@@ -33,6 +33,9 @@ def _chunks(n_samples):
                .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=_ma_mapping)
                .env_runners(rollout_fragment_length=20).debugging(seed=1))
         runner = MultiAgentEnvRunner(config=cfg)
+        for env in runner.env.envs:  # random actions from seeded spaces: the same episodes every run
+            for k, aid in enumerate(env.unwrapped.possible_agents):
+                env.unwrapped.get_action_space(aid).seed(11 + k)
         out = []
         for _ in range(n_samples):
             out += runner.sample(num_timesteps=20, random_actions=True)
