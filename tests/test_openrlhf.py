@@ -147,6 +147,32 @@ def setup(ranks, tmp_path_factory):
             "ck": {"run": run, "local_dir": str(root / "local"), "rank_timeout_s": RANK_TIMEOUT_S}}
 
 
+@pytest.fixture(autouse=True)
+def _stop_the_tests_own_runs(request):
+    """A test that makes a run of its own (overlap, partition reuse, layout 1, the docs recipe) stops
+    it at its end: the run is created inside a rank actor and outlives it, and each run's writers
+    hold CPUs of the session's 4, so the later tests' runs could not start. The stage tests' shared
+    run (``<run>-actor``) stays for the tests that follow it."""
+    if "setup" not in request.fixturenames:
+        yield
+        return
+    from ray_ckpt.protocol import NAMESPACE
+
+    shared = request.getfixturevalue("setup")["ck"]["run"] + "-actor"
+
+    def ours():
+        return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a.get("namespace") == NAMESPACE}
+
+    before = ours()
+    yield
+    for name in ours() - before:
+        if shared not in name.split("."):  # its coordinator, mailbox and writers are named after it
+            try:
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            except (ValueError, ray.exceptions.RayError):
+                pass
+
+
 def save_dir(setup, stage):
     return str(setup["root"] / f"zero{stage}" / "_actor")  # one run ("<run>-actor"), a folder per stage
 
