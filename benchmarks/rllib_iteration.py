@@ -5,7 +5,10 @@
 Per algorithm config, one Algorithm per arm, built from the same config and seed, all built first
 and then trained ``--iterations`` iterations *interleaved* (iteration i of every arm, the arms'
 order rotated each iteration, so a slow minute of the shared machine falls on every arm alike; the
-first two iterations are warm-up and not counted):
+first two iterations are warm-up and not counted). After a ray_ckpt arm's iteration the benchmark
+waits, untimed, until that iteration's version is committed (``--overlap`` leaves this out), so its
+writers' background work does not fall on the next arm's timed iteration; the time from the start
+of train() to the version committed is reported beside it ("durable s"):
 
   none         no checkpointing
   ray_ckpt     ray_ckpt's callback saves every iteration (make_callback(..., every=1)); train()
@@ -112,7 +115,7 @@ def build_arm(make_config, arm: str, root: str, prefill_steps: int):
     return run, algo
 
 
-def run_arms(make_config, arms, iterations: int, root: str, prefill_steps: int) -> dict:
+def run_arms(make_config, arms, iterations: int, root: str, prefill_steps: int, overlap: bool = False) -> dict:
     """All arms built first, then their iterations interleaved (arm order rotated every iteration),
     so that a slow minute of the shared machine falls on every arm alike."""
     from ray_ckpt.integrations import rllib as rr
@@ -136,6 +139,7 @@ def run_arms(make_config, arms, iterations: int, root: str, prefill_steps: int) 
         for arm in arms:
             built[arm] = build_arm(make_config, arm, root, prefill_steps)
         times = {arm: [] for arm in arms}
+        durable = {arm: [] for arm in arms}
         for i in range(iterations):
             k = i % len(arms)
             for arm in arms[k:] + arms[:k]:
@@ -147,11 +151,15 @@ def run_arms(make_config, arms, iterations: int, root: str, prefill_steps: int) 
                 if arm == "rllib_save":
                     algo.save_to_path(os.path.join(root, "rllib", run, f"it{i}"))
                 times[arm].append(time.perf_counter() - t0)
+                if arm.startswith("ray_ckpt") and not overlap:  # untimed: its writers finish here
+                    rr.wait_for_saves(algo, timeout=600)
+                    durable[arm].append(time.perf_counter() - t0)
         out = {}
         for arm in arms:
             run, algo = built[arm]
             r = {"train_s": statistics.median(times[arm][2:]), "bytes": None, "new_rows": None, "save_ms": None,
-                 "replay": None, "capture_ms": statistics.median(capture_ms[arm][2:]) if capture_ms[arm][2:] else None}
+                 "replay": None, "capture_ms": statistics.median(capture_ms[arm][2:]) if capture_ms[arm][2:] else None,
+                 "durable_s": statistics.median(durable[arm][2:]) if durable[arm][2:] else None}
             if arm.startswith("ray_ckpt"):
                 r["save_ms"] = statistics.median(rr.find_callback(algo).save_call_ms[2:])
                 results = rr.wait_for_saves(algo, timeout=600)
@@ -222,6 +230,9 @@ def main() -> None:
     ap.add_argument("--arms", default=None, help="only these arms (comma-separated; 'none' is run unless --bytes-only)")
     ap.add_argument("--bytes-only", action="store_true",
                     help="without the 'none' arm: the bytes per save only (they do not depend on the machine's load)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="do not wait for a ray_ckpt arm's version after its iteration (its writers then run "
+                         "during the next arm's timed iteration)")
     args = ap.parse_args()
 
     import ray
@@ -241,11 +252,11 @@ def main() -> None:
                 arms = [a for a in arms if a == "none" or a in args.arms.split(",")]
             if args.bytes_only:
                 arms = [a for a in arms if a != "none"]
-            res = run_arms(make, arms, args.iterations, root, pre)
+            res = run_arms(make, arms, args.iterations, root, pre, args.overlap)
             base = res["none"]["train_s"] if "none" in res else float("nan")
             for arm, r in res.items():
                 rows.append((name, arm, r["train_s"], base / r["train_s"], r["bytes"], r["new_rows"], r["save_ms"],
-                             r["replay"], r["capture_ms"]))
+                             r["replay"], r["capture_ms"], r["durable_s"]))
                 files.append((name, arm, r.get("per_file")))
                 print(f"  {name:5s} {arm:14s} train() {r['train_s']:.3f}s", flush=True)
     finally:
@@ -255,16 +266,17 @@ def main() -> None:
 
     print()
     print("| config | arm | train() s (median) | iteration rate vs none | callback save ms | replay capture ms "
-          "| bytes per save | replay bytes per save | new rows' segment | replay bytes / new rows |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, arm, t, ratio, nbytes, new, ms, rep, cap in rows:
+          "| durable s | bytes per save | replay bytes per save | new rows' segment | replay bytes / new rows |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, arm, t, ratio, nbytes, new, ms, rep, cap, dur in rows:
         b = f"{nbytes:,.0f}" if nbytes else "-"
         n = f"{new:,.0f}" if new else "-"
         q = f"{rep / new:.2f}x" if rep and new else "-"
         m = f"{ms:.1f}" if ms is not None else "-"
         c = f"{cap:.1f}" if cap is not None else "-"
         rb = f"{rep:,.0f}" if rep else "-"
-        print(f"| {name} | {arm} | {t:.3f} | {ratio:.3f}x | {m} | {c} | {b} | {rb} | {n} | {q} |")
+        d = f"{dur:.3f}" if dur is not None else "-"
+        print(f"| {name} | {arm} | {t:.3f} | {ratio:.3f}x | {m} | {c} | {d} | {b} | {rb} | {n} | {q} |")
     for name, arm, per_file in files:
         if per_file:
             print(f"\n{name} {arm}: median bytes per replay file a version writes: " +

@@ -39,5 +39,11 @@ def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+def about(subject: str, exc: BaseException) -> str:
+    """``exc``'s message prefixed with ``subject`` once (an inner reader's error may name it already)."""
+    text = str(exc)
+    return text if text.startswith(subject) else f"{subject}: {text}"
+
+
 class OwnershipError(CheckpointError):
     """The run is owned by another live driver (job); ``create(..., takeover=True)`` takes it over."""

@@ -100,8 +100,9 @@ def test_malformed_head_is_refused_by_name(tmp_path, change):
     with pytest.raises(IntegrityError, match="shard heads are malformed"):
         sharded_io.load_full([tier], entry, "model")
     target = {"w": torch.zeros(ROWS, COLS), "step": torch.tensor(0.0), "nested": {"v": torch.zeros(COLS), "k": 0}}
-    with pytest.raises(RestoreError, match="shard heads are malformed.*nothing was loaded"):
+    with pytest.raises(RestoreError, match="shard heads are malformed.*nothing was loaded") as err:
         sharded_io.load_into_state([tier], entry, "model", target)
+    assert str(err.value).count("state 'model'") == 1  # named once, not by each layer it passed
     assert not target["w"].any()  # nothing was filled
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .checkpoint_io import decode_files, rank_files, read_files
-from ..errors import IntegrityError, RestoreError, one_line
+from ..errors import IntegrityError, RestoreError, about, one_line
 from ..formats import safetensors_io
 from ..formats.manifest import ROLE_TABLE, ROLE_TENSORS, StateEntry
 from ..formats.nodes import leaf_key
@@ -321,7 +321,7 @@ def load_into_state(tiers: Sequence[Tier], entry: StateEntry, name: str, state: 
     try:
         plain = _plain_of(entry, name, reader, tiers, allow_pickle, index)
     except IntegrityError as exc:
-        raise RestoreError(f"state {name!r}: {exc}; nothing was loaded") from None
+        raise RestoreError(f"{about(f'state {name!r}', exc)}; nothing was loaded") from None
     targets = tensor_keys(state)
     saved_plain = {k: v for k, v in tensor_keys(plain).items()}
     jobs, missing, bad = [], [], []
@@ -351,7 +351,7 @@ def load_into_state(tiers: Sequence[Tier], entry: StateEntry, name: str, state: 
             else:
                 load_into_tensor(t, src, reader, verify=verify, rank=rank)
     except IntegrityError as exc:
-        raise RestoreError(f"state {name!r}: {exc}; the target is partly filled") from None
+        raise RestoreError(f"{about(f'state {name!r}', exc)}; the target is partly filled") from None
     reader.close()  # (on an error, when the reader is dropped)
     merge_scalars(state, plain)
     if reader.problems:
@@ -379,7 +379,7 @@ def load_rank_local_into(tiers: Sequence[Tier], entry: StateEntry, name: str, st
     try:
         bufs, tier, problems = read_files(tiers, files)
     except IntegrityError as exc:
-        raise RestoreError(f"state {name!r}: {exc}; nothing was loaded") from None
+        raise RestoreError(f"{about(f'state {name!r}', exc)}; nothing was loaded") from None
     src = decode_files(files, bufs, name=name, allow_pickle=allow_pickle)
     targets, saved = tensor_keys(state), tensor_keys(src)
     bad, jobs, missing = [], [], []
