@@ -4,6 +4,7 @@ segments of several versions.
 
 The first tests are plain (formats + a local tier, no Ray); the last ones run the real engine."""
 import base64
+import dataclasses
 import json
 import os
 import time
@@ -15,7 +16,7 @@ import pytest
 import ray_ckpt as rc
 from ray_ckpt.storage.checkpoint_io import decode_files, read_files, write_append_only
 from ray_ckpt.errors import IntegrityError, SaveError
-from ray_ckpt.formats import segments
+from ray_ckpt.formats import compaction, segments
 from ray_ckpt.formats.tree import flatten
 from ray_ckpt.storage.tier import Tier
 
@@ -80,18 +81,24 @@ def test_live_ranges_and_index_roundtrip():
     assert segments.live_ranges(ids) == ((3, 6), (9, 11), (20, 21))
     assert segments.live_ranges(np.empty(0, np.int64)) == ()
     idx = segments.SegmentIndex({"d": [["row_id", {"N": 0, "dt": "<i8", "sh": [6]}]]}, ((3, 6), (9, 11), (20, 21)), 6,
-                                (segments.Segment("v000000000001/r/rank0.segment.arrow", 3, 20, 6),))
+                                (segments.Segment("v000000000001/r/rank0.segment.arrow", 3, 20, 6, 2),))
     assert segments.SegmentIndex.from_json(idx.to_json()) == idx
     stored = json.loads(idx.to_json())  # a JSON object whose fields are compressed
-    assert stored["format"] == segments.INDEX_FORMAT_Z
+    assert stored["format"] == segments.INDEX_FORMAT_LEVELS
     body = json.loads(zlib.decompress(base64.b64decode(stored["z"])))
     assert body["rows"] == 6 and body["live_d"] == [3, 3, 3, 2, 9, 1]  # bounds as differences
-    # the plain-JSON index (format /1) of versions written before is read as it was
+    assert body["segments_d"] == [["v000000000001/r/rank0.segment.arrow", 3, 17, 6, 2]]  # its merge level last
+    # the indexes of versions written before are read as they were: plain JSON (format /1), and
+    # compressed without levels (/2); their segments have the level that is never merged
+    old = dataclasses.replace(idx, segments=(dataclasses.replace(idx.segments[0], level=compaction.UNMERGED),))
     plain = {"format": segments.INDEX_FORMAT, "structure": body["structure"], "rows": 6,
              "live": [[3, 6], [9, 11], [20, 21]], "segments": [["v000000000001/r/rank0.segment.arrow", 3, 20, 6]]}
-    assert segments.SegmentIndex.from_json(json.dumps(plain).encode()) == idx
+    assert segments.SegmentIndex.from_json(json.dumps(plain).encode()) == old
+    body2 = dict(body, segments_d=[s[:4] for s in body["segments_d"]])
+    z2 = base64.b64encode(zlib.compress(json.dumps(body2).encode())).decode()
+    assert segments.SegmentIndex.from_json(json.dumps({"format": segments.INDEX_FORMAT_Z, "z": z2}).encode()) == old
     for data in (json.dumps(dict(plain, rows=7)).encode(),
-                 json.dumps({"format": segments.INDEX_FORMAT_Z, "z": base64.b64encode(
+                 json.dumps({"format": segments.INDEX_FORMAT_LEVELS, "z": base64.b64encode(
                      zlib.compress(json.dumps(dict(body, rows=7)).encode())).decode()}).encode()):
         with pytest.raises(IntegrityError, match="live ranges hold 6 rows"):
             segments.SegmentIndex.from_json(data, where="x.json")

@@ -38,11 +38,13 @@ import pyarrow as pa
 from ..errors import IntegrityError
 from .arrow_io import SEGMENT_FORMAT
 from .buffer_io import FORMAT_KEY, STRUCTURE_KEY, _columns
+from .compaction import FANOUT, MAX_LEVEL, UNMERGED, merge_plan
 from .flat import Flat, pieces_of
 from .nodes import structure_to_json
 
 INDEX_FORMAT = "ray_ckpt.append_only/1"   # the index's fields as plain JSON (read, no longer written)
-INDEX_FORMAT_Z = "ray_ckpt.append_only/2"  # the same fields' JSON zlib-compressed, base64 under "z"
+INDEX_FORMAT_Z = "ray_ckpt.append_only/2"  # the same fields' JSON zlib-compressed, base64 under "z" (read)
+INDEX_FORMAT_LEVELS = "ray_ckpt.append_only/3"  # /2 with each segment's merge level (.compaction)
 MAX_INDEX_BYTES = 256 << 20  # an index that inflates beyond this is refused, not inflated
 ROW_ID = "row_id"
 MAX_RANGES = 1_000_000  # a live set in more pieces than this is not an append-only buffer's
@@ -50,12 +52,14 @@ MAX_RANGES = 1_000_000  # a live set in more pieces than this is not an append-o
 
 @dataclass(frozen=True)
 class Segment:
-    """One segment file: rows with ``first <= row_id <= last`` (``rows`` of them) as written."""
+    """One segment file: rows with ``first <= row_id <= last`` (``rows`` of them) as written, and
+    its merge level (:mod:`.compaction`; :data:`.compaction.UNMERGED` in an index of format /1 or /2)."""
 
     path: str
     first: int
     last: int
     rows: int
+    level: int = UNMERGED
 
 
 @dataclass(frozen=True)
@@ -81,12 +85,12 @@ class SegmentIndex:
         live = [b - a for a, b in zip([0] + flat, flat)]
         segs, prev = [], 0
         for s in self.segments:
-            segs.append([s.path, s.first - prev, s.last - s.first, s.rows])
+            segs.append([s.path, s.first - prev, s.last - s.first, s.rows, s.level])
             prev = s.last
         body = json.dumps({"structure": self.structure, "rows": self.rows, "live_d": live, "segments_d": segs},
                           separators=(",", ":")).encode()
         z = base64.b64encode(zlib.compress(body, 9)).decode("ascii")
-        return json.dumps({"format": INDEX_FORMAT_Z, "z": z}, separators=(",", ":")).encode()
+        return json.dumps({"format": INDEX_FORMAT_LEVELS, "z": z}, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, data: Any, *, where: str = "<index>") -> "SegmentIndex":
@@ -94,12 +98,14 @@ class SegmentIndex:
         in order. Raises IntegrityError naming ``where``."""
         try:
             d = json.loads(bytes(data))
-            if d.get("format") == INDEX_FORMAT_Z:
-                d = _undelta(json.loads(_inflate(base64.b64decode(d["z"], validate=True))))
-            elif d.get("format") != INDEX_FORMAT:
-                raise ValueError(f"format {d.get('format')!r}, expected {INDEX_FORMAT_Z!r} or {INDEX_FORMAT!r}")
+            fmt = d.get("format")
+            if fmt in (INDEX_FORMAT_Z, INDEX_FORMAT_LEVELS):
+                d = _undelta(json.loads(_inflate(base64.b64decode(d["z"], validate=True))), fmt == INDEX_FORMAT_LEVELS)
+            elif fmt != INDEX_FORMAT:
+                raise ValueError(f"format {fmt!r}, expected {INDEX_FORMAT_LEVELS!r}, {INDEX_FORMAT_Z!r} or {INDEX_FORMAT!r}")
             live = tuple((int(lo), int(hi)) for lo, hi in d["live"])
-            segs = tuple(Segment(str(p), int(a), int(b), int(n)) for p, a, b, n in d["segments"])
+            segs = tuple(Segment(str(s[0]), int(s[1]), int(s[2]), int(s[3]), *(int(x) for x in s[4:]))
+                         for s in d["segments"])
             rows = int(d["rows"])
             if len(live) > MAX_RANGES:
                 raise ValueError(f"{len(live)} live ranges")
@@ -115,6 +121,8 @@ class SegmentIndex:
                 if s.first > s.last or s.rows < 1 or s.rows > s.last - s.first + 1 or (prev is not None and s.first <= prev):
                     raise ValueError(f"segment {s.path}: row_ids {s.first}..{s.last} ({s.rows} rows) are not "
                                      f"after the segment before or do not fit")
+                if not UNMERGED <= s.level <= MAX_LEVEL:
+                    raise ValueError(f"segment {s.path}: level {s.level} is not one a writer gives")
                 prev = s.last
             if len({s.path for s in segs}) != len(segs):
                 raise ValueError("a segment is listed twice")
@@ -127,8 +135,9 @@ class SegmentIndex:
             raise IntegrityError(f"{where}: not an append-only index ({exc})") from None
 
 
-def _undelta(d: Dict[str, Any]) -> Dict[str, Any]:
-    """Format /2's delta-coded fields back to /1's (``live``, ``segments``)."""
+def _undelta(d: Dict[str, Any], levels: bool) -> Dict[str, Any]:
+    """Format /2's or /3's delta-coded fields back to /1's (``live``, ``segments``; /3's segments
+    keep their level as a fifth field)."""
     acc = [int(x) for x in d.pop("live_d")]
     if len(acc) % 2:
         raise ValueError("an odd number of live range bounds")
@@ -136,10 +145,13 @@ def _undelta(d: Dict[str, Any]) -> Dict[str, Any]:
         acc[i] += acc[i - 1]
     d["live"] = [acc[i:i + 2] for i in range(0, len(acc), 2)]
     segs, prev = [], 0
-    for path, first, span, rows in d.pop("segments_d"):
+    for seg in d.pop("segments_d"):
+        if len(seg) != 4 + levels:
+            raise ValueError(f"a segment entry of {len(seg)} fields")
+        path, first, span, rows = seg[:4]
         first = prev + int(first)
         prev = first + int(span)
-        segs.append([path, first, prev, rows])
+        segs.append([path, first, prev, rows] + list(seg[4:]))
     d["segments"] = segs
     return d
 
@@ -186,14 +198,19 @@ def live_ranges(ids: np.ndarray) -> Tuple[Tuple[int, int], ...]:
     return tuple((int(ids[s]), int(ids[e - 1]) + 1) for s, e in zip(starts, ends))
 
 
-def plan(ids: np.ndarray, base: Optional[SegmentIndex], name: str) -> Tuple[List[Segment], int]:
-    """(segments of ``base`` to keep, first position in ``ids`` of the rows to write anew).
+def plan(ids: np.ndarray, base: Optional[SegmentIndex], name: str,
+         fanout: int = FANOUT) -> Tuple[List[Segment], int, int]:
+    """(segments of ``base`` to keep, first position in ``ids`` of the rows to write anew, the
+    level of the segment they make).
 
-    Kept: the base's segments that still hold a live row. New: the rows above the base's newest
-    ``row_id``. A row at or below it that was not live in the base was never stored (the
-    contract broken: an old id given to a new row): ValueError."""
+    Kept: the base's segments that still hold a live row, less the youngest ones the new segment
+    absorbs (:func:`.compaction.merge_plan`): it then starts at their first live row, so it holds
+    their live rows and the new ones, the rows evicted from them left out. New: the rows above the
+    base's newest ``row_id``. Without a base the whole buffer is one segment, never merged later.
+    A row at or below the base's newest ``row_id`` that was not live in the base was never stored
+    (the contract broken: an old id given to a new row): ValueError."""
     if base is None or not base.segments:
-        return [], 0
+        return [], 0, UNMERGED
     start = int(np.searchsorted(ids, base.last_row_id, side="right"))
     old = ids[:start]
     stray = int(start - np.count_nonzero(_in_ranges(old, base.live)))
@@ -203,7 +220,13 @@ def plan(ids: np.ndarray, base: Optional[SegmentIndex], name: str) -> Tuple[List
                          f"given old ids")
     kept = [s for s in base.segments
             if np.searchsorted(old, s.last, side="right") > np.searchsorted(old, s.first, side="left")]
-    return kept, start
+    if start == len(ids):  # no new rows: no segment to merge into
+        return kept, start, 0
+    absorbed, level = merge_plan([s.level for s in kept], fanout)
+    if absorbed:
+        kept, merged = kept[:-absorbed], kept[-absorbed:]
+        start = int(np.searchsorted(ids, merged[0].first, side="left"))
+    return kept, start, level
 
 
 def segment_table(table: pa.Table, start: int) -> pa.Table:

@@ -81,7 +81,9 @@ def write_append_only(tier: Tier, version: int, name: str, rank: int, flat: Flat
     """Write one part of an append-only state (:mod:`.formats.segments`): the rows added since
     ``base`` (the files of the newest committed version's part, or none) as a new segment, and the
     index. Returns (the part's files: the base's segments still holding live rows, the new
-    segment, the index; bytes written now).
+    segment, the index; bytes written now). The new segment may absorb the youngest of the base's
+    segments (their live rows written again, :mod:`.formats.compaction`), so that the segments a
+    version lists stay few over a long run; the absorbed ones are no longer listed.
 
     A base index this tier cannot read back intact (another node's disk, a damaged file) is no
     base: the whole buffer becomes this version's segment (more bytes, never a wrong row)."""
@@ -93,7 +95,7 @@ def write_append_only(tier: Tier, version: int, name: str, rank: int, flat: Flat
     by_path = {f.path: f for f in base}
     base_index = _base_index(tier, base)
     try:
-        kept, start = segments.plan(ids, base_index, name)
+        kept, start, level = segments.plan(ids, base_index, name)
     except ValueError as exc:
         raise SaveError(str(exc)) from None
     entries = [by_path[s.path] for s in kept]
@@ -103,7 +105,7 @@ def write_append_only(tier: Tier, version: int, name: str, rank: int, flat: Flat
         if start < len(ids):
             size, digest = _write_table(tier, rel, segments.segment_table(table, start), compression, threads, direct)
             entries.append(FileEntry(rel, size, digest, ROLE_SEGMENT))
-            segs.append(segments.Segment(rel, int(ids[start]), int(ids[-1]), len(ids) - start))
+            segs.append(segments.Segment(rel, int(ids[start]), int(ids[-1]), len(ids) - start, level))
             written += size
         rel = layout.segment_index_file(version, name, rank)
         with tier.open_atomic(rel) as sink:
