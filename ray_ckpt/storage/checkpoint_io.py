@@ -76,14 +76,15 @@ def write_flat(tier: Tier, version: int, name: str, rank: int, flat: Flat,
 
 
 def write_append_only(tier: Tier, version: int, name: str, rank: int, flat: Flat, base: Sequence[FileEntry],
-                      compression: Optional[str] = None, threads: int = 1, direct: bool = False
-                      ) -> Tuple[List[FileEntry], int]:
+                      compression: Optional[str] = None, threads: int = 1, direct: bool = False,
+                      fanout: int = segments.FANOUT) -> Tuple[List[FileEntry], int]:
     """Write one part of an append-only state (:mod:`.formats.segments`): the rows added since
     ``base`` (the files of the newest committed version's part, or none) as a new segment, and the
     index. Returns (the part's files: the base's segments still holding live rows, the new
     segment, the index; bytes written now). The new segment may absorb the youngest of the base's
     segments (their live rows written again, :mod:`.formats.compaction`), so that the segments a
-    version lists stay few over a long run; the absorbed ones are no longer listed.
+    version lists stay few over a long run; the absorbed ones are no longer listed. ``fanout``
+    is the policy's base (a benchmark's "no merging" arm gives one no run of segments reaches).
 
     A base index this tier cannot read back intact (another node's disk, a damaged file) is no
     base: the whole buffer becomes this version's segment (more bytes, never a wrong row)."""
@@ -95,7 +96,7 @@ def write_append_only(tier: Tier, version: int, name: str, rank: int, flat: Flat
     by_path = {f.path: f for f in base}
     base_index = _base_index(tier, base)
     try:
-        kept, start, level = segments.plan(ids, base_index, name)
+        kept, start, level = segments.plan(ids, base_index, name, fanout)
     except ValueError as exc:
         raise SaveError(str(exc)) from None
     entries = [by_path[s.path] for s in kept]
