@@ -16,9 +16,11 @@ The contract a state registered with ``append_only=True`` keeps (checked where i
 
 A version's part is then: the segment files of earlier versions that still hold live rows, a new
 segment with the rows whose ``row_id`` is above the newest stored one (none if nothing was
-added), and ``rank<r>.index.json``: the buffer's structure (its scalars and column types, with the
-live row count), the live ``row_id`` s as ranges, and the segments in order with their ``row_id``
-bounds (a JSON object whose fields are compressed: :meth:`SegmentIndex.to_json`; a segment file's
+added) and the live rows of the youngest earlier segments it absorbs (:mod:`.compaction`: the
+segments a version lists stay few over a long run), and ``rank<r>.index.json``: the buffer's
+structure (its scalars and column types, with the live row count), the live ``row_id`` s as
+ranges, and the segments in order with their ``row_id`` bounds and merge levels (a JSON object
+whose fields are compressed: :meth:`SegmentIndex.to_json`; a segment file's
 own schema metadata holds only its columns, and it is an Arrow IPC stream: the schema once). Every file is in the manifest with its checksum; the reader reads and verifies them all,
 concatenates the segments, keeps the live rows and checks that exactly the indexed rows came back.
 
