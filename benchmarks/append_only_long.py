@@ -27,7 +27,8 @@ The buffer's first version is the whole buffer (prefilled full), so evictions ru
 Printed per arm: at each ``--at`` version, the bytes of the version's own segment (new rows plus
 what it absorbed), its index, its manifest, their sum and the live segments it lists; then over all
 versions the mean of each (the amortised cost, first version left out: it is the whole buffer in
-both arms), the largest segment written after the first, and the time per version.
+both arms) and over the last ``--steady`` versions (once the first version's rows are evicted: the
+steady state), the largest segment written after the first, and the time per version.
 """
 from __future__ import annotations
 
@@ -165,6 +166,7 @@ def main() -> None:
     ap.add_argument("--arms", default="none,merge")
     ap.add_argument("--fanout", type=int, default=16)
     ap.add_argument("--keep", type=int, default=2)
+    ap.add_argument("--steady", type=int, default=512, help="also the mean of the last this many versions")
     ap.add_argument("--verify-every", type=int, default=250)
     ap.add_argument("--dir", default=None)
     args = ap.parse_args()
@@ -197,7 +199,8 @@ def _table(arm: str, args, r: dict, names: list, at: list) -> float:
     """Print an arm's table; return its mean bytes a version (versions 2 on)."""
     print(f"\n{arm} (fanout {'-' if arm == 'none' else args.fanout}): bytes of a version (segment: its new "
           f"rows + the rows it absorbed; live segments: what its manifest and index list)")
-    print("| version | " + " | ".join(f"{n} segment | {n} index" for n in names) + " | manifest | total | live segments |")
+    print("| version | " + " | ".join(f"{n} segment | {n} index" for n in names)
+          + " | manifest | total | live segments |")
     print("|---" * (2 * len(names) + 4) + "|")
     later = range(2, args.versions + 1)
 
@@ -213,6 +216,9 @@ def _table(arm: str, args, r: dict, names: list, at: list) -> float:
     for v in at:
         row(str(v), lambda d: d[v])
     total = row(f"mean of 2-{args.versions}", lambda d: statistics.fmean(d[u] for u in later))
+    if args.steady and args.steady < args.versions - 1:
+        last = range(args.versions - args.steady + 1, args.versions + 1)
+        row(f"mean of {last[0]}-{last[-1]}", lambda d: statistics.fmean(d[u] for u in last))
     big = max(r[n]["seg"][u] for n in names for u in later)
     print(f"largest segment after the first version: {big:,} bytes; median {r['s_per_version'] * 1e3:.1f} ms "
           f"a version (writes + manifest + retention); load average {_load()}")

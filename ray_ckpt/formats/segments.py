@@ -104,7 +104,8 @@ class SegmentIndex:
             if fmt in (INDEX_FORMAT_Z, INDEX_FORMAT_LEVELS):
                 d = _undelta(json.loads(_inflate(base64.b64decode(d["z"], validate=True))), fmt == INDEX_FORMAT_LEVELS)
             elif fmt != INDEX_FORMAT:
-                raise ValueError(f"format {fmt!r}, expected {INDEX_FORMAT_LEVELS!r}, {INDEX_FORMAT_Z!r} or {INDEX_FORMAT!r}")
+                raise ValueError(f"format {fmt!r}, expected {INDEX_FORMAT_LEVELS!r}, {INDEX_FORMAT_Z!r} or "
+                                 f"{INDEX_FORMAT!r}")
             live = tuple((int(lo), int(hi)) for lo, hi in d["live"])
             segs = tuple(Segment(str(s[0]), int(s[1]), int(s[2]), int(s[3]), *(int(x) for x in s[4:]))
                          for s in d["segments"])
