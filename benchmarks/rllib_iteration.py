@@ -4,7 +4,7 @@
 
 Per algorithm config, one Algorithm per arm, built from the same config and seed, all built first
 and then trained ``--iterations`` iterations *interleaved* (iteration i of every arm, the arms'
-order rotated each iteration, so a slow minute of the shared machine falls on every arm alike; the
+order shuffled (seeded) each iteration, so a slow minute of the shared machine falls on every arm alike; the
 first two iterations are warm-up and not counted). After a ray_ckpt arm's iteration the benchmark
 waits, untimed, until that iteration's version is committed (``--overlap`` leaves this out), so its
 writers' background work does not fall on the next arm's timed iteration; the time from the start
@@ -17,6 +17,10 @@ of train() to the version committed is reported beside it ("durable s"):
   ray_ckpt_full  DQN only (both): the same with the replay buffer written whole every version
                (append_only off) -- what incremental segments save
   rllib_save   RLlib's own ``algo.save_to_path()`` after every train() (synchronous)
+  paired       ray_ckpt's callback saving every *second* iteration of one Algorithm: its iterations
+               with a save against its iterations without, the same actors and buffer, so that the
+               difference between Algorithms (noise of +-10 % on 2 shared cores) drops out; its
+               "rate vs none" is its no-save iterations' median over its save iterations' median
 
 Configs: PPO on CartPole with num_learners=0 and =1 (``ppo0``, ``ppo1``); DQN on CartPole with a
 prioritized replay buffer of capacity 1M (``dqn``), and multi-agent DQN on MultiAgentCartPole (two
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -106,8 +111,8 @@ def build_arm(make_config, arm: str, root: str, prefill_steps: int):
 
     cfg = make_config()
     run = f"bench-{arm}-{uuid.uuid4().hex[:6]}"
-    if arm.startswith("ray_ckpt"):
-        cfg = cfg.callbacks(rr.make_callback(run, local_dir=os.path.join(root, "local"), every=1,
+    if arm.startswith("ray_ckpt") or arm == "paired":
+        cfg = cfg.callbacks(rr.make_callback(run, local_dir=os.path.join(root, "local"), every=2 if arm == "paired" else 1,
                                              on_busy="queue", engine_options={"critical_writers": 1,
                                                                               "best_effort_writers": 1}))
     algo = cfg.build_algo()
@@ -116,7 +121,7 @@ def build_arm(make_config, arm: str, root: str, prefill_steps: int):
 
 
 def run_arms(make_config, arms, iterations: int, root: str, prefill_steps: int, overlap: bool = False) -> dict:
-    """All arms built first, then their iterations interleaved (arm order rotated every iteration),
+    """All arms built first, then their iterations interleaved (arm order shuffled every iteration),
     so that a slow minute of the shared machine falls on every arm alike."""
     from ray_ckpt.integrations import rllib as rr
     from ray_ckpt.integrations.rllib import capture as rr_capture
@@ -140,27 +145,40 @@ def run_arms(make_config, arms, iterations: int, root: str, prefill_steps: int, 
             built[arm] = build_arm(make_config, arm, root, prefill_steps)
         times = {arm: [] for arm in arms}
         durable = {arm: [] for arm in arms}
+        saved = {arm: [] for arm in arms}  # paired: whether that iteration saved
         for i in range(iterations):
-            k = i % len(arms)
-            for arm in arms[k:] + arms[:k]:
+            order = list(arms)
+            random.Random(i).shuffle(order)  # not a rotation: each arm follows each other arm alike
+            for arm in order:
                 run, algo = built[arm]
                 current[0] = arm
                 rr_replay.REPLAY_APPEND_ONLY = arm != "ray_ckpt_full"  # read when the states are registered
+                cb = rr.find_callback(algo) if arm == "paired" else None
+                calls = len(cb.save_call_ms) if cb else 0
                 t0 = time.perf_counter()
                 algo.train()
+                if cb:
+                    saved[arm].append(len(cb.save_call_ms) > calls)
                 if arm == "rllib_save":
                     algo.save_to_path(os.path.join(root, "rllib", run, f"it{i}"))
                 times[arm].append(time.perf_counter() - t0)
-                if arm.startswith("ray_ckpt") and not overlap:  # untimed: its writers finish here
+                if (arm.startswith("ray_ckpt") or arm == "paired") and not overlap:  # untimed: its writers finish
                     rr.wait_for_saves(algo, timeout=600)
-                    durable[arm].append(time.perf_counter() - t0)
+                    if cb is None or saved[arm][-1]:
+                        durable[arm].append(time.perf_counter() - t0)
         out = {}
         for arm in arms:
             run, algo = built[arm]
             r = {"train_s": statistics.median(times[arm][2:]), "bytes": None, "new_rows": None, "save_ms": None,
                  "replay": None, "capture_ms": statistics.median(capture_ms[arm][2:]) if capture_ms[arm][2:] else None,
                  "durable_s": statistics.median(durable[arm][2:]) if durable[arm][2:] else None}
-            if arm.startswith("ray_ckpt"):
+            if arm == "paired":
+                pairs = list(zip(times[arm], saved[arm]))[2:]
+                with_save = statistics.median(t for t, s in pairs if s)
+                without = statistics.median(t for t, s in pairs if not s)
+                r.update(train_s=with_save, paired=(without, with_save),
+                         save_ms=statistics.median(rr.find_callback(algo).save_call_ms[1:]))
+            elif arm.startswith("ray_ckpt"):
                 r["save_ms"] = statistics.median(rr.find_callback(algo).save_call_ms[2:])
                 results = rr.wait_for_saves(algo, timeout=600)
                 sizes = [x.bytes_written for it, x in sorted(results.items()) if it > 2]
@@ -240,10 +258,10 @@ def main() -> None:
     # a Ray of its own (address="local"): other sessions' clusters on this machine are not joined
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     root = args.dir or tempfile.mkdtemp(prefix="rllib_bench_")
-    configs = {"ppo0": (lambda: ppo_config(0), ["none", "ray_ckpt", "rllib_save"], 0),
-               "ppo1": (lambda: ppo_config(1), ["none", "ray_ckpt", "rllib_save"], 0),
-               "dqn": (dqn_config, ["none", "ray_ckpt", "ray_ckpt_full", "rllib_save"], args.prefill),
-               "madqn": (ma_dqn_config, ["none", "ray_ckpt", "ray_ckpt_full", "rllib_save"], args.prefill)}
+    configs = {"ppo0": (lambda: ppo_config(0), ["none", "ray_ckpt", "rllib_save", "paired"], 0),
+               "ppo1": (lambda: ppo_config(1), ["none", "ray_ckpt", "rllib_save", "paired"], 0),
+               "dqn": (dqn_config, ["none", "ray_ckpt", "ray_ckpt_full", "rllib_save", "paired"], args.prefill),
+               "madqn": (ma_dqn_config, ["none", "ray_ckpt", "ray_ckpt_full", "rllib_save", "paired"], args.prefill)}
     rows, files = [], []
     try:
         for name in args.configs.split(","):
@@ -255,7 +273,11 @@ def main() -> None:
             res = run_arms(make, arms, args.iterations, root, pre, args.overlap)
             base = res["none"]["train_s"] if "none" in res else float("nan")
             for arm, r in res.items():
-                rows.append((name, arm, r["train_s"], base / r["train_s"], r["bytes"], r["new_rows"], r["save_ms"],
+                if "paired" in r:  # its own no-save iterations are its base
+                    without, with_save = r["paired"]
+                    print(f"  {name:5s} paired: no-save iterations {without:.3f}s, save iterations {with_save:.3f}s",
+                          flush=True)
+                rows.append((name, arm, r["train_s"], (r["paired"][0] if "paired" in r else base) / r["train_s"], r["bytes"], r["new_rows"], r["save_ms"],
                              r["replay"], r["capture_ms"], r["durable_s"]))
                 files.append((name, arm, r.get("per_file")))
                 print(f"  {name:5s} {arm:14s} train() {r['train_s']:.3f}s", flush=True)
