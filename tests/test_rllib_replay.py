@@ -588,3 +588,31 @@ def test_incremental_save_writes_what_changed_not_the_buffer(tmp_path):
     replay, meta, seeds = incremental_restore.states_to_v1(back)
     two_state.restore_replay(fresh, replay, meta)
     assert compare.buffer_state_equal(buf, fresh) == []
+
+
+def test_equal_spaces_share_one_entry_and_unequal_ones_do_not():
+    """Episodes arrive with their own space objects: equal ones share one table entry (not
+    serialised per episode), and any difference in type, shape, dtype or bounds is a new entry
+    that reads back as exactly that space."""
+    import copy
+
+    from ray_ckpt.integrations.rllib.replay.values import _Spaces
+
+    box = gym.spaces.Box(-5, 5, (4,), np.float32)
+    spaces = [box, gym.spaces.Discrete(3), gym.spaces.MultiDiscrete([2, 3]), gym.spaces.MultiBinary(4),
+              gym.spaces.Dict({"img": gym.spaces.Box(0, 255, (2, 3), np.uint8), "k": gym.spaces.Discrete(2)}),
+              gym.spaces.Tuple((gym.spaces.Discrete(2), box))]
+    others = [gym.spaces.Box(-5, 5, (4,), np.float64), gym.spaces.Box(-5, np.nextafter(np.float32(5), 9), (4,),
+                                                                      np.float32),
+              gym.spaces.Box(-5, 5, (2, 2), np.float32), gym.spaces.Discrete(3, start=1), gym.spaces.MultiBinary(5)]
+    table = _Spaces()
+    codes = [table.code(s) for s in spaces]
+    assert [table.code(copy.deepcopy(s)) for s in spaces] == codes and len(table.table) == len(spaces)
+    more = [table.code(s) for s in others]
+    assert len(set(codes + more)) == len(spaces) + len(others)
+    back = _Spaces(table.table)
+    for s, c in zip(spaces + others, codes + more):
+        got = back.space(c)
+        assert type(got) is type(s) and got == s
+        if isinstance(s, gym.spaces.Box):
+            assert got.dtype == s.dtype and np.array_equal(got.low, s.low) and np.array_equal(got.high, s.high)

@@ -107,6 +107,7 @@ class _Spaces:
         self.table: List[Any] = list(table or [])
         self._index = {json.dumps(d, sort_keys=True, default=str): i for i, d in enumerate(self.table)}
         self._by_id: Dict[int, Tuple[Any, int]] = {}
+        self._by_key: Dict[Any, int] = {}  # _fingerprint(space) -> code, for spaces met before
         self._objs: Dict[int, Any] = {}
 
     def prune(self) -> None:
@@ -119,13 +120,18 @@ class _Spaces:
         hit = self._by_id.get(id(space))
         if hit is not None and hit[0] is space:
             return hit[1]
-        from ray.rllib.utils.serialization import gym_space_to_dict
-        d = gym_space_to_dict(space)
-        key = json.dumps(d, sort_keys=True, default=str)
-        c = self._index.get(key)
+        fp = _fingerprint(space)
+        c = self._by_key.get(fp) if fp is not None else None
         if c is None:
-            c = self._index[key] = len(self.table)
-            self.table.append(d)
+            from ray.rllib.utils.serialization import gym_space_to_dict
+            d = gym_space_to_dict(space)
+            key = json.dumps(d, sort_keys=True, default=str)
+            c = self._index.get(key)
+            if c is None:
+                c = self._index[key] = len(self.table)
+                self.table.append(d)
+            if fp is not None:
+                self._by_key[fp] = c
         self._by_id[id(space)] = (space, c)
         return c
 
@@ -139,6 +145,28 @@ class _Spaces:
 
     def state_dict(self, code: int) -> Any:
         return None if code < 0 else self.table[code]
+
+
+def _fingerprint(space: Any) -> Any:
+    """An exact, hashable description of a common gym space (type, shape, dtype, bounds' bytes), or
+    None for other kinds. Why: every episode arrives with its own space objects, and serialising
+    each one (``gym_space_to_dict`` writes its bounds with ``np.save``) was most of a save's
+    episode splitting; equal fingerprints are equal spaces, so they share one table entry."""
+    import gymnasium as gym
+    t = type(space)
+    if t is gym.spaces.Box:
+        return ("Box", space.shape, space.dtype.str, space.low.tobytes(), space.high.tobytes())
+    if t is gym.spaces.Discrete:
+        return ("Discrete", int(space.n), int(space.start))
+    if t is gym.spaces.MultiDiscrete:
+        return ("MultiDiscrete", space.nvec.shape, space.nvec.tobytes(), space.start.tobytes(), space.dtype.str)
+    if t is gym.spaces.MultiBinary:
+        return ("MultiBinary", np.asarray(space.n).tobytes())
+    if t in (gym.spaces.Dict, gym.spaces.Tuple):
+        items = space.spaces.items() if t is gym.spaces.Dict else enumerate(space.spaces)
+        parts = tuple((k, _fingerprint(v)) for k, v in items)
+        return None if any(v is None for _, v in parts) else (t.__name__, parts)
+    return None
 
 
 def _space_tree_to_storable(x: Any, spaces: _Spaces) -> Any:
