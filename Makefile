@@ -64,7 +64,7 @@ demo: install
 	$(VENV)/bin/ray-ckpt demo
 
 test: install install-oldest
-	$(PY) -m pytest -q -m "not slow" --durations=15
+	$(PY) -m pytest -q -m "not slow" --durations=40
 	$(OLDEST_PY) -m pytest -q $(OLDEST_TESTS)
 
 # the tests marked slow: multi-node clusters, Tune experiments, remote learners, whole examples
