@@ -18,8 +18,9 @@ Single-agent buffers are saved incrementally in format /4 (:mod:`.incremental_st
 below, and ``replay_meta`` as an append-only log of records compressed against a dictionary record
 -- the episodes that ended, the priorities that changed, the meta -- so a save converts and writes
 only what changed, in two files and two small indexes); multi-agent buffers likewise in format /5
-(:mod:`.incremental_multi_agent`: the same log, with the multi-agent episodes' own states and
-RLlib's env-step index list as records of it). A restore turns those back into the two-state form
+(:mod:`.incremental_multi_agent`: the same log, with the multi-agent episodes' own states,
+RLlib's env-step index list and, prioritized, the key order of ``_sample_idx_to_tree_idx``
+(:mod:`.key_order`) as records of it). A restore turns those back into the two-state form
 below and restores that. The two-state form itself (format /1) was how multi-agent buffers were
 saved before (rows append-only, ``replay_meta`` whole): such versions are still restored.
 
@@ -134,6 +135,8 @@ Modules, lowest first (each imports only modules above it in this list; none imp
 ``incremental_priorities``   formats /4 and /5, prioritized: ``prio`` columns and the priority records
 ``incremental_capture``      format /4: a single-agent buffer's capture (only what changed)
 ``incremental_restore``      format /3 or /4 -> format /1's two states; the caches seeded after a restore
+``key_order``                format /5, prioritized: ``_sample_idx_to_tree_idx``'s key order as log records
+                             (a base, then what each save changed)
 ``incremental_multi_agent``  format /5: a multi-agent buffer's capture (only what changed)
 ``incremental_ma_restore``   format /5 -> format /1's two states; either log format's restore and seeding
 ``two_state``                ``capture_replay`` / ``restore_replay``: any buffer <-> format /1's two states

@@ -101,7 +101,7 @@ def append_records(inc: Incremental, ep_raw: Any, done_keys: List[int], prio: An
 def live_spans(inc: Incremental) -> List[Tuple[int, int]]:
     """The log rows of the live records (the meta record aside): [first, rows) each."""
     return ([(a, m) for _, _, a, m in inc.batches] + [(a, m) for a, m, _ in inc.precs] +
-            [(a, m) for a, m, _ in inc.env_recs] + [tuple(inc.static)])
+            [(a, m) for a, m, _ in inc.env_recs] + [(a, m) for a, m, _ in inc.s2t_recs] + [tuple(inc.static)])
 
 
 def _append_dict(inc: Incremental, raws: List[bytes]) -> None:

@@ -15,9 +15,10 @@ from ..conversion import from_storable
 from ..names import REPLAY, REPLAY_META
 from .buffers import META_FORMAT
 from .episode_parts import _EpisodeParts, _parts_from_table, _table
-from .incremental_multi_agent import ENV_LIST, s2t_from
+from .incremental_multi_agent import ENV_LIST
 from .incremental_restore import _record, open_log, row_leaves, seed, seed_state, states_to_v1, sum_min
-from .incremental_state import ENV, EPISODES, META_FORMAT5, unpack_ids
+from .incremental_state import ENV, EPISODES, META_FORMAT5, ORDER, unpack_ids
+from .key_order import keys_from_records, keys_of, s2t_pairs
 from .row_ids import RowIds, _IndexList
 
 _LOG_ONLY = ("running", "running_ma", "episode_log", "env_log", "static", "dicts")
@@ -42,6 +43,7 @@ def seed_log(rid: RowIds, s: Dict[str, Any], buffer: Any) -> None:
     inc.env_recs = [list(map(int, r)) for r in np.asarray(s["meta"]["env_log"], np.int64).reshape(-1, 3).tolist()]
     inc.next_env = len(inc.env_keys)
     inc.running_ma = dict(s["running_ma"])
+    inc.s2t_keys, inc.s2t_recs = s["s2t_keys"], [list(r) for r in s["s2t_recs"]]
     for e, a in s["agent_keys"]:
         inc.ep_agents.setdefault(e, []).append(a)
     lst = rid.lists[ENV_LIST] = _IndexList(inc.env_keys.shape[1])
@@ -73,16 +75,18 @@ def ma_states_to_v1(states: Dict[str, Any], *, seed: bool = True):
     v1["rows"] = dict(meta["rows"], env_indices=np.stack(keys, 1).reshape(len(env["e"]), len(keys)))
     stored_replay = replay
     replay = {k: v for k, v in replay.items() if k not in ("prio", "prio_k")}
-    leaves = None
+    leaves, s2t_keys, s2t_recs = None, None, []
     if prioritized:
         leaves = row_leaves(meta, rows, dicts, stored_replay)
-        v1["priority"] = _priority_v1(meta["priority"], np.asarray(replay["module"]), leaves, env)
+        s2t_keys, s2t_recs = _s2t_keys(meta["priority"]["s2t"], rows, dicts)
+        v1["priority"] = _priority_v1(meta["priority"], np.asarray(replay["module"]), leaves, env, s2t_keys)
     if not seed:
         return replay, v1, None
     seeds = seed_state(seeds, log, rows, meta, stored_replay, leaves, logged, running_keys)
     seeds.update({"env_keys": v1["rows"]["env_indices"].copy(),
                   "env_leaves": {k: env[k] for k in ("sv", "sk", "mv", "mk")} if prioritized else {},
-                  "running_ma": {k: own[k] for k in running_keys}, "agent_keys": [p.key for p in parts]})
+                  "running_ma": {k: own[k] for k in running_keys}, "agent_keys": [p.key for p in parts],
+                  "s2t_keys": s2t_keys, "s2t_recs": s2t_recs})
     return replay, v1, seeds
 
 
@@ -123,11 +127,27 @@ def _env_entries(meta: Dict[str, Any], rows: Dict[str, np.ndarray], dicts: Dict[
     return out
 
 
+def _s2t_keys(st: Dict[str, Any], rows: Dict[str, np.ndarray], dicts: Dict[int, bytes]
+              ) -> Tuple[np.ndarray, List[List[int]]]:
+    """``_sample_idx_to_tree_idx``'s keys in order, and the live key-order records they come from
+    (none where the meta record holds the order itself, as runs)."""
+    if "runs" in st:
+        return keys_of(st["runs"]), []
+    recs = np.asarray(st["records"], np.int64).reshape(-1, 3).tolist()
+    chain = [_record(rows, first, m, ORDER, f"replay_meta key-order record at {first}", dicts)
+             for first, m, _ in recs]
+    keys = keys_from_records(chain, "replay_meta")
+    if len(keys) != int(st["n"]):
+        raise RestoreError(f"replay_meta: the key-order records hold {len(keys)} keys of "
+                           f"_sample_idx_to_tree_idx, the meta record says {st['n']}")
+    return keys, recs
+
+
 def _priority_v1(pr: Dict[str, Any], codes: np.ndarray, leaves: Dict[str, np.ndarray],
-                 env: Dict[str, np.ndarray]) -> Dict[str, Any]:
+                 env: Dict[str, np.ndarray], s2t_keys: np.ndarray) -> Dict[str, Any]:
     """Format /1's priority part: the env trees' leaves per env step, each module's per row."""
     out = {k: v for k, v in pr.items() if k not in ("records", "s2t", "modules")}
-    out["sample_idx_to_tree_idx"] = s2t_from(pr["s2t"], env["tree"])
+    out["sample_idx_to_tree_idx"] = s2t_pairs(s2t_keys, pr["s2t"], env["tree"])
     out["sum"], out["min"] = sum_min(env["sv"], env["sk"], env["mv"], env["mk"])
     modules = []
     for m in pr["modules"]:

@@ -14,9 +14,11 @@ What differs from a single-agent buffer (:mod:`.incremental_capture`):
   records*: each save appends the entries added since the previous one (with, prioritized, their
   env-tree leaves: RLlib sets those when it adds an env step and never updates them); a record
   leaves the log once all its entries' episodes are evicted (RLlib keeps the survivors in order);
-* the meta record holds the per-module counters and trees' scalars and the prioritized buffer's
-  ``_sample_idx_to_tree_idx`` as runs of keys plus the entries that differ from the env steps' own
-  tree indices (RLlib writes it and never reads it; after evictions it keeps stale keys).
+* the prioritized buffer's ``_sample_idx_to_tree_idx`` (RLlib writes it and never reads it): its
+  key order in the meta record as runs of keys while it has few, else as *key-order records*
+  (:mod:`.key_order`: a base, then what each save changed); the meta record also holds the entries
+  whose value is not the env step's own tree index (stale keys past the list's end), beside the
+  per-module counters and trees' scalars.
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ from .episode_parts import LAYOUT, _EpisodeParts, _int32, _split_episode, _table
 from .incremental_capture import (_Misaligned, _append_dict, _gather, changed_keys, _log_state, _static_of, append_records,
                                   live_spans, merge_cols, with_retry)
 from .incremental_priorities import _hook, _priorities, _priority_record, check_freed, touched_by_group
-from .incremental_state import ENV, META_FORMAT5, Incremental, _leaf_codes, _raw, pack_ids
+from .incremental_state import ENV, META_FORMAT5, ORDER, Incremental, _leaf_codes, _raw, pack_ids
+from .key_order import key_order_record, s2t_state
 from .multi_agent import _ma_episode_state, _ma_rows, module_counters, module_order
 from .priorities import MODULE_MAPS, module_scalars, modules_of, tree_scalars
 from .row_ids import RowIds
@@ -61,6 +64,7 @@ def _capture(buffer: Any, rid: RowIds, kind: _Kind, bname: str, meta: Dict[str, 
     inc, newly_done = _split_changed(buffer, rid, evicted, bname)
     replay, entries = _new_rows(buffer, rid, inc, kind, full, evicted, bname)
     env = _new_env(buffer, rid, inc, kind, full, evicted, bname)
+    order = key_order_record(inc, _s2t_keys(buffer), full) if kind.prioritized else None
     n = len(replay["row_id"])
     ep_raw = _raw(_batch(newly_done, bname)) if newly_done else None
     prio = _priority_record(inc, entries, n) if kind.prioritized else None
@@ -72,6 +76,9 @@ def _capture(buffer: Any, rid: RowIds, kind: _Kind, bname: str, meta: Dict[str, 
     if env is not None:
         first, m = inc.append_raw(ENV, env[0])
         inc.env_recs.append([first, m, env[1]])
+    if order is not None:
+        first, m = inc.append(ORDER, order[0])
+        inc.s2t_recs.append([first, m, order[1]])
     inc.env_recs = [r for r in inc.env_recs if r[2] >= evicted]  # all their episodes evicted: they leave
     rid.spaces.prune()
     inc.keep_rows(live_spans(inc))
@@ -245,7 +252,7 @@ def _priority_scalars(buffer: Any, rid: RowIds, inc: Incremental, bname: str) ->
     _check_maps(buffer._tree_idx_to_sample_idx, env_t, f"{bname}._tree_idx_to_sample_idx")
     out = tree_scalars(buffer)
     out["records"] = np.array(inc.precs, np.int64).reshape(len(inc.precs), 3)
-    out["s2t"] = s2t_state(buffer._sample_idx_to_tree_idx, env_t)
+    out["s2t"] = s2t_state(inc, buffer._sample_idx_to_tree_idx, env_t)
     out["module_key_order"] = {k: [rid.module_code(m) for m in getattr(buffer, k)] for k in MODULE_MAPS}
     codes, trees = inc.cols.get("module", np.empty(0, np.int32)), inc.cols.get("tree", np.empty(0, np.int32))
     modules = []
@@ -259,28 +266,6 @@ def _priority_scalars(buffer: Any, rid: RowIds, inc: Incremental, bname: str) ->
     return out
 
 
-def s2t_state(s2t: Dict[int, int], env_t: np.ndarray) -> Dict[str, np.ndarray]:
-    """``_sample_idx_to_tree_idx`` exactly, in its key order: its keys as runs of consecutive
-    integers, and the entries whose value is not the env step's tree index at that position."""
-    n = len(s2t)
-    k = np.fromiter(s2t.keys(), np.int64, n)
-    v = np.fromiter(s2t.values(), np.int64, n)
-    starts = np.concatenate([[0], np.flatnonzero(np.diff(k) != 1) + 1]) if n else np.empty(0, np.int64)
-    lens = np.diff(np.concatenate([starts, [n]])) if n else np.empty(0, np.int64)
-    derived = np.full(n, -1, np.int64)
-    ok = (k >= 0) & (k < len(env_t))
-    derived[ok] = env_t[k[ok]]
-    off = np.flatnonzero(v != derived)
-    return {"runs": np.stack([k[starts], lens]).reshape(2, len(starts)), "off_at": off, "off_v": v[off]}
-
-
-def s2t_from(st: Dict[str, Any], env_t: np.ndarray) -> np.ndarray:
-    """:func:`s2t_state` back: the map as a (2, n) array of keys and values, in key order."""
-    runs = np.asarray(st["runs"], np.int64).reshape(2, -1)
-    k = np.concatenate([np.arange(a, a + m) for a, m in runs.T.tolist()]) if runs.shape[1] else \
-        np.empty(0, np.int64)
-    v = np.full(len(k), -1, np.int64)
-    ok = (k >= 0) & (k < len(env_t))
-    v[ok] = env_t[k[ok]]
-    v[np.asarray(st["off_at"], np.int64)] = np.asarray(st["off_v"], np.int64)
-    return np.stack([k, v])
+def _s2t_keys(buffer: Any) -> np.ndarray:
+    s2t = buffer._sample_idx_to_tree_idx
+    return np.fromiter(s2t.keys(), np.int64, len(s2t))

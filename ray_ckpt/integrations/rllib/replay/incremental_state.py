@@ -52,7 +52,8 @@ A restore turns the two back into the two-state form ``(replay, replay_meta)`` o
 save goes on appending to the same log. Format /3 (the same log without dictionaries) is read and
 continued; format /2 (four states, written by earlier versions of this package) is not read.
 Multi-agent buffers are saved in format /5 (:mod:`.incremental_multi_agent`): this log with *env
-records* (kind :data:`ENV`) beside the others.
+records* (kind :data:`ENV`) and, prioritized, *key-order records* (kind :data:`ORDER`,
+:mod:`.key_order`) beside the others.
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ META_FORMAT5 = "ray_ckpt.rllib.replay/5"  # multi-agent buffers: format /4's log
 LOG_FORMATS = (META_FORMAT3, META_FORMAT4, META_FORMAT5)
 LOG_LAYOUT = "rllib_replay_log/1"
 # the record kinds, as the first byte of a record's payload
-EPISODES, PRIORITIES, META, STATIC, DICT, ENV = 1, 2, 3, 4, 5, 6
+EPISODES, PRIORITIES, META, STATIC, DICT, ENV, ORDER = 1, 2, 3, 4, 5, 6, 7
 SAMPLE_LIMITS = (16384, 4096, 12288)  # a dictionary's sample: bytes of the episode batch, priorities, meta
 STATIC_KEYS = ("config", "spaces", "extra_attrs", "module_counters")  # with the templates: a STATIC record
 KINDS = ("float", "np:<f8", "np:<f4", "int", "np:<f2", "bool")  # a tree leaf's exact type, by code
@@ -115,6 +116,8 @@ class Incremental:
     env_leaves: Dict[str, np.ndarray] = field(default_factory=dict)  # their env-tree leaves (sv, sk, mv, mk)
     env_recs: List[List[int]] = field(default_factory=list)  # live env-step records: [first row, rows, top episode]
     next_env: int = 0                                        # the next env-step entry's cache id
+    s2t_keys: Optional[np.ndarray] = None  # _sample_idx_to_tree_idx's keys in order (prioritized)
+    s2t_recs: List[List[int]] = field(default_factory=list)  # live key-order records: [first row, rows, runs]
 
     @property
     def log_entries(self) -> int:
