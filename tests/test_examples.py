@@ -22,6 +22,7 @@ def test_demo_resumes_bit_identically(ray_session, tmp_path, capsys):
     assert rc_ == 0
 
 
+@pytest.mark.slow  # 20-35 s: its own example process against the suite's S3 server
 @pytest.mark.timeout(300)
 def test_s3_example_restores_from_s3(ray_session, s3_server, capsys, run_name):
     ex = runpy.run_path(str(ROOT / "examples" / "s3_example.py"), run_name="s3_example_under_test")

@@ -36,6 +36,7 @@ def test_docs_document_the_scraped_names():
     assert all(n.startswith("ray_ckpt_") and not n.startswith("ray_ray_") for n in metrics.SCRAPED)
 
 
+@pytest.mark.slow  # 20-35 s: starts a Ray of its own
 @pytest.mark.timeout(300)
 def test_metrics_are_exported():
     # its own process: metrics export is configured when Ray starts

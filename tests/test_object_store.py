@@ -95,6 +95,7 @@ def test_populate_stops_with_a_reason_on_an_unmapped_range():
     assert status.error and status.error.startswith("stopped after 0 MiB")
 
 
+@pytest.mark.slow  # 20-35 s: starts a Ray of its own
 @pytest.mark.timeout(240)
 def test_engine_maps_the_object_store_into_provider_actors():
     out = subprocess.run([sys.executable, os.path.join(HERE, "prefault_scenario.py")], capture_output=True,

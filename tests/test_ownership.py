@@ -60,6 +60,7 @@ def _wait_line(proc, out, prefix, timeout=240):
     pytest.fail(f"no {prefix!r} from the other driver within {timeout}s:\n{out.read()[-3000:]}")
 
 
+@pytest.mark.slow  # 20-35 s: starts a second Ray cluster
 @pytest.mark.timeout(420)
 def test_a_second_cluster_is_refused_and_a_takeover_fences_the_old_owner(engine_factory, tmp_path, run_name):
     shared = str(tmp_path / "shared")

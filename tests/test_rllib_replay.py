@@ -399,6 +399,7 @@ def test_dqn_prioritized_buffer_saved_by_callback_restores_exactly(engine_factor
     assert isinstance(got, PrioritizedEpisodeReplayBuffer)
 
 
+@pytest.mark.slow  # 20-35 s: DQN's test covers the callback's replay path in the fast suite
 @pytest.mark.timeout(240)
 def test_sac_pendulum_buffer_saved_by_callback_restores_exactly(engine_factory, run_name):
     buf, got = _run_and_restore(_sac_config, engine_factory, run_name, iterations=3)
