@@ -19,8 +19,8 @@ ones kept. Every change RLlib makes is of that form between two saves (a key is 
 popped, and keeps its place, or popped and later re-appended), so a delta holds only the keys
 evictions touched and the new steps' keys. When the live deltas hold more runs than
 :data:`COMPACT_FACTOR` times the order's own, or the chain reaches :data:`MAX_RECORDS` records, one
-base replaces the chain. A shorter order is cheaper in the meta record itself (as runs) than in a
-record of its own (at least one log row), so it stays there and the chain leaves the log.
+base replaces the chain. A shorter order is cheaper in the meta record itself (as runs) than in
+records of its own (at least one log row each), so it stays there and the chain leaves the log.
 """
 from __future__ import annotations
 
@@ -30,7 +30,9 @@ import numpy as np
 
 from ....errors import RestoreError
 
-INLINE_RUNS = 64   # an order of at most this many runs is kept in the meta record (~ one log row)
+# an order of at most this many runs stays in the meta record: there it costs ~2 bytes a run at
+# every save, a key-order record at least a log row (256 bytes) at every save whose order changed
+INLINE_RUNS = 256
 COMPACT_FACTOR = 2
 MAX_RECORDS = 64   # live key-order records at most (the meta record lists each one)
 
