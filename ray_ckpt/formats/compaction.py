@@ -16,18 +16,18 @@ without a base (the whole buffer, at a state's first version or when the base is
 a segment of an index written before levels, has level :data:`UNMERGED`: it is never merged
 (rewriting it would rewrite a whole buffer), and it goes when its rows are evicted.
 
-What it bounds, the reasons the base is 16 (figures in benchmarks/RESULTS.md):
+What it bounds, and why the base is 16 (figures in benchmarks/RESULTS.md, ``append_only_long.py``):
 
 * levels never increase from the oldest segment to the youngest (:data:`UNMERGED` ones first), and
-  there are at most ``FANOUT - 1`` of each level: a version lists at most ``(FANOUT - 1)`` x (levels
-  + 1) segments besides the unmerged ones. A level-``l`` segment holds rows of ``FANOUT**l``
+  there are at most ``FANOUT - 1`` of each level: a version lists at most ``(FANOUT - 1)`` x (its
+  highest level + 1) segments besides the unmerged ones. A level-``l`` segment holds rows of ``FANOUT**l``
   versions, so in a buffer whose rows live L versions the levels stop near ``log_FANOUT(L) + 1``
   (the segments of a higher level die before ``FANOUT - 1`` of them are there to merge);
 * a row is rewritten once per level it climbs: per version, about ``(FANOUT - 1) / FANOUT`` of a
   version's rows per level, in merges of ``FANOUT**l`` versions' rows every ``FANOUT**l`` versions;
-* a smaller base (8) rewrites rows more often for fewer entries, a larger one (32, 64) lists more
-  segments; 16 is the lower cost of the two over buffers living 100 and 2000 versions, with rows of
-  a replay buffer's size and of a log's.
+* a smaller base (8) rewrites rows more often for fewer entries, a larger one (32) lists more
+  segments; with a replay buffer's rows and a log's, 16 cost the least of the three (a buffer whose
+  rows live much longer than 16**2 versions would do better with a larger base: fewer levels).
 """
 from __future__ import annotations
 
