@@ -281,3 +281,33 @@ def test_ranks_push_append_only_buffers_each_with_its_own_segments(engine_factor
 
 def engine_root(engine):
     return __import__("pathlib").Path(engine.config.local_dir) / engine.run
+
+
+@pytest.mark.timeout(240)
+def test_engine_retention_deletes_segments_a_merge_absorbed(engine_factory, tmp_path):
+    """Past 16 versions the new segment absorbs the 15 before it (``formats/compaction.py``): the
+    versions after list two segments, and once retention has deleted the versions that listed the
+    absorbed ones, their files are gone from disk while every kept version restores exactly."""
+    buf = Buffer(capacity=100_000, seed=4)
+    restored = {}
+    engine = engine_factory(critical_writers=1, best_effort_writers=0, keep_last=2)
+    engine.register("replay", buf.state, loader=restored.update, append_only=True)
+    states = {}
+    for step in range(1, 20):
+        buf.add(20)
+        states[step] = buf.state()
+        engine.save(step).result(timeout=60)
+    deadline = time.monotonic() + 30  # retention runs after the commit
+    while [m.version for m in engine.list_checkpoints()] != [18, 19] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [m.version for m in engine.list_checkpoints()] == [18, 19]
+    root = tmp_path / "local" / engine.run
+    segs = {v: [f["path"] for f in json.loads((root / f"v{v:012d}" / "manifest.json").read_bytes())
+                ["states"]["replay"]["files"]["0"] if f["role"] == "segment"] for v in (18, 19)}
+    assert [p[:13] for p in segs[19]] == ["v000000000001", "v000000000017", "v000000000018", "v000000000019"]
+    on_disk = {str(p.relative_to(root)) for p in root.glob("v*/*/*") if p.is_file()}
+    needed = set(segs[18]) | set(segs[19]) | {f"v{v:012d}/replay/rank0.index.json" for v in (18, 19)}
+    assert on_disk == needed, (sorted(on_disk - needed), sorted(needed - on_disk))
+    _equal(states[18], engine.load("replay", step=18))
+    assert engine.restore(step=19).states["replay"].status == "restored"
+    _equal(states[19], restored)
