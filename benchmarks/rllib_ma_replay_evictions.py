@@ -91,11 +91,17 @@ def main():
     p.add_argument("--samples", type=int, default=60)
     p.add_argument("--step", type=int, default=4, help="chunks added between two saves")
     p.add_argument("--json", default=None)
+    p.add_argument("--dir", default=None, help="where the versions are written (default: a temporary "
+                   "directory, removed at the end)")
     a = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="ma_evictions_", dir=a.dir) as d:
+        run(a, Tier(d, "local"))
+
+
+def run(a, tier):
     ch = chunks(a.env, a.runners, a.samples, a.chunk)
     name = "multi_agent_prioritized"
     buf = _make(name, capacity=a.capacity)
-    tier = Tier(tempfile.mkdtemp(prefix="ma_evictions_"), "local")
     base, rows = {}, []
     for v, i in enumerate(range(0, len(ch), a.step), 1):
         feed(buf, ch, i, i + a.step, seed=v)
