@@ -159,7 +159,7 @@ class RayCkptCallback(RLlibCallback):
                 self.failures[it] = str(exc)
             self._open.remove(it)
         if self.failures:
-            raise SaveError("; ".join(f"version {i}: {m}" for i, m in sorted(self.failures.items())))
+            raise SaveError("; ".join(f"step {i}: {m}" for i, m in sorted(self.failures.items())))
         return dict(self.results)
 
     def checkpoint_version(self, algorithm: Any, timeout: Optional[float] = None) -> int:
