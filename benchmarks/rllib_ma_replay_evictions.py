@@ -21,6 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_rllib_replay import _fill, _ma_mapping, _make, _store_version  # noqa: E402
+from test_rllib_replay_multi_agent import runner_chunks  # noqa: E402
 
 from ray_ckpt.integrations.rllib.replay import compare, incremental_ma_restore, incremental_multi_agent  # noqa: E402
 from ray_ckpt.integrations.rllib.replay import row_ids, two_state  # noqa: E402
@@ -29,28 +30,10 @@ from ray_ckpt.storage.tier import Tier  # noqa: E402
 
 
 def chunks(env, runners, samples, chunk):
-    from ray.rllib.algorithms.ppo import PPOConfig
-    from ray.rllib.env.multi_agent_env_runner import MultiAgentEnvRunner
     from ray.rllib.examples.envs.classes import multi_agent as ma
     env_cls = {"cartpole": ma.MultiAgentCartPole, "pendulum": ma.MultiAgentPendulum,
                "mountaincar": ma.MultiAgentMountainCar}[env]
-    made = []
-    for r in range(runners):
-        cfg = (PPOConfig().environment(env_cls, env_config={"num_agents": 2})
-               .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=_ma_mapping)
-               .env_runners(rollout_fragment_length=chunk).debugging(seed=1 + r))
-        runner = MultiAgentEnvRunner(config=cfg)
-        for e in runner.env.envs:
-            for k, aid in enumerate(e.unwrapped.possible_agents):
-                e.unwrapped.get_action_space(aid).seed(11 + k + 7 * r)
-        made.append(runner)
-    out = []
-    for _ in range(samples):
-        for runner in made:
-            out += runner.sample(num_timesteps=chunk, random_actions=True)
-    for runner in made:
-        runner.stop()
-    return out
+    return runner_chunks(env_cls, runners, samples, chunk)
 
 
 def feed(buf, ch, start, stop, seed):

@@ -28,27 +28,33 @@ def _chunks(n_samples, runners=1):
     and p1, random actions, 20 env steps a sample): agents' episodes end at different times. With
     several runners their chunks interleave, as when several env runners feed one buffer."""
     if (n_samples, runners) not in _CHUNKS:
-        from ray.rllib.algorithms.ppo import PPOConfig
-        from ray.rllib.env.multi_agent_env_runner import MultiAgentEnvRunner
         from ray.rllib.examples.envs.classes.multi_agent import MultiAgentCartPole
-        made = []
-        for r in range(runners):
-            cfg = (PPOConfig().environment(MultiAgentCartPole, env_config={"num_agents": 2})
-                   .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=_ma_mapping)
-                   .env_runners(rollout_fragment_length=20).debugging(seed=1 + r))
-            runner = MultiAgentEnvRunner(config=cfg)
-            for env in runner.env.envs:  # random actions from seeded spaces: the same episodes every run
-                for k, aid in enumerate(env.unwrapped.possible_agents):
-                    env.unwrapped.get_action_space(aid).seed(11 + k + 7 * r)
-            made.append(runner)
-        out = []
-        for _ in range(n_samples):
-            for runner in made:
-                out += runner.sample(num_timesteps=20, random_actions=True)
-        for runner in made:
-            runner.stop()
-        _CHUNKS[(n_samples, runners)] = out
+        _CHUNKS[(n_samples, runners)] = runner_chunks(MultiAgentCartPole, runners, n_samples, 20)
     return _CHUNKS[(n_samples, runners)]
+
+
+def runner_chunks(env_cls, runners, n_samples, chunk):
+    """``n_samples`` rounds of one ``chunk``-step sample from each of ``runners`` MultiAgentEnvRunners
+    on ``env_cls`` (two agents), their chunks interleaved in that order."""
+    from ray.rllib.algorithms.ppo import PPOConfig
+    from ray.rllib.env.multi_agent_env_runner import MultiAgentEnvRunner
+    made = []
+    for r in range(runners):
+        cfg = (PPOConfig().environment(env_cls, env_config={"num_agents": 2})
+               .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=_ma_mapping)
+               .env_runners(rollout_fragment_length=chunk).debugging(seed=1 + r))
+        runner = MultiAgentEnvRunner(config=cfg)
+        for env in runner.env.envs:  # random actions from seeded spaces: the same episodes every run
+            for k, aid in enumerate(env.unwrapped.possible_agents):
+                env.unwrapped.get_action_space(aid).seed(11 + k + 7 * r)
+        made.append(runner)
+    out = []
+    for _ in range(n_samples):
+        for runner in made:
+            out += runner.sample(num_timesteps=chunk, random_actions=True)
+    for runner in made:
+        runner.stop()
+    return out
 
 
 def _restored(name, states, capacity):
