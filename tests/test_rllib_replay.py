@@ -617,3 +617,41 @@ def test_equal_spaces_share_one_entry_and_unequal_ones_do_not():
         assert type(got) is type(s) and got == s
         if isinstance(s, gym.spaces.Box):
             assert got.dtype == s.dtype and np.array_equal(got.low, s.low) and np.array_equal(got.high, s.high)
+
+
+def _arrays_of(state, where=""):
+    """Every numpy array in a (nested) state, by path."""
+    out = {}
+    if isinstance(state, dict):
+        for k, v in state.items():
+            out.update(_arrays_of(v, f"{where}/{k}"))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            out.update(_arrays_of(v, f"{where}/{i}"))
+    elif isinstance(state, np.ndarray):
+        out[where] = state
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["prioritized", "multi_agent_prioritized"])
+def test_a_captures_arrays_never_change_after_it(name):
+    """What lets the callback copy the replay states into the object store on a background thread
+    while train() goes on (registered with overlap=True): the arrays a capture returns are never
+    changed afterwards -- not by the buffer's adds, evictions and priority updates, nor by the
+    next captures, which build their arrays from them."""
+    multi_agent = BUFFERS[name][2]
+    chunks = _chunks_for(name)
+    buf = _make(name, 150 if multi_agent else 90)
+    rid = row_ids.row_ids_of(buf)
+    taken = []
+    step = max(3, len(chunks) // 6)
+    for i in range(0, len(chunks), step):
+        _fill(buf, chunks, True, multi_agent, i, min(i + step, len(chunks)), seed=i)
+        arrays = _arrays_of(two_state.capture_log_states(buf, rid))
+        assert arrays and any(len(a) > 0 for a in arrays.values())
+        taken.append((arrays, {k: a.copy() for k, a in arrays.items()}))
+    assert buf.get_num_episodes_evicted() > 0
+    for n, (arrays, copies) in enumerate(taken):
+        for k, a in arrays.items():
+            assert np.array_equal(a, copies[k]), f"capture {n}: {k} changed after it was taken"

@@ -122,7 +122,13 @@ def sync_replay_registrations(engine: Any, algorithm: Any, setting: str, pending
             # the engine lists strategies only; its registration record says whether append-only
             reg = getattr(engine, "_registry", {}).get(name)
             if engine.registered.get(name) != strat or getattr(reg, "append_only", append_only) != append_only:
-                engine.register(name, getter(name), strategy=strat, replace=True, append_only=append_only)
+                # overlap: the copy into the object store runs on this process's copy thread while
+                # train() goes on (for a buffer of N rows it is O(N) bytes, most of a save's pause);
+                # no fence is needed: a capture's arrays are new ones, never changed afterwards
+                # (the next capture builds new arrays from them), and the next save's snapshot of
+                # the same state waits for this copy first
+                engine.register(name, getter(name), strategy=strat, replace=True, append_only=append_only,
+                                overlap=True)
         elif name in engine.registered:
             engine.unregister(name)
 
