@@ -695,3 +695,28 @@ def test_shutdown_lets_go_of_the_provider_actors_the_user_dropped(engine_factory
             time.sleep(0.2)
     finally:
         gc.enable()
+
+
+@pytest.mark.timeout(120)
+def test_small_in_process_states_are_the_bytes_of_their_save(engine_factory, run_name):
+    """Small in-process states travel inline in the save call, not through one object-store put
+    each (capture.calls._sendable): still the state's bytes at save(), whatever the caller changes
+    in place afterwards -- in the stored version and in the snapshot that handle.refs() hands out --
+    while a large one beside them still goes through the object store."""
+    import numpy as np
+
+    counters = {"step": np.arange(4, dtype=np.int64), "lr": np.float64(0.5)}
+    big = {"w": np.ones(1 << 17, np.float32)}  # 512 KiB: above the inline limit
+    eng = engine_factory(**LEAN)
+    eng.register("counters", lambda: counters)
+    eng.register("weights", lambda: big)
+    h = eng.save(1)
+    counters["step"] += 100  # in place, right after save() returned
+    big["w"] *= 3
+    h.wait(timeout=60)
+    assert eng.load("counters", 1)["step"].tolist() == [0, 1, 2, 3]
+    assert float(eng.load("weights", 1)["w"].max()) == 1.0
+    (ref,) = h.refs("counters")
+    assert isinstance(ref, ray.ObjectRef)
+    assert rc.state_from_snapshot(ref)["step"].tolist() == [0, 1, 2, 3]
+    assert float(rc.state_from_snapshot(h.refs("weights")[0])["w"].max()) == 1.0

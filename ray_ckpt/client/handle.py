@@ -90,7 +90,7 @@ class SaveHandle(concurrent.futures.Future):
         self._remote_ref = None
         self.submit_seconds = submit_s  # how long save() took to return
         self.skipped = skipped
-        self._snapshots: Dict[str, Tuple[ray.ObjectRef, bool]] = {}  # state -> (snapshot ref, overlapped)
+        self._snapshots: Dict[str, Tuple[Any, bool]] = {}  # state -> (snapshot ref or inline snapshot, overlapped)
         if skipped:
             self._watching = True
             concurrent.futures.Future.set_result(self, SaveResult(None, step, 0, "skipped"))
@@ -259,12 +259,12 @@ class SaveHandle(concurrent.futures.Future):
                 + (f" (it has: {', '.join(sorted(self._snapshots))})" if self._snapshots else
                    " (a skipped save, or only states pushed by ranks)"))
         ref, overlapped = entry
-        if not overlapped:
-            return [ref]
+        if not overlapped:  # a small snapshot came inline (capture.calls._sendable): it gets its ref now
+            return [ref if isinstance(ref, ray.ObjectRef) else ray.put(ref)]
         from ..capture.mailbox import pending_refs
 
         try:
-            pending = ray.get(ref, timeout=timeout)
+            pending = ray.get(ref, timeout=timeout) if isinstance(ref, ray.ObjectRef) else ref
         except ray.exceptions.GetTimeoutError:
             raise SaveError(f"the snapshot of state {name!r} (step {self.step}) did not start within {timeout}s "
                             f"(its provider is busy)") from None

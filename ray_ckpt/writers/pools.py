@@ -62,7 +62,10 @@ class WriterActor:
         t0 = time.perf_counter()
         flats: List[Any] = []
         try:
-            flats = ray.get(refs)  # one call for the batch; per part below only if one of them failed
+            # one call for the batch (the small snapshots came inline: capture.calls._sendable); per
+            # part below only if one of them failed
+            got = iter(ray.get([r for r in refs if isinstance(r, ray.ObjectRef)]))
+            flats = [next(got) if isinstance(r, ray.ObjectRef) else r for r in refs]
             if any(isinstance(f, PendingSnapshot) for f in flats):
                 raise ray.exceptions.RayError("overlapped snapshots are resolved one by one")
         except ray.exceptions.RayError:
@@ -80,7 +83,8 @@ class WriterActor:
     @staticmethod
     def _snapshot(name: str, rank: int, ref: Any) -> Any:
         try:
-            return resolve_snapshot(ray.get(ref))  # an overlapped snapshot: waits for its copy
+            # an ObjectRef, or a small snapshot that came inline; an overlapped one waits for its copy
+            return resolve_snapshot(ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref)
         except ray.exceptions.RayTaskError as exc:  # the snapshot itself failed in the provider
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             error = UnsupportedTypeError if isinstance(cause, UnsupportedTypeError) else SaveError
@@ -307,23 +311,29 @@ class WriterPools:
         return out
 
     async def locate_many(self, refs: List[Any]) -> List[Optional[str]]:
-        """``locate`` for the parts of one batch (one thread-pool call, not one per part)."""
-        if len(self._alive_nodes()) <= 1:
-            return [None] * len(refs)
+        """``locate`` for the parts of one batch (one thread-pool call, not one per part). A
+        snapshot that came inline (not an ObjectRef) has no node to prefer."""
+        at = [i for i, r in enumerate(refs) if isinstance(r, ray.ObjectRef)]
+        out: List[Optional[str]] = [None] * len(refs)
+        if not at or len(self._alive_nodes()) <= 1:
+            return out
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._locator, self._locate_many_blocking, refs)
+            found = await loop.run_in_executor(self._locator, self._locate_many_blocking, [refs[i] for i in at])
         except Exception as exc:  # a failed snapshot has no location: the writer reports its error
-            log.info("no location for %d snapshot(s) (%s); writing them from this node", len(refs), one_line(exc))
-            return [None] * len(refs)
+            log.info("no location for %d snapshot(s) (%s); writing them from this node", len(at), one_line(exc))
+            return out
+        for i, node in zip(at, found):
+            out[i] = node
+        return out
 
     async def locate(self, ref: Any) -> Optional[str]:
         """The node holding a snapshot once it is ready (not fetched here: fetch_local=False).
 
         The wait may last as long as the provider's current training call, so it runs on its own
         thread pool, never on the one that writes manifests."""
-        if len(self._alive_nodes()) <= 1:
-            return None
+        if not isinstance(ref, ray.ObjectRef) or len(self._alive_nodes()) <= 1:
+            return None  # a snapshot that came inline has no node to prefer
         try:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._locator, self._locate_blocking, ref)
