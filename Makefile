@@ -25,6 +25,7 @@ OLDEST_PY := $(OLDEST_VENV)/bin/python
 OLDEST_TESTS ?= tests/test_ray_internals.py tests/test_rllib_internals.py tests/test_architecture.py \
   tests/test_engine.py::test_exact_resume_after_killed_learner \
   tests/test_engine.py::test_restore_with_rewind_continues_from_an_older_version \
+  tests/test_engine.py::test_small_in_process_states_are_the_bytes_of_their_save \
   tests/test_ranks.py::test_version_commits_when_every_rank_pushed_and_restores_per_rank \
   tests/test_rllib.py::test_storable_roundtrip_keeps_rllib_state_exact \
   tests/test_rllib.py::test_ppo_saved_by_callback_restores_into_fresh_algorithm
