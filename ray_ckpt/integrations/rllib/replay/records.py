@@ -55,7 +55,10 @@ def _pack_array(a: np.ndarray) -> Tuple[List[int], bytes]:
         return [SHUFFLED, size, size], _shuffle(raw, size)
     v = raw.view(f"<i{size}")
     best = (size, SHUFFLED, v)
-    for form, x in ((NARROW, v), (NARROW_DIFF, np.diff(v, prepend=v.dtype.type(0)))):  # wraps: exact
+    d = np.empty_like(v)  # np.diff(v, prepend=0) without its broadcasting and concatenation
+    d[0] = v[0]
+    np.subtract(v[1:], v[:-1], out=d[1:])
+    for form, x in ((NARROW, v), (NARROW_DIFF, d)):  # wraps: exact
         lo, hi = int(x.min()), int(x.max())
         w = next((w for w in _WIDTHS if w < best[0] and -(1 << (8 * w - 1)) <= lo and hi < (1 << (8 * w - 1))), None)
         if w is not None:

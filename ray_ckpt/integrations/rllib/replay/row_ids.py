@@ -72,7 +72,8 @@ class RowIds:
         """(keys (n, width), ids with -1 for new keys, positions of the new keys) of ``current``."""
         lst = self.lists.setdefault(name, _IndexList(width))
         keep = lst.keys[:, 0] >= evicted
-        keys, ids = lst.keys[keep], lst.ids[keep]
+        # nothing evicted since the last save (most saves): no copy of every key
+        keys, ids = (lst.keys, lst.ids) if keep.all() else (lst.keys[keep], lst.ids[keep])
         s = len(keys)
         ok = len(current) >= s and (s == 0 or (tuple(encode(current[0])) == tuple(keys[0])
                                                and tuple(encode(current[s - 1])) == tuple(keys[s - 1])))
@@ -125,6 +126,8 @@ def _update_ids(rid: RowIds, buffer: Any, lists: List[Tuple[Any, List[tuple], in
         out_k.append(keys)
         out_i.append(ids)
     rid.next_id = start
+    if len(out_k) == 1:  # one index list (single-agent): its arrays, not copies
+        return out_k[0], out_i[0]
     keys = np.concatenate(out_k) if out_k else np.empty((0, 2), np.int64)
     ids = np.concatenate(out_i) if out_i else np.empty(0, np.int64)
     return keys, ids
