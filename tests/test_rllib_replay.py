@@ -556,6 +556,27 @@ def test_log_records_read_back_exactly_and_damage_is_named():
         records._decode(rows_d, st.EPISODES, "batch 4", {})
 
 
+def test_record_bytes_are_those_of_ray_ckpts_flatten():
+    """A record's bytes (its structure JSON, array forms and bytes) are what they were when built
+    through ray_ckpt's flatten (records written before the faster walk read, and compress against
+    their dictionaries, alike); a leaf the walk does not know still goes through flatten, which
+    names what it cannot store."""
+    import collections
+    from ray_ckpt.integrations.rllib.replay import records
+    state = {"a": [1.5, float("nan"), float("-inf"), -0.0, True, None, "x\u00e9\"", b"\x00\x01", 2**70],
+             None: (1, 2), True: {3: np.float32(2.5), -4: np.bool_(True)}, False: np.int64(7),
+             "od": collections.OrderedDict([("z", 1)]), "be": np.arange(12, dtype=">i4").reshape(3, 4),
+             "strided": np.arange(20, dtype=np.int64).reshape(4, 5)[:, ::2], "empty": np.empty((0, 3), np.float32),
+             "scalar": np.array(3.5), "b": np.array([True, False]), "f16": np.ones(5, np.float16),
+             "u": np.array(["ab", "c"]), "big": np.array([-5, 3, 1 << 40]), "steps": np.arange(0, 3000, 3),
+             "episodes": _sa_chunks(0, steps=20)[0].get_state()["observations"]}
+    assert records._raw(state) == records._raw_generic(state)
+    _assert_same(records._unraw(records._raw(state), "record"), records._unraw(records._raw_generic(state), "r"),
+                 "record")
+    with pytest.raises(rc.UnsupportedTypeError, match=r"\['s'\]"):
+        records._raw({"s": {1, 2}})
+
+
 @pytest.mark.timeout(300)
 def test_incremental_save_writes_what_changed_not_the_buffer(tmp_path):
     """A prioritized buffer of ~4k rows, then versions that add ~30 timesteps and update 8
