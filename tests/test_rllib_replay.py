@@ -556,6 +556,26 @@ def test_log_records_read_back_exactly_and_damage_is_named():
         records._decode(rows_d, st.EPISODES, "batch 4", {})
 
 
+def test_free_nodes_of_a_large_buffer_come_back_exactly():
+    """A 1M-row buffer's free-node deque (~2M nodes) is stored as its freed nodes plus a range and
+    comes back as it was, save after save as RLlib pops and frees nodes at the left; one whose end
+    is not the range any more is stored whole."""
+    import collections
+    n = 2 * 2**20
+    dq = collections.deque(range(n), maxlen=n)
+    for step in range(5):
+        for _ in range(500):
+            dq.popleft()
+        if step % 2:
+            dq.appendleft(7 + step)
+        st = segment_trees._free_nodes_state(dq)
+        assert "all" not in st and st["stop"] == n
+        assert segment_trees._free_nodes_from(st) == dq
+    dq[-1] = 3
+    st = segment_trees._free_nodes_state(dq)
+    assert "all" in st and segment_trees._free_nodes_from(st) == dq
+
+
 def test_record_bytes_are_those_of_ray_ckpts_flatten():
     """A record's bytes (its structure JSON, array forms and bytes) are what they were when built
     through ray_ckpt's flatten (records written before the faster walk read, and compress against
