@@ -59,7 +59,11 @@ def _pack_array(a: np.ndarray) -> Tuple[List[int], bytes]:
     d[0] = v[0]
     np.subtract(v[1:], v[:-1], out=d[1:])
     for form, x in ((NARROW, v), (NARROW_DIFF, d)):  # wraps: exact
-        lo, hi = int(x.min()), int(x.max())
+        if len(x) <= 256:  # most arrays of a record are short: Python's min/max cost less than numpy's
+            xs = x.tolist()
+            lo, hi = min(xs), max(xs)
+        else:
+            lo, hi = int(x.min()), int(x.max())
         w = next((w for w in _WIDTHS if w < best[0] and -(1 << (8 * w - 1)) <= lo and hi < (1 << (8 * w - 1))), None)
         if w is not None:
             best = (w, form, x)
