@@ -91,8 +91,12 @@ def _priorities(trees: Trees, inc: Incremental, keep: np.ndarray, new: Dict[str,
     if len(differ):  # RLlib sets both leaves alike: a min leaf of its own is logged
         entries.append(_entries(ids[s + differ], 2, mv[differ], mk[differ]))
     now = {g: (st, mt, st.value, mt.value) for g, (st, mt) in trees.items()}
-    told = inc.cols["tree"][keep].astype(np.int64) if not full else np.empty(0, np.int64)
-    gold = _groups_of(inc.cols, len(keep))[keep] if not full else np.empty(0, np.int64)
+    # nothing evicted since the last capture (most saves): the old rows' columns as they are, not masked
+    every = not full and bool(keep.all())
+    told = inc.cols["tree"].astype(np.int64) if every else \
+        inc.cols["tree"][keep].astype(np.int64) if not full else np.empty(0, np.int64)
+    gold = _groups_of(inc.cols, len(keep)) if every else \
+        _groups_of(inc.cols, len(keep))[keep] if not full else np.empty(0, np.int64)
     if full or any(g not in inc.tree_to_row or len(inc.tree_to_row[g]) != st.capacity
                    for g, (st, _) in trees.items() if g in inc.trees):
         for g, (st, mt) in trees.items():
@@ -130,7 +134,8 @@ def _priorities(trees: Trees, inc: Incremental, keep: np.ndarray, new: Dict[str,
                             "every row's leaves are compared", bname)
                 changed_pos = np.arange(s)
     inc.trees = now
-    lv = {k: (v[keep] if not full else v[:0]) for k, v in inc.leaves.items()} if inc.leaves else \
+    # (inc.leaves' own arrays when every row is kept: only this cache holds them, replaced below)
+    lv = {k: (v if every else v[keep] if not full else v[:0]) for k, v in inc.leaves.items()} if inc.leaves else \
         {"sv": np.empty(0), "sk": np.empty(0, np.int8), "mv": np.empty(0), "mk": np.empty(0, np.int8)}
     if len(changed_pos):
         csv, csk, cmv, cmk = _group_leaves(trees, gold[changed_pos], told[changed_pos])
