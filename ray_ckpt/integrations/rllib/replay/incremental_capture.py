@@ -179,7 +179,7 @@ def _new_rows(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, full: boo
     else:
         keep = inc.cols["episode"] >= evicted
         s = int(np.count_nonzero(keep))
-        if n < s or not np.array_equal(ids[:s], inc.ids[keep]):
+        if n < s or not np.array_equal(ids[:s], inc.ids if s == len(keep) else inc.ids[keep]):
             raise _Misaligned("its index list changed other than by appends and evictions")
     new_keys = keys[s:]
     new = _gather(new_keys[:, 0], np.full(len(new_keys), -1, np.int64), new_keys[:, 1], rid.parts, inc, bname)

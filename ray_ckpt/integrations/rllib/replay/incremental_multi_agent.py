@@ -151,7 +151,7 @@ def _new_rows(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, full: boo
     else:
         keep = inc.cols["episode"] >= evicted
         s = int(np.count_nonzero(keep))
-        if len(ids) < s or not np.array_equal(ids[:s], inc.ids[keep]):
+        if len(ids) < s or not np.array_equal(ids[:s], inc.ids if s == len(keep) else inc.ids[keep]):
             raise _Misaligned("its module index lists changed other than by appends and evictions")
     nk = keys[s:]
     new = _gather(nk[:, 0], nk[:, 1], nk[:, 2], rid.parts, inc, bname)
