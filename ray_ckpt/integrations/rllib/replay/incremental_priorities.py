@@ -106,14 +106,16 @@ def _priorities(trees: Trees, inc: Incremental, keep: np.ndarray, new: Dict[str,
         inc.tree_to_row = {}
         changed_pos = np.arange(s) if not full else np.empty(0, np.int64)
     else:
-        gone, ggone = inc.cols["tree"][~keep].astype(np.int64), _groups_of(inc.cols, len(keep))[~keep]
+        gone, ggone = (np.empty(0, np.int64),) * 2 if every else \
+            (inc.cols["tree"][~keep].astype(np.int64), _groups_of(inc.cols, len(keep))[~keep])
         rows = []
         for g, (st, mt) in trees.items():
             t2r = inc.tree_to_row.get(g)
             if t2r is None:
                 continue
-            t2r[gone[ggone == g]] = -1
-            check_freed((st, mt), np.setdiff1d(gone[ggone == g], tnew[gnew == g]), f"{bname} trees {g}")
+            if len(gone):  # rows evicted since the last capture: their leaves are freed
+                t2r[gone[ggone == g]] = -1
+                check_freed((st, mt), np.setdiff1d(gone[ggone == g], tnew[gnew == g]), f"{bname} trees {g}")
             tt = np.unique(np.array(touched.get(g, []), np.int64))
             r = t2r[tt[(tt >= 0) & (tt < len(t2r))]] if len(tt) else tt
             rows.append(r[r >= 0])
