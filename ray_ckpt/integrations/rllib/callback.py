@@ -27,7 +27,7 @@ from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS
 from ...client.engine import CheckpointEngine, SaveHandle
 from ...errors import InvalidArgumentError, SaveError
 from ...types import SaveResult, Strategy
-from .capture import capture_algorithm_state
+from .capture import OVERLAPPED, capture_algorithm_state
 from .env_runners import runner_snapshot_actors
 from .learners import LearnerCapture
 from .names import CONNECTORS, COUNTERS, METRICS, OPTIMIZER, POLICY, RNG, log
@@ -267,7 +267,8 @@ class RayCkptCallback(RLlibCallback):
             except KeyError:
                 raise SaveError(f"RLlib state {name!r} was not captured for this save") from None
         get.__name__ = f"rllib_{name}"
-        eng.register(name, get, strategy=strategy, allow_pickle=name in self.settings.allow_pickle, replace=True)
+        eng.register(name, get, strategy=strategy, allow_pickle=name in self.settings.allow_pickle, replace=True,
+                     overlap=name in OVERLAPPED)
 
     def _sync_registrations(self, eng: CheckpointEngine, algorithm: Any) -> None:
         s = self.settings
