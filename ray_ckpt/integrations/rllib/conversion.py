@@ -65,6 +65,9 @@ def _new_like(x: dict) -> dict:
     return collections.OrderedDict() if type(x) is collections.OrderedDict else {}
 
 
+_PLAIN = frozenset((bool, int, float, str, bytes, type(None)))  # what conv() returns as it is
+
+
 class _ToStorable:
     """One :func:`to_storable` conversion: the state's name (for errors) and whether pickle is allowed."""
 
@@ -93,7 +96,8 @@ class _ToStorable:
                 arr = _decode_npy_b64(v)
                 out[k] = {_NPY: arr} if arr is not None else v
             else:
-                out[k] = conv(v, path + [k])
+                # a plain scalar is itself (no call, no key path built: metrics are mostly floats)
+                out[k] = v if type(v) in _PLAIN else conv(v, path + [k])
         return out
 
     def conv(self, x: Any, path: list) -> Any:
@@ -113,9 +117,9 @@ class _ToStorable:
         if isinstance(x, dict):
             return self.conv_dict(x, path)
         if t is list:
-            return [self.conv(v, path + [i]) for i, v in enumerate(x)]
+            return [v if type(v) in _PLAIN else self.conv(v, path + [i]) for i, v in enumerate(x)]
         if t is tuple:
-            return tuple(self.conv(v, path + [i]) for i, v in enumerate(x))
+            return tuple(v if type(v) in _PLAIN else self.conv(v, path + [i]) for i, v in enumerate(x))
         if t in (set, frozenset):
             return {_SET: [self.conv(v, path + [i]) for i, v in enumerate(x)], "frozen": t is frozenset}
         if self.allow_pickle:
