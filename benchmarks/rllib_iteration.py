@@ -17,10 +17,12 @@ of train() to the version committed is reported beside it ("durable s"):
   ray_ckpt_full  DQN only (both): the same with the replay buffer written whole every version
                (append_only off) -- what incremental segments save
   rllib_save   RLlib's own ``algo.save_to_path()`` after every train() (synchronous)
-  paired       ray_ckpt's callback saving every *second* iteration of one Algorithm: its iterations
-               with a save against its iterations without, the same actors and buffer, so that the
-               difference between Algorithms (noise of +-10 % on 2 shared cores) drops out; its
-               "rate vs none" is its no-save iterations' median over its save iterations' median
+  paired       ray_ckpt's callback saving at a seeded random half of the iterations of one
+               Algorithm: its iterations with a save against its iterations without, the same
+               actors and buffer, so that the difference between Algorithms (noise of +-10 % on 2
+               shared cores) drops out; its "rate vs none" is its no-save iterations' median over
+               its save iterations' median. Random, not every second iteration: that lines up with
+               an algorithm's periodic work (DQN's) and biased the ratio either way
 
 Configs: PPO on CartPole with num_learners=0 and =1 (``ppo0``, ``ppo1``); DQN on CartPole with a
 prioritized replay buffer of capacity 1M (``dqn``), and multi-agent DQN on MultiAgentCartPole (two
@@ -112,7 +114,7 @@ def build_arm(make_config, arm: str, root: str, prefill_steps: int):
     cfg = make_config()
     run = f"bench-{arm}-{uuid.uuid4().hex[:6]}"
     if arm.startswith("ray_ckpt") or arm == "paired":
-        cfg = cfg.callbacks(rr.make_callback(run, local_dir=os.path.join(root, "local"), every=2 if arm == "paired" else 1,
+        cfg = cfg.callbacks(rr.make_callback(run, local_dir=os.path.join(root, "local"), every=1,
                                              on_busy="queue", engine_options={"critical_writers": 1,
                                                                               "best_effort_writers": 1}))
     algo = cfg.build_algo()
@@ -146,6 +148,7 @@ def run_arms(make_config, arms, iterations: int, root: str, prefill_steps: int, 
         times = {arm: [] for arm in arms}
         durable = {arm: [] for arm in arms}
         saved = {arm: [] for arm in arms}  # paired: whether that iteration saved
+        pick = random.Random(12345)  # paired: which iterations save
         for i in range(iterations):
             order = list(arms)
             random.Random(i).shuffle(order)  # not a rotation: each arm follows each other arm alike
@@ -155,6 +158,8 @@ def run_arms(make_config, arms, iterations: int, root: str, prefill_steps: int, 
                 rr_replay.REPLAY_APPEND_ONLY = arm != "ray_ckpt_full"  # read when the states are registered
                 cb = rr.find_callback(algo) if arm == "paired" else None
                 calls = len(cb.save_call_ms) if cb else 0
+                if cb is not None:  # this iteration saves or not: a seeded coin (the callback's own setting)
+                    cb.settings.every = 1 if pick.random() < 0.5 else 1 << 30
                 t0 = time.perf_counter()
                 algo.train()
                 if cb:
