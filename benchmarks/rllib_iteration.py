@@ -21,8 +21,8 @@ of train() to the version committed is reported beside it ("durable s"):
                Algorithm: its iterations with a save against its iterations without, the same
                actors and buffer, so that the difference between Algorithms (noise of +-10 % on 2
                shared cores) drops out; its "rate vs none" is its no-save iterations' median over
-               its save iterations' median. Random, not every second iteration: that lines up with
-               an algorithm's periodic work (DQN's) and biased the ratio either way
+               its save iterations' median. Random, not every second iteration, which can line up
+               with an algorithm's periodic work (DQN's target updates)
 
 Configs: PPO on CartPole with num_learners=0 and =1 (``ppo0``, ``ppo1``); DQN on CartPole with a
 prioritized replay buffer of capacity 1M (``dqn``), and multi-agent DQN on MultiAgentCartPole (two
