@@ -28,7 +28,8 @@ OLDEST_TESTS ?= tests/test_ray_internals.py tests/test_rllib_internals.py tests/
   tests/test_engine.py::test_small_in_process_states_are_the_bytes_of_their_save \
   tests/test_ranks.py::test_version_commits_when_every_rank_pushed_and_restores_per_rank \
   tests/test_rllib.py::test_storable_roundtrip_keeps_rllib_state_exact \
-  tests/test_rllib.py::test_ppo_saved_by_callback_restores_into_fresh_algorithm
+  tests/test_rllib.py::test_ppo_saved_by_callback_restores_into_fresh_algorithm \
+  tests/test_rllib.py::test_a_local_learners_state_is_saved_as_it_was_at_save
 
 .PHONY: test-slow test-all install install-oldest demo test bench clean
 

@@ -230,6 +230,46 @@ def test_ppo_saved_by_callback_restores_into_fresh_algorithm(engine_factory, run
         fresh.stop()
 
 
+@pytest.mark.timeout(240)
+def test_a_local_learners_state_is_saved_as_it_was_at_save(engine_factory, run_name, tmp_path):
+    """The callback puts a local learner's weights and optimizer into the object store on a
+    background thread (train() does not wait for that copy), with no fence: what is stored is still
+    the state at save(), though the learner changes its parameters and moments in place before the
+    copy runs (held here until after the change). It holds because RLlib's get_state returns copies."""
+    import torch
+    from ray_ckpt.capture.overlap import process_copier
+
+    engine = engine_factory(critical_writers=1)
+    cb = rr.make_callback(run_name, local_dir=str(tmp_path / "local"), remote_uri=f"file://{tmp_path / 'remote'}",
+                          every=1 << 30)  # no save inside train(): the test calls save()
+    algo = _ppo_config(cb).build_algo()
+    try:
+        algo.train()  # the optimizer has moments
+        callback = rr.find_callback(algo)
+        callback.save(algo).wait(timeout=120)  # the first overlapped snapshot starts the copy thread
+        want = rr.to_storable(_learner(algo))
+        learner = algo.learner_group._learner
+        optimizers = list(learner._named_optimizers.values())
+        copier = process_copier()
+        assert copier is not None and optimizers
+        with copier.held():  # the background copies begin when this block ends
+            handle = callback.save(algo)
+            with torch.no_grad():
+                for p in learner.module["default_policy"].parameters():
+                    p.add_(1.0)
+                for opt in optimizers:
+                    for st in opt.state.values():
+                        for t in st.values():
+                            if torch.is_tensor(t) and t.dim():
+                                t.add_(1.0)
+        handle.wait(timeout=120)
+        _assert_params_equal(engine.load("policy", handle.step)["default_policy"],
+                             want["rl_module"]["default_policy"])
+        _assert_tree_equal(engine.load("optimizer", handle.step), want["optimizer"], "optimizer")
+    finally:
+        algo.stop()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_rllib_example_runs(ray_session, tmp_path, capsys):

@@ -47,8 +47,8 @@ def _sendable(flat: Any) -> Any:
 def take_snapshots(registry: Mapping[str, Registration], run: str, config: EngineConfig
                    ) -> Tuple[List[PartPlan], List[Any]]:
     """A save's parts and their snapshots (``parts`` with ``loader=True`` have none): each an
-    ObjectRef, or a small one inline (:func:`_sendable`; the writer takes either,
-    ``writers.pools.fetch_snapshot``). In-process states first: an unsupported object raises here,
+    ObjectRef, or a small one inline (:func:`_sendable`; the writer, ``locate`` and
+    ``SaveHandle.refs`` take either). In-process states first: an unsupported object raises here,
     before anything is submitted. States its ranks push are left out: the coordinator expects
     those parts itself."""
     parts: List[PartPlan] = []

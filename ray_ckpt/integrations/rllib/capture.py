@@ -26,11 +26,7 @@ env_runner_<i> BEST_EFFORT  remote env runner i: its process RNG states and its 
 """
 from __future__ import annotations
 
-import collections
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
-
-import numpy as np
-import torch
 
 from ray.rllib.core import (COMPONENT_ENV_TO_MODULE_CONNECTOR, COMPONENT_LEARNER, COMPONENT_METRICS_LOGGER,
                             COMPONENT_MODULE_TO_ENV_CONNECTOR, COMPONENT_OPTIMIZER, COMPONENT_RL_MODULE)
@@ -45,31 +41,13 @@ from .names import CONNECTORS, COUNTERS, METRICS, OPTIMIZER, POLICY, RNG, TRAINI
 from .replay.algorithm import capture_algorithm_replay
 
 
-# states the callback registers with overlap=True: their arrays are copies made in the capture
-# (:func:`own_arrays`), which nothing changes afterwards, so the put into the object store can run
-# on the process's copy thread while train() goes on, with no fence (the replay states are new
-# arrays by construction: replay/algorithm.py)
+# states the callback registers with overlap=True: a local learner's weights and optimizer as
+# RLlib's get_state returns them, numpy copies of the parameters and moments (not views: the learner's
+# next update does not change them), so their put into the object store runs on the process's copy
+# thread while train() goes on, with no fence and no copy of ours; tests/test_rllib.py
+# (test_a_local_learners_state_is_saved_as_it_was_at_save) checks it on the newest and the oldest Ray.
+# The replay states are new arrays by construction (replay/algorithm.py)
 OVERLAPPED = (POLICY, OPTIMIZER)
-
-
-def own_arrays(state: Any) -> Any:
-    """``state`` with every numpy array and tensor in it copied. Why: RLlib's ``get_state`` returns
-    numpy *views* of a CPU learner's parameters and optimizer moments, which its next update changes
-    in place; a memcpy of them (~0.1 ms per MB) is what makes a background put safe, where the put
-    itself (a round trip to the object store per state) cost ~1-1.5 ms each inside train()."""
-    t = type(state)
-    if t is dict or t is collections.OrderedDict:
-        out = t()
-        for k, v in state.items():
-            out[k] = own_arrays(v)
-        return out
-    if t is list or t is tuple:
-        return t(own_arrays(v) for v in state)
-    if isinstance(state, np.ndarray):
-        return state.copy()
-    if isinstance(state, torch.Tensor):
-        return state.detach().clone()
-    return state
 
 
 def _learner_components(metrics: bool) -> List[str]:
@@ -113,9 +91,9 @@ def capture_algorithm_state(algorithm: Any, *, rng: bool = True, metrics: bool =
     lg = {} if remote else algorithm.learner_group.get_state(
         components=_learner_components(metrics))[COMPONENT_LEARNER]
     out: Dict[str, Any] = {}
-    if not remote:  # copies: the callback's copy thread puts them into the object store (OVERLAPPED)
-        out[POLICY] = own_arrays(to_storable(lg[COMPONENT_RL_MODULE], POLICY, POLICY in pickled))
-        out[OPTIMIZER] = own_arrays(to_storable(lg[COMPONENT_OPTIMIZER], OPTIMIZER, OPTIMIZER in pickled))
+    if not remote:  # RLlib's copies: the callback's copy thread puts them into the object store (OVERLAPPED)
+        out[POLICY] = to_storable(lg[COMPONENT_RL_MODULE], POLICY, POLICY in pickled)
+        out[OPTIMIZER] = to_storable(lg[COMPONENT_OPTIMIZER], OPTIMIZER, OPTIMIZER in pickled)
     conn = _connector_state(algorithm)
     out[CONNECTORS] = to_storable(conn if conn is not None else {}, CONNECTORS, CONNECTORS in pickled)
     sampled = algorithm.metrics.peek((ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME), default=0)
