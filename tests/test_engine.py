@@ -720,3 +720,8 @@ def test_small_in_process_states_are_the_bytes_of_their_save(engine_factory, run
     assert isinstance(ref, ray.ObjectRef)
     assert rc.state_from_snapshot(ref)["step"].tolist() == [0, 1, 2, 3]
     assert float(rc.state_from_snapshot(h.refs("weights")[0])["w"].max()) == 1.0
+    # a caller that keeps handles of ended saves lets go of their snapshots (the RLlib callback does)
+    h.release_snapshots()
+    with pytest.raises(rc.InvalidArgumentError, match="released"):
+        h.refs("weights")
+    assert h.wait(timeout=5).version == 1  # the handle itself still answers

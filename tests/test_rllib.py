@@ -160,6 +160,10 @@ def test_ppo_saved_by_callback_restores_into_fresh_algorithm(engine_factory, run
         callback = rr.find_callback(algo)
         saved = rr.wait_for_saves(algo, timeout=120)
         assert sorted(saved) == [1, 2] and not callback.skipped and not callback.failures
+        # the handles it keeps (one per version, for the whole run) hold none of their snapshots:
+        # no objects in this process, nothing pinned in the object store
+        with pytest.raises(rc.InvalidArgumentError, match="released"):
+            callback.saves[1].refs("counters")
         # the capture + save() call is the only pause train() saw
         assert max(callback.save_call_ms) < 1000 * train_s
         meta = engine.list_checkpoints()[-1]

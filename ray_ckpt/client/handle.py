@@ -91,6 +91,7 @@ class SaveHandle(concurrent.futures.Future):
         self.submit_seconds = submit_s  # how long save() took to return
         self.skipped = skipped
         self._snapshots: Dict[str, Tuple[Any, bool]] = {}  # state -> (snapshot ref or inline snapshot, overlapped)
+        self._released = False  # release_snapshots() was called
         if skipped:
             self._watching = True
             concurrent.futures.Future.set_result(self, SaveResult(None, step, 0, "skipped"))
@@ -243,6 +244,14 @@ class SaveHandle(concurrent.futures.Future):
         return d.result()
 
     # ------------------------------------------------------------------ the snapshot's bytes, for broadcasting
+    def release_snapshots(self) -> None:
+        """Drop this handle's references to its snapshots (``refs()`` raises afterwards). For a
+        caller that keeps the handles of finished saves (the RLlib callback keeps one per version):
+        a kept handle otherwise keeps its small snapshots' objects in this process and its larger
+        ones pinned in the object store, one more set per save for the whole run."""
+        self._snapshots = {}
+        self._released = True
+
     def refs(self, name: str, timeout: Optional[float] = 60.0) -> List[ray.ObjectRef]:
         """The ObjectRefs of state ``name``'s snapshot in Ray's object store (one per part), to hand
         to rollout actors instead of copying the weights a second time: a consumer on the same node
@@ -253,6 +262,9 @@ class SaveHandle(concurrent.futures.Future):
         becomes of the version (they are the step's bytes, not the committed files); ask for them
         before the next save of the state (an overlapped state's run keeps only its newest refs)."""
         entry = self._snapshots.get(name)
+        if entry is None and self._released:
+            raise InvalidArgumentError(f"save of step {self.step}: its snapshots were released "
+                                       f"(release_snapshots(), e.g. by the RLlib callback once the save ended)")
         if entry is None:
             raise InvalidArgumentError(
                 f"save of step {self.step} has no snapshot of state {name!r} taken by the driver"

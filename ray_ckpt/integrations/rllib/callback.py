@@ -45,9 +45,10 @@ class RayCkptCallback(RLlibCallback):
     iteration ``result["ray_ckpt"]`` holds a summary (saves, skipped, failed, last save() call ms, the
     version resumed from or -1, the run).
     Attributes for inspection: ``run`` (the run saved into: ``<run>-<trial_id>`` in a Tune trial, see
-    :mod:`.tune`), ``engine``, ``saves`` (version -> SaveHandle), ``save_call_ms``, ``skipped``,
-    ``failures``, ``resumed`` (the AlgorithmRestoreReport of a ``resume``, else None), ``loaded``
-    (that of the last Tune checkpoint restored, else None).
+    :mod:`.tune`), ``engine``, ``saves`` (version -> SaveHandle; one that ended holds no snapshots:
+    ``SaveHandle.release_snapshots``), ``save_call_ms``, ``skipped``, ``failures``, ``resumed`` (the
+    AlgorithmRestoreReport of a ``resume``, else None), ``loaded`` (that of the last Tune checkpoint
+    restored, else None).
 
     A version's number is the iteration it holds, except after the algorithm was set back to an
     older state (``restore_algorithm`` of an older version, a Tune checkpoint restored, a PBT
@@ -158,6 +159,7 @@ class RayCkptCallback(RLlibCallback):
             except SaveError as exc:
                 self.failures[it] = str(exc)
             self._open.remove(it)
+            self.saves[it].release_snapshots()
         if self.failures:
             raise SaveError("; ".join(f"step {i}: {m}" for i, m in sorted(self.failures.items())))
         return dict(self.results)
@@ -295,6 +297,7 @@ class RayCkptCallback(RLlibCallback):
             if not block and not h.done():
                 continue
             self._open.remove(it)
+            h.release_snapshots()  # kept in self.saves: without its snapshots (one set per version otherwise)
             try:
                 self.results[it] = h.wait(None if block else 0)
             except SaveError as exc:

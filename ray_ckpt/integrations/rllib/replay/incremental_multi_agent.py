@@ -30,7 +30,7 @@ from ....errors import UnsupportedTypeError
 from ..names import REPLAY, REPLAY_META
 from .buffers import _Kind, _attributes, buffer_kind, common_meta, extra_attrs, handled_attrs
 from .episode_parts import LAYOUT, _EpisodeParts, _int32, _split_episode, _table
-from .incremental_capture import (_Misaligned, _append_dict, _gather, changed_keys, _log_state, _static_of, append_records,
+from .incremental_capture import (_Misaligned, _append_dict, _gather, changed_keys, _log_state, _static_of, append_records, forget_parts,
                                   live_spans, merge_cols, with_retry)
 from .incremental_priorities import _hook, _priorities, _priority_record, check_freed, touched_by_group
 from .incremental_state import ENV, META_FORMAT5, ORDER, Incremental, _leaf_codes, _raw, pack_ids
@@ -63,6 +63,7 @@ def _capture(buffer: Any, rid: RowIds, kind: _Kind, bname: str, meta: Dict[str, 
     full = rid.inc is None
     inc, newly_done = _split_changed(buffer, rid, evicted, bname)
     replay, entries = _new_rows(buffer, rid, inc, kind, full, evicted, bname)
+    forget_parts(rid, [p.key for _, parts, _ in newly_done for p in parts])
     env = _new_env(buffer, rid, inc, kind, full, evicted, bname)
     order = key_order_record(inc, _s2t_keys(buffer), full) if kind.prioritized else None
     n = len(replay["row_id"])
