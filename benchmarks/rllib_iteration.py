@@ -30,7 +30,9 @@ agents, one policy each) with a multi-agent prioritized buffer of capacity 1M (`
 default), each prefilled with ``--prefill`` timesteps of the untrained (epsilon-greedy) policy so that a save's buffer
 is large next to what one iteration adds.
 
-Printed: median train() seconds per arm, the iteration rate relative to ``none``, and for ray_ckpt
+Printed: median and mean train() seconds per arm and the iteration rate relative to ``none`` by
+each (the mean is the rate over the whole run: it carries the rare full garbage collections of
+the process, ~0.4 s each, which the median leaves out, on whichever arm set them off), and for ray_ckpt
 the callback's save() and, for DQN, the replay buffer's capture inside it (ms), the median bytes
 per save and the bytes the replay states (``replay`` and ``replay_meta``; ``replay_episodes`` and
 ``replay_priorities`` too in versions of an earlier format) wrote per version against the rows
@@ -174,7 +176,8 @@ def run_arms(make_config, arms, iterations: int, root: str, prefill_steps: int, 
         out = {}
         for arm in arms:
             run, algo = built[arm]
-            r = {"train_s": statistics.median(times[arm][2:]), "bytes": None, "new_rows": None, "save_ms": None,
+            r = {"train_s": statistics.median(times[arm][2:]), "mean_s": statistics.mean(times[arm][2:]),
+                 "bytes": None, "new_rows": None, "save_ms": None,
                  "replay": None, "capture_ms": statistics.median(capture_ms[arm][2:]) if capture_ms[arm][2:] else None,
                  "durable_s": statistics.median(durable[arm][2:]) if durable[arm][2:] else None}
             if arm == "paired":
@@ -182,6 +185,8 @@ def run_arms(make_config, arms, iterations: int, root: str, prefill_steps: int, 
                 with_save = statistics.median(t for t, s in pairs if s)
                 without = statistics.median(t for t, s in pairs if not s)
                 r.update(train_s=with_save, paired=(without, with_save),
+                         mean_s=statistics.mean(t for t, s in pairs if s),
+                         paired_mean=statistics.mean(t for t, s in pairs if not s),
                          save_ms=statistics.median(rr.find_callback(algo).save_call_ms[1:]))
             elif arm.startswith("ray_ckpt"):
                 r["save_ms"] = statistics.median(rr.find_callback(algo).save_call_ms[2:])
@@ -282,7 +287,10 @@ def main() -> None:
                     without, with_save = r["paired"]
                     print(f"  {name:5s} paired: no-save iterations {without:.3f}s, save iterations {with_save:.3f}s",
                           flush=True)
-                rows.append((name, arm, r["train_s"], (r["paired"][0] if "paired" in r else base) / r["train_s"], r["bytes"], r["new_rows"], r["save_ms"],
+                base_mean = r["paired_mean"] if "paired" in r else \
+                    (res["none"]["mean_s"] if "none" in res else float("nan"))
+                rows.append((name, arm, r["train_s"], (r["paired"][0] if "paired" in r else base) / r["train_s"],
+                             r["mean_s"], base_mean / r["mean_s"], r["bytes"], r["new_rows"], r["save_ms"],
                              r["replay"], r["capture_ms"], r["durable_s"]))
                 files.append((name, arm, r.get("per_file")))
                 print(f"  {name:5s} {arm:14s} train() {r['train_s']:.3f}s", flush=True)
@@ -292,10 +300,11 @@ def main() -> None:
         ray.shutdown()
 
     print()
-    print("| config | arm | train() s (median) | iteration rate vs none | callback save ms | replay capture ms "
+    print("| config | arm | train() s (median) | iteration rate vs none (medians) | train() s (mean) "
+          "| iteration rate vs none (means) | callback save ms | replay capture ms "
           "| durable s | bytes per save | replay bytes per save | new rows' segment | replay bytes / new rows |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, arm, t, ratio, nbytes, new, ms, rep, cap, dur in rows:
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, arm, t, ratio, mean, mratio, nbytes, new, ms, rep, cap, dur in rows:
         b = f"{nbytes:,.0f}" if nbytes else "-"
         n = f"{new:,.0f}" if new else "-"
         q = f"{rep / new:.2f}x" if rep and new else "-"
@@ -303,7 +312,7 @@ def main() -> None:
         c = f"{cap:.1f}" if cap is not None else "-"
         rb = f"{rep:,.0f}" if rep else "-"
         d = f"{dur:.3f}" if dur is not None else "-"
-        print(f"| {name} | {arm} | {t:.3f} | {ratio:.3f}x | {m} | {c} | {d} | {b} | {rb} | {n} | {q} |")
+        print(f"| {name} | {arm} | {t:.3f} | {ratio:.3f}x | {mean:.3f} | {mratio:.3f}x | {m} | {c} | {d} | {b} | {rb} | {n} | {q} |")
     for name, arm, per_file in files:
         if per_file:
             print(f"\n{name} {arm}: median bytes per replay file a version writes: " +

@@ -725,3 +725,51 @@ def test_small_in_process_states_are_the_bytes_of_their_save(engine_factory, run
     with pytest.raises(rc.InvalidArgumentError, match="released"):
         h.refs("weights")
     assert h.wait(timeout=5).version == 1  # the handle itself still answers
+
+
+@pytest.mark.timeout(120)
+def test_no_garbage_collection_runs_inside_save(engine_factory, run_name):
+    """save() pauses the collector while it captures (capture/gc_pause.py): a capture's thousands of
+    short-lived containers are freed by reference counting instead of being moved up the
+    generations, where they set off the full collections that pause a training process for
+    tenths of a second; the collector is on again when save() returns, and off if it was off."""
+    import gc
+
+    import numpy as np
+
+    def busy_state():
+        scratch = [{"i": i, "v": [i]} for i in range(50_000)]  # ~100k containers, alive until return
+        return {"n": np.array([len(scratch)])}
+
+    eng = engine_factory(**LEAN)
+    eng.register("busy", busy_state)
+    ran = []
+
+    def watch(phase, info):
+        if phase == "start":
+            ran.append(info["generation"])
+
+    assert gc.isenabled()
+    gc.callbacks.append(watch)
+    try:
+        h1 = eng.save(1)
+        during, ran[:] = list(ran), []
+        gc.disable()
+        try:
+            h2 = eng.save(2)
+            assert not gc.isenabled()  # the caller's choice is kept
+        finally:
+            gc.enable()
+    finally:
+        gc.callbacks.remove(watch)
+    assert during == [], f"collections of generations {during} ran inside save()"
+    assert gc.isenabled()
+    assert h1.wait(timeout=60).version == 1 and h2.wait(timeout=60).version == 2
+    assert eng.load("busy", 2)["n"].tolist() == [50_000]
+    # without the pause the same capture runs collections (what the test would see if it broke)
+    gc.callbacks.append(watch)
+    try:
+        busy_state()
+    finally:
+        gc.callbacks.remove(watch)
+    assert ran, "the provider's containers set off no collection: this test shows nothing"

@@ -37,6 +37,7 @@ from .reading import StateReader
 from .run_lifetime import start_run, stop_run
 from ..capture.mailbox import open_mailbox
 from ..capture.calls import prefault, publish_calls, take_snapshots
+from ..capture.gc_pause import collections_paused
 from ..storage.layout import validate_name
 from ..types import CheckpointMeta, OnBusy, RestoreReport, SaveResult, StateReport, Strategy
 
@@ -264,7 +265,8 @@ class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes):
             self._revive()  # an earlier save found the coordinator dead: this one goes to a new one
         if not self._make_room(policy):  # max_in_flight (in_flight.py)
             return SaveHandle(self, step, None, time.perf_counter() - t0, skipped=True)
-        parts, refs = take_snapshots(self._registry, self.run, self.config)  # capture/calls.py
+        with collections_paused():  # a capture's short-lived containers: capture/gc_pause.py
+            parts, refs = take_snapshots(self._registry, self.run, self.config)  # capture/calls.py
         self._saves += 1
         # remote_every counts this engine's saves, in call order: the coordinator runs concurrent calls
         # in any order, so the turn is decided here

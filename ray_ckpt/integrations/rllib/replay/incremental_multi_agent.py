@@ -30,8 +30,8 @@ from ....errors import UnsupportedTypeError
 from ..names import REPLAY, REPLAY_META
 from .buffers import _Kind, _attributes, buffer_kind, common_meta, extra_attrs, handled_attrs
 from .episode_parts import LAYOUT, _EpisodeParts, _int32, _split_episode, _table
-from .incremental_capture import (_Misaligned, _append_dict, _gather, changed_keys, _log_state, _static_of, append_records, forget_parts,
-                                  live_spans, merge_cols, with_retry)
+from .incremental_capture import (_Misaligned, _append_dict, _gather, changed_keys, _log_state, _static_of, append_records,
+                                  forget_parts, live_spans, merge_cols, with_retry)
 from .incremental_priorities import _hook, _priorities, _priority_record, check_freed, touched_by_group
 from .incremental_state import ENV, META_FORMAT5, ORDER, Incremental, _leaf_codes, _raw, pack_ids
 from .key_order import key_order_record, s2t_state
