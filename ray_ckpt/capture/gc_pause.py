@@ -7,7 +7,7 @@ full collection -- which walks every object of the process: a 0.4 s pause for an
 holding a 30k-row replay buffer -- once enough objects have arrived in the oldest generation.
 With collections paused for the ~15 ms of a save, these containers are freed by their reference
 counts before any collection sees them; what the save keeps (a capture's caches) is collected as
-usual afterwards. Measured with ``benchmarks/rllib_iteration.py``: benchmarks/RESULTS.md.
+usual afterwards. Measured with ``benchmarks/rllib_gc.py``: benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 

@@ -267,9 +267,7 @@ class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes):
             return SaveHandle(self, step, None, time.perf_counter() - t0, skipped=True)
         with collections_paused():  # a capture's short-lived containers: capture/gc_pause.py
             parts, refs = take_snapshots(self._registry, self.run, self.config)  # capture/calls.py
-            self._saves += 1
-            # remote_every counts this engine's saves, in call order: the coordinator runs concurrent calls
-            # in any order, so the turn is decided here
+            self._saves += 1  # remote_every's turn is decided here: the coordinator runs concurrent calls in any order
             ref = self._coordinator.save.remote(step, parts, refs, clean_metrics,
                                                 self._saves % self.config.remote_every == 0, token=self._token)
         self._last_saved = step

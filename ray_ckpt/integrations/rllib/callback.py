@@ -127,17 +127,17 @@ class RayCkptCallback(RLlibCallback):
                      "(the algorithm was set back to an older state)", it, step, self.run, self._last_step)
         errors: Dict[str, str] = {}
         with collections_paused():  # the capture's short-lived containers never reach a full collection
-            try:
-                self._pending = capture_algorithm_state(algorithm, rng=s.rng, metrics=s.metrics,
-                                                        allow_pickle=s.allow_pickle, errors=errors,
-                                                        replay=replay_strategy(s.replay_strategy, algorithm),
-                                                        engine=eng)
-                for name, why in errors.items():
-                    log.warning("ray_ckpt: iteration %d: best-effort state %r not saved: %s", it, name, why)
-                self._sync_registrations(eng, algorithm)
-                handle = eng.save(step, on_busy=on_busy or s.on_busy, metrics=_save_metrics(result))
-            finally:
-                self._pending = {}
+            self._pending = capture_algorithm_state(algorithm, rng=s.rng, metrics=s.metrics,
+                                                    allow_pickle=s.allow_pickle, errors=errors,
+                                                    replay=replay_strategy(s.replay_strategy, algorithm), engine=eng)
+        for name, why in errors.items():
+            log.warning("ray_ckpt: iteration %d: best-effort state %r not saved: %s", it, name, why)
+        try:
+            self._sync_registrations(eng, algorithm)
+            # pauses the collector around its own capture, not around a wait for room (on_busy="wait")
+            handle = eng.save(step, on_busy=on_busy or s.on_busy, metrics=_save_metrics(result))
+        finally:
+            self._pending = {}
         ms = (time.perf_counter() - t0) * 1e3
         self.save_call_ms.append(ms)
         if handle.skipped:
