@@ -1,0 +1,180 @@
+"""RLlib: train()'s rate with a save every iteration whose background work overlaps training, the
+arms side by side in time.
+
+    python benchmarks/rllib_rate.py [--config dqn|ppo0|ppo1] [--blocks 8] [--block 5] [--prefill 30000]
+
+Why a benchmark of its own: on a shared 2-core VM the same process can run 1.6x slower one
+minute than the next (measured: DQN's no-save arm 0.557 s then 0.894 s per iteration, run
+alone twice in a row), so arms run one after the other compare the minutes, not the arms; and
+arms interleaved in one process (``rllib_iteration.py``) put one arm's writers' work on the next
+arm's iteration. Here each arm is a process of its own with its own Ray cluster (its own garbage
+collector too), both alive for the whole run; they take turns in blocks of ``--block``
+iterations, in the order A B B A A B B A ... (a drift over the run falls on both alike), and
+never run at the same time. The ``ray_ckpt`` arm (the callback, a save every iteration,
+``on_busy="queue"``) does not wait for its versions inside a block -- the writers, the
+coordinator and the copy thread run beside its next iterations on the same cores, as in a user's
+run -- and at the end of its block it waits for them, timed: that drain is the work its last
+iteration left, counted in its block's time.
+
+Printed per arm: train() median and mean, each block's seconds (its iterations plus the drain), CPU
+seconds per iteration of the arm's whole process tree (driver, raylet, GCS, coordinator, writers,
+env runners: everything its run costs), and the rate against ``none`` two ways: total over total,
+and the median over block pairs of neighbouring blocks (the drift between two blocks is smaller
+than over the run). The goal of issue 26 is >= 0.97x.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+
+def _tree_cpu() -> float:
+    """CPU seconds of this process and every process it started (a local Ray cluster's)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me] + me.children(recursive=True):
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system + (t.children_user + t.children_system if p is me else 0.0)
+        except psutil.Error:
+            pass
+    return total
+
+
+def _child(arm: str, config: str, prefill_steps: int) -> None:
+    """One arm: build, prefill, warm up, then run blocks of iterations as the parent says."""
+    import ray
+
+    import rllib_iteration as bench
+    from ray_ckpt.integrations import rllib as rr
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    make = {"dqn": bench.dqn_config, "ppo0": lambda: bench.ppo_config(0),
+            "ppo1": lambda: bench.ppo_config(1)}[config]
+    cfg = make()
+    if arm == "ray_ckpt":
+        cfg = cfg.callbacks(rr.make_callback("rllib-rate", local_dir=tempfile.mkdtemp(prefix="rllib_rate_"), every=1,
+                                             on_busy="queue", engine_options={"critical_writers": 1,
+                                                                              "best_effort_writers": 1}))
+    algo = cfg.build_algo()
+    if config == "dqn":
+        bench.prefill(algo, prefill_steps)
+    for _ in range(3):  # warm-up: the first save writes the whole buffer; the writers import what they need
+        algo.train()
+        if arm == "ray_ckpt":
+            rr.wait_for_saves(algo, timeout=600)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] == "stop":
+            break
+        n = int(cmd[1])
+        cpu0, times = _tree_cpu(), []
+        t_block = time.perf_counter()
+        for _ in range(n):
+            t0 = time.perf_counter()
+            algo.train()
+            times.append(time.perf_counter() - t0)
+        drain = 0.0
+        if arm == "ray_ckpt":
+            t0 = time.perf_counter()
+            rr.wait_for_saves(algo, timeout=600)
+            drain = time.perf_counter() - t0
+        block_s = time.perf_counter() - t_block
+        print("BLOCK " + json.dumps({"times": times, "drain": drain, "block_s": block_s,
+                                     "cpu": _tree_cpu() - cpu0}), flush=True)
+    out = {}
+    cb = rr.find_callback(algo)
+    if cb is not None:
+        out["save_ms"] = statistics.median(cb.save_call_ms[3:]) if cb.save_call_ms[3:] else None
+        out["saves"] = len(cb.save_call_ms)
+    algo.stop()
+    ray.shutdown()
+    print("DONE " + json.dumps(out), flush=True)
+
+
+def _read(proc, prefix: str) -> dict:
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            rest = line[len(prefix):].strip()
+            return json.loads(rest) if rest else {}
+    raise SystemExit(f"an arm ended before {prefix.strip()!r}:\n{proc.stderr.read()[-3000:]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="dqn", choices=["dqn", "ppo0", "ppo1"])
+    ap.add_argument("--blocks", type=int, default=8, help="blocks per arm")
+    ap.add_argument("--block", type=int, default=5, help="iterations per block")
+    ap.add_argument("--prefill", type=int, default=30_000, help="DQN: random timesteps put in the buffer first")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        _child(args.child, args.config, args.prefill)
+        return
+    arms = ("none", "ray_ckpt")
+    procs = {}
+    for arm in arms:  # built one after the other: two builds at once would slow both
+        procs[arm] = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", arm, "--config",
+                                       args.config, "--prefill", str(args.prefill)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, bufsize=1)
+        _read(procs[arm], "READY")
+        print(f"  {arm}: built", flush=True)
+    blocks = {arm: [] for arm in arms}
+    try:
+        for b in range(args.blocks):
+            order = arms if b % 2 == 0 else arms[::-1]  # A B | B A | A B ...
+            for arm in order:
+                procs[arm].stdin.write(f"run {args.block}\n")
+                procs[arm].stdin.flush()
+                blocks[arm].append(_read(procs[arm], "BLOCK "))
+            print(f"  block {b + 1}/{args.blocks}: " + ", ".join(
+                f"{arm} {blocks[arm][-1]['block_s']:.2f}s" for arm in arms), flush=True)
+        done = {}
+        for arm in arms:
+            procs[arm].stdin.write("stop\n")
+            procs[arm].stdin.flush()
+            done[arm] = _read(procs[arm], "DONE ")
+    finally:
+        for p in procs.values():
+            try:
+                p.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    n = args.blocks * args.block
+    print()
+    print(f"{args.config}: {args.blocks} blocks of {args.block} iterations per arm, alternating (A B B A ...)")
+    print()
+    print("| arm | train() s median | train() s mean | drain s per block (median) | block s (median) "
+          "| CPU s per iteration (whole cluster) | rate vs none: total | rate vs none: median of block pairs "
+          "| save() ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    total = {arm: sum(x["block_s"] for x in blocks[arm]) for arm in arms}
+    pairs = [a["block_s"] / b["block_s"] for a, b in zip(blocks["none"], blocks["ray_ckpt"])]
+    for arm in arms:
+        times = [t for x in blocks[arm] for t in x["times"]]
+        rate = total["none"] / total[arm]
+        paired = statistics.median(pairs) if arm == "ray_ckpt" else 1.0
+        save = done[arm].get("save_ms")
+        print(f"| {arm} | {statistics.median(times):.3f} | {statistics.mean(times):.3f} "
+              f"| {statistics.median(x['drain'] for x in blocks[arm]):.3f} "
+              f"| {statistics.median(x['block_s'] for x in blocks[arm]):.2f} "
+              f"| {sum(x['cpu'] for x in blocks[arm]) / n:.3f} | {rate:.3f}x | {paired:.3f}x "
+              f"| {'-' if save is None else f'{save:.1f}'} |")
+
+
+if __name__ == "__main__":
+    main()
