@@ -11,13 +11,16 @@ own (a full collection walks every object of its process, so the arms must not s
   ray_ckpt   ray_ckpt's callback saves every iteration; the benchmark waits, untimed, for each
              version to commit, so the writers' work falls outside the timed iterations
              (``--overlap``: it does not wait, and the writers' and coordinator's work runs
-             beside the next iterations on the same cores, as in a user's run)
+             beside the next iterations on the same cores, as in a user's run; its objects and
+             collections only: the arms run one after the other, and this VM's speed moves by
+             up to 1.6x between two minutes, so for the rate use ``rllib_rate.py``)
 
 Printed per arm: the driver's objects (``len(gc.get_objects())``) every 20 iterations -- RLlib's
 own episodes grow them as the buffer fills, the same in both arms; what a save keeps shows as the
 difference -- the full (generation 2) collections with their pauses, the time of all collections,
 and train()'s median and mean seconds (the mean carries the full collections; between two
-processes on 2 shared cores both move by +-10 %, so read the collections, not the times).
+processes run one after the other on 2 shared cores they compare two minutes of the machine, not
+two arms: read the collections, not the times; ``rllib_rate.py`` measures the rate).
 """
 from __future__ import annotations
 

@@ -8,7 +8,9 @@ order shuffled (seeded) each iteration, so a slow minute of the shared machine f
 first two iterations are warm-up and not counted). After a ray_ckpt arm's iteration the benchmark
 waits, untimed, until that iteration's version is committed (``--overlap`` leaves this out), so its
 writers' background work does not fall on the next arm's timed iteration; the time from the start
-of train() to the version committed is reported beside it ("durable s"):
+of train() to the version committed is reported beside it ("durable s"). So this measures what
+train() itself waits for (the callback's save()) and the bytes; the rate with the writers' work
+overlapping training is ``rllib_rate.py``'s (arms in processes of their own, taking turns):
 
   none         no checkpointing
   ray_ckpt     ray_ckpt's callback saves every iteration (make_callback(..., every=1)); train()

@@ -38,19 +38,40 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 
-def _tree_cpu() -> float:
-    """CPU seconds of this process and every process it started (a local Ray cluster's)."""
+def _tree_cpu() -> dict:
+    """CPU seconds of this process and of every process it started (its local Ray cluster), by pid:
+    (what the process is, seconds)."""
     import psutil
 
     me = psutil.Process()
-    total = 0.0
+    out = {}
     for p in [me] + me.children(recursive=True):
         try:
             t = p.cpu_times()
-            total += t.user + t.system + (t.children_user + t.children_system if p is me else 0.0)
+            out[p.pid] = (_what(p, me), t.user + t.system)
         except psutil.Error:
             pass
-    return total
+    return out
+
+
+def _what(p, me) -> str:
+    """A Ray process by its role: ``ray::CheckpointCoordinator.save`` -> CheckpointCoordinator."""
+    if p.pid == me.pid:
+        return "driver"
+    cmd = " ".join(p.cmdline())
+    if "ray::" in cmd:
+        return cmd.split("ray::", 1)[1].split()[0].split(".")[0] or "worker"
+    return os.path.basename(p.cmdline()[0]) if p.cmdline() else p.name()
+
+
+def _cpu_since(before: dict, after: dict) -> dict:
+    """CPU seconds by role between two ``_tree_cpu`` readings (a process that ended meanwhile is left
+    out; one that started counts from 0)."""
+    out: dict = {}
+    for pid, (what, s) in after.items():
+        s0 = before.get(pid, (what, 0.0))[1]
+        out[what] = out.get(what, 0.0) + max(0.0, s - s0)
+    return out
 
 
 def _child(arm: str, config: str, prefill_steps: int) -> None:
@@ -64,16 +85,18 @@ def _child(arm: str, config: str, prefill_steps: int) -> None:
     make = {"dqn": bench.dqn_config, "ppo0": lambda: bench.ppo_config(0),
             "ppo1": lambda: bench.ppo_config(1)}[config]
     cfg = make()
-    if arm == "ray_ckpt":
+    if arm.startswith("ray_ckpt"):
+        options = {"critical_writers": 1, "best_effort_writers": 1}
+        if arm == "ray_ckpt_nice0":  # the coordinator, mailbox and writers at training's priority
+            options.update(critical_nice=0, best_effort_nice=0)
         cfg = cfg.callbacks(rr.make_callback("rllib-rate", local_dir=tempfile.mkdtemp(prefix="rllib_rate_"), every=1,
-                                             on_busy="queue", engine_options={"critical_writers": 1,
-                                                                              "best_effort_writers": 1}))
+                                             on_busy="queue", engine_options=options))
     algo = cfg.build_algo()
     if config == "dqn":
         bench.prefill(algo, prefill_steps)
     for _ in range(3):  # warm-up: the first save writes the whole buffer; the writers import what they need
         algo.train()
-        if arm == "ray_ckpt":
+        if arm.startswith("ray_ckpt"):
             rr.wait_for_saves(algo, timeout=600)
     print("READY", flush=True)
     for line in sys.stdin:
@@ -88,13 +111,14 @@ def _child(arm: str, config: str, prefill_steps: int) -> None:
             algo.train()
             times.append(time.perf_counter() - t0)
         drain = 0.0
-        if arm == "ray_ckpt":
+        if arm.startswith("ray_ckpt"):
             t0 = time.perf_counter()
             rr.wait_for_saves(algo, timeout=600)
             drain = time.perf_counter() - t0
         block_s = time.perf_counter() - t_block
+        cpu = _cpu_since(cpu0, _tree_cpu())
         print("BLOCK " + json.dumps({"times": times, "drain": drain, "block_s": block_s,
-                                     "cpu": _tree_cpu() - cpu0}), flush=True)
+                                     "cpu": sum(cpu.values()), "by_role": cpu}), flush=True)
     out = {}
     cb = rr.find_callback(algo)
     if cb is not None:
@@ -105,12 +129,16 @@ def _child(arm: str, config: str, prefill_steps: int) -> None:
     print("DONE " + json.dumps(out), flush=True)
 
 
-def _read(proc, prefix: str) -> dict:
+def _read(proc, prefix: str, err=None) -> dict:
     for line in proc.stdout:
         if line.startswith(prefix):
             rest = line[len(prefix):].strip()
             return json.loads(rest) if rest else {}
-    raise SystemExit(f"an arm ended before {prefix.strip()!r}:\n{proc.stderr.read()[-3000:]}")
+    tail = ""
+    if err is not None:
+        err.seek(0)
+        tail = err.read()[-3000:]
+    raise SystemExit(f"an arm ended before {prefix.strip()!r}:\n{tail}")
 
 
 def main() -> None:
@@ -119,35 +147,41 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=8, help="blocks per arm")
     ap.add_argument("--block", type=int, default=5, help="iterations per block")
     ap.add_argument("--prefill", type=int, default=30_000, help="DQN: random timesteps put in the buffer first")
+    ap.add_argument("--arms", default="none,ray_ckpt",
+                    help="none, ray_ckpt, ray_ckpt_nice0 (the background processes at training's CPU priority)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         _child(args.child, args.config, args.prefill)
         return
-    arms = ("none", "ray_ckpt")
-    procs = {}
-    for arm in arms:  # built one after the other: two builds at once would slow both
+    arms = tuple(a for a in args.arms.split(",") if a)
+    if arms[0] != "none" or not set(arms) <= {"none", "ray_ckpt", "ray_ckpt_nice0"}:
+        ap.error("--arms: 'none' first, then ray_ckpt and/or ray_ckpt_nice0")
+    procs, errs = {}, {}
+    for arm in arms:  # built (and prefilled) at once: each is one busy thread, there are 2 cores
         procs[arm] = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", arm, "--config",
                                        args.config, "--prefill", str(args.prefill)],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=errs.setdefault(arm, tempfile.TemporaryFile("w+")),  # read if it fails
                                       text=True, bufsize=1)
-        _read(procs[arm], "READY")
+    for arm in arms:
+        _read(procs[arm], "READY", errs[arm])
         print(f"  {arm}: built", flush=True)
     blocks = {arm: [] for arm in arms}
     try:
         for b in range(args.blocks):
-            order = arms if b % 2 == 0 else arms[::-1]  # A B | B A | A B ...
+            order = arms if b % 2 == 0 else arms[::-1]  # A B C | C B A | A B C ...
             for arm in order:
                 procs[arm].stdin.write(f"run {args.block}\n")
                 procs[arm].stdin.flush()
-                blocks[arm].append(_read(procs[arm], "BLOCK "))
+                blocks[arm].append(_read(procs[arm], "BLOCK ", errs[arm]))
             print(f"  block {b + 1}/{args.blocks}: " + ", ".join(
                 f"{arm} {blocks[arm][-1]['block_s']:.2f}s" for arm in arms), flush=True)
         done = {}
         for arm in arms:
             procs[arm].stdin.write("stop\n")
             procs[arm].stdin.flush()
-            done[arm] = _read(procs[arm], "DONE ")
+            done[arm] = _read(procs[arm], "DONE ", errs[arm])
     finally:
         for p in procs.values():
             try:
@@ -163,17 +197,29 @@ def main() -> None:
           "| save() ms |")
     print("|---|---|---|---|---|---|---|---|---|")
     total = {arm: sum(x["block_s"] for x in blocks[arm]) for arm in arms}
-    pairs = [a["block_s"] / b["block_s"] for a, b in zip(blocks["none"], blocks["ray_ckpt"])]
     for arm in arms:
         times = [t for x in blocks[arm] for t in x["times"]]
         rate = total["none"] / total[arm]
-        paired = statistics.median(pairs) if arm == "ray_ckpt" else 1.0
+        paired = statistics.median(a["block_s"] / b["block_s"] for a, b in zip(blocks["none"], blocks[arm]))
         save = done[arm].get("save_ms")
         print(f"| {arm} | {statistics.median(times):.3f} | {statistics.mean(times):.3f} "
               f"| {statistics.median(x['drain'] for x in blocks[arm]):.3f} "
               f"| {statistics.median(x['block_s'] for x in blocks[arm]):.2f} "
               f"| {sum(x['cpu'] for x in blocks[arm]) / n:.3f} | {rate:.3f}x | {paired:.3f}x "
               f"| {'-' if save is None else f'{save:.1f}'} |")
+    print()
+    print("CPU seconds per iteration by process (each arm's own cluster; IDLE: Ray's spare workers):")
+    print()
+    roles = {}
+    for arm in arms:
+        for x in blocks[arm]:
+            for what, sec in x["by_role"].items():
+                roles.setdefault(what, {a: 0.0 for a in arms})[arm] += sec / n
+    print("| process | " + " | ".join(arms) + " |")
+    print("|---|" + "---|" * len(arms))
+    for what, by in sorted(roles.items(), key=lambda kv: -max(kv[1].values())):
+        if max(by.values()) >= 0.001:
+            print(f"| {what} | " + " | ".join(f"{by[a]:.3f}" for a in arms) + " |")
 
 
 if __name__ == "__main__":

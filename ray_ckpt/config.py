@@ -42,7 +42,9 @@ class EngineConfig:
     compression: Optional[str] = None  # Arrow IPC buffer compression: None | "zstd" | "lz4"
     write_threads: int = 2  # threads per writer for one large file (block-parallel write + checksum)
     direct_io: bool = True  # large local files bypass the page cache (O_DIRECT), where the filesystem allows
-    critical_nice: int = 5  # OS priority of critical writers: below training, above best-effort
+    # OS priority (nice, every thread) of the critical path's background processes -- the critical
+    # writers, the coordinator and the run's snapshot mailbox: below training, above best-effort
+    critical_nice: int = 5
     best_effort_nice: int = 10
     best_effort_max_mb_s: Optional[float] = None  # best-effort writers' local writes, MB/s (None: no limit)
     upload_max_mb_s: Optional[float] = None  # each writer's uploads to the remote tier, MB/s (None: no limit)

@@ -18,6 +18,8 @@ from typing import Any, Dict, List, Optional
 
 import ray
 
+from ..config import EngineConfig
+from ..priority import lower_process_priority
 from ..ray_internals import actor_id_hex, actor_ready
 
 MAILBOX_NAMESPACE = "ray_ckpt"
@@ -57,7 +59,8 @@ class SnapshotMailbox:
     newest stays for ``SaveHandle.refs`` / ``engine.publish``); refs travel inside lists, so the
     bytes never pass through this actor: it only borrows the references."""
 
-    def __init__(self, untaken_cap: int = 16):
+    def __init__(self, untaken_cap: int = 16, nice: int = 0):
+        lower_process_priority(nice)  # bookkeeping beside training: below it (priority.py)
         self.slots: Dict[str, tuple] = {}  # key -> (name, refs, error)
         self.events: Dict[str, asyncio.Event] = {}
         self.taken: set = set()
@@ -130,9 +133,11 @@ def _spawn_mailbox(coordinator: Any, name: str) -> Any:
     to fit, the trial's bundles."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    cfg = getattr(coordinator, "cfg", None)  # the run's EngineConfig, in its coordinator's process
+    nice = (cfg or EngineConfig).critical_nice
     mb = SnapshotMailbox.options(name=name, namespace=MAILBOX_NAMESPACE, get_if_exists=True, max_restarts=0,
                                  scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None)
-                                 ).remote()
+                                 ).remote(nice=nice)
     if coordinator is not None:
         held = coordinator.__dict__.setdefault("_held_mailboxes", {})
         # keep the creating handle: the one get_if_exists gives for a mailbox that already runs

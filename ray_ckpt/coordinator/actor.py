@@ -68,6 +68,7 @@ from .run_guards import GcNoticeWatch, OwnerFence
 from .uploader import Uploader
 from .write_dispatch import WriteDispatch
 from .waits import VersionWaits, outcome_of
+from ..priority import lower_process_priority
 from ..writers.pools import WriterPools
 
 log = logging.getLogger("ray_ckpt.coordinator")
@@ -80,6 +81,8 @@ class CheckpointCoordinator:
         # event loop) that take turns holding the GIL: at Python's default turn a query waits
         # behind thousands of pushes' turns; a shorter turn keeps list/status quick
         sys.setswitchinterval(SWITCH_INTERVAL_S)
+        # background work, like the critical writers it feeds: below training (priority.py)
+        lower_process_priority(config.critical_nice)
         self.init_times = {"init": time.time()}  # wall clock of start-up steps (benchmarks/create_cost.py)
         self.cfg = config
         self.local = config.local_tier()

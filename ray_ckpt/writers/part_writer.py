@@ -4,10 +4,10 @@ upload committed files to the remote tier. A plain object (no Ray), unit-tested 
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from typing import Dict, Iterable, List, Optional, Tuple, Union
 
+from ..priority import lower_process_priority
 from ..errors import CheckpointError, IntegrityError, SaveError, one_line
 from ..formats.manifest import ROLE_TENSORS, FileEntry
 from ..formats.flat import Flat
@@ -32,11 +32,8 @@ class PartWriter:
         self.remote = remote
         self.upload_retries = upload_retries
         self.retry_base_s = retry_base_s
-        if nice:
-            try:
-                os.nice(nice)  # below training: checkpoint I/O must not slow the learner
-            except OSError:
-                pass
+        if nice:  # below training: checkpoint I/O must not slow the learner (all threads: priority.py)
+            lower_process_priority(nice)
 
     def write_part(self, version: int, name: str, rank: int, flat: Flat, *,
                    reuse: Optional[Dict[str, List[dict]]] = None,
