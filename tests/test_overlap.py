@@ -529,3 +529,30 @@ def test_a_fence_finds_the_memory_of_a_dtensor_shard():
     finally:
         if started:
             dist.destroy_process_group()
+
+
+def test_a_small_in_process_state_is_copied_in_the_call_and_a_large_one_in_the_background(engine_factory):
+    """Below ``OVERLAP_MIN_BYTES`` the overlapped path (copy thread, mailbox, the writer's take) costs
+    more than the copy it would hide, so such a state is copied inside save(): a change made right
+    after save() returns, without a fence, is not in its snapshot. A larger one is still copied on
+    the copy thread (parked here by ``held()`` until the block ends) and announced in the mailbox."""
+    from ray_ckpt.capture.calls import OVERLAP_MIN_BYTES
+    from ray_ckpt.capture.snapshot import process_copier_or_new
+
+    eng = engine_factory(overlap=True, **LEAN)
+    small = {"t": torch.arange(1000, dtype=torch.float32)}
+    big = {"t": torch.arange(OVERLAP_MIN_BYTES // 4 + 16, dtype=torch.float32)}
+    eng.register("small", lambda: small)
+    eng.register("big", lambda: big)
+    copier = process_copier_or_new()
+    with copier.held():  # nothing starts copying on the copy thread before the block ends
+        h = eng.save(1)
+        small["t"].add_(1)  # no fence: allowed for a state copied in the call
+        copying = [j.name for j in copier.pending()]
+    assert copying == ["big"]
+    assert h.wait(60).version == 1
+    assert torch.equal(eng.load("small", step=1)["t"], torch.arange(1000, dtype=torch.float32))
+    assert torch.equal(eng.load("big", step=1)["t"], big["t"])
+    for name, want in (("small", torch.arange(1000, dtype=torch.float32)), ("big", big["t"])):
+        got = rc.state_from_snapshot(h.refs(name)[0])
+        assert torch.equal(got["t"], want), name

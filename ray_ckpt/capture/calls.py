@@ -29,6 +29,13 @@ from .mailbox import PendingSnapshot, mailbox_name
 
 
 INLINE_MAX = 64 << 10  # an in-process snapshot with at most this many array bytes travels inline
+# An in-process overlapped state smaller than this is copied in the save call instead, as if not
+# overlapped. Why: the copy of a few MiB takes about a millisecond, while the overlapped path costs
+# the copy thread's put, the run's mailbox announcing it, the writer's take and the borrowing of
+# its ref: ~7-15 ms of CPU per state in other processes (the mailbox alone, RLlib PPO/DQN on a
+# 2-core VM: 15-29 ms per save of two ~0.5 MB states, benchmarks/rllib_rate.py), taken from
+# training on a machine whose cores it fills. 4 MiB: where Ray's put starts copying with threads.
+OVERLAP_MIN_BYTES = 4 << 20
 
 
 def _sendable(flat: Any) -> Any:
@@ -42,6 +49,13 @@ def _sendable(flat: Any) -> Any:
     if isinstance(flat, Flat) and flat.nbytes <= INLINE_MAX:
         return owned_copy(flat)  # the state's bytes now, as a put would copy them (views change with it)
     return ray.put(flat)
+
+
+def announced(reg: Registration, snapshot: Any) -> bool:
+    """Whether ``take_snapshots``' snapshot of ``reg`` is announced in the run's mailbox once copied
+    (``SaveHandle.refs`` waits there): an actor's overlapped snapshot call, or an in-process
+    state's :class:`PendingSnapshot` -- not a small in-process one copied in the call."""
+    return isinstance(snapshot, PendingSnapshot) or (reg.overlap and isinstance(reg.provider, ActorProvider))
 
 
 def take_snapshots(registry: Mapping[str, Registration], run: str, config: EngineConfig
@@ -65,9 +79,9 @@ def take_snapshots(registry: Mapping[str, Registration], run: str, config: Engin
             if reg.overlap:  # the copy runs on this process's copy thread; fences guard the state
                 pending = snapshot_overlapped(getattr(prov.fn, "__self__", prov.fn), prov.fn, reg.name,
                                               reg.allow_pickle, mailbox_name(run), config.overlap_check,
-                                              needed=config.prefault_needed)
+                                              needed=config.prefault_needed, copy_now_below=OVERLAP_MIN_BYTES)
                 parts.append(PartPlan(reg.name, reg.strategy, nbytes=pending.nbytes, append_only=reg.append_only))
-                refs.append(_sendable(pending))
+                refs.append(_sendable(pending))  # a small one (a Flat, not pending) is copied here, now
                 metrics_for_run(run).snapshot_pause(time.perf_counter() - t_pause, state=reg.name)
                 continue
             flat = capture(prov.fn(), reg.name, reg.allow_pickle)

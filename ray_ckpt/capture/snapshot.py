@@ -13,7 +13,7 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import ray
@@ -208,17 +208,21 @@ def process_copier_or_new() -> OverlapCopier:
 
 def snapshot_overlapped(owner: Any, get: Callable[[], Any], name: str, allow_pickle: bool, mailbox: str,
                         check: bool, run: Optional[str] = None, actor: Any = None,
-                        needed: bool = True) -> PendingSnapshot:
+                        needed: bool = True, copy_now_below: int = 0) -> Union[PendingSnapshot, Flat]:
     """Capture ``get()`` as views, queue its copy on this process's copy thread, return at once.
 
     ``owner``: the object whose attributes hold the learner's model and optimizers (the actor, or
-    the registered object itself): their torch hooks are installed here (once per object)."""
+    the registered object itself): their torch hooks are installed here (once per object).
+    ``copy_now_below``: a host-only state of fewer bytes is not queued: its Flat (views of the live
+    state) is returned for the caller to copy now (see ``calls.OVERLAP_MIN_BYTES``)."""
     t0 = time.perf_counter()
     copier = _copier()
     copier.fence(name)  # the previous copy of this state is done (staging buffers are reused)
     staging = _staging_of(owner, actor is not None)
     flat = flatten(get(), state_name=name, allow_pickle=allow_pickle, to_host=staging)
     events = staging.record_events() if staging.streams else []
+    if flat.nbytes < copy_now_below and not events:
+        return flat
     if needed:
         prefault_needed(flat.nbytes, name)
     install_hooks(copier, candidates(owner), process_hooks())

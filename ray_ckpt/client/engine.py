@@ -36,7 +36,7 @@ from .rank_push import RankPushes, _FencedObjects
 from .reading import StateReader
 from .run_lifetime import start_run, stop_run
 from ..capture.mailbox import open_mailbox
-from ..capture.calls import prefault, publish_calls, take_snapshots
+from ..capture.calls import announced, prefault, publish_calls, take_snapshots
 from ..capture.gc_pause import collections_paused
 from ..storage.layout import validate_name
 from ..types import CheckpointMeta, OnBusy, RestoreReport, SaveResult, StateReport, Strategy
@@ -273,7 +273,7 @@ class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes):
         self._last_saved = step
         self._step = max(self._step, step)
         handle = self._last_handle = SaveHandle(self, step, ref, time.perf_counter() - t0)
-        handle._snapshots = {p.name: (r, self._registry[p.name].overlap)
+        handle._snapshots = {p.name: (r, announced(self._registry[p.name], r))  # calls.py
                              for p, r in zip([p for p in parts if not p.loader], refs)}
         self._in_flight.append(handle)
         return handle
