@@ -89,6 +89,10 @@ def _child(arm: str, config: str, prefill_steps: int) -> None:
         options = {"critical_writers": 1, "best_effort_writers": 1}
         if arm == "ray_ckpt_nice0":  # the coordinator, mailbox and writers at training's priority
             options.update(critical_nice=0, best_effort_nice=0)
+        if arm == "ray_ckpt_mailbox":  # the learner's small states copied in the background, as before
+            from ray_ckpt.capture import calls
+
+            calls.OVERLAP_MIN_BYTES = 0
         cfg = cfg.callbacks(rr.make_callback("rllib-rate", local_dir=tempfile.mkdtemp(prefix="rllib_rate_"), every=1,
                                              on_busy="queue", engine_options=options))
     algo = cfg.build_algo()
@@ -148,15 +152,17 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=5, help="iterations per block")
     ap.add_argument("--prefill", type=int, default=30_000, help="DQN: random timesteps put in the buffer first")
     ap.add_argument("--arms", default="none,ray_ckpt",
-                    help="none, ray_ckpt, ray_ckpt_nice0 (the background processes at training's CPU priority)")
+                    help="none, ray_ckpt, ray_ckpt_nice0 (the background processes at training's CPU priority), "
+                         "ray_ckpt_mailbox (a local learner's states under 4 MiB copied on the copy thread and "
+                         "announced through the run's mailbox, not in save())")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         _child(args.child, args.config, args.prefill)
         return
     arms = tuple(a for a in args.arms.split(",") if a)
-    if arms[0] != "none" or not set(arms) <= {"none", "ray_ckpt", "ray_ckpt_nice0"}:
-        ap.error("--arms: 'none' first, then ray_ckpt and/or ray_ckpt_nice0")
+    if arms[0] != "none" or not set(arms) <= {"none", "ray_ckpt", "ray_ckpt_nice0", "ray_ckpt_mailbox"}:
+        ap.error("--arms: 'none' first, then any of ray_ckpt, ray_ckpt_nice0, ray_ckpt_mailbox")
     procs, errs = {}, {}
     for arm in arms:  # built (and prefilled) at once: each is one busy thread, there are 2 cores
         procs[arm] = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", arm, "--config",

@@ -44,7 +44,8 @@ from .replay.algorithm import capture_algorithm_replay
 # states the callback registers with overlap=True: a local learner's weights and optimizer as
 # RLlib's get_state returns them, numpy copies of the parameters and moments (not views: the learner's
 # next update does not change them), so their put into the object store runs on the process's copy
-# thread while train() goes on, with no fence and no copy of ours; tests/test_rllib.py
+# thread while train() goes on, with no fence and no copy of ours (from 4 MiB: smaller ones are put
+# in the save call, capture/calls.py OVERLAP_MIN_BYTES); tests/test_rllib.py
 # (test_a_local_learners_state_is_saved_as_it_was_at_save) checks it on the newest and the oldest Ray.
 # The replay states are new arrays by construction (replay/algorithm.py)
 OVERLAPPED = (POLICY, OPTIMIZER)
