@@ -1,5 +1,5 @@
 """The background processes (coordinator, snapshot mailbox, writers) run every thread below
-training's CPU priority: ``ray_ckpt/priority.py``."""
+training's CPU priority: ``ray_ckpt/capture/priority.py``."""
 from __future__ import annotations
 
 import os
@@ -18,7 +18,7 @@ def test_every_thread_of_the_process_is_lowered_not_only_the_caller():
     before the call is lowered too, and one started afterwards inherits it."""
     code = textwrap.dedent("""
         import json, os, threading
-        from ray_ckpt.priority import lower_process_priority
+        from ray_ckpt.capture.priority import lower_process_priority
 
         def nice():
             with open(f"/proc/self/task/{threading.get_native_id()}/stat") as f:

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 import ray
 
 from ..config import EngineConfig
-from ..priority import lower_process_priority
+from .priority import lower_process_priority
 from ..ray_internals import actor_id_hex, actor_ready
 
 MAILBOX_NAMESPACE = "ray_ckpt"

@@ -68,7 +68,7 @@ from .run_guards import GcNoticeWatch, OwnerFence
 from .uploader import Uploader
 from .write_dispatch import WriteDispatch
 from .waits import VersionWaits, outcome_of
-from ..priority import lower_process_priority
+from ..capture.priority import lower_process_priority
 from ..writers.pools import WriterPools
 
 log = logging.getLogger("ray_ckpt.coordinator")

@@ -7,7 +7,7 @@ import dataclasses
 import time
 from typing import Dict, Iterable, List, Optional, Tuple, Union
 
-from ..priority import lower_process_priority
+from ..capture.priority import lower_process_priority
 from ..errors import CheckpointError, IntegrityError, SaveError, one_line
 from ..formats.manifest import ROLE_TENSORS, FileEntry
 from ..formats.flat import Flat
