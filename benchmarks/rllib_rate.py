@@ -128,6 +128,11 @@ def _child(arm: str, config: str, prefill_steps: int) -> None:
     if cb is not None:
         out["save_ms"] = statistics.median(cb.save_call_ms[3:]) if cb.save_call_ms[3:] else None
         out["saves"] = len(cb.save_call_ms)
+        results = rr.wait_for_saves(algo, timeout=600)
+        sizes = [r.bytes_written for it, r in sorted(results.items())][3:]  # after the warm-up's
+        out["bytes"] = statistics.median(sizes) if sizes else None
+        if config == "dqn":
+            out["rows"] = len(algo.local_replay_buffer)
     algo.stop()
     ray.shutdown()
     print("DONE " + json.dumps(out), flush=True)
@@ -200,8 +205,8 @@ def main() -> None:
     print()
     print("| arm | train() s median | train() s mean | drain s per block (median) | block s (median) "
           "| CPU s per iteration (whole cluster) | rate vs none: total | rate vs none: median of block pairs "
-          "| save() ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| save() ms | bytes per save (median) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     total = {arm: sum(x["block_s"] for x in blocks[arm]) for arm in arms}
     for arm in arms:
         times = [t for x in blocks[arm] for t in x["times"]]
@@ -212,7 +217,11 @@ def main() -> None:
               f"| {statistics.median(x['drain'] for x in blocks[arm]):.3f} "
               f"| {statistics.median(x['block_s'] for x in blocks[arm]):.2f} "
               f"| {sum(x['cpu'] for x in blocks[arm]) / n:.3f} | {rate:.3f}x | {paired:.3f}x "
-              f"| {'-' if save is None else f'{save:.1f}'} |")
+              f"| {'-' if save is None else f'{save:.1f}'} "
+              f"| {'-' if done[arm].get('bytes') is None else format(int(done[arm]['bytes']), ',')} |")
+    rows = [done[a]["rows"] for a in arms if done[a].get("rows")]
+    if rows:
+        print(f"\nreplay buffer rows at the end: {rows[0]:,}")
     print()
     print("CPU seconds per iteration by process (each arm's own cluster; IDLE: Ray's spare workers):")
     print()
