@@ -127,7 +127,6 @@ def _child(arm: str, config: str, prefill_steps: int) -> None:
     cb = rr.find_callback(algo)
     if cb is not None:
         out["save_ms"] = statistics.median(cb.save_call_ms[3:]) if cb.save_call_ms[3:] else None
-        out["saves"] = len(cb.save_call_ms)
         results = rr.wait_for_saves(algo, timeout=600)
         sizes = [r.bytes_written for it, r in sorted(results.items())][3:]  # after the warm-up's
         out["bytes"] = statistics.median(sizes) if sizes else None

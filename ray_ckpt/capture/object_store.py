@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
+from .priority import lower_thread_priority
+
 log = logging.getLogger("ray_ckpt.object_store")
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h, since 5.14
@@ -190,11 +192,7 @@ def _start_prefix() -> None:
 
 
 def _populate_prefix() -> None:
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + PREFAULT_NICE))
-    except (OSError, AttributeError):
-        pass
+    lower_thread_priority(PREFAULT_NICE)
     regions = sorted(store_regions(), key=lambda r: r[1] - r[0], reverse=True)[:1]
     t0 = time.perf_counter()
     try:

@@ -43,6 +43,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from ..config import check_enabled  # the debug check's switch: EngineConfig.overlap_check's default
 from .fence_hooks import HookSet
+from .priority import lower_thread_priority
 
 log = logging.getLogger("ray_ckpt.overlap")
 
@@ -73,13 +74,8 @@ def _yield_cpu(nice: int) -> None:
     threads take the learner's core for the length of the copy (CFS shares a core by thread); the
     step then slows by what the copy costs, which is the pause overlap exists to remove. With a
     lower priority they use the cores the learner leaves idle, and the learner keeps its own."""
-    if nice <= 0 or not hasattr(os, "setpriority"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError as exc:  # not permitted here: the copy keeps the learner's priority
-        log.info("ray_ckpt: the overlapped copy thread keeps its priority (%s)", exc)
+    if nice > 0 and not lower_thread_priority(nice):  # not permitted here: the copy keeps the learner's
+        log.info("ray_ckpt: the overlapped copy thread keeps its priority")
 
 
 def _ranges_of(flat: Any) -> List[Tuple[int, int]]:

@@ -1,6 +1,6 @@
 """CPU priority of ray_ckpt's background processes (the coordinator, the run's snapshot mailbox,
-the writers): below training's, so that on a node whose cores training fills, checkpointing takes
-what training leaves.
+the writers) and threads (a learner's overlapped copy, the object-store prefault): below
+training's, so that on a node whose cores training fills, checkpointing takes what training leaves.
 
 Why every thread: on Linux the nice value belongs to a thread, and a thread inherits it only from
 the thread that starts it. Ray starts its own threads (the core worker's RPC and event-loop
@@ -14,8 +14,25 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Optional
 
 log = logging.getLogger("ray_ckpt.priority")
+
+
+def lower_thread_priority(nice: int, base: Optional[int] = None, tid: int = 0) -> bool:
+    """Put thread ``tid`` (0: the calling one) ``nice`` below ``base`` (default: its own priority),
+    capped at 19; threads it starts later inherit that. False where not supported or not permitted
+    (the thread keeps its priority)."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return False
+    try:
+        own = os.getpriority(os.PRIO_PROCESS, tid)
+        start = own if base is None else max(own, base)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, start + nice))
+        return True
+    except OSError as exc:  # a thread that ended meanwhile, or not permitted
+        log.debug("ray_ckpt: thread %s keeps its priority (%s)", tid or "(caller)", exc)
+        return False
 
 
 def lower_process_priority(nice: int) -> int:
@@ -35,12 +52,4 @@ def lower_process_priority(nice: int) -> int:
     except OSError:  # not Linux: the calling thread only
         tids = [0]
     base = os.getpriority(os.PRIO_PROCESS, 0)
-    done = 0
-    for tid in tids:
-        try:
-            own = os.getpriority(os.PRIO_PROCESS, tid)
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, max(own, base) + nice))
-            done += 1
-        except OSError as exc:  # a thread that ended meanwhile, or not permitted
-            log.debug("ray_ckpt: thread %s keeps its priority (%s)", tid, exc)
-    return done
+    return sum(lower_thread_priority(nice, base, tid) for tid in tids)

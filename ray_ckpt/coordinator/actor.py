@@ -22,8 +22,7 @@ A version's life, in call order:
    written to the local tier, last and atomically: it is the commit marker.
 5. **committed** — the version's commit future resolves with a :class:`~ray_ckpt.protocol.SaveOutcome`
    (the driver's ``save()`` call returns it; a rank's ``submit_parts()`` returned at once,
-   and its handle learns of the commit through ``wait()``, one call per version per process,
-   answered by ``waits.py``);
+   and its handle learns of the commit through ``wait()``, one call per version per process, by ``waits.py``);
    best-effort parts that land later rewrite the manifest. A failed version's files are removed
    before its handle raises.
 6. **uploaded** — ``Uploader`` (``uploader.py``): if the upload plan says it is this version's turn, writers copy its
@@ -81,8 +80,7 @@ class CheckpointCoordinator:
         # event loop) that take turns holding the GIL: at Python's default turn a query waits
         # behind thousands of pushes' turns; a shorter turn keeps list/status quick
         sys.setswitchinterval(SWITCH_INTERVAL_S)
-        # background work, like the critical writers it feeds: below training (priority.py)
-        lower_process_priority(config.critical_nice)
+        lower_process_priority(config.critical_nice)  # below training, like the writers it feeds
         self.init_times = {"init": time.time()}  # wall clock of start-up steps (benchmarks/create_cost.py)
         self.cfg = config
         self.local = config.local_tier()

@@ -7,7 +7,6 @@ import dataclasses
 import time
 from typing import Dict, Iterable, List, Optional, Tuple, Union
 
-from ..capture.priority import lower_process_priority
 from ..errors import CheckpointError, IntegrityError, SaveError, one_line
 from ..formats.manifest import ROLE_TENSORS, FileEntry
 from ..formats.flat import Flat
@@ -19,7 +18,7 @@ from ..storage.tier import RateLimit, Tier
 
 class PartWriter:
     def __init__(self, local: Tier, remote: Optional[Tier] = None, *, upload_retries: int = 4,
-                 retry_base_s: float = 0.25, nice: int = 0, write_threads: int = 1,
+                 retry_base_s: float = 0.25, write_threads: int = 1,
                  direct_io: bool = False, max_bytes_per_s: Optional[float] = None,
                  upload_bytes_per_s: Optional[float] = None):
         self.local = local
@@ -32,8 +31,6 @@ class PartWriter:
         self.remote = remote
         self.upload_retries = upload_retries
         self.retry_base_s = retry_base_s
-        if nice:  # below training: checkpoint I/O must not slow the learner (all threads: priority.py)
-            lower_process_priority(nice)
 
     def write_part(self, version: int, name: str, rank: int, flat: Flat, *,
                    reuse: Optional[Dict[str, List[dict]]] = None,

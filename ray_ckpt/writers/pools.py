@@ -17,6 +17,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..capture.mailbox import PendingSnapshot, resolve_snapshot
+from ..capture.priority import lower_process_priority
 from ..errors import SaveError, UnsupportedTypeError, one_line
 from ..formats.manifest import FileEntry
 from ..protocol import WrittenPart
@@ -42,7 +43,8 @@ class WriterActor:
         self.pool = pool
         self.node = ray.get_runtime_context().get_node_id()
         limit = config.best_effort_max_mb_s if pool == "best_effort" else None
-        self.writer = PartWriter(config.local_tier(), config.remote_tier(), nice=nice,
+        lower_process_priority(nice)  # every thread below training (capture/priority.py)
+        self.writer = PartWriter(config.local_tier(), config.remote_tier(),
                                  upload_retries=config.upload_retries, write_threads=config.write_threads,
                                  direct_io=config.direct_io,
                                  max_bytes_per_s=None if limit is None else limit * 1e6,
