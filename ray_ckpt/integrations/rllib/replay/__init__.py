@@ -125,6 +125,8 @@ Modules, lowest first (each imports only modules above it in this list; none imp
 ``episode_parts``            (agent) episodes -> parts (timestep bodies, edges, scalars), the rows'
                              columns and the columnar episode table; the table read back into parts
 ``episode_rebuild``          rows + episode table -> ``SingleAgentEpisode`` objects
+``growth``                   the captures' per-row caches kept without copying every row each save
+                             (survivors of an eviction as views, new rows appended into room)
 ``row_ids``                  stable row ids across saves (:class:`~.row_ids.RowIds`, kept beside each buffer)
 ``segment_trees``            sum/min segment trees and free-node deques <-> their row leaves
 ``priorities``               the priority part of format /1's meta, and the trees restored from it

@@ -31,7 +31,8 @@ from ..names import REPLAY, REPLAY_META
 from .buffers import _Kind, _attributes, buffer_kind, common_meta, extra_attrs, handled_attrs
 from .episode_parts import LAYOUT, _EpisodeParts, _int32, _split_episode, _table
 from .incremental_capture import (_Misaligned, _append_dict, _gather, changed_keys, _log_state, _static_of, append_records,
-                                  forget_parts, live_spans, merge_cols, with_retry)
+                                  forget_parts, live_spans, merge_cols, surviving, with_retry)
+from .growth import appended, evicted_rows, same_rows, survivors
 from .incremental_priorities import _hook, _priorities, _priority_record, check_freed, touched_by_group
 from .incremental_state import ENV, META_FORMAT5, ORDER, Incremental, _leaf_codes, _raw, pack_ids
 from .key_order import key_order_record, s2t_state
@@ -147,13 +148,9 @@ def _new_rows(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, full: boo
     """The live rows (survivors first, then the new ones gathered from their agent episodes) and the
     priority entries of the survivors whose module-tree leaves changed."""
     keys, ids = _ma_rows(buffer, rid, evicted, kind)
-    if full:
-        keep, s = np.zeros(0, bool), 0
-    else:
-        keep = inc.cols["episode"] >= evicted
-        s = int(np.count_nonzero(keep))
-        if len(ids) < s or not np.array_equal(ids[:s], inc.ids if s == len(keep) else inc.ids[keep]):
-            raise _Misaligned("its module index lists changed other than by appends and evictions")
+    keep, sel, s = surviving(inc, full, evicted)
+    if not full and (len(ids) < s or not same_rows(ids[:s], inc.ids[sel])):
+        raise _Misaligned("its module index lists changed other than by appends and evictions")
     nk = keys[s:]
     new = _gather(nk[:, 0], nk[:, 1], nk[:, 2], rid.parts, inc, bname)
     new["episode"] = nk[:, 0].copy()
@@ -166,9 +163,9 @@ def _new_rows(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, full: boo
         hooked = _hook(buffer, inc, multi_agent=True)
         trees = {rid.module_code(m): (st, buffer._module_to_min_segment[m])
                  for m, st in buffer._module_to_sum_segment.items() if m in buffer._module_to_min_segment}
-        entries = _priorities(trees, inc, keep, new, ids, s, full, hooked, touched_by_group(inc, rid.module_code),
-                              bname)
-    merge_cols(inc, new, keep, s, full)
+        entries = _priorities(trees, inc, sel, new, ids, s, full, hooked, touched_by_group(inc, rid.module_code),
+                              bname, keep)
+    merge_cols(inc, new, sel, full)
     inc.ids, inc.evicted = ids, evicted
     return {"row_id": ids, **inc.cols, "layout": LAYOUT}, entries
 
@@ -181,26 +178,30 @@ def _new_env(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, full: bool
     if full or inc.env_keys is None:
         rid.lists.pop(ENV_LIST, None)
         inc.env_keys = np.empty((0, width), np.int64)
-    keys, ids, _ = rid.update(ENV_LIST, buffer._indices, width, tuple, evicted)
+    keys, ids, known = rid.update(ENV_LIST, buffer._indices, width, tuple, evicted)
     keep = inc.env_keys[:, 0] >= evicted
-    s = int(np.count_nonzero(keep))
-    if int(np.count_nonzero(ids >= 0)) != s or not np.all(ids[:s] >= 0):
+    sel = survivors(keep)
+    s = len(inc.env_keys[sel])
+    if known is None:  # one id per key, -1 for a new one: the survivors' must come first
+        if int(np.count_nonzero(ids >= 0)) != s or not np.all(ids[:s] >= 0):
+            raise _Misaligned("its env-step index list changed other than by appends and evictions")
+        ids = ids[:s]
+    elif known != s:
         raise _Misaligned("its env-step index list changed other than by appends and evictions")
-    ids = ids.copy()
-    ids[s:] = np.arange(inc.next_env, inc.next_env + len(ids) - s)
-    inc.next_env += len(ids) - s
+    ids = appended(ids, np.arange(inc.next_env, inc.next_env + len(keys) - s, dtype=np.int64))
+    inc.next_env += len(keys) - s
     rid.commit(ENV_LIST, keys, ids)
     new = keys[s:]
     rec: Dict[str, Any] = {"e": new[:, 0].copy(), "t": new[:, 1].copy()}
     if kind.prioritized:
-        rec.update(_env_leaves(buffer, inc, keys, keep, s, full, bname))
+        rec.update(_env_leaves(buffer, inc, keys, keep, sel, s, full, bname))
     inc.env_keys = keys
     if not len(new):
         return None
     return _raw(rec), int(new[:, 0].max())
 
 
-def _env_leaves(buffer: Any, inc: Incremental, keys: np.ndarray, keep: np.ndarray, s: int, full: bool,
+def _env_leaves(buffer: Any, inc: Incremental, keys: np.ndarray, keep: np.ndarray, sel: Any, s: int, full: bool,
                 bname: str) -> Dict[str, np.ndarray]:
     """The new env steps' tree indices and env-tree leaves; the survivors' leaves spot-checked (RLlib
     never changes them: a change makes this save a full one)."""
@@ -211,8 +212,8 @@ def _env_leaves(buffer: Any, inc: Incremental, keys: np.ndarray, keep: np.ndarra
         _check_neutral(mt, keys[:, 2], f"{bname}._min_segment")
         old = {k: np.empty(0, np.float64 if k[1] == "v" else np.int8) for k in ("sv", "sk", "mv", "mk")}
     else:
-        check_freed((st, mt), np.setdiff1d(inc.env_keys[~keep, 2], tnew), f"{bname} env-step trees")
-        old = {k: v[keep] for k, v in inc.env_leaves.items()}
+        check_freed((st, mt), np.setdiff1d(inc.env_keys[evicted_rows(keep, sel), 2], tnew), f"{bname} env-step trees")
+        old = {k: v[sel] for k, v in inc.env_leaves.items()}
         if s:
             spot = np.unique(np.linspace(0, s - 1, min(s, SPOT)).astype(np.int64))
             v, k = _leaf_codes(st, keys[spot, 2], "_sum_segment")
@@ -220,7 +221,7 @@ def _env_leaves(buffer: Any, inc: Incremental, keys: np.ndarray, keep: np.ndarra
                 raise _Misaligned("an env step's priority changed")
     sv, sk = _leaf_codes(st, tnew, "_sum_segment")
     mv, mk = _leaf_codes(mt, tnew, "_min_segment")
-    inc.env_leaves = {k: np.concatenate([old[k], v]) for k, v in (("sv", sv), ("sk", sk), ("mv", mv), ("mk", mk))}
+    inc.env_leaves = {k: appended(old[k], v) for k, v in (("sv", sv), ("sk", sk), ("mv", mv), ("mk", mk))}
     rec = {"tree": tnew.copy(), "sv": sv, "sk": sk}
     if not (np.array_equal(sv, mv, equal_nan=True) and np.array_equal(sk, mk)):
         rec["mv"], rec["mk"] = mv, mk

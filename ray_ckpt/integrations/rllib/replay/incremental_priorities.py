@@ -15,6 +15,7 @@ import numpy as np
 
 from ....errors import UnsupportedTypeError
 from ..names import log
+from .growth import appended, evicted_rows, positions
 from .incremental_state import Incremental, _leaf_codes, _raw
 from .priorities import tree_scalars
 from .segment_trees import _check_maps, _check_neutral
@@ -77,11 +78,13 @@ def check_freed(trees: Tuple[Any, ...], freed: np.ndarray, what: str) -> None:
                                            f"{tr.neutral_element}: the tree cannot be rebuilt from its rows")
 
 
-def _priorities(trees: Trees, inc: Incremental, keep: np.ndarray, new: Dict[str, np.ndarray], ids: np.ndarray,
-                s: int, full: bool, hooked: bool, touched: Dict[int, List[int]], bname: str
-                ) -> List[Dict[str, np.ndarray]]:
+def _priorities(trees: Trees, inc: Incremental, sel: Any, new: Dict[str, np.ndarray], ids: np.ndarray,
+                s: int, full: bool, hooked: bool, touched: Dict[int, List[int]], bname: str,
+                keep: Optional[np.ndarray] = None) -> List[Dict[str, np.ndarray]]:
     """New rows' ``prio`` columns; the log entries of the old rows whose leaves changed (``touched``:
-    tree indices ``update_priorities`` was given since the last capture, per group)."""
+    tree indices ``update_priorities`` was given since the last capture, per group). ``sel``: the
+    surviving cached rows (:func:`.growth.survivors` of ``keep``): where it is a slice the
+    survivors' columns are views, and the work per save is O(new and touched rows)."""
     tnew = new["tree"].astype(np.int64)
     gnew = _groups_of(new, len(tnew))
     sv, sk, mv, mk = _group_leaves(trees, gnew, tnew)
@@ -91,23 +94,28 @@ def _priorities(trees: Trees, inc: Incremental, keep: np.ndarray, new: Dict[str,
     if len(differ):  # RLlib sets both leaves alike: a min leaf of its own is logged
         entries.append(_entries(ids[s + differ], 2, mv[differ], mk[differ]))
     now = {g: (st, mt, st.value, mt.value) for g, (st, mt) in trees.items()}
-    # nothing evicted since the last capture (most saves): the old rows' columns as they are, not masked
-    every = not full and bool(keep.all())
-    told = inc.cols["tree"].astype(np.int64) if every else \
-        inc.cols["tree"][keep].astype(np.int64) if not full else np.empty(0, np.int64)
-    gold = _groups_of(inc.cols, len(keep)) if every else \
-        _groups_of(inc.cols, len(keep))[keep] if not full else np.empty(0, np.int64)
+    told = inc.cols["tree"][sel] if not full else np.empty(0, np.int32)  # int32, a view where sel is a slice
+    gold = inc.cols["module"][sel] if not full and "module" in inc.cols else None  # None: group 0 only
+
+    def at(pos: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:  # (groups, tree indices) of survivors pos
+        return (np.zeros(len(pos), np.int64) if gold is None else gold[pos].astype(np.int64),
+                told[pos].astype(np.int64))
+
+    def of_group(arr: np.ndarray, g: int) -> np.ndarray:  # the survivors' arr where their group is g
+        return (arr if g == 0 else arr[:0]) if gold is None else arr[gold == g]
+
     if full or any(g not in inc.tree_to_row or len(inc.tree_to_row[g]) != st.capacity
                    for g, (st, _) in trees.items() if g in inc.trees):
         for g, (st, mt) in trees.items():
-            used = np.concatenate([told[gold == g], tnew[gnew == g]])
+            used = np.concatenate([of_group(told, g).astype(np.int64), tnew[gnew == g]])
             _check_neutral(st, used, f"{bname} sum tree {g}")
             _check_neutral(mt, used, f"{bname} min tree {g}")
         inc.tree_to_row = {}
         changed_pos = np.arange(s) if not full else np.empty(0, np.int64)
     else:
-        gone, ggone = (np.empty(0, np.int64),) * 2 if every else \
-            (inc.cols["tree"][~keep].astype(np.int64), _groups_of(inc.cols, len(keep))[~keep])
+        ev = evicted_rows(keep, sel)
+        gone = inc.cols["tree"][ev].astype(np.int64)
+        ggone = inc.cols["module"][ev].astype(np.int64) if "module" in inc.cols else np.zeros(len(gone), np.int64)
         rows = []
         for g, (st, mt) in trees.items():
             t2r = inc.tree_to_row.get(g)
@@ -128,39 +136,38 @@ def _priorities(trees: Trees, inc: Incremental, keep: np.ndarray, new: Dict[str,
             changed_pos = np.arange(s)
         elif s:
             spot = np.unique(np.linspace(0, s - 1, min(s, SPOT)).astype(np.int64))
-            old_pos = np.flatnonzero(keep)[spot]
-            v, k, _, _ = _group_leaves(trees, gold[spot], told[spot])
+            old_pos = positions(sel, spot)
+            v, k, _, _ = _group_leaves(trees, *at(spot))
             untracked = ~np.isin(spot, changed_pos)
             if np.any(untracked & ((v != inc.leaves["sv"][old_pos]) | (k != inc.leaves["sk"][old_pos]))):
                 log.warning("ray_ckpt: replay buffer %s: a priority changed outside update_priorities: "
                             "every row's leaves are compared", bname)
                 changed_pos = np.arange(s)
     inc.trees = now
-    # (inc.leaves' own arrays when every row is kept: only this cache holds them, replaced below)
-    lv = {k: (v if every else v[keep] if not full else v[:0]) for k, v in inc.leaves.items()} if inc.leaves else \
+    # views of inc.leaves' own arrays where sel is a slice: only this cache holds them, extended below
+    lv = {k: (v[sel] if not full else v[:0]) for k, v in inc.leaves.items()} if inc.leaves else \
         {"sv": np.empty(0), "sk": np.empty(0, np.int8), "mv": np.empty(0), "mk": np.empty(0, np.int8)}
     if len(changed_pos):
-        csv, csk, cmv, cmk = _group_leaves(trees, gold[changed_pos], told[changed_pos])
+        csv, csk, cmv, cmk = _group_leaves(trees, *at(changed_pos))
         ds = (csv != lv["sv"][changed_pos]) | (csk != lv["sk"][changed_pos])
         dm = (cmv != lv["mv"][changed_pos]) | (cmk != lv["mk"][changed_pos])
         both = (ds | dm) & (csv == cmv) & (csk == cmk)
         only_s, only_m = ds & ~both, dm & ~both
         rid_of = ids[changed_pos]
-        for sel, which, v, k in ((both, 0, csv, csk), (only_s, 1, csv, csk), (only_m, 2, cmv, cmk)):
-            if np.any(sel):
-                entries.append(_entries(rid_of[sel], which, v[sel], k[sel]))
+        for pick, which, v, k in ((both, 0, csv, csk), (only_s, 1, csv, csk), (only_m, 2, cmv, cmk)):
+            if np.any(pick):
+                entries.append(_entries(rid_of[pick], which, v[pick], k[pick]))
         lv["sv"][changed_pos], lv["sk"][changed_pos] = csv, csk
         lv["mv"][changed_pos], lv["mk"][changed_pos] = cmv, cmk
-    inc.leaves = {"sv": np.concatenate([lv["sv"], sv]), "sk": np.concatenate([lv["sk"], sk]),
-                  "mv": np.concatenate([lv["mv"], mv]), "mk": np.concatenate([lv["mk"], mk])}
+    inc.leaves = {"sv": appended(lv["sv"], sv), "sk": appended(lv["sk"], sk),
+                  "mv": appended(lv["mv"], mv), "mk": appended(lv["mk"], mk)}
     for g, (st, _) in trees.items():
         t2r = inc.tree_to_row.get(g)
-        if t2r is None:
+        if t2r is None:  # (re)built from every row: the survivors', then the new ones'
             t2r = inc.tree_to_row[g] = np.full(st.capacity, -1, np.int64)
-            sel = gold == g
-            t2r[told[sel]] = ids[:s][sel]
-        sel = gnew == g
-        t2r[tnew[sel]] = ids[s:][sel]
+            t2r[of_group(told, g)] = of_group(ids[:s], g)
+        pick = gnew == g
+        t2r[tnew[pick]] = ids[s:][pick]
     return entries
 
 

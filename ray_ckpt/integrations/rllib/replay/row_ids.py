@@ -11,6 +11,7 @@ import numpy as np
 from ....errors import UnsupportedTypeError
 from ..names import log
 from .episode_parts import _EpisodeParts
+from .growth import appended, survivors
 from .values import _Spaces, _type_name
 
 
@@ -68,19 +69,22 @@ class RowIds:
         self.next_id = int(next_id)
 
     def update(self, name: Any, current: List[tuple], width: int, encode: Callable[[tuple], tuple],
-               evicted: int) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
-        """(keys (n, width), ids with -1 for new keys, positions of the new keys) of ``current``."""
+               evicted: int) -> Tuple[np.ndarray, np.ndarray, Optional[int]]:
+        """(keys (n, width), ids, known) of ``current``: where ``known`` is a number the ids are
+        those of the first ``known`` keys (every later key is new), else (None) one per key, -1 for
+        a new one."""
         lst = self.lists.setdefault(name, _IndexList(width))
-        keep = lst.keys[:, 0] >= evicted
-        # nothing evicted since the last save (most saves): no copy of every key
-        keys, ids = (lst.keys, lst.ids) if keep.all() else (lst.keys[keep], lst.ids[keep])
+        # the survivors as views (RLlib evicts oldest first), the new keys appended after them: no
+        # copy of every key each save (.growth)
+        sel = survivors(lst.keys[:, 0] >= evicted)
+        keys, ids = lst.keys[sel], lst.ids[sel]
         s = len(keys)
         ok = len(current) >= s and (s == 0 or (tuple(encode(current[0])) == tuple(keys[0])
                                                and tuple(encode(current[s - 1])) == tuple(keys[s - 1])))
         if ok:
             tail = current[s:]
             new = np.array([encode(x) for x in tail], np.int64).reshape(len(tail), width)
-            return np.concatenate([keys, new]), np.concatenate([ids, np.full(len(tail), -1, np.int64)]), None
+            return appended(keys, new), ids, s
         # slow path: the list changed other than by RLlib's add (appends + evictions)
         allk = np.array([encode(x) for x in current], np.int64).reshape(len(current), width)
         known = {tuple(k): i for k, i in zip(lst.keys.tolist(), lst.ids.tolist())}
@@ -113,14 +117,18 @@ def _update_ids(rid: RowIds, buffer: Any, lists: List[Tuple[Any, List[tuple], in
                 added: int) -> Tuple[np.ndarray, np.ndarray]:
     """Keys and ids of the rows of ``lists`` (concatenated; new keys get new ids, list by list)."""
     got = [(name, *rid.update(name, cur, width, enc, evicted)) for name, cur, width, enc in lists]
-    n_new = sum(int(np.sum(ids < 0)) for _, _, ids, _ in got)
+    n_new = sum(len(keys) - known if known is not None else int(np.sum(ids < 0)) for _, keys, ids, known in got)
     start = max(rid.next_id, added - n_new)
     out_k, out_i = [], []
-    for name, keys, ids, _ in got:
-        new = ids < 0
-        k = int(np.sum(new))
-        ids = ids.copy()
-        ids[new] = np.arange(start, start + k, dtype=np.int64)
+    for name, keys, ids, known in got:
+        if known is not None:  # the known keys' ids, then new ones
+            k = len(keys) - known
+            ids = appended(ids, np.arange(start, start + k, dtype=np.int64))
+        else:
+            new = ids < 0
+            k = int(np.sum(new))
+            ids = ids.copy()
+            ids[new] = np.arange(start, start + k, dtype=np.int64)
         start += k
         rid.commit(name, keys, ids)
         out_k.append(keys)
