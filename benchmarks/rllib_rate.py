@@ -1,7 +1,7 @@
 """RLlib: train()'s rate with a save every iteration whose background work overlaps training, the
 arms side by side in time.
 
-    python benchmarks/rllib_rate.py [--config dqn|ppo0|ppo1] [--blocks 8] [--block 5] [--prefill 30000]
+    python benchmarks/rllib_rate.py [--config dqn|ppo0|ppo1] [--blocks 8] [--block 5] [--prefill 30000] [--clone]
 
 Why a benchmark of its own: on a shared 2-core VM the same process can run 1.6x slower one
 minute than the next (measured: DQN's no-save arm 0.557 s then 0.894 s per iteration, run
@@ -74,7 +74,7 @@ def _cpu_since(before: dict, after: dict) -> dict:
     return out
 
 
-def _child(arm: str, config: str, prefill_steps: int) -> None:
+def _child(arm: str, config: str, prefill_steps: int, clone: bool = False) -> None:
     """One arm: build, prefill, warm up, then run blocks of iterations as the parent says."""
     import ray
 
@@ -97,7 +97,7 @@ def _child(arm: str, config: str, prefill_steps: int) -> None:
                                              on_busy="queue", engine_options=options))
     algo = cfg.build_algo()
     if config == "dqn":
-        bench.prefill(algo, prefill_steps)
+        bench.prefill(algo, prefill_steps, clone)
     for _ in range(3):  # warm-up: the first save writes the whole buffer; the writers import what they need
         algo.train()
         if arm.startswith("ray_ckpt"):
@@ -159,10 +159,13 @@ def main() -> None:
                     help="none, ray_ckpt, ray_ckpt_nice0 (the background processes at training's CPU priority), "
                          "ray_ckpt_mailbox (a local learner's states under 4 MiB copied on the copy thread and "
                          "announced through the run's mailbox, not in save())")
+    ap.add_argument("--clone", action="store_true",
+                    help="DQN: prefill with copies of up to 20k sampled timesteps' episodes (a 1M-row buffer in "
+                         "~2.5 min, not ~24: rllib_iteration.prefill)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        _child(args.child, args.config, args.prefill)
+        _child(args.child, args.config, args.prefill, args.clone)
         return
     arms = tuple(a for a in args.arms.split(",") if a)
     if arms[0] != "none" or not set(arms) <= {"none", "ray_ckpt", "ray_ckpt_nice0", "ray_ckpt_mailbox"}:
@@ -170,7 +173,7 @@ def main() -> None:
     procs, errs = {}, {}
     for arm in arms:  # built (and prefilled) at once: each is one busy thread, there are 2 cores
         procs[arm] = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", arm, "--config",
-                                       args.config, "--prefill", str(args.prefill)],
+                                       args.config, "--prefill", str(args.prefill)] + (["--clone"] if args.clone else []),
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=errs.setdefault(arm, tempfile.TemporaryFile("w+")),  # read if it fails
                                       text=True, bufsize=1)
