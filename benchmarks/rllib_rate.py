@@ -14,7 +14,9 @@ never run at the same time. The ``ray_ckpt`` arm (the callback, a save every ite
 ``on_busy="queue"``) does not wait for its versions inside a block -- the writers, the
 coordinator and the copy thread run beside its next iterations on the same cores, as in a user's
 run -- and at the end of its block it waits for them, timed: that drain is the work its last
-iteration left, counted in its block's time.
+iteration left, counted in its block's time. The ``rllib_save`` arm is the peer: RLlib's own
+``algo.save_to_path()`` after every ``train()``, synchronous, timed with the iteration (its bytes:
+one checkpoint directory).
 
 Printed per arm: train() median and mean, each block's seconds (its iterations plus the drain), CPU
 seconds per iteration of the arm's whole process tree (driver, raylet, GCS, coordinator, writers,
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -102,6 +105,7 @@ def _child(arm: str, config: str, prefill_steps: int, clone: bool = False) -> No
         algo.train()
         if arm.startswith("ray_ckpt"):
             rr.wait_for_saves(algo, timeout=600)
+    rllib_dir, saved = tempfile.mkdtemp(prefix="rllib_rate_own_"), 0
     print("READY", flush=True)
     for line in sys.stdin:
         cmd = line.split()
@@ -113,7 +117,12 @@ def _child(arm: str, config: str, prefill_steps: int, clone: bool = False) -> No
         for _ in range(n):
             t0 = time.perf_counter()
             algo.train()
+            if arm == "rllib_save":  # RLlib's own checkpoint, synchronous, as its users call it
+                saved += 1
+                algo.save_to_path(os.path.join(rllib_dir, f"it{saved}"))
             times.append(time.perf_counter() - t0)
+            if arm == "rllib_save" and saved > 1:  # the disk holds the newest one only (untimed)
+                shutil.rmtree(os.path.join(rllib_dir, f"it{saved - 1}"), ignore_errors=True)
         drain = 0.0
         if arm.startswith("ray_ckpt"):
             t0 = time.perf_counter()
@@ -124,6 +133,9 @@ def _child(arm: str, config: str, prefill_steps: int, clone: bool = False) -> No
         print("BLOCK " + json.dumps({"times": times, "drain": drain, "block_s": block_s,
                                      "cpu": sum(cpu.values()), "by_role": cpu}), flush=True)
     out = {}
+    if arm == "rllib_save":
+        out["bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(rllib_dir) for f in fs)
+        shutil.rmtree(rllib_dir, ignore_errors=True)
     cb = rr.find_callback(algo)
     if cb is not None:
         out["save_ms"] = statistics.median(cb.save_call_ms[3:]) if cb.save_call_ms[3:] else None
@@ -156,7 +168,8 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=5, help="iterations per block")
     ap.add_argument("--prefill", type=int, default=30_000, help="DQN: random timesteps put in the buffer first")
     ap.add_argument("--arms", default="none,ray_ckpt",
-                    help="none, ray_ckpt, ray_ckpt_nice0 (the background processes at training's CPU priority), "
+                    help="none, ray_ckpt, rllib_save (RLlib's own algo.save_to_path() after every train(), "
+                         "synchronous), ray_ckpt_nice0 (the background processes at training's CPU priority), "
                          "ray_ckpt_mailbox (a local learner's states under 4 MiB copied on the copy thread and "
                          "announced through the run's mailbox, not in save())")
     ap.add_argument("--clone", action="store_true",
@@ -168,8 +181,8 @@ def main() -> None:
         _child(args.child, args.config, args.prefill, args.clone)
         return
     arms = tuple(a for a in args.arms.split(",") if a)
-    if arms[0] != "none" or not set(arms) <= {"none", "ray_ckpt", "ray_ckpt_nice0", "ray_ckpt_mailbox"}:
-        ap.error("--arms: 'none' first, then any of ray_ckpt, ray_ckpt_nice0, ray_ckpt_mailbox")
+    if arms[0] != "none" or not set(arms) <= {"none", "ray_ckpt", "rllib_save", "ray_ckpt_nice0", "ray_ckpt_mailbox"}:
+        ap.error("--arms: 'none' first, then any of ray_ckpt, rllib_save, ray_ckpt_nice0, ray_ckpt_mailbox")
     procs, errs = {}, {}
     for arm in arms:  # built (and prefilled) at once: each is one busy thread, there are 2 cores
         procs[arm] = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", arm, "--config",
