@@ -233,6 +233,6 @@ def unpack_entries(e: Dict[str, Any]) -> Dict[str, np.ndarray]:
 
 
 def _priority_scalars(buffer: Any, inc: Incremental, bname: str) -> Dict[str, Any]:
-    _check_maps(buffer._tree_idx_to_sample_idx, inc.cols["tree"].astype(np.int64),
-                  f"{bname}._tree_idx_to_sample_idx")
+    _check_maps(buffer._tree_idx_to_sample_idx, inc.cols["tree"],  # spot checks: no int64 copy of every row
+                f"{bname}._tree_idx_to_sample_idx")
     return {**tree_scalars(buffer), "records": np.array(inc.precs, np.int64).reshape(len(inc.precs), 3)}
