@@ -2,7 +2,7 @@
 eviction as views, new rows appended into room kept after the cached ones. Plain numpy, no Ray."""
 import numpy as np
 
-from ray_ckpt.integrations.rllib.replay.growth import appended, evicted_rows, positions, same_rows, survivors
+from ray_ckpt.integrations.rllib.replay.growth import appended, evicted_rows, kept, positions, same_rows, survivors
 
 
 def test_survivors_are_a_slice_when_the_evicted_rows_are_a_prefix_and_the_mask_otherwise():
@@ -51,3 +51,19 @@ def test_same_rows_compares_values_and_knows_one_view_at_once():
     a = np.arange(10)
     assert same_rows(a[2:], a[2:]) and same_rows(a[2:5], np.array([2, 3, 4]))
     assert not same_rows(a[2:5], np.array([2, 3, 5])) and not same_rows(a[2:5], a[2:6])
+
+
+def test_kept_is_the_survivors_then_the_new_rows_with_room_to_append_after_them():
+    old = appended(np.arange(8, dtype=np.int64).reshape(4, 2), np.array([[8, 9]]))
+    before = old.copy()
+    spread = np.array([False, True, False, True, True])
+    got = kept(old, survivors(spread), np.array([[10, 11]]))  # a mask: one copy into a new array
+    assert np.array_equal(got, np.concatenate([before[spread], [[10, 11]]]))
+    assert not np.shares_memory(got, old) and np.array_equal(old, before)
+    more = appended(got, np.array([[12, 13]]))
+    assert np.shares_memory(more, got), "no room was kept after the survivors"
+    prefix = np.array([False, True, True, True, True])
+    got = kept(old, survivors(prefix), np.array([[10, 11]]))  # a slice: appended after old's rows
+    assert np.shares_memory(got, old) and np.array_equal(got, np.concatenate([before[1:], [[10, 11]]]))
+    mixed = kept(np.arange(3, dtype=np.int32), survivors(np.array([True, False, True])), np.array([0.5]))
+    assert mixed.dtype == np.float64 and np.array_equal(mixed, [0, 2, 0.5])

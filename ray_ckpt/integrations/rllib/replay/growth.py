@@ -97,8 +97,29 @@ def appended(old: np.ndarray, new: np.ndarray) -> np.ndarray:
             _mark(base, end + k)
             return base[offset:end + k]
     n = len(old) + k
-    fresh = np.empty((max(int(n * GROW), n + MIN_ROOM),) + old.shape[1:], old.dtype)
+    fresh = _fresh(n, old)
     fresh[:len(old)] = old
     fresh[len(old):n] = new
     _mark(fresh, n)
     return fresh[:n]
+
+
+def kept(old: np.ndarray, sel: Union[slice, np.ndarray], new: np.ndarray) -> np.ndarray:
+    """``appended(old[sel], new)``; where ``sel`` is a mask (evictions spread among the rows) the
+    survivors and the new rows are copied once, into a new backing array with room, not twice."""
+    if isinstance(sel, slice):
+        return appended(old[sel], new)
+    new = np.asarray(new)
+    if new.dtype != old.dtype or new.shape[1:] != old.shape[1:]:
+        return np.concatenate([old[sel], new])
+    s = int(np.count_nonzero(sel))
+    n = s + len(new)
+    fresh = _fresh(n, old)
+    np.compress(sel, old, axis=0, out=fresh[:s])
+    fresh[s:n] = new
+    _mark(fresh, n)
+    return fresh[:n]
+
+
+def _fresh(n: int, like: np.ndarray) -> np.ndarray:
+    return np.empty((max(int(n * GROW), n + MIN_ROOM),) + like.shape[1:], like.dtype)

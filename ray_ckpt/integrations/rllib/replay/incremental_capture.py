@@ -14,7 +14,7 @@ from ....errors import UnsupportedTypeError
 from ..names import REPLAY, REPLAY_META, log
 from .buffers import _Kind, _attributes, buffer_kind, common_meta, extra_attrs, handled_attrs
 from .episode_parts import LAYOUT, _EpisodeParts, _int32, _split_episode, _table
-from .growth import appended, same_rows, survivors
+from .growth import kept, same_rows, survivors
 from .incremental_priorities import _hook, _priorities, _priority_record, _priority_scalars, touched_by_group
 from .incremental_state import (CHUNK, DICT, EPISODES, LOG_LAYOUT, META, META_FORMAT4, PRIORITIES, SAMPLE_LIMITS,
                                 STATIC, STATIC_KEYS, Incremental, _empty_log, _encode, _raw, pack_ids)
@@ -218,7 +218,7 @@ def merge_cols(inc: Incremental, new: Dict[str, np.ndarray], sel: Any, full: boo
     is room: :mod:`.growth`)."""
     cols = {}
     for c, v in new.items():
-        cols[c] = v if full else appended(inc.cols[c][sel], v)
+        cols[c] = v if full else kept(inc.cols[c], sel, v)
     if not full and set(cols) != set(inc.cols):
         raise _Misaligned(f"its columns changed ({sorted(set(cols) ^ set(inc.cols))})")
     inc.cols = cols
