@@ -2,7 +2,7 @@
 eviction as views, new rows appended into room kept after the cached ones. Plain numpy, no Ray."""
 import numpy as np
 
-from ray_ckpt.integrations.rllib.replay.growth import appended, evicted_rows, kept, positions, same_rows, survivors
+from ray_ckpt.integrations.rllib.replay.growth import appended, count, evicted_rows, kept, positions, same_rows, survivors
 
 
 def test_survivors_are_a_slice_when_the_evicted_rows_are_a_prefix_and_the_mask_otherwise():
@@ -17,7 +17,7 @@ def test_survivors_are_a_slice_when_the_evicted_rows_are_a_prefix_and_the_mask_o
     for keep in (np.array([False, False, True, True]), interleaved):
         sel = survivors(keep)
         assert np.array_equal(arr[sel], arr[keep])
-        assert np.array_equal(arr[evicted_rows(keep, sel)], arr[~keep])
+        assert np.array_equal(arr[evicted_rows(sel)], arr[~keep]) and count(sel) == keep.sum()
         assert np.array_equal(arr[positions(sel, np.array([0, 1]))], arr[keep][[0, 1]])
 
 

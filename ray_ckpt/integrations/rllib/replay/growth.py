@@ -55,14 +55,17 @@ def survivors(keep: np.ndarray) -> Union[slice, np.ndarray]:
     first = int(np.argmax(keep))
     if not keep[first]:
         return slice(n, n)
-    if first == 0 and keep.all() or keep[first:].all():
-        return slice(first, n)
-    return keep
+    return slice(first, n) if keep[first:].all() else keep
 
 
-def evicted_rows(keep: np.ndarray, sel: Union[slice, np.ndarray]) -> Union[slice, np.ndarray]:
-    """The complement of :func:`survivors`' answer ``sel`` for the same ``keep``."""
-    return slice(0, sel.start) if isinstance(sel, slice) else ~keep
+def evicted_rows(sel: Union[slice, np.ndarray]) -> Union[slice, np.ndarray]:
+    """The complement of :func:`survivors`' answer ``sel``."""
+    return slice(0, sel.start) if isinstance(sel, slice) else ~sel
+
+
+def count(sel: Union[slice, np.ndarray]) -> int:
+    """How many rows :func:`survivors`' answer ``sel`` keeps."""
+    return sel.stop - sel.start if isinstance(sel, slice) else int(np.count_nonzero(sel))
 
 
 def positions(sel: Union[slice, np.ndarray], idx: np.ndarray) -> np.ndarray:
@@ -112,7 +115,7 @@ def kept(old: np.ndarray, sel: Union[slice, np.ndarray], new: np.ndarray) -> np.
     new = np.asarray(new)
     if new.dtype != old.dtype or new.shape[1:] != old.shape[1:]:
         return np.concatenate([old[sel], new])
-    s = int(np.count_nonzero(sel))
+    s = count(sel)
     n = s + len(new)
     fresh = _fresh(n, old)
     np.compress(sel, old, axis=0, out=fresh[:s])

@@ -14,7 +14,7 @@ from ....errors import UnsupportedTypeError
 from ..names import REPLAY, REPLAY_META, log
 from .buffers import _Kind, _attributes, buffer_kind, common_meta, extra_attrs, handled_attrs
 from .episode_parts import LAYOUT, _EpisodeParts, _int32, _split_episode, _table
-from .growth import kept, same_rows, survivors
+from .growth import count, kept, same_rows, survivors
 from .incremental_priorities import _hook, _priorities, _priority_record, _priority_scalars, touched_by_group
 from .incremental_state import (CHUNK, DICT, EPISODES, LOG_LAYOUT, META, META_FORMAT4, PRIORITIES, SAMPLE_LIMITS,
                                 STATIC, STATIC_KEYS, Incremental, _empty_log, _encode, _raw, pack_ids)
@@ -185,7 +185,7 @@ def _new_rows(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, full: boo
     n = len(ids)
     if n != int(buffer._num_timesteps):
         raise UnsupportedTypeError(f"{bname}: {n} index entries for {buffer._num_timesteps} timesteps")
-    keep, sel, s = surviving(inc, full, evicted)
+    sel, s = surviving(inc, full, evicted)
     if not full and (n < s or not same_rows(ids[:s], inc.ids[sel])):
         raise _Misaligned("its index list changed other than by appends and evictions")
     new_keys = keys[s:]
@@ -197,20 +197,19 @@ def _new_rows(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, full: boo
         new["tree"] = _int32(new_keys[:, 2], "tree")
         hooked = _hook(buffer, inc)
         entries = _priorities({0: (buffer._sum_segment, buffer._min_segment)}, inc, sel, new, ids, s, full,
-                              hooked, touched_by_group(inc, None), bname, keep)
+                              hooked, touched_by_group(inc, None), bname)
     merge_cols(inc, new, sel, full)
     inc.ids, inc.evicted = ids, evicted
     return {"row_id": ids, **inc.cols, "layout": LAYOUT}, entries
 
 
-def surviving(inc: Incremental, full: bool, evicted: int) -> Tuple[np.ndarray, Any, int]:
-    """(which cached rows survive the evictions since the previous capture, the same as an index
+def surviving(inc: Incremental, full: bool, evicted: int) -> Tuple[Any, int]:
+    """(the cached rows that survive the evictions since the previous capture, as an index
     (:func:`.growth.survivors`: a slice, nearly always), how many)."""
     if full:
-        return np.zeros(0, bool), slice(0, 0), 0
-    keep = inc.cols["episode"] >= evicted
-    sel = survivors(keep)
-    return keep, sel, (sel.stop - sel.start if isinstance(sel, slice) else int(np.count_nonzero(keep)))
+        return slice(0, 0), 0
+    sel = survivors(inc.cols["episode"] >= evicted)
+    return sel, count(sel)
 
 
 def merge_cols(inc: Incremental, new: Dict[str, np.ndarray], sel: Any, full: bool) -> None:

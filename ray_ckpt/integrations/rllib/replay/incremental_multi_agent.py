@@ -32,7 +32,7 @@ from .buffers import _Kind, _attributes, buffer_kind, common_meta, extra_attrs, 
 from .episode_parts import LAYOUT, _EpisodeParts, _int32, _split_episode, _table
 from .incremental_capture import (_Misaligned, _append_dict, _gather, changed_keys, _log_state, _static_of, append_records,
                                   forget_parts, live_spans, merge_cols, surviving, with_retry)
-from .growth import appended, evicted_rows, same_rows, survivors
+from .growth import appended, count, evicted_rows, same_rows, survivors
 from .incremental_priorities import _hook, _priorities, _priority_record, check_freed, touched_by_group
 from .incremental_state import ENV, META_FORMAT5, ORDER, Incremental, _leaf_codes, _raw, pack_ids
 from .key_order import key_order_record, s2t_state
@@ -148,7 +148,7 @@ def _new_rows(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, full: boo
     """The live rows (survivors first, then the new ones gathered from their agent episodes) and the
     priority entries of the survivors whose module-tree leaves changed."""
     keys, ids = _ma_rows(buffer, rid, evicted, kind)
-    keep, sel, s = surviving(inc, full, evicted)
+    sel, s = surviving(inc, full, evicted)
     if not full and (len(ids) < s or not same_rows(ids[:s], inc.ids[sel])):
         raise _Misaligned("its module index lists changed other than by appends and evictions")
     nk = keys[s:]
@@ -164,7 +164,7 @@ def _new_rows(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, full: boo
         trees = {rid.module_code(m): (st, buffer._module_to_min_segment[m])
                  for m, st in buffer._module_to_sum_segment.items() if m in buffer._module_to_min_segment}
         entries = _priorities(trees, inc, sel, new, ids, s, full, hooked, touched_by_group(inc, rid.module_code),
-                              bname, keep)
+                              bname)
     merge_cols(inc, new, sel, full)
     inc.ids, inc.evicted = ids, evicted
     return {"row_id": ids, **inc.cols, "layout": LAYOUT}, entries
@@ -179,9 +179,8 @@ def _new_env(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, full: bool
         rid.lists.pop(ENV_LIST, None)
         inc.env_keys = np.empty((0, width), np.int64)
     keys, ids, known = rid.update(ENV_LIST, buffer._indices, width, tuple, evicted)
-    keep = inc.env_keys[:, 0] >= evicted
-    sel = survivors(keep)
-    s = len(inc.env_keys[sel])
+    sel = survivors(inc.env_keys[:, 0] >= evicted)
+    s = count(sel)
     if known is None:  # one id per key, -1 for a new one: the survivors' must come first
         if int(np.count_nonzero(ids >= 0)) != s or not np.all(ids[:s] >= 0):
             raise _Misaligned("its env-step index list changed other than by appends and evictions")
@@ -194,14 +193,14 @@ def _new_env(buffer: Any, rid: RowIds, inc: Incremental, kind: _Kind, full: bool
     new = keys[s:]
     rec: Dict[str, Any] = {"e": new[:, 0].copy(), "t": new[:, 1].copy()}
     if kind.prioritized:
-        rec.update(_env_leaves(buffer, inc, keys, keep, sel, s, full, bname))
+        rec.update(_env_leaves(buffer, inc, keys, sel, s, full, bname))
     inc.env_keys = keys
     if not len(new):
         return None
     return _raw(rec), int(new[:, 0].max())
 
 
-def _env_leaves(buffer: Any, inc: Incremental, keys: np.ndarray, keep: np.ndarray, sel: Any, s: int, full: bool,
+def _env_leaves(buffer: Any, inc: Incremental, keys: np.ndarray, sel: Any, s: int, full: bool,
                 bname: str) -> Dict[str, np.ndarray]:
     """The new env steps' tree indices and env-tree leaves; the survivors' leaves spot-checked (RLlib
     never changes them: a change makes this save a full one)."""
@@ -212,7 +211,7 @@ def _env_leaves(buffer: Any, inc: Incremental, keys: np.ndarray, keep: np.ndarra
         _check_neutral(mt, keys[:, 2], f"{bname}._min_segment")
         old = {k: np.empty(0, np.float64 if k[1] == "v" else np.int8) for k in ("sv", "sk", "mv", "mk")}
     else:
-        check_freed((st, mt), np.setdiff1d(inc.env_keys[evicted_rows(keep, sel), 2], tnew), f"{bname} env-step trees")
+        check_freed((st, mt), np.setdiff1d(inc.env_keys[evicted_rows(sel), 2], tnew), f"{bname} env-step trees")
         old = {k: v[sel] for k, v in inc.env_leaves.items()}
         if s:
             spot = np.unique(np.linspace(0, s - 1, min(s, SPOT)).astype(np.int64))

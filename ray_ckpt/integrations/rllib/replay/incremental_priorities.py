@@ -79,11 +79,11 @@ def check_freed(trees: Tuple[Any, ...], freed: np.ndarray, what: str) -> None:
 
 
 def _priorities(trees: Trees, inc: Incremental, sel: Any, new: Dict[str, np.ndarray], ids: np.ndarray,
-                s: int, full: bool, hooked: bool, touched: Dict[int, List[int]], bname: str,
-                keep: Optional[np.ndarray] = None) -> List[Dict[str, np.ndarray]]:
+                s: int, full: bool, hooked: bool, touched: Dict[int, List[int]], bname: str
+                ) -> List[Dict[str, np.ndarray]]:
     """New rows' ``prio`` columns; the log entries of the old rows whose leaves changed (``touched``:
     tree indices ``update_priorities`` was given since the last capture, per group). ``sel``: the
-    surviving cached rows (:func:`.growth.survivors` of ``keep``): where it is a slice the
+    surviving cached rows (:func:`.growth.survivors`): where it is a slice the
     survivors' columns are views, and the work per save is O(new and touched rows)."""
     tnew = new["tree"].astype(np.int64)
     gnew = _groups_of(new, len(tnew))
@@ -113,7 +113,7 @@ def _priorities(trees: Trees, inc: Incremental, sel: Any, new: Dict[str, np.ndar
         inc.tree_to_row = {}
         changed_pos = np.arange(s) if not full else np.empty(0, np.int64)
     else:
-        ev = evicted_rows(keep, sel)
+        ev = evicted_rows(sel)
         gone = inc.cols["tree"][ev].astype(np.int64)
         ggone = inc.cols["module"][ev].astype(np.int64) if "module" in inc.cols else np.zeros(len(gone), np.int64)
         rows = []

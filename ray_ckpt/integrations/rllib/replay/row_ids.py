@@ -11,7 +11,7 @@ import numpy as np
 from ....errors import UnsupportedTypeError
 from ..names import log
 from .episode_parts import _EpisodeParts
-from .growth import appended, survivors
+from .growth import appended, count, kept, positions, survivors
 from .values import _Spaces, _type_name
 
 
@@ -77,14 +77,14 @@ class RowIds:
         # the survivors as views (RLlib evicts oldest first), the new keys appended after them: no
         # copy of every key each save (.growth)
         sel = survivors(lst.keys[:, 0] >= evicted)
-        keys, ids = lst.keys[sel], lst.ids[sel]
-        s = len(keys)
-        ok = len(current) >= s and (s == 0 or (tuple(encode(current[0])) == tuple(keys[0])
-                                               and tuple(encode(current[s - 1])) == tuple(keys[s - 1])))
+        s = count(sel)
+        ends = lst.keys[positions(sel, np.array([0, s - 1]))] if s else None  # the first and last survivors
+        ok = len(current) >= s and (s == 0 or (tuple(encode(current[0])) == tuple(ends[0])
+                                               and tuple(encode(current[s - 1])) == tuple(ends[1])))
         if ok:
             tail = current[s:]
             new = np.array([encode(x) for x in tail], np.int64).reshape(len(tail), width)
-            return appended(keys, new), ids, s
+            return kept(lst.keys, sel, new), lst.ids[sel], s
         # slow path: the list changed other than by RLlib's add (appends + evictions)
         allk = np.array([encode(x) for x in current], np.int64).reshape(len(current), width)
         known = {tuple(k): i for k, i in zip(lst.keys.tolist(), lst.ids.tolist())}
