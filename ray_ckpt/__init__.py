@@ -7,13 +7,13 @@ from typing import Any
 
 from .errors import (CheckpointError, IntegrityError, InvalidArgumentError, OwnershipError, RestoreError, SaveError,
                      SaveTimeoutError, UnsupportedTypeError)
-from .types import (CheckpointMeta, Durability, OnBusy, RestoreReport, SaveResult, StateReport, StateStatus, Strategy,
-                    TierName)
+from .types import (CheckpointMeta, Durability, OnBusy, OnPreemption, PreemptionNotice, RestoreReport, SaveResult,
+                    StateReport, StateStatus, Strategy, TierName)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointEngine", "SaveHandle", "Strategy", "OnBusy", "Durability", "StateStatus", "TierName", "SaveResult", "RestoreReport", "StateReport",
+    "CheckpointEngine", "SaveHandle", "Strategy", "OnBusy", "Durability", "StateStatus", "TierName", "OnPreemption", "PreemptionNotice", "SaveResult", "RestoreReport", "StateReport",
     "CheckpointMeta", "CheckpointError", "SaveError", "SaveTimeoutError", "RestoreError", "IntegrityError",
     "InvalidArgumentError", "UnsupportedTypeError", "OwnershipError", "actor_provider", "actor_method", "rng_state", "set_rng_state",
     "fence", "state_from_snapshot",

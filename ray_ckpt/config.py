@@ -8,6 +8,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 from .storage.layout import join_uri, validate_name
 from .storage.retention import RetentionPolicy
 from .storage.tier import Tier
+from .types import OnPreemption
 
 CHECK_ENV = "RAY_CKPT_OVERLAP_CHECK"
 
@@ -74,6 +75,10 @@ class EngineConfig:
     peer_memory_mb: Optional[float] = None
     # a node label naming the failure domain (e.g. "zone"): replicas go to nodes whose value differs
     peer_domain_label: Optional[str] = None
+    # what a preemption notice (Ray drains a node of the run with a deadline) does: "save" copies the
+    # node's only copies away and lets save_if_preempted() save once more; "evacuate" only copies;
+    # "ignore" does neither (see coordinator/evacuation.py)
+    on_preemption: str = "save"
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -106,6 +111,7 @@ class EngineConfig:
         for name in ("direct_io", "prefault_object_store", "prefault_needed", "overlap", "overlap_check"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        self.on_preemption = OnPreemption.parse(self.on_preemption)
         if self.compression not in (None, "zstd", "lz4"):
             raise ValueError(f"compression must be None, 'zstd' or 'lz4', got {self.compression!r}")
         self.local_policy()  # validates retention arguments

@@ -16,6 +16,8 @@ lists them all. Recording never raises: a metrics problem must not fail a checkp
 | ``ray_ckpt_failures_total`` | counter | run, kind | failed saves (``kind="save"``) and uploads (``"upload"``) |
 | ``ray_ckpt_saves_in_flight`` | gauge | run | versions accepted and not settled |
 | ``ray_ckpt_last_commit_timestamp_seconds`` | gauge | run, tier | unix time of the newest commit per tier |
+| ``ray_ckpt_evacuated_versions_total`` | counter | run, outcome | versions a preemption notice copied away (``outcome="moved"``) or could not (``"lost"``) |
+| ``ray_ckpt_preemption_deadline_timestamp_seconds`` | gauge | run | unix time of the deadline of the notice in force (0: none) |
 
 Alert on "no checkpoint committed in 30 minutes":
 ``time() - max by (run, tier) (ray_ckpt_last_commit_timestamp_seconds) > 1800``.
@@ -40,10 +42,12 @@ COMMITS = "ckpt_commits_total"
 FAILURES = "ckpt_failures_total"
 SAVES_IN_FLIGHT = "ckpt_saves_in_flight"
 LAST_COMMIT = "ckpt_last_commit_timestamp_seconds"
+EVACUATED = "ckpt_evacuated_versions_total"
+PREEMPTION_DEADLINE = "ckpt_preemption_deadline_timestamp_seconds"
 
 SCRAPED_PREFIX = "ray_"
 NAMES = (SAVE_LATENCY, SNAPSHOT_PAUSE, RESTORE_LATENCY, WRITTEN_BYTES, COMMITS, FAILURES, SAVES_IN_FLIGHT,
-         LAST_COMMIT)
+         LAST_COMMIT, EVACUATED, PREEMPTION_DEADLINE)
 SCRAPED = tuple(SCRAPED_PREFIX + n for n in NAMES)
 
 
@@ -69,6 +73,10 @@ class Metrics:
             self.in_flight = Gauge(SAVES_IN_FLIGHT, "Versions accepted but not settled", tag_keys=("run",))
             self.last_commit = Gauge(LAST_COMMIT, "Unix time of the newest commit per tier",
                                      tag_keys=("run", "tier"))
+            self.evacuated_versions = Counter(EVACUATED, "Versions a preemption notice copied away or could not",
+                                              tag_keys=("run", "outcome"))
+            self.preemption_deadline = Gauge(PREEMPTION_DEADLINE, "Unix time of the deadline of the preemption "
+                                             "notice in force (0: none)", tag_keys=("run",))
             self.enabled = True
         except Exception as exc:  # pragma: no cover - metrics are optional
             log.warning("ray metrics unavailable: %s", exc)
@@ -104,6 +112,15 @@ class Metrics:
 
     def set_in_flight(self, n: int) -> None:
         self._do(self.in_flight.set, float(n))
+
+    def evacuated(self, outcome: str) -> None:
+        """A version a preemption notice copied away (``"moved"``) or could not (``"lost"``)."""
+        self._do(self.evacuated_versions.inc, 1.0, outcome=outcome)
+
+    def preemption(self, deadline: Optional[float]) -> None:
+        """The deadline of the notice in force (None: no notice; a drain without one: 0 as well)."""
+        d = deadline if deadline is not None and deadline != float("inf") else 0.0
+        self._do(self.preemption_deadline.set, float(d))
 
     def restored(self, seconds: float) -> None:
         self._do(self.restore_latency.observe, seconds)

@@ -163,6 +163,8 @@ class CoordinatorStatus:
     unplaced_writers: Dict[str, str] = field(default_factory=dict)
     # peer replicas (create(..., peer_replicas=N)): version -> the nodes whose holders have its files
     replicas: Dict[int, Tuple[str, ...]] = field(default_factory=dict)
+    # a preemption notice (coordinator/evacuation.py): the one in force, else the last (None: never)
+    preemption: Optional[Dict[str, Any]] = None
 
     def to_dict(self) -> Dict[str, Any]:
         """The form ``engine.status()`` returns to users (a dict a person or a dashboard reads)."""
@@ -181,7 +183,8 @@ class CoordinatorStatus:
                 "failures": self.failures, "last_error": self.last_error, "started_at": self.started_at,
                 "node": self.node, "writer_nodes": dict(self.writer_nodes), "upload_owed": self.upload_owed,
                 "skipped_versions": dict(self.skipped_versions), "unplaced_writers": dict(self.unplaced_writers),
-                "replicas": {v: list(nodes) for v, nodes in self.replicas.items()}}
+                "replicas": {v: list(nodes) for v, nodes in self.replicas.items()},
+                "preemption": self.preemption}
 
 
 @dataclass(frozen=True)

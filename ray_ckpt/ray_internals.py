@@ -28,6 +28,11 @@ internal                                                  why there is no public
                                                           Python objects, and keying on the handle itself
                                                           would keep the actor referenced from a cache.
                                                           A handle exposes no public id.
+``ray._private.state.state``                              Which nodes Ray drains and by when (preemption
+(``GlobalState.get_draining_nodes``)                      notices): the node table (``ray.nodes()``) does not
+                                                          say that a live node is being drained. What Ray
+                                                          Train's preemption watcher and Serve's node cache
+                                                          read; no public API yet.
 ``__ray_ready__`` (every actor's built-in method)         Wait until an actor has started (its constructor
                                                           ran) without a method of our own on every actor
                                                           class (writers, coordinator, mailbox).
@@ -68,6 +73,9 @@ INTERNALS = (
     Internal("ray._private.state", "jobs", "attribute", "whether the job that owns a run still runs"),
     Internal("ray.experimental", "get_object_locations", "attribute",
              "which node holds a snapshot (its writer writes it there)"),
+    Internal("ray._private.state", "state", "attribute", "the GCS state accessor (draining nodes)"),
+    Internal("ray._private.state:GlobalState", "get_draining_nodes", "attribute",
+             "preemption notices: which nodes Ray drains, with their deadlines"),
     Internal("ray.actor:ActorHandle", "_actor_id", "property", "one wait call per coordinator, shared by handles"),
     Internal("ray.actor", "__ray_ready__", "actor_method", "waiting until an actor has started"),
     Internal("ray.actor", "__ray_call__", "actor_method", "the engine's actor protocol (snapshot, restore)"),
@@ -158,6 +166,15 @@ def object_locations(refs: Sequence[Any]) -> Dict[Any, Dict[str, Any]]:
     import ray.experimental
 
     return ray.experimental.get_object_locations(list(refs))
+
+
+def draining_nodes() -> Dict[str, float]:
+    """{node id (hex): deadline as unix time} of the nodes Ray is draining (``ray drain-node``, the
+    autoscaler's preemption and idle drains); ``inf`` for a drain without a deadline. Raises where
+    Ray cannot be asked (the caller reports it and asks again)."""
+    from ray._private import state
+
+    return {node: (ms / 1000.0 if ms else float("inf")) for node, ms in state.state.get_draining_nodes().items()}
 
 
 def actor_id_hex(handle: Any) -> str:

@@ -188,3 +188,71 @@ class CheckpointMeta:
     metrics: Dict[str, float] = field(default_factory=dict)
     missing: Tuple[str, ...] = ()   # best-effort states that failed (reported, not fatal)
     pending: Tuple[str, ...] = ()   # best-effort states still being written
+
+
+class OnPreemption(_StrEnum):
+    """What a run does when Ray drains a node that holds any of it with a deadline (a preemption
+    notice; ``create(..., on_preemption=...)``).
+
+    SAVE: copy that node's only copies away before the deadline, and ``save_if_preempted()`` (the
+    integrations call it at each step boundary) saves once more whatever the cadence (the default).
+    EVACUATE: copy away only; no extra save. IGNORE: do nothing (the node's copies go with it)."""
+
+    SAVE = "save"
+    EVACUATE = "evacuate"
+    IGNORE = "ignore"
+
+    @classmethod
+    def parse(cls, value: "OnPreemption | str") -> "OnPreemption":
+        try:
+            return value if isinstance(value, OnPreemption) else cls(value)
+        except ValueError:
+            raise ValueError(f"on_preemption must be 'save', 'evacuate' or 'ignore', got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class PreemptionNotice:
+    """A drain of nodes that hold part of this run, as ``engine.preemption()`` returns it.
+
+    ``nodes``: the drained nodes (hex ids) that hold anything of the run (files of committed
+    versions on their local tier, replica holders, writers); ``deadline``: unix time at which Ray
+    may take the first of them (``inf``: the drain named no deadline); ``states``: the states whose
+    newest stored parts were written on those nodes, with their ``ranks`` (the learners that will
+    go); ``moved``: steps that got a copy elsewhere (the remote tier, else a replica on another
+    node) since the notice; ``moving``: steps whose copy is under way; ``lost``: steps that could
+    not be moved in time, each with why (they are no longer listed once the node is gone);
+    ``saved_step``: the step of the last save taken for this notice (``save_if_preempted``)."""
+
+    nodes: Tuple[str, ...]
+    deadline: float
+    noticed_at: float
+    states: Tuple[str, ...] = ()
+    ranks: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
+    moved: Tuple[int, ...] = ()
+    moving: Tuple[int, ...] = ()
+    lost: Dict[int, str] = field(default_factory=dict)
+    saved_step: Optional[int] = None
+
+    def seconds_left(self, now: Optional[float] = None) -> float:
+        """Seconds until the deadline (negative once it passed; ``inf`` without one)."""
+        import time
+
+        return self.deadline - (time.time() if now is None else now)
+
+    def to_dict(self) -> Dict[str, object]:
+        """The form ``status()["preemption"]`` shows (node ids cut to 12 characters)."""
+        return {"nodes": [n[:12] for n in self.nodes], "deadline": self.deadline,
+                "seconds_left": round(self.seconds_left(), 1), "states": list(self.states),
+                "ranks": {k: list(v) for k, v in self.ranks.items()}, "moved": list(self.moved),
+                "moving": list(self.moving), "lost": dict(self.lost), "saved_step": self.saved_step}
+
+    def __str__(self) -> str:
+        left = self.seconds_left()
+        when = "no deadline" if left == float("inf") else f"{left:.0f}s left"
+        out = [f"preemption notice: node(s) {', '.join(n[:12] for n in self.nodes)} drained, {when}"]
+        if self.states:
+            out.append(f"  states there: {', '.join(self.states)}")
+        out.append(f"  moved: {list(self.moved) or '-'}; moving: {list(self.moving) or '-'}")
+        for step, why in sorted(self.lost.items()):
+            out.append(f"  lost step {step}: {why}")
+        return "\n".join(out)

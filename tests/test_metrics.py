@@ -15,7 +15,7 @@ OPERATIONS = os.path.join(os.path.dirname(HERE), "docs", "operations.md")
 
 
 def test_names_follow_prometheus_conventions():
-    counters = {metrics.WRITTEN_BYTES, metrics.COMMITS, metrics.FAILURES}
+    counters = {metrics.WRITTEN_BYTES, metrics.COMMITS, metrics.FAILURES, metrics.EVACUATED}
     for name in metrics.NAMES:
         assert re.fullmatch(r"ckpt_[a-z_]+", name), name  # registered; Ray's exporter adds "ray_"
         assert name.endswith("_total") == (name in counters), name  # counters, and only they

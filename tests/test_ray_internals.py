@@ -65,6 +65,9 @@ def test_the_accessors_answer_on_a_running_ray(ray_session):
     assert internals.job_alive(job) is True
     assert internals.job_alive("ffffffff") is False
 
+    # nothing is drained on a fresh local cluster (tests/preemption_scenario.py drains a node for real)
+    assert internals.draining_nodes() == {}
+
     # an object too big to be inlined lives in this node's object store
     ref = ray.put(b"x" * (1 << 20))
     node = ray.get_runtime_context().get_node_id()

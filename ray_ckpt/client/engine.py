@@ -26,6 +26,7 @@ from ..errors import CheckpointError, InvalidArgumentError, InvalidSaveError
 from ..formats.manifest import Manifest
 from .handle import SaveHandle, _shared_wait
 from .in_flight import InFlightSaves
+from .preemption import PreemptionNotices
 from ..coordinator.lease import OwnerLease
 from ..coordinator.live_options import passed_options
 from ..storage.ownership import DEFAULT_LEASE_S
@@ -42,7 +43,7 @@ from ..storage.layout import validate_name
 from ..types import CheckpointMeta, OnBusy, RestoreReport, SaveResult, StateReport, Strategy
 
 
-class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes):
+class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes, PreemptionNotices):
     """Get one with ``create()`` (driver) or ``connect()`` (any process of the cluster)."""
 
     def __init__(self, coordinator: Any, config: EngineConfig):

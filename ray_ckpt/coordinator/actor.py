@@ -57,11 +57,12 @@ from ..errors import SaveError, one_line
 from ..formats.manifest import Manifest
 from .lease import ray_identity
 from ..metrics import Metrics
-from ..types import step_label
+from ..types import PreemptionNotice, step_label
 from ..ray_internals import actor_ready
 from ..protocol import (CoordinatorStatus, Declaration, PartPlan, PushedPart, SaveOutcome, StoredState, SubmitAck,
                         SubmitBatchResult)
 from .recovery import DECLARED, DRIVER_STATES, recover
+from .evacuation import Evacuation
 from .replication import Replication
 from .run_guards import GcNoticeWatch, OwnerFence
 from .uploader import Uploader
@@ -119,6 +120,12 @@ class CheckpointCoordinator:
         self.replication = Replication(config, self.local, self.pools, self.catalogue, self.uploads, self.skipped,
                                        self.file_nodes, self.node_id, self._in_background, self._set_error)
         self.queries.replication = self.replication
+        # preemption notices (evacuation.py): a drained node's only copies go elsewhere before its deadline
+        self.evacuation = Evacuation(config.on_preemption, self.catalogue, self.uploads,
+                                     self.uploader if self.remote is not None else None, self.replication,
+                                     self.file_nodes, self.node_id, self.pools, self.metrics, self._in_background,
+                                     self._set_error)
+        self.queries.evacuation = self.evacuation
         self.versions = VersionCommits(config, self.local, self.catalogue, self.uploads, self.uploader, self.deletions,
                                        self.metrics, self.node_id, self.file_nodes, self.accepted_at, self.fence,
                                        self._raise_head, self._in_background, self._set_error,
@@ -185,6 +192,11 @@ class CheckpointCoordinator:
                                    last_error=self.last_error, started_at=self.started_at, node=self.node_id)
 
     @ray.method(concurrency_group="queries")
+    def preemption(self) -> Optional[PreemptionNotice]:
+        """The preemption notice in force (a drained node of the run), or None (evacuation.py)."""
+        return self.evacuation.active()
+
+    @ray.method(concurrency_group="queries")
     def cpu_seconds(self) -> float:
         """CPU time this coordinator process has used (all threads), for benchmarks/scale.py."""
         return time.process_time()
@@ -213,6 +225,7 @@ class CheckpointCoordinator:
         self._resume_uploads()
         self.gc_watch.start()
         self.replication.start()
+        self.evacuation.start()
         self.fence.check_caller(token)
         t0 = time.perf_counter()
         version = step
@@ -268,6 +281,7 @@ class CheckpointCoordinator:
         self._resume_uploads()
         self.gc_watch.start()
         self.replication.start()
+        self.evacuation.start()
         self.counts["submit_calls"] += 1
         self.counts["pushed_parts"] += len(parts)
         rejected: Dict[int, str] = {}
@@ -392,6 +406,7 @@ class CheckpointCoordinator:
         self._resume_uploads()
         self.gc_watch.start()
         self.replication.start()
+        self.evacuation.start()
         await asyncio.gather(*[actor_ready(w) for w in self.pools.all()])
         return True
 

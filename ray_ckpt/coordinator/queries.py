@@ -27,6 +27,7 @@ class CoordinatorQueries:
                  pools: WriterPools):
         self.run, self.catalogue, self.uploads, self.skipped, self.pools = run, catalogue, uploads, skipped, pools
         self.replication: Any = None  # replication.Replication, set by the actor (peer copies in list/status)
+        self.evacuation: Any = None  # evacuation.Evacuation, set by the actor (the preemption notice in status)
 
     def last_version(self) -> int:
         return max([self.catalogue.last_version] + list(self.uploads.committed))
@@ -96,4 +97,5 @@ class CoordinatorQueries:
             writer_nodes={n[:12]: len(p) for n, p in self.pools.critical_by_node.items()},
             unplaced_writers={n[:12]: why for n, why in self.pools.unplaced.items()},
             upload_owed=self.uploads.owed, skipped_versions=self.skipped_versions(),
-            replicas=self.replication.replicas() if self.replication is not None else {})
+            replicas=self.replication.replicas() if self.replication is not None else {},
+            preemption=self.evacuation.status() if self.evacuation is not None else None)

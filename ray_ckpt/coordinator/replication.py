@@ -75,6 +75,7 @@ class Replication:
         self.dead: Set[str] = set()  # nodes judged lost
         self.table_dead: Set[str] = set()  # nodes Ray's node table lists dead, as last read
         self.short: Dict[int, str] = {}  # version -> why it has fewer copies than asked
+        self.draining: Set[str] = set()  # nodes Ray drains (evacuation.py): no new copy goes there
         self._task: Optional[asyncio.Future] = None
         self._lock = asyncio.Lock()  # one pass of sends at a time
 
@@ -126,6 +127,41 @@ class Replication:
     async def _fill(self, version: int) -> List[str]:
         """Send ``version``'s files where copies are missing; returns what could not be done."""
         sends, problems = self._plan(version)
+        return await self._carry_out(version, sends, problems)
+
+    async def copy_away(self, version: int, draining: Set[str]) -> List[str]:
+        """Give each of ``version``'s held files whose only copies are on ``draining`` nodes one copy
+        on a holder of a node that stays (a preemption notice, without a remote tier); returns what
+        could not be done."""
+        async with self._lock:
+            if not self.alive:
+                await self._read_nodes()
+            m = self.catalogue.committed.get(version)
+            if m is None:
+                return [f"step {version} is no longer listed"]
+            held = self.copies.setdefault(version, {})
+            sends: Dict[Tuple[str, str, str], List[FileEntry]] = {}
+            problems: List[str] = []
+            for f in held_files(m):
+                have = held.setdefault(f.path, set())
+                have.intersection_update(self.alive)
+                src = self.file_nodes.get(f.path, self.node_id)
+                if src not in draining or have - draining:
+                    continue
+                targets = self._targets(src, have, 1)
+                if not targets:
+                    problems.append(f"{f.path}: no node that stays to hold a copy ({len(self.alive)} node(s) alive, "
+                                    f"{len(draining)} drained)")
+                elif src in self.pools.critical_by_node:
+                    sends.setdefault(("writer", src, targets[0]), []).append(f)
+                elif have:
+                    sends.setdefault(("holder", sorted(have)[0], targets[0]), []).append(f)
+                else:
+                    problems.append(f"{f.path}: no writer on node {src[:12]} to send it")
+            return await self._carry_out(version, sends, problems)
+
+    async def _carry_out(self, version: int, sends: Dict[Tuple[str, str, str], List[FileEntry]],
+                         problems: List[str]) -> List[str]:
         held = self.copies.get(version, {})
         calls = [(key, fs, self._send(version, key, fs)) for key, fs in sends.items()]
         for (how, src, target), fs, ref in calls:
@@ -195,7 +231,7 @@ class Replication:
             return []
         label = self.cfg.peer_domain_label
         domain = self.alive.get(src, {}).get(label) if label else None
-        ok = [n for n in self.alive if n != src and n not in have
+        ok = [n for n in self.alive if n != src and n not in have and n not in self.draining
               and (label is None or (self.alive[n].get(label) is not None and self.alive[n].get(label) != domain))]
         return sorted(ok, key=lambda n: (self.held_bytes.get(n, 0), n))[:need]
 

@@ -73,6 +73,17 @@ class Uploader:
     def start(self, version: int) -> None:
         self._in_background(self.upload(version))
 
+    def upload_now(self, version: int) -> asyncio.Future:
+        """Upload ``version`` now, whatever ``remote_every`` says (a preemption notice evacuates
+        it); returns the upload's future. A remote handle that had failed because it was not this
+        version's turn waits for this upload instead."""
+        fut = self.futures.get(version)
+        if fut is not None and fut.done() and (fut.cancelled() or fut.exception() is not None):
+            del self.futures[version]
+        self.future(version)
+        self.plan.uploading.add(version)
+        return self._in_background(self.upload(version))
+
     def resume(self) -> None:
         """Start the uploads found undone at start-up (needs the event loop: first async call)."""
         for v in self.plan.take_resume():

@@ -105,8 +105,11 @@ class RayCkptCallback(RLlibCallback):
                         **kwargs: Any) -> None:
         self._collect(block=False)
         it = int(algorithm.iteration)
-        if it % self.settings.every == 0:
-            self.save(algorithm, it, result=result)
+        due = it % self.settings.every == 0
+        # a preemption notice (a drained node of the run): one more save now, whatever the cadence
+        last = self.engine.preemption_save_due() if self.engine is not None else None
+        if due or last is not None:
+            self.save(algorithm, it, result=result, on_busy=None if due else "queue")
         if isinstance(result, dict):
             result["ray_ckpt"] = self.summary()
 

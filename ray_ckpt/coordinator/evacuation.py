@@ -1,0 +1,257 @@
+"""Preemption notices: when Ray drains a node that holds part of the run, copy what only that node
+holds elsewhere before its deadline.
+
+Clouds warn before they take a spot node (30 s to 2 min); Ray passes the warning on by draining the
+node with a deadline (the autoscaler's preemption drain, or ``ray drain-node --reason
+DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds N``). The coordinator reads Ray's draining
+nodes every ``DRAIN_POLL_S`` (``ray_internals.draining_nodes``) and, for a drained node that holds
+anything of the run (files of committed versions on its local tier, a replica holder, writers):
+
+* **evacuates**: every committed version with a critical or reloadable file whose only copies are on
+  draining nodes (not uploaded, no replica on a node that stays) is copied away, newest first, one
+  at a time so that the newest make it when time runs short: to the remote tier whatever
+  ``remote_every`` says, else to a replica holder on a node that stays. Versions that commit during
+  the notice (the trainer's last save) are taken as they come, newest first again;
+* **reports** it: ``engine.preemption()`` / ``status()["preemption"]`` hold the notice (nodes,
+  deadline, the states and ranks whose newest parts were written there, what was moved, what is
+  moving, what could not be moved and why); the metrics count moved and lost versions;
+* lets the trainer **save once more**: ``engine.save_if_preempted(step)`` (client side) saves when a
+  notice is active and ``on_preemption="save"``.
+
+What the deadline leaves unmoved is reported lost; once the node is gone the node watch of
+``replication.py`` stops listing such versions (their files are on its disk only), as for any node
+lost without notice. A drain Ray ends while the node stays (cancelled) ends the notice and changes
+nothing. The writers on a draining node keep serving until it goes: they are the only processes
+that can read its disk, so the evacuation uploads through them; replicas are never placed on a
+draining node (``Replication.draining``).
+
+An idle-termination drain is accepted by Ray only for a node that runs nothing, so a node that runs
+a learner or a writer of the run is drained this way only for a preemption (or by an operator):
+every notice is treated alike, and the last save is the trainer's call.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
+
+from ..errors import one_line
+from ..formats.manifest import Manifest
+from ..metrics import Metrics
+from ..ray_internals import draining_nodes
+from ..types import OnPreemption, PreemptionNotice
+from .catalogue import Catalogue
+from .replication import Replication, held_files
+from .upload_plan import UploadPlan
+from .uploader import Uploader
+
+log = logging.getLogger("ray_ckpt.coordinator")
+
+DRAIN_POLL_S = 1.0  # how often Ray's draining nodes are read (a notice is acted on within about this)
+
+
+def at_risk(committed: Mapping[int, Manifest], file_nodes: Mapping[str, str], default_node: str,
+            draining: Set[str], uploaded: Set[int], replicas: Mapping[int, Mapping[str, Set[str]]],
+            alive: Optional[Set[str]] = None) -> List[int]:
+    """The committed versions, newest first, that a loss of the ``draining`` nodes would cost: a
+    critical or reloadable file of theirs was written on a draining node (``file_nodes``; a file
+    without a node is on ``default_node``'s disk) and has no copy that stays (not ``uploaded``, no
+    replica on a live node outside ``draining``)."""
+    out = []
+    for v in sorted(committed, reverse=True):
+        if v in uploaded:
+            continue
+        held = replicas.get(v, {})
+        for f in held_files(committed[v]):
+            if file_nodes.get(f.path, default_node) not in draining:
+                continue
+            elsewhere = set(held.get(f.path, ())) - draining
+            if alive is not None:
+                elsewhere &= alive
+            if not elsewhere:
+                out.append(v)
+                break
+    return out
+
+
+def affected(manifest: Optional[Manifest], file_nodes: Mapping[str, str], default_node: str,
+             draining: Set[str]) -> Tuple[Tuple[str, ...], Dict[str, Tuple[int, ...]]]:
+    """The states (and their ranks) of ``manifest`` whose parts were written on a ``draining`` node:
+    the learners that stand to go with it."""
+    ranks: Dict[str, Set[int]] = {}
+    for name, entry in (manifest.states.items() if manifest is not None else ()):
+        for rank, files in entry.files.items():
+            if any(file_nodes.get(f.path, f.node or default_node) in draining for f in files):
+                ranks.setdefault(name, set()).add(int(rank))
+    return tuple(sorted(ranks)), {n: tuple(sorted(r)) for n, r in sorted(ranks.items())}
+
+
+class Evacuation:
+    """The coordinator's watch of Ray's draining nodes, and the copies it makes before a deadline."""
+
+    def __init__(self, policy: OnPreemption, catalogue: Catalogue, uploads: UploadPlan, uploader: Optional[Uploader],
+                 replication: Replication, file_nodes: Dict[str, str], node_id: str, pools: Any, metrics: Metrics,
+                 in_background: Callable[[Any], Any], set_error: Callable[[str], None]):
+        self.policy, self.catalogue, self.uploads, self.uploader = policy, catalogue, uploads, uploader
+        self.replication, self.file_nodes, self.node_id, self.pools = replication, file_nodes, node_id, pools
+        self.metrics, self._in_background, self._set_error = metrics, in_background, set_error
+        self.draining: Dict[str, float] = {}  # node -> deadline (unix time), nodes that hold part of the run
+        self.noticed_at: Optional[float] = None  # when the current notice began
+        self.moved: Set[int] = set()
+        self.moving: Set[int] = set()
+        self.lost: Dict[int, str] = {}
+        self.last: Optional[PreemptionNotice] = None  # the newest notice, kept for status() once it ended
+        self.poll_error: Optional[str] = None
+        self._mover: Optional[asyncio.Future] = None
+        self._task: Optional[asyncio.Future] = None
+
+    # ------------------------------------------------------------------ the watch
+    def start(self) -> None:
+        if self._task is None and self.policy != OnPreemption.IGNORE:
+            self._task = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                await self.poll(await asyncio.to_thread(draining_nodes))
+                self.poll_error = None
+            except Exception as exc:  # the next poll tries again; status() says why meanwhile
+                if self.poll_error is None:
+                    log.warning("reading Ray's draining nodes failed: %s", one_line(exc))
+                self.poll_error = f"reading Ray's draining nodes failed: {one_line(exc)}"
+            await asyncio.sleep(DRAIN_POLL_S)
+
+    def holds(self, node: str) -> bool:
+        """Whether ``node`` holds anything of the run: files on its local tier, writers, a replica holder."""
+        return (node in self.pools.critical_by_node or node in self.replication.holders
+                or node in set(self.file_nodes.values()))
+
+    async def poll(self, found: Mapping[str, float]) -> None:
+        """One reading of Ray's draining nodes (node -> deadline): begin, extend or end the notice,
+        and keep the mover going while something is at risk."""
+        ours = {n: d for n, d in found.items() if self.holds(n)}
+        ended = set(self.draining) - set(ours)
+        if ended:
+            alive = set(self.replication.alive)
+            stayed = sorted(n[:12] for n in ended if n in alive and n not in self.replication.dead)
+            if stayed:
+                log.warning("the drain of node(s) %s ended and the node(s) stay; the notice ends", ", ".join(stayed))
+        new = set(ours) - set(self.draining)
+        if new:
+            left = min(ours[n] for n in new) - time.time()
+            log.warning("preemption notice: node(s) %s drained (%s); copying what only they hold elsewhere",
+                        ", ".join(n[:12] for n in sorted(new)), "no deadline" if left == float("inf") else
+                        f"{left:.0f}s left")
+            if not self.draining:
+                self.noticed_at, self.moved, self.lost = time.time(), set(), {}
+        self.draining = dict(ours)
+        self.replication.draining = set(ours)
+        if new or ended:
+            self.metrics.preemption(min(ours.values()) if ours else None)
+        if self.draining:
+            self.last = self.notice()
+            if self._mover is None or self._mover.done():
+                if self.pending():
+                    self._mover = self._in_background(self._move_all())
+        elif ended:
+            self.last = self.notice(ended=True)
+
+    def pending(self) -> List[int]:
+        """The versions still at risk that no move has taken up yet, newest first (a version moved
+        once is not moved again: remote retention may delete its copy as soon as it lands)."""
+        return [v for v in self.risky() if v not in self.moving and v not in self.lost and v not in self.moved]
+
+    def risky(self) -> List[int]:
+        return at_risk(self.catalogue.committed, self.file_nodes, self.node_id, set(self.draining),
+                       set(self.uploads.committed), self.replication.copies, set(self.replication.alive) or None)
+
+    # ------------------------------------------------------------------ moving
+    async def _move_all(self) -> None:
+        """Move at-risk versions one at a time, newest first, until none is left or the deadline
+        passes (what is left then is reported lost)."""
+        while self.draining:
+            todo = self.pending()
+            if not todo:
+                return
+            v = todo[0]
+            left = min(self.draining.values()) - time.time()
+            if left <= 0:
+                for v in todo:
+                    self._lose(v, "the deadline passed before its turn to be copied")
+                return
+            self.moving.add(v)
+            try:
+                why_not = await self._move(v, left)
+            finally:
+                self.moving.discard(v)
+            if why_not is None:
+                self.moved.add(v)
+                self.lost.pop(v, None)
+                self.metrics.evacuated("moved")
+                log.warning("preemption: step %d copied away from node(s) %s", v,
+                            ", ".join(n[:12] for n in sorted(self.draining)))
+            else:
+                self._lose(v, why_not)
+            self.last = self.notice()
+
+    def _lose(self, version: int, why: str) -> None:
+        if version not in self.lost:
+            self.metrics.evacuated("lost")
+        self.lost[version] = why
+        msg = f"preemption: step {version} could not be copied away before the deadline: {why}"
+        self._set_error(msg)
+        log.error(msg)
+
+    async def _move(self, version: int, left: float) -> Optional[str]:
+        """Copy ``version`` away within ``left`` seconds; None when done, else why not."""
+        if self.uploader is not None:
+            task = self.uploader.upload_now(version)
+            done, _ = await asyncio.wait({task}, timeout=left)
+            if version in self.uploads.committed:
+                return None
+            if not done:  # it goes on: if it ends before the node goes, the version is kept after all
+                task.add_done_callback(lambda _t, v=version: self._late(v))
+                got, total = self.uploader.progress(version) or (0, 0)
+                err = self.uploads.errors.get(version)
+                return (f"the deadline passed with its upload at {got} of {total} bytes"
+                        + (f" (last error: {err})" if err else ""))
+            return self.uploads.errors.get(version) or "its upload ended without a remote copy"
+        try:
+            problems = await asyncio.wait_for(self.replication.copy_away(version, set(self.draining)), left)
+        except asyncio.TimeoutError:
+            return "the deadline passed before its replica was sent"
+        return "; ".join(problems) if problems else None
+
+    def _late(self, version: int) -> None:
+        if version in self.uploads.committed and version in self.lost:
+            self.lost.pop(version)
+            self.moved.add(version)
+            log.warning("preemption: step %d reached the remote tier after all", version)
+
+    # ------------------------------------------------------------------ what users read
+    def notice(self, ended: bool = False) -> Optional[PreemptionNotice]:
+        nodes = set(self.draining) if not ended else {n for n in (self.last.nodes if self.last else ())}
+        if not nodes:
+            return None
+        newest = self.catalogue.committed.get(max(self.catalogue.committed)) if self.catalogue.committed else None
+        states, ranks = affected(newest, self.file_nodes, self.node_id, nodes)
+        since = self.noticed_at or time.time()
+        saved = [m.step for m in self.catalogue.committed.values() if float(m.created_at) >= since]
+        deadline = min(self.draining.values()) if self.draining else (self.last.deadline if self.last else 0.0)
+        return PreemptionNotice(nodes=tuple(sorted(nodes)), deadline=deadline, noticed_at=since, states=states,
+                                ranks=ranks, moved=tuple(sorted(self.moved)), moving=tuple(sorted(self.moving)),
+                                lost=dict(sorted(self.lost.items())), saved_step=max(saved, default=None))
+
+    def active(self) -> Optional[PreemptionNotice]:
+        """The notice in force (None when no node of the run is being drained)."""
+        return self.notice() if self.draining else None
+
+    def status(self) -> Optional[Dict[str, Any]]:
+        """``status()["preemption"]``: the notice in force, else the last one (marked ended)."""
+        n = self.active()
+        if n is not None:
+            return {**n.to_dict(), "active": True}
+        if self.last is not None:
+            return {**self.last.to_dict(), "active": False}
+        return {"error": self.poll_error} if self.poll_error else None

@@ -1,0 +1,169 @@
+"""Preemption notices on a real multi-node Ray cluster on one machine (ray.cluster_utils.Cluster),
+drained with Ray's own ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION``.
+
+Run by tests/test_preemption.py in its own process (a Cluster needs its own ray.init). Prints
+"PREEMPTION OK" and exits 0 when every check holds; an AssertionError otherwise.
+
+Two runs, each with per-node local tiers and a remote tier it uploads to only every 100th save
+(so without a notice, nothing of them is off their learner's node):
+
+  run "evac": the learner on node A saves steps 1-7; A gets a 30 s notice. Every version is copied
+      to the remote tier before the deadline; the trainer's save_if_preempted() saves step 8 once;
+      A is removed at the end; the learner restarts on node B and restore() brings back step 8
+      bit-exact from the remote tier; step 7 is still listed and loads.
+  run "short": the learner on node C saves 6 large versions, uploads throttled; C gets a notice
+      whose deadline leaves time for some of them only, at the same time as A (two nodes drained at
+      once). The newest versions are moved first; the others are reported lost, and once C is gone
+      they are not listed; restore() brings back the newest moved one.
+"""
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import ray
+import torch
+from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ray_ckpt as rc  # noqa: E402
+from actors import Learner, remote  # noqa: E402
+
+T0 = time.monotonic()
+
+
+def say(msg) -> None:
+    print(f"[{time.monotonic() - T0:5.1f}s] {msg}", flush=True)
+
+
+def drain(address: str, node: str, seconds: int) -> None:
+    """Ray's own preemption drain (what the autoscaler does when the cloud warns)."""
+    cmd = [sys.executable, "-m", "ray.scripts.scripts", "drain-node", "--address", address, "--node-id", node,
+           "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot preemption (test)",
+           "--deadline-remaining-seconds", str(seconds)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def wait_for(what: str, check, timeout: float):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f}s"
+        time.sleep(0.2)
+
+
+def equal(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def main() -> int:
+    root = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="rc_preempt_")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    node_a = cluster.add_node(num_cpus=1, resources={"learner_slot": 1})
+    node_b = cluster.add_node(num_cpus=1, resources={"learner_slot": 1})
+    node_c = cluster.add_node(num_cpus=1)
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+        a, b, c = node_a.node_id, node_b.node_id, node_c.node_id
+        say("cluster of 4 nodes up")
+        torch.set_num_threads(1)
+        local = os.path.join(root, "local", "{node_id}")
+        remote_uri = "file://" + os.path.join(root, "remote")
+        learner = remote(Learner, max_restarts=1, resources={"learner_slot": 1},
+                         scheduling_strategy=NodeAffinitySchedulingStrategy(a, soft=True)).remote(seed=3, hidden=8192)
+        big = remote(Learner, num_cpus=0.2, scheduling_strategy=NodeAffinitySchedulingStrategy(c, soft=False)
+                     ).remote(seed=4, hidden=262144)
+        evac = rc.CheckpointEngine.create("evac", local_dir=local, remote_uri=remote_uri, remote_every=100,
+                                          critical_writers=1, best_effort_writers=0, writer_placement_s=5)
+        short = rc.CheckpointEngine.create("short", local_dir=local, remote_uri=remote_uri, remote_every=100,
+                                           critical_writers=1, best_effort_writers=0, writer_placement_s=5,
+                                           upload_max_mb_s=8.0)
+        assert ray.get([learner.node.remote(), big.node.remote()], timeout=120) == [a, c]
+        for name in ("policy", "optimizer", "rng"):
+            evac.register(name, learner)
+        for name in ("policy", "optimizer"):
+            short.register(name, big)
+        for step in range(1, 8):
+            ray.get(learner.train.remote(1))
+            evac.save(step).wait(timeout=120)
+        for step in range(1, 7):
+            ray.get(big.train.remote(1))
+            short.save(step).wait(timeout=120)
+        assert [m.tiers for m in evac.list_checkpoints()] == [("local",)] * 7, evac.list_checkpoints()
+        assert evac.preemption() is None and evac.save_if_preempted(7) is None
+        say("evac: steps 1-7 on node A's disk only; short: steps 1-6 (~22 MB each) on node C's disk only")
+
+        # ---------------------------------------------------------------- two notices at once
+        drain(cluster.address, a, 30)
+        drain(cluster.address, c, 6)
+        noticed = time.time()
+        say("nodes A (30 s) and C (6 s) drained for preemption")
+        n = wait_for("evac's notice", lambda: evac.preemption(max_age=0), 15)
+        assert n.nodes == (a,) and 20 < n.seconds_left() <= 30, n
+        assert "policy" in n.states and n.ranks["policy"] == (0,), n
+        # the trainer's next step boundary: one more save, whatever the cadence, once per notice
+        ray.get(learner.train.remote(1))
+        handle = evac.save_if_preempted(8)
+        assert handle is not None and handle.wait(timeout=n.seconds_left()).step == 8
+        assert evac.save_if_preempted(9) is None, "a second save for the same notice"
+        n = wait_for("evac: every version moved", lambda: (lambda x: x if x and set(x.moved) >= set(range(1, 9))
+                                                           else None)(evac.preemption(max_age=0)), 25)
+        assert not n.lost and n.saved_step == 8, n
+        say(f"evac: moved {list(n.moved)} in {time.time() - noticed:.1f}s of 30; status: {evac.status()['preemption']}")
+        expected = ray.get(learner.snapshot.remote())
+
+        # the short deadline: let it pass, then the node goes
+        wait_for("short: the deadline passed", lambda: time.time() > noticed + 7, 15)
+        ns = wait_for("short's notice", lambda: short.preemption(max_age=0), 5)
+        say(f"short at its deadline: {ns}")
+        assert ns.moved and ns.lost, f"the deadline should leave time for some versions, not all: {ns}"
+        assert min(ns.moved) > max(ns.lost), f"the newest versions go first: {ns}"
+        cluster.remove_node(node_c)
+        cluster.remove_node(node_a)
+        say("nodes A and C removed at their deadlines")
+
+        # ---------------------------------------------------------------- after the nodes are gone
+        wait_for("short: lost versions unlisted", lambda: {m.step for m in short.list_checkpoints()}
+                 == set(ns.moved), 30)
+        skipped = short.status()["skipped_versions"]
+        assert set(ns.lost) <= set(skipped), skipped
+        status = short.status()["preemption"]
+        assert status["active"] is False and status["lost"], status
+        say(f"short: listed {[m.step for m in short.list_checkpoints()]}; lost {sorted(ns.lost)} not listed")
+
+        wait_for("learner restarted on node B", lambda: _node(learner) == b, 120)
+        report = evac.restore()
+        say(report)
+        assert report.step == 8, report
+        assert report.states["policy"].tier == "remote" and report.states["optimizer"].tier == "remote", report
+        assert equal(ray.get(learner.snapshot.remote()), expected), "restored state differs from the saved one"
+        assert all("remote" in m.tiers for m in evac.list_checkpoints()), evac.list_checkpoints()
+        assert evac.load("policy", step=7).keys() == expected_keys(expected)
+        evac.shutdown()
+        short.shutdown()
+        say("PREEMPTION OK")
+        return 0
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def expected_keys(snapshot) -> set:
+    return {k[2:] for k in snapshot if k.startswith("p.")}
+
+
+def _node(actor):
+    try:
+        return ray.get(actor.node.remote(), timeout=20)
+    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+        return None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,80 @@
+"""Preemption notices: Ray drains a node with a deadline; the run copies what only that node holds
+elsewhere first, and the trainer saves once more (coordinator/evacuation.py, client/preemption.py)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import ray_ckpt as rc
+from ray_ckpt.coordinator.evacuation import affected, at_risk
+from ray_ckpt.formats.manifest import FileEntry, Manifest, StateEntry
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _manifest(step: int, parts: dict) -> Manifest:
+    """A committed version whose states are {name: (strategy, {rank: node})}."""
+    states = {}
+    for name, (strategy, ranks) in parts.items():
+        files = {str(r): [FileEntry(f"v{step:012d}/{name}/rank{r}.safetensors", 10, "x" * 16, node=node)]
+                 for r, node in ranks.items()}
+        states[name] = StateEntry(strategy=strategy, status="stored", files=files)
+    return Manifest(run="r", version=step, step=step, created_at=float(step), states=states)
+
+
+def _file_nodes(committed):
+    return {f.path: f.node for m in committed.values() for e in m.states.values() for f in e.all_files()}
+
+
+def test_at_risk_is_what_only_a_drained_node_holds_newest_first():
+    committed = {v: _manifest(v, {"policy": ("critical", {0: "A", 1: "B"}), "replay": ("best_effort", {0: "A"})})
+                 for v in (1, 2, 3, 4)}
+    committed[5] = _manifest(5, {"policy": ("critical", {0: "B", 1: "B"}), "replay": ("best_effort", {0: "A"})})
+    nodes = _file_nodes(committed)
+    # 2 is uploaded; 3 has a replica of its A file on C; 5's critical files are on B (its buffer on
+    # A is best-effort: not worth a deadline)
+    replicas = {3: {"v000000000003/policy/rank0.safetensors": {"C"}}}
+    assert at_risk(committed, nodes, "H", {"A"}, {2}, replicas) == [4, 1]
+    # a replica on a node that is drained too, or dead, does not count
+    assert at_risk(committed, nodes, "H", {"A", "C"}, {2}, replicas) == [4, 3, 1]
+    assert at_risk(committed, nodes, "H", {"A"}, {2}, replicas, alive={"A", "B", "H"}) == [4, 3, 1]
+    # two nodes drained at once: both nodes' only copies
+    assert at_risk(committed, nodes, "H", {"A", "B"}, set(), {}) == [5, 4, 3, 2, 1]
+    assert at_risk(committed, nodes, "H", {"Z"}, set(), {}) == []
+    # a file with no node recorded is on the coordinator's node's disk
+    old = {7: _manifest(7, {"policy": ("critical", {0: None})})}
+    assert at_risk(old, {}, "H", {"H"}, set(), {}) == [7] and at_risk(old, {}, "H", {"A"}, set(), {}) == []
+
+
+def test_affected_names_the_states_and_ranks_written_on_the_drained_nodes():
+    m = _manifest(9, {"policy": ("critical", {0: "A", 1: "B", 2: "A"}), "critic": ("critical", {0: "B"})})
+    assert affected(m, _file_nodes({9: m}), "H", {"A"}) == (("policy",), {"policy": (0, 2)})
+    assert affected(None, {}, "H", {"A"}) == ((), {})
+
+
+def test_on_preemption_is_validated_at_create(ray_session, tmp_path):
+    with pytest.raises(rc.InvalidArgumentError, match="on_preemption must be 'save', 'evacuate' or 'ignore'"):
+        rc.CheckpointEngine.create("badpreempt", local_dir=str(tmp_path), on_preemption="panic")
+
+
+def test_no_notice_no_extra_save(engine_factory, provider):
+    from actors import FreshLearner
+
+    engine = engine_factory()
+    engine.register("policy", provider(FreshLearner, seed=1))
+    assert engine.save(1).wait(timeout=60).step == 1
+    assert engine.preemption(max_age=0) is None
+    assert engine.save_if_preempted(2) is None
+    assert engine.status()["preemption"] is None
+    assert [m.step for m in engine.list_checkpoints()] == [1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_drained_nodes_versions_are_moved_before_the_deadline_and_the_last_save_taken(tmp_path):
+    # its own process: a multi-node Cluster needs its own ray.init, apart from the session's instance
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "preemption_scenario.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=400)
+    out = proc.stdout + proc.stderr[-3000:]
+    assert proc.returncode == 0 and "PREEMPTION OK" in proc.stdout, out
