@@ -11,6 +11,8 @@ Two runs, each with per-node local tiers and a remote tier it uploads to only ev
       to the remote tier before the deadline; the trainer's save_if_preempted() saves step 8 once;
       A is removed at the end; the learner restarts on node B and restore() brings back step 8
       bit-exact from the remote tier; step 7 is still listed and loads.
+  run "peer": no remote tier; the same learner's steps 1-3 on node A's disk only. A's notice copies
+      them to a replica holder on a node that stays; after A is gone, step 3 loads from it.
   run "short": the learner on node C saves 6 large versions, uploads throttled; C gets a notice
       whose deadline leaves time for some of them only, at the same time as A (two nodes drained at
       once). The newest versions are moved first; the others are reported lost, and once C is gone
@@ -47,13 +49,13 @@ def drain(address: str, node: str, seconds: int) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def wait_for(what: str, check, timeout: float):
+def wait_for(what: str, check, timeout: float, show=lambda: ""):
     deadline = time.monotonic() + timeout
     while True:
         got = check()
         if got:
             return got
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f}s"
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f}s {show()}"
         time.sleep(0.2)
 
 
@@ -84,7 +86,10 @@ def main() -> int:
         short = rc.CheckpointEngine.create("short", local_dir=local, remote_uri=remote_uri, remote_every=100,
                                            critical_writers=1, best_effort_writers=0, writer_placement_s=5,
                                            upload_max_mb_s=8.0)
+        peer = rc.CheckpointEngine.create("peer", local_dir=local, critical_writers=1, best_effort_writers=0,
+                                          writer_placement_s=5)
         assert ray.get([learner.node.remote(), big.node.remote()], timeout=120) == [a, c]
+        peer.register("policy", learner)
         for name in ("policy", "optimizer", "rng"):
             evac.register(name, learner)
         for name in ("policy", "optimizer"):
@@ -92,6 +97,10 @@ def main() -> int:
         for step in range(1, 8):
             ray.get(learner.train.remote(1))
             evac.save(step).wait(timeout=120)
+            if step <= 3:
+                peer.save(step).wait(timeout=120)
+            if step == 3:
+                at_3 = {k[2:]: v for k, v in ray.get(learner.snapshot.remote()).items() if k.startswith("p.")}
         for step in range(1, 7):
             ray.get(big.train.remote(1))
             short.save(step).wait(timeout=120)
@@ -117,6 +126,10 @@ def main() -> int:
         assert not n.lost and n.saved_step == 8, n
         say(f"evac: moved {list(n.moved)} in {time.time() - noticed:.1f}s of 30; status: {evac.status()['preemption']}")
         expected = ray.get(learner.snapshot.remote())
+        np_ = wait_for("peer: steps 1-3 copied to a holder", lambda: (lambda x: x if x and set(x.moved) >= {1, 2, 3}
+                                                                      else None)(peer.preemption(max_age=0)), 25,
+                       lambda: f"notice: {peer.preemption(max_age=0)}; status: {peer.status()}")
+        say(f"peer (no remote tier): moved {list(np_.moved)} to replica holders {peer.status()['replicas']}")
 
         # the short deadline: let it pass, then the node goes
         wait_for("short: the deadline passed", lambda: time.time() > noticed + 7, 15)
@@ -145,8 +158,13 @@ def main() -> int:
         assert equal(ray.get(learner.snapshot.remote()), expected), "restored state differs from the saved one"
         assert all("remote" in m.tiers for m in evac.list_checkpoints()), evac.list_checkpoints()
         assert evac.load("policy", step=7).keys() == expected_keys(expected)
+        got = peer.load("policy", step=3)
+        assert equal(got, at_3), "step 3 read back from the replica holder differs from the saved state"
+        assert {m.step for m in peer.list_checkpoints()} == {1, 2, 3}, peer.list_checkpoints()
+        say("peer: step 3 loads from a replica holder after node A is gone")
         evac.shutdown()
         short.shutdown()
+        peer.shutdown()
         say("PREEMPTION OK")
         return 0
     finally:

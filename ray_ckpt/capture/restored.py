@@ -48,9 +48,9 @@ def stage_in_actor(actor: Any, name: str, config: Any, files: List[FileEntry],
 
 def tiers_of(config: Any) -> List[Any]:
     """The tiers as seen from this process, nearest first: its node's local tier, the run's peer
-    replicas (``peer_reads.PeerCopies``, with ``peer_replicas``), then the remote tier."""
+    replicas (``peer_reads.PeerCopies``, ``EngineConfig.may_hold_replicas``), then the remote tier."""
     remote = config.remote_tier()
-    peers = [PeerCopies(config.run)] if getattr(config, "peer_replicas", 0) else []
+    peers = [PeerCopies(config.run)] if config.may_hold_replicas else []
     return [config.local_tier()] + peers + ([remote] if remote is not None else [])
 
 

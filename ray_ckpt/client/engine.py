@@ -156,7 +156,7 @@ class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes, PreemptionNot
                 return
             refs = [h._ref for h in self._in_flight if h._ref is not None and not h.done()]
             stop_run(self._coordinator, self.run, refs, timeout, self._lease,  # run_lifetime.py
-                     holders=self.config.peer_replicas > 0)
+                     holders=self.config.may_hold_replicas)
         finally:  # the engine is held by a reference cycle: let go of the providers' actors now
             self._registry.clear()
             self._last_handle = None

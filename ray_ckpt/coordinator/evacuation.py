@@ -49,6 +49,7 @@ from .uploader import Uploader
 log = logging.getLogger("ray_ckpt.coordinator")
 
 DRAIN_POLL_S = 1.0  # how often Ray's draining nodes are read (a notice is acted on within about this)
+RETRY_S = 1.0  # a version whose move failed is tried again after this, while the deadline allows
 
 
 def at_risk(committed: Mapping[int, Manifest], file_nodes: Mapping[str, str], default_node: str,
@@ -101,6 +102,7 @@ class Evacuation:
         self.moved: Set[int] = set()
         self.moving: Set[int] = set()
         self.lost: Dict[int, str] = {}
+        self.failed: Dict[int, Tuple[float, str]] = {}  # version -> (when, why) its last move failed
         self.last: Optional[PreemptionNotice] = None  # the newest notice, kept for status() once it ended
         self.poll_error: Optional[str] = None
         self._mover: Optional[asyncio.Future] = None
@@ -144,56 +146,84 @@ class Evacuation:
                         ", ".join(n[:12] for n in sorted(new)), "no deadline" if left == float("inf") else
                         f"{left:.0f}s left")
             if not self.draining:
-                self.noticed_at, self.moved, self.lost = time.time(), set(), {}
+                self.noticed_at, self.moved, self.lost, self.failed = time.time(), set(), {}, {}
         self.draining = dict(ours)
-        self.replication.draining = set(ours)
+        self.replication.draining = set(found)  # any drained node, ours or not, takes no new copy
         if new or ended:
             self.metrics.preemption(min(ours.values()) if ours else None)
         if self.draining:
-            self.last = self.notice()
             if self._mover is None or self._mover.done():
                 if self.pending():
                     self._mover = self._in_background(self._move_all())
+                else:
+                    self._lose_the_rest()
+            self.last = self.notice()
         elif ended:
             self.last = self.notice(ended=True)
 
     def pending(self) -> List[int]:
-        """The versions still at risk that no move has taken up yet, newest first (a version moved
-        once is not moved again: remote retention may delete its copy as soon as it lands)."""
-        return [v for v in self.risky() if v not in self.moving and v not in self.lost and v not in self.moved]
+        """The versions still at risk that no move has taken up yet, newest first. A version
+        uploaded once is not uploaded again (remote retention may delete its copy as soon as it
+        lands); one whose replica went to a node drained since is copied again; one whose move
+        failed is tried again ``RETRY_S`` later, while the deadline allows."""
+        now = time.time()
+        again = self.uploader is None  # replicas: at risk again only if their holder's node is drained now
+        return [v for v in self.risky() if v not in self.moving and v not in self.lost and not self.overdue(v)
+                and (again or v not in self.moved) and now - self.failed.get(v, (float("-inf"), ""))[0] >= RETRY_S]
 
     def risky(self) -> List[int]:
         return at_risk(self.catalogue.committed, self.file_nodes, self.node_id, set(self.draining),
                        set(self.uploads.committed), self.replication.copies, set(self.replication.alive) or None)
+
+    def deadline_of(self, version: int) -> float:
+        """When ``version`` is lost if not moved: the first moment one of its at-risk files has no
+        copy left (each file's copies go with the last of their drained nodes)."""
+        m = self.catalogue.committed.get(version)
+        held = self.replication.copies.get(version, {})
+        out = float("inf")
+        for f in held_files(m) if m is not None else ():
+            src = self.file_nodes.get(f.path, self.node_id)
+            if src in self.draining:
+                nodes = ({src} | set(held.get(f.path, ()))) & set(self.draining)
+                out = min(out, max(self.draining[n] for n in nodes))
+        return out
+
+    def overdue(self, version: int) -> bool:
+        return self.deadline_of(version) <= time.time()
 
     # ------------------------------------------------------------------ moving
     async def _move_all(self) -> None:
         """Move at-risk versions one at a time, newest first, until none is left or the deadline
         passes (what is left then is reported lost)."""
         while self.draining:
+            self._lose_the_rest()
             todo = self.pending()
             if not todo:
                 return
             v = todo[0]
-            left = min(self.draining.values()) - time.time()
-            if left <= 0:
-                for v in todo:
-                    self._lose(v, "the deadline passed before its turn to be copied")
-                return
             self.moving.add(v)
             try:
-                why_not = await self._move(v, left)
+                why_not = await self._move(v, self.deadline_of(v) - time.time())
             finally:
                 self.moving.discard(v)
             if why_not is None:
                 self.moved.add(v)
-                self.lost.pop(v, None)
+                self.failed.pop(v, None)
                 self.metrics.evacuated("moved")
                 log.warning("preemption: step %d copied away from node(s) %s", v,
                             ", ".join(n[:12] for n in sorted(self.draining)))
-            else:
+            elif self.overdue(v):
                 self._lose(v, why_not)
-            self.last = self.notice()
+            else:  # e.g. a target node drained meanwhile: tried again, elsewhere, while time is left
+                self.failed[v] = (time.time(), why_not)
+                log.warning("preemption: copying step %d away failed, trying again: %s", v, why_not)
+    
+    def _lose_the_rest(self) -> None:
+        """Every version still at risk, not moving, whose deadline passed is lost, with why."""
+        for v in self.risky():
+            if v not in self.moving and v not in self.lost and self.overdue(v):
+                self.moved.discard(v)  # a replica it had went with a node drained after it was sent
+                self._lose(v, self.failed.get(v, (0.0, "the deadline passed before its turn to be copied"))[1])
 
     def _lose(self, version: int, why: str) -> None:
         if version not in self.lost:
