@@ -240,9 +240,11 @@ class PreemptionNotice:
         return self.deadline - (time.time() if now is None else now)
 
     def to_dict(self) -> Dict[str, object]:
-        """The form ``status()["preemption"]`` shows (node ids cut to 12 characters)."""
-        return {"nodes": [n[:12] for n in self.nodes], "deadline": self.deadline,
-                "seconds_left": round(self.seconds_left(), 1), "states": list(self.states),
+        """The form ``status()["preemption"]`` shows (node ids cut to 12 characters; a drain without
+        a deadline has None for ``deadline`` and ``seconds_left``, so the dict is plain JSON)."""
+        timed = self.deadline != float("inf")
+        return {"nodes": [n[:12] for n in self.nodes], "deadline": self.deadline if timed else None,
+                "seconds_left": round(self.seconds_left(), 1) if timed else None, "states": list(self.states),
                 "ranks": {k: list(v) for k, v in self.ranks.items()}, "moved": list(self.moved),
                 "moving": list(self.moving), "lost": dict(self.lost), "saved_step": self.saved_step}
 

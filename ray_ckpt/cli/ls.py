@@ -19,12 +19,13 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     add_json_flag(s)
     s.add_argument("--ray-address", metavar="ADDRESS", default=None,
                    help="also ask the run's live coordinator on this Ray cluster ('auto': the local one) "
-                        "which nodes hold peer replicas of each version (a REPLICAS column)")
+                        "which nodes hold peer replicas of each version (a REPLICAS column) and whether a "
+                        "preemption notice is in force (nodes drained, versions moved, lost)")
 
 
-def _replicas(args: argparse.Namespace, run: Run) -> Optional[Dict[int, List[str]]]:
-    """version -> nodes holding peer replicas, from the run's live coordinator (``--ray-address``);
-    None without the flag. Peer replicas live in memory only: storage cannot say."""
+def _live_status(args: argparse.Namespace, run: Run) -> Any:
+    """The run's live coordinator's status (``--ray-address``; None without the flag): peer
+    replicas and preemption notices live in the coordinator, not in storage."""
     if not args.ray_address:
         return None
     import ray  # only with --ray-address: the command line starts without Ray
@@ -39,8 +40,18 @@ def _replicas(args: argparse.Namespace, run: Run) -> Optional[Dict[int, List[str
         coordinator = ray.get_actor(actor_name(name), namespace=NAMESPACE)
     except ValueError:
         raise CliError(f"run {name!r} has no live coordinator on the Ray cluster at {args.ray_address}") from None
-    status = ray.get(coordinator.status.remote(), timeout=60)
-    return {v: list(nodes) for v, nodes in status.replicas.items()}
+    return ray.get(coordinator.status.remote(), timeout=60)
+
+
+def _notice_lines(notice: Dict[str, Any]) -> List[str]:
+    """How ``ls`` shows ``status()["preemption"]`` under its table."""
+    left = notice["seconds_left"]
+    when = "no deadline" if left is None else f"{left:.0f}s left" if left >= 0 else "deadline passed"
+    head = (f"preemption notice{'' if notice['active'] else ' (ended)'}: node(s) {', '.join(notice['nodes'])} "
+            f"drained, {when}")
+    lines = [head, f"  moved to safety: {notice['moved'] or '-'}; moving: {notice['moving'] or '-'}"]
+    lines += [f"  lost step {step}: {why}" for step, why in sorted(notice["lost"].items())]
+    return lines
 
 
 def _row(run: Run, v: int) -> Dict[str, Any]:
@@ -76,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
         hint = run.no_versions_hint()
         if hint:  # a directory of runs, not a run: almost certainly the wrong URI
             raise CliError(f"{run.uri} holds no checkpoint versions{hint}")
-    replicas = _replicas(args, run)
+    live = _live_status(args, run)
+    replicas = None if live is None else {v: list(nodes) for v, nodes in live.replicas.items()}
+    notice = None if live is None else live.preemption
     rows: List[Dict[str, Any]] = []
     for v in run.versions:
         row = _row(run, v)
@@ -85,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             row["replicas"] = replicas.get(v, [])
         rows.append(row)
     if args.json:
-        print_json({"uri": run.uri, "versions": rows})
+        print_json({"uri": run.uri, "versions": rows, **({"preemption": notice} if live is not None else {})})
         return EXIT_OK
     if not rows:
         say(f"no checkpoint versions in {run.uri}{run.no_versions_hint()}")
@@ -101,4 +114,6 @@ def run(args: argparse.Namespace) -> int:
         say("notes:")
         for note in notes:
             say(note)
+    for line in _notice_lines(notice) if notice and "nodes" in notice else ():
+        say(line)
     return EXIT_OK
