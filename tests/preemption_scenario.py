@@ -108,6 +108,12 @@ def main() -> int:
         assert evac.preemption() is None and evac.save_if_preempted(7) is None
         say("evac: steps 1-7 on node A's disk only; short: steps 1-6 (~22 MB each) on node C's disk only")
 
+        # verl's driver: the run's notices forwarded into verl's own expiry check (a real verl function)
+        from ray_ckpt.integrations.verl import forward_preemption_notices
+        from verl.utils.checkpoint.checkpoint_manager import should_save_ckpt_esi
+        forwarder = forward_preemption_notices(evac, poll_s=0.2)
+        assert not should_save_ckpt_esi(max_steps_duration=5.0)
+
         # ---------------------------------------------------------------- two notices at once
         drain(cluster.address, a, 30)
         drain(cluster.address, c, 8)
@@ -121,6 +127,8 @@ def main() -> int:
         handle = evac.save_if_preempted(8)
         assert handle is not None and handle.wait(timeout=n.seconds_left()).step == 8
         assert evac.save_if_preempted(9) is None, "a second save for the same notice"
+        wait_for("verl's expiry check sees the notice", lambda: should_save_ckpt_esi(max_steps_duration=5.0), 5)
+        assert forwarder.notices == 1, forwarder.notices
         n = wait_for("evac: every version moved", lambda: (lambda x: x if x and set(x.moved) >= set(range(1, 9))
                                                            else None)(evac.preemption(max_age=0)), 25)
         assert not n.lost and n.saved_step == 8, n
@@ -156,6 +164,8 @@ def main() -> int:
         assert status["active"] is False and status["lost"], status
         say(f"short: listed {[m.step for m in short.list_checkpoints()]}; lost {sorted(ns.lost)} not listed")
 
+        wait_for("the notice ended: verl's check is clear again", lambda: not should_save_ckpt_esi(5.0), 30)
+        forwarder.stop()
         wait_for("learner restarted on node B", lambda: _node(learner) == b, 120)
         report = evac.restore()
         say(report)

@@ -10,6 +10,7 @@ module              holds
 ``hf_export``       the ``hf_model`` export, a Ray task on rank 0's node after the commit
 ``config``          :class:`RayCkptCheckpointConfig`, verl's ``CheckpointConfig`` + ``ray_ckpt``
 ``hook``            :func:`install` / :func:`uninstall`: verl's FSDP engine builds our manager
+``preemption``      :func:`forward_preemption_notices`: the run's notices into verl's expiry check
 =================== ===============================================================================
 
 verl is imported on first use of a name that needs it (``pip install "ray-ckpt[verl]"``).
@@ -21,10 +22,11 @@ from typing import Any
 from .settings import VerlSettings, read_settings
 from ..committed import POINTER, read_pointer
 from ..lazy import lazy_attribute
+from .preemption import forward_preemption_notices
 from .tracker import TRACKER
 
 __all__ = ["RayCkptCheckpointManager", "RayCkptCheckpointConfig", "install", "uninstall", "installed",
-           "read_settings", "VerlSettings", "read_pointer", "POINTER", "TRACKER"]
+           "read_settings", "VerlSettings", "read_pointer", "POINTER", "TRACKER", "forward_preemption_notices"]
 
 _LAZY = {"RayCkptCheckpointManager": "manager", "RayCkptCheckpointConfig": "config", "install": "hook",
          "uninstall": "hook", "installed": "hook"}

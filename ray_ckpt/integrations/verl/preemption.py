@@ -1,0 +1,86 @@
+"""Preemption notices into verl's own "save before the instance expires" check.
+
+verl's ``RayPPOTrainer.fit`` saves a checkpoint at any step where
+``verl.utils.checkpoint.checkpoint_manager.should_save_ckpt_esi`` says the instance is close to
+expiring (within a save's and a step's duration, plus ``trainer.esi_redundant_time``), whatever
+``save_freq`` says. It reads the expiry from the environment of the trainer's process
+(``MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP``, unix seconds). :func:`forward_preemption_notices`
+sets that variable from the run's preemption notices (``engine.preemption()``: Ray drains a node
+of the run with a deadline) on a daemon thread in the driver, and clears it when the notice ends,
+so verl saves at its next step through ``RayCkptCheckpointManager`` while the coordinator copies the
+drained node's versions away. No verl import: it only sets a variable verl reads.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, Optional
+
+log = logging.getLogger("ray_ckpt")
+
+ESI_ENV = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"  # what verl's should_save_ckpt_esi reads
+NO_DEADLINE_S = 30.0  # a drain without a deadline: reported as expiring this far ahead, renewed each poll
+
+
+class PreemptionForwarder:
+    """The thread :func:`forward_preemption_notices` starts; ``stop()`` ends it (and clears the
+    variable if it set it)."""
+
+    def __init__(self, engine: Any, poll_s: float):
+        self.engine, self.poll_s = engine, poll_s
+        self.notices = 0  # notices forwarded so far
+        self.error: Optional[str] = None  # the last failure to ask the coordinator (retried)
+        self._set = False
+        self._previous = os.environ.get(ESI_ENV)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ray_ckpt-verl-preemption", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.forward(self.engine.preemption(max_age=0))
+                self.error = None
+            except Exception as exc:  # the coordinator is restarting: asked again next poll
+                if self.error is None:
+                    log.warning("ray_ckpt: reading the preemption notice failed: %s", exc)
+                self.error = str(exc)
+            self._stop.wait(self.poll_s)
+
+    def forward(self, notice: Any) -> None:
+        if notice is not None:
+            deadline = notice.deadline if notice.deadline != float("inf") else time.time() + NO_DEADLINE_S
+            if not self._set:
+                self.notices += 1
+                log.warning("ray_ckpt: preemption notice (%.0fs left): verl saves at its next step", deadline - time.time())
+            os.environ[ESI_ENV] = str(deadline)
+            self._set = True
+        elif self._set:
+            self._clear()
+
+    def _clear(self) -> None:
+        if self._previous is None:
+            os.environ.pop(ESI_ENV, None)
+        else:
+            os.environ[ESI_ENV] = self._previous
+        self._set = False
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+        if self._set:
+            self._clear()
+
+
+def forward_preemption_notices(run: Any, poll_s: float = 1.0) -> PreemptionForwarder:
+    """In verl's driver (the process that runs ``RayPPOTrainer.fit``), once the run exists: forward
+    the run's preemption notices (``run``: its name or a ``CheckpointEngine``) to verl's expiry check,
+    so that verl saves at its next step whatever ``save_freq`` says. verl saves at every step while
+    the notice lasts (its check is a window, not an event); each save is a push that returns at once."""
+    if isinstance(run, str):
+        import ray_ckpt as rc
+
+        run = rc.CheckpointEngine.connect(run)
+    return PreemptionForwarder(run, poll_s)
