@@ -78,3 +78,12 @@ def test_drained_nodes_versions_are_moved_before_the_deadline_and_the_last_save_
                           capture_output=True, text=True, timeout=400)
     out = proc.stdout + proc.stderr[-3000:]
     assert proc.returncode == 0 and "PREEMPTION OK" in proc.stdout, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_the_rllib_callback_saves_at_the_next_iteration_after_a_notice(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "rllib_preemption_scenario.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=400)
+    out = proc.stdout + proc.stderr[-3000:]
+    assert proc.returncode == 0 and "RLLIB PREEMPTION OK" in proc.stdout, out
