@@ -267,15 +267,23 @@ class Evacuation:
         newest = self.catalogue.committed.get(max(self.catalogue.committed)) if self.catalogue.committed else None
         states, ranks = affected(newest, self.file_nodes, self.node_id, nodes)
         since = self.noticed_at or time.time()
-        saved = [m.step for m in self.catalogue.committed.values() if float(m.created_at) >= since]
+        saved = [m.step for m in list(self.catalogue.committed.values()) if float(m.created_at) >= since]
         deadline = min(self.draining.values()) if self.draining else (self.last.deadline if self.last else 0.0)
         return PreemptionNotice(nodes=tuple(sorted(nodes)), deadline=deadline, noticed_at=since, states=states,
                                 ranks=ranks, moved=tuple(sorted(self.moved)), moving=tuple(sorted(self.moving)),
                                 lost=dict(sorted(self.lost.items())), saved_step=max(saved, default=None))
 
     def active(self) -> Optional[PreemptionNotice]:
-        """The notice in force (None when no node of the run is being drained)."""
-        return self.notice() if self.draining else None
+        """The notice in force (None when no node of the run is being drained). Asked from the
+        queries' thread while the main loop may commit a version: read again if that happened."""
+        for attempt in range(5):
+            try:
+                return self.notice() if self.draining else None
+            except RuntimeError:  # "dictionary changed size during iteration"
+                if attempt == 4:
+                    raise
+                time.sleep(0.01)
+        return None
 
     def status(self) -> Optional[Dict[str, Any]]:
         """``status()["preemption"]``: the notice in force, else the last one (marked ended)."""
