@@ -8,7 +8,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def test_checkpointer_names_its_extra_when_ray_train_is_missing():
+def test_the_package_imports_the_checkpointer_on_first_use():
     import ray_ckpt.integrations.ray_train as rt
 
     with pytest.raises(AttributeError):
