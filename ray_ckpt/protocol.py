@@ -163,6 +163,9 @@ class CoordinatorStatus:
     unplaced_writers: Dict[str, str] = field(default_factory=dict)
     # peer replicas (create(..., peer_replicas=N)): version -> the nodes whose holders have its files
     replicas: Dict[int, Tuple[str, ...]] = field(default_factory=dict)
+    # listed versions held by fewer peer replicas than asked (a send failed, no node to hold a copy,
+    # a replica that failed verification): version -> why
+    replica_problems: Dict[int, str] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
         """The form ``engine.status()`` returns to users (a dict a person or a dashboard reads)."""
@@ -181,7 +184,8 @@ class CoordinatorStatus:
                 "failures": self.failures, "last_error": self.last_error, "started_at": self.started_at,
                 "node": self.node, "writer_nodes": dict(self.writer_nodes), "upload_owed": self.upload_owed,
                 "skipped_versions": dict(self.skipped_versions), "unplaced_writers": dict(self.unplaced_writers),
-                "replicas": {v: list(nodes) for v, nodes in self.replicas.items()}}
+                "replicas": {v: list(nodes) for v, nodes in self.replicas.items()},
+                "replica_problems": dict(self.replica_problems)}
 
 
 @dataclass(frozen=True)

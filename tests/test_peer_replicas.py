@@ -145,6 +145,8 @@ def test_replicated_durability_on_one_node_raises_naming_the_missing_peer(ray_se
         with pytest.raises(rc.SaveError, match="no node outside node .* to hold a copy"):
             h.wait(timeout=60, durability="replicated")
         assert [m.tiers for m in engine.list_checkpoints()] == [("local",)]
+        # the shortfall is in status() too, not only in the handle of whoever waited
+        assert "no node outside node" in engine.status()["replica_problems"][1], engine.status()
     finally:
         engine.shutdown()
     no_peers = rc.CheckpointEngine.create(run + "x", local_dir=str(tmp_path / "local2"), critical_writers=1,
@@ -166,6 +168,67 @@ def test_node_loss_restores_the_newest_version_from_a_peer_replica(tmp_path):
                           capture_output=True, text=True, timeout=580)
     out = proc.stdout + proc.stderr[-3000:]
     assert proc.returncode == 0 and "PEER OK" in proc.stdout, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_damaged_replica_after_node_loss_leaves_the_list_and_restore_takes_the_newest_good_version(tmp_path):
+    # its own process, as above: peer_damage_scenario.py says what it checks
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "peer_damage_scenario.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=580)
+    out = proc.stdout + proc.stderr[-3000:]
+    assert proc.returncode == 0 and "DAMAGE OK" in proc.stdout, out
+
+
+def test_the_store_verifies_what_it_holds_again_memory_and_spill(tmp_path):
+    store = ReplicaStore(budget=1500, keep=2, spill=Tier(str(tmp_path / "spill"), "peer-spill"))
+    fs = files_of(3, [1000, 1000])  # one in memory, one spilled
+    store.put(3, [f for f, _ in fs], [d for _, d in fs])
+    assert [store.verify(f.path, f.checksum) for f, _ in fs] == [None, None]
+    mem, = [f for f, _ in fs if store.in_memory(f.path)]
+    disk, = [f for f, _ in fs if not store.in_memory(f.path)]
+    store._memory[mem.path] = bytearray(store._memory[mem.path])
+    store._memory[mem.path][7] ^= 0xFF  # bit rot in memory, after the checked arrival
+    raw = bytearray((tmp_path / "spill" / disk.path).read_bytes())
+    raw[7] ^= 0xFF
+    (tmp_path / "spill" / disk.path).write_bytes(bytes(raw))
+    assert store.verify(mem.path, mem.checksum) == "checksum mismatch (the copy is corrupt)"
+    assert store.verify(disk.path, disk.checksum) == "checksum mismatch (the copy is corrupt)"
+    assert store.verify("v000000000009/x", "0" * 32) == "not held"
+
+
+def test_a_state_report_names_its_tier_with_one_type_and_the_peer_node_apart():
+    peer = rc.StateReport("restored", "peer:nodeaaaaaaaa", True)  # the form before `node` existed
+    assert peer.tier is rc.TierName.PEER and isinstance(peer.tier, rc.TierName) and peer.node == "nodeaaaaaaaa"
+    assert rc.StateReport("restored", rc.TierName.PEER, True, node="nodebbbbbbbb").source == "peer:nodebbbbbbbb"
+    for name in ("local", "remote"):
+        r = rc.StateReport("restored", name, True)
+        assert r.tier is rc.TierName(name) and r.node is None and r.source == name
+    assert rc.StateReport("missing", None, False).source == "-"
+    report = rc.RestoreReport(3, 3, {"policy": peer})
+    assert "tier=peer:nodeaaaaaaaa" in str(report)
+
+
+@pytest.mark.timeout(120)
+def test_no_peer_copy_left_names_each_refusal_without_empty_parts(ray_session, tmp_path):
+    run = f"peerx-{uuid.uuid4().hex[:6]}"
+    cfg = EngineConfig(run, str(tmp_path / "local"), peer_replicas=1, peer_memory_mb=0)
+    (f, data), = files_of(4, [500])
+    holder = ReplicaHolder.options(name=holder_name(run, "nodecccccccc"), namespace=NAMESPACE).remote(cfg, "nodecccccccc")
+    try:
+        ray.get(holder.hold.remote(4, [f], data), timeout=60)
+        spill = tmp_path / "local" / peer_spill_dir(run, "nodecccccccc") / f.path
+        raw = bytearray(spill.read_bytes())
+        raw[3] ^= 0xFF
+        spill.write_bytes(bytes(raw))
+        with pytest.raises(IntegrityError) as err:
+            PeerCopies(run).read_verified(f.path, f.size, f.checksum)
+        assert str(err.value) == (f"no peer replica of {f.path} verified "
+                                  f"(peer:nodecccccccc: checksum mismatch (replica is corrupt))"), str(err.value)
+        assert ray.get(holder.verify.remote({f.path: f.checksum}), timeout=60) == {
+            f.path: "checksum mismatch (the copy is corrupt)"}
+    finally:
+        ray.kill(holder)
 
 
 def test_placement_never_the_writers_node_nor_its_failure_domain_least_loaded_first():

@@ -147,6 +147,9 @@ class StateReader:
                     if skipped:
                         raise RestoreError(f"{exc}; newer versions skipped: "
                                            + "; ".join(f"{v}: {why}" for v, why in skipped.items())) from None
+                    if step == -1 and not fallback:  # listed, so the coordinator knows of a copy: this read failed
+                        raise RestoreError(f"{exc}. restore(fallback=True) restores the newest older version that "
+                                           f"verifies") from None
                     raise
                 skipped[m.version] = one_line(exc)
                 log.warning("restore(fallback=True): %s does not verify, trying an older one: %s",
