@@ -62,6 +62,7 @@ from ..ray_internals import actor_ready
 from ..protocol import (CoordinatorStatus, Declaration, PartPlan, PushedPart, SaveOutcome, StoredState, SubmitAck,
                         SubmitBatchResult)
 from .recovery import DECLARED, DRIVER_STATES, recover
+from .recheck import recheck
 from .replication import Replication
 from .run_guards import GcNoticeWatch, OwnerFence
 from .uploader import Uploader
@@ -335,6 +336,11 @@ class CheckpointCoordinator:
 
     def remote_error(self, version: int) -> Optional[str]:
         return self.uploads.errors.get(version)
+
+    async def recheck(self, version: int) -> Optional[str]:
+        """A restore found no good copy of a critical file of ``version``: why it cannot be restored
+        after it left the list for that reason, None when a copy still verifies (``recheck.py``)."""
+        return await recheck(version, self.replication, self.remote)
 
     # ------------------------------------------------------------------ rewind (deletions.py)
     async def rewind(self, version: int) -> List[int]:

@@ -342,22 +342,28 @@ class Replication:
                        f"local disk only (not uploaded)")
                 why += "".join(f"; {fate}" for fate in sorted(set(fates.values())) if fate)
                 lost[v] = LostVersion(why, float(m.created_at))
-        if lost:
-            try:  # first, so that a restart right after the report does not list them again (nor ray-ckpt ls)
-                await asyncio.to_thread(record_lost, self.local, lost)
-            except Exception as exc:
-                log.error("run %r: cannot record the lost versions on %s: %s", self.cfg.run, self.local.display,
-                          one_line(exc))
-            for v, e in lost.items():
-                self.catalogue.forget(v)
-                self.catalogue.reserved_through = max(self.catalogue.reserved_through, v)
-                self.skipped[v] = e.why
-                self.copies.pop(v, None)
-                self.short.pop(v, None)
-            msg = f"{cause}: versions {sorted(lost)} can no longer be restored and are no longer listed"
-            self._set_error(msg)
-            log.error("run %r: %s", self.cfg.run, msg)
+        await self.unlist(lost, cause)
         return sorted(lost)
+
+    async def unlist(self, lost: Dict[int, LostVersion], cause: str) -> None:
+        """Stop listing ``lost`` (version -> why) on the local tier for good: recorded lost
+        (``storage/lost.py``), reported in ``status()`` with why, their numbers never reused."""
+        if not lost:
+            return
+        try:  # first, so that a restart right after the report does not list them again (nor ray-ckpt ls)
+            await asyncio.to_thread(record_lost, self.local, lost)
+        except Exception as exc:
+            log.error("run %r: cannot record the lost versions on %s: %s", self.cfg.run, self.local.display,
+                      one_line(exc))
+        for v, e in lost.items():
+            self.catalogue.forget(v)
+            self.catalogue.reserved_through = max(self.catalogue.reserved_through, v)
+            self.skipped[v] = e.why
+            self.copies.pop(v, None)
+            self.short.pop(v, None)
+        msg = f"{cause}: versions {sorted(lost)} can no longer be restored and are no longer listed"
+        self._set_error(msg)
+        log.error("run %r: %s", self.cfg.run, msg)
 
     async def _fates(self, version: int, files: List[FileEntry]) -> Dict[str, str]:
         """Of ``files`` (their node is lost), those with no good copy left: path -> what became of
