@@ -196,6 +196,7 @@ class StagedState:
     tier: Optional[str] = None
     detail: str = ""
     bytes: int = 0
+    unreadable: bool = False  # no tier held a copy of one of its files that verified (storage: NoGoodCopy)
 
 
 @dataclass(frozen=True)

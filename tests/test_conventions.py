@@ -170,7 +170,15 @@ def test_load_by_name_step_and_rank(engine, provider):
         eng.load("policy", step=base + 15)
 
 
-def test_restore_fallback_goes_to_the_newest_version_that_verifies(engine, provider):
+def _damage(root, eng, version):
+    """Flip the last byte of ``version``'s policy file on the local tier (its only copy here)."""
+    f = root / "local" / eng.run / f"v{version:012d}" / "policy" / "rank0.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+def test_a_plain_restore_passes_over_a_version_whose_only_copy_is_damaged_naming_it(engine, provider):
     learner = provider(FreshLearner, seed=7)
     eng, base, root = engine
     v1, v2 = base + 1, base + 2
@@ -179,10 +187,7 @@ def test_restore_fallback_goes_to_the_newest_version_that_verifies(engine, provi
     want = ray.get(learner.snapshot.remote())
     ray.get(learner.train.remote())
     eng.save(v2).result(timeout=60)
-    f = root / "local" / eng.run / f"v{v2:012d}" / "policy" / "rank0.safetensors"
-    data = bytearray(f.read_bytes())
-    data[-1] ^= 0xFF
-    f.write_bytes(bytes(data))
+    _damage(root, eng, v2)
     assert eng.list_checkpoints()[-1].step == v2  # nobody has looked at its bytes yet
     # issue 44: a plain restore finds v2's only copy damaged; the coordinator checks that copy itself,
     # v2 leaves the list, and the newest version listed then (v1) is restored, the report naming v2
@@ -208,10 +213,7 @@ def test_restore_fallback_walks_past_a_version_whose_copy_is_bad_here(engine, pr
     for v in (v2, v3):
         ray.get(learner.train.remote())
         eng.save(v).result(timeout=60)
-        f = root / "local" / eng.run / f"v{v:012d}" / "policy" / "rank0.safetensors"
-        data = bytearray(f.read_bytes())
-        data[-1] ^= 0xFF
-        f.write_bytes(bytes(data))
+        _damage(root, eng, v)
     # a restore of that very step: refused, saying it was checked and why it is no longer listed
     with pytest.raises(rc.RestoreError, match=f"cannot restore step {v3} of run .*; it is no longer listed: no copy "
                                               f"of 1 critical file"):

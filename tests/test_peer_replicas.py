@@ -159,25 +159,26 @@ def test_replicated_durability_on_one_node_raises_naming_the_missing_peer(ray_se
         no_peers.shutdown()
 
 
-@pytest.mark.slow
 # ---------------------------------------------------------------------- nodes lost, several nodes
-@pytest.mark.timeout(600)
-def test_node_loss_restores_the_newest_version_from_a_peer_replica(tmp_path):
-    # its own process: a multi-node Cluster needs its own ray.init, apart from the session's instance
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "peer_scenario.py"), str(tmp_path)],
+def _scenario(script: str, tmp_path, done: str) -> None:
+    """Run ``script`` in its own process (a multi-node Cluster needs its own ray.init, apart from
+    the session's instance); it prints ``done`` when every check held."""
+    proc = subprocess.run([sys.executable, os.path.join(HERE, script), str(tmp_path)],
                           capture_output=True, text=True, timeout=580)
     out = proc.stdout + proc.stderr[-3000:]
-    assert proc.returncode == 0 and "PEER OK" in proc.stdout, out
+    assert proc.returncode == 0 and done in proc.stdout, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_node_loss_restores_the_newest_version_from_a_peer_replica(tmp_path):
+    _scenario("peer_scenario.py", tmp_path, "PEER OK")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_damaged_replica_after_node_loss_leaves_the_list_and_restore_takes_the_newest_good_version(tmp_path):
-    # its own process, as above: peer_damage_scenario.py says what it checks
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "peer_damage_scenario.py"), str(tmp_path)],
-                          capture_output=True, text=True, timeout=580)
-    out = proc.stdout + proc.stderr[-3000:]
-    assert proc.returncode == 0 and "DAMAGE OK" in proc.stdout, out
+    _scenario("peer_damage_scenario.py", tmp_path, "DAMAGE OK")  # the script's docstring says what it checks
 
 
 def test_the_store_verifies_what_it_holds_again_memory_and_spill(tmp_path):

@@ -154,17 +154,11 @@ class StateReader:
             try:
                 plan = stages.plan(m, self._registry, wanted)
                 staged = stages.stage(plan, self.config)
-            except RestoreError as exc:  # the plan or a provider refused: not a question of copies
-                if not fallback or i == len(candidates) - 1:
-                    raise _naming(exc, skipped) from None
-                skipped[m.version] = one_line(exc)
-                i += 1
-                continue
-            try:
                 reports = stages.verify(staged, self._registry, strict, self.run)
-            except RestoreError as exc:
-                # a critical file of a listed version did not verify here: the coordinator checks
-                # every copy it can reach, and a version with none left is no longer listed
+            except stages.NoCopyVerified as exc:
+                # a critical file of a listed version has no good copy on the tiers this process
+                # reads: the coordinator checks every copy it can reach, and a version with none
+                # left is no longer listed
                 why = self._call(lambda c: c.recheck.remote(m.version), "a recheck", 600, RestoreError)
                 if why is not None:
                     log.warning("restore: %s can no longer be restored and is no longer listed: %s",
@@ -188,6 +182,14 @@ class StateReader:
                                    f"verifies, or one it cannot check from its node" + (
                                        "" if fallback or step != -1 else ". restore(fallback=True) restores the "
                                        "newest older version that verifies here")) from None
+            except RestoreError as exc:
+                if not fallback or i == len(candidates) - 1:
+                    raise _naming(exc, skipped) from None
+                skipped[m.version] = one_line(exc)
+                log.warning("restore(fallback=True): %s does not verify, trying an older one: %s",
+                            step_label(m.step, m.version), one_line(exc))
+                i += 1
+                continue
             break
         stages.apply(staged, reports, self._registry, self.run)
         # newer versions found in storage but not trusted (unreadable, mis-signed, off the chain)
