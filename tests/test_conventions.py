@@ -5,6 +5,8 @@ and with nothing registered at its start: none of them is about the run's own hi
 engine is a coordinator and writer processes to start (~3 s each on a 2-core machine)."""
 import asyncio
 import concurrent.futures
+import contextlib
+import io
 import threading
 import uuid
 
@@ -13,6 +15,7 @@ import ray
 import torch
 
 import ray_ckpt as rc
+from ray_ckpt.cli.main import main as cli
 from actors import FreshFlaky, FreshLearner, FreshWeird
 
 pytestmark = pytest.mark.timeout(240)
@@ -199,6 +202,11 @@ def test_a_plain_restore_passes_over_a_version_whose_only_copy_is_damaged_naming
     got = ray.get(learner.snapshot.remote())
     assert all(torch.equal(want[k], got[k]) for k in want if k.startswith("p."))
     assert v2 not in [m.step for m in eng.list_checkpoints()] and eng.status()["skipped_versions"][v2] == why
+    out = io.StringIO()  # storage says so too (lost_versions.json): a restarted coordinator, ray-ckpt ls
+    with contextlib.redirect_stdout(out):
+        assert cli(["ls", str(root / "local" / eng.run)]) == 0
+    rows = {line.split()[0]: line.split()[-1] for line in out.getvalue().splitlines() if line[:1].isdigit()}
+    assert rows[str(v2)] == "lost" and rows[str(v1)] == "complete", out.getvalue()
     report = eng.restore(fallback=True)  # fallback=True as before: v2 named skipped, v1 restored
     assert report.version == v1 and list(report.skipped_versions) == [v2]
 

@@ -251,6 +251,41 @@ def test_placement_never_the_writers_node_nor_its_failure_domain_least_loaded_fi
     assert r._targets("n1", set(), 2) == ["n2", "n3"] and "n1" not in r._targets("n1", set(), 9)
 
 
+def test_a_version_whose_only_copy_was_on_a_node_ray_lists_dead_is_not_listed_before_it_is_judged():
+    """Between Ray's node table saying a node is dead and the coordinator's watch loop judging it
+    (its next poll, or a repair pass it waits for), a version whose only copy was on that node is
+    not listed as if its local copy were there. No Ray: the node table read is set by hand."""
+
+    from ray_ckpt.coordinator.catalogue import Catalogue
+    from ray_ckpt.coordinator.queries import CoordinatorQueries
+    from ray_ckpt.coordinator.replication import Replication
+    from ray_ckpt.coordinator.upload_plan import UploadPlan
+    from ray_ckpt.formats.manifest import Manifest, StateEntry
+
+    def manifest(v):
+        f = FileEntry(f"v{v:012d}/policy/rank0.safetensors", 3, digest(b"abc"), node="a" * 56)
+        return Manifest("r", v, v, float(v), {"policy": StateEntry("critical", "stored", {"0": [f]}, 3)})
+
+    ms = {v: manifest(v) for v in (1, 2, 3)}
+    catalogue = Catalogue("r", {1: ms[1], 2: ms[2]})
+    uploads = UploadPlan(1, True, {3: ms[3]}, catalogue.committed)  # 3: on the remote tier too
+    catalogue.committed[3] = ms[3]
+    files = {m.states["policy"].all_files()[0].path: "a" * 56 for m in ms.values()}
+    r = Replication(EngineConfig("r", "/tmp/x", peer_replicas=1), None, None, catalogue, uploads, {}, files, "h" * 56,
+                    lambda c: None, lambda m: None)
+    r.copies = {2: {ms[2].states["policy"].all_files()[0].path: {"b" * 56}}}  # 2: held by a peer on node b
+    q = CoordinatorQueries("r", catalogue, uploads, {}, None)
+    q.replication = r
+    r._started, r._table_at, r._table_dead = True, float("inf"), set()  # node a alive (read "now": never again)
+    assert [m.version for m in q.list()] == [1, 2, 3] and q.manifest(-1).version == 3
+    r._table_dead = {"a" * 56}  # Ray's node table now lists node a dead; the watch loop has not judged it
+    assert {m.version: m.tiers for m in q.list()} == {2: ("local", "peer"), 3: ("local", "remote")}
+    assert [m.version for m in q.manifests()] == [3, 2]
+    assert "node aaaaaaaaaaaa died and held v000000000001/policy/rank0.safetensors" in q.skipped_versions()[1]
+    r.dead.add("a" * 56)  # judged: what it decided is what is listed (here: nothing was forgotten)
+    assert [m.version for m in q.list()] == [1, 2, 3]
+
+
 # ---------------------------------------------------------------------- which node holds a file, across restarts
 NODE_H, NODE_A, NODE_B, NODE_C = ("h" * 56, "a" * 56, "b" * 56, "c" * 56)
 

@@ -459,7 +459,7 @@ class Replication:
                 return {}
             alive = {n["NodeID"] for n in nodes if n.get("Alive")}
             self._table_dead, self._table_at = {n["NodeID"] for n in nodes if not n.get("Alive")} - alive, now
-        fresh = self._table_dead - self.dead
+        fresh = (self._table_dead - self.dead) & set(list(self.file_nodes.values()))  # nodes that wrote files
         if not fresh:
             return {}
         out: Dict[int, str] = {}
