@@ -163,6 +163,9 @@ class CoordinatorStatus:
     unplaced_writers: Dict[str, str] = field(default_factory=dict)
     # peer replicas (create(..., peer_replicas=N)): version -> the nodes whose holders have its files
     replicas: Dict[int, Tuple[str, ...]] = field(default_factory=dict)
+    # listed versions held by fewer peer replicas than asked (a send failed, no node to hold a copy,
+    # a replica that failed verification): version -> why
+    replica_problems: Dict[int, str] = field(default_factory=dict)
     # a preemption notice (coordinator/evacuation.py): the one in force, else the last (None: never)
     preemption: Optional[Dict[str, Any]] = None
 
@@ -184,7 +187,7 @@ class CoordinatorStatus:
                 "node": self.node, "writer_nodes": dict(self.writer_nodes), "upload_owed": self.upload_owed,
                 "skipped_versions": dict(self.skipped_versions), "unplaced_writers": dict(self.unplaced_writers),
                 "replicas": {v: list(nodes) for v, nodes in self.replicas.items()},
-                "preemption": self.preemption}
+                "replica_problems": dict(self.replica_problems), "preemption": self.preemption}
 
 
 @dataclass(frozen=True)
@@ -195,6 +198,7 @@ class StagedState:
     tier: Optional[str] = None
     detail: str = ""
     bytes: int = 0
+    unreadable: bool = False  # no tier held a copy of one of its files that verified (storage: NoGoodCopy)
 
 
 @dataclass(frozen=True)

@@ -76,8 +76,8 @@ class StateStatus(_StrEnum):
 
 class TierName(_StrEnum):
     """The tier a state was read from: the node-local disk, a peer replica or the remote store.
-    A state read from a peer reports ``"peer:<node>"`` (the holder's node, its first 12
-    characters): a plain string that starts with ``TierName.PEER``."""
+    A state read from a peer reports ``TierName.PEER`` and, in ``StateReport.node``, the
+    holder's node (its first 12 characters)."""
 
     LOCAL = "local"
     PEER = "peer"
@@ -128,20 +128,33 @@ class SaveResult:
 @dataclass(frozen=True)
 class StateReport:
     """What a restore did with one state: ``status`` (``"restored"``, ``"reloaded"``, ``"skipped"`` or
-    ``"missing"``), the ``tier`` it was read from (None when nothing was read), whether its checksums
-    were ``verified``, a ``detail`` saying why when it was not restored from the local tier, and the
-    ``bytes`` read."""
+    ``"missing"``), the ``tier`` it was read from (a :class:`TierName`, None when nothing was read),
+    whether its checksums were ``verified``, a ``detail`` saying why when it was not restored from
+    the local tier, the ``bytes`` read, and for the peer tier the ``node`` whose replica holder
+    served it (first 12 characters). ``"peer:<node>"`` given as ``tier`` (the form before ``node``
+    existed) is read as ``tier="peer"`` and that node."""
 
     status: str  # "restored" | "reloaded" | "skipped" | "missing"
-    tier: Optional[str]  # "local" | "peer:<node>" | "remote" | None
+    tier: Optional[str]  # TierName: "local" | "peer" | "remote"; None
     verified: bool
     detail: str = ""
     bytes: int = 0
+    node: Optional[str] = None  # tier "peer": the node whose replica holder served the bytes
 
     def __post_init__(self):
         object.__setattr__(self, "status", StateStatus(self.status))
-        if self.tier is not None and not str(self.tier).startswith(f"{TierName.PEER}:"):
-            object.__setattr__(self, "tier", TierName(self.tier))
+        if self.tier is not None:
+            kind, colon, node = str(self.tier).partition(":")
+            if colon and kind == TierName.PEER and self.node is None:
+                object.__setattr__(self, "node", node)
+            object.__setattr__(self, "tier", TierName(kind if colon else self.tier))
+
+    @property
+    def source(self) -> str:
+        """Where the bytes came from, for a person: the tier, and the node for the peer tier."""
+        if self.tier is None:
+            return "-"
+        return f"{self.tier}:{self.node}" if self.node else str(self.tier)
 
 
 @dataclass(frozen=True)
@@ -164,7 +177,7 @@ class RestoreReport:
         lines = [f"restored {step_label(self.step, self.version)} in {self.seconds:.3f}s"]
         for name, r in sorted(self.states.items()):
             lines.append(
-                f"  {name:<20} {r.status:<9} tier={r.tier or '-':<6} verified={'yes' if r.verified else 'no':<3}"
+                f"  {name:<20} {r.status:<9} tier={r.source:<6} verified={'yes' if r.verified else 'no':<3}"
                 + (f" {r.detail}" if r.detail else "")
             )
         for v, why in sorted(self.skipped_versions.items()):

@@ -12,7 +12,7 @@ Run by tests/test_peer_replicas.py in its own process (a Cluster needs its own r
   3. a new node D joins (the learner restarts there); node B is removed too: version 7 is held again
      by live holders (listed on "peer");
   4. restore on D: version 7, bit-exact with an uninterrupted run, read from a peer replica (the
-     report says ``peer:<node>``);
+     report says ``tier="peer"`` and the holder's node);
   5. a holder's process is killed: Ray restarts it empty, the coordinator notices and sends the
      newest versions to it again;
   6. version 8 is saved on D: the holders drop 6 (peer_keep=2), its last copies (A's disk is
@@ -146,7 +146,7 @@ def main() -> int:
         assert report.version == 7, report
         for name in ("policy", "optimizer"):
             st = report.states[name]
-            assert st.status == "restored" and st.verified and st.tier.startswith("peer:"), (name, st)
+            assert st.status == "restored" and st.verified and st.tier == rc.TierName.PEER and st.node, (name, st)
         got = ray.get(learner.snapshot.remote())
         assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got), \
             "the state restored from the peer replica differs from the uninterrupted run"

@@ -5,6 +5,8 @@ and with nothing registered at its start: none of them is about the run's own hi
 engine is a coordinator and writer processes to start (~3 s each on a 2-core machine)."""
 import asyncio
 import concurrent.futures
+import contextlib
+import io
 import threading
 import uuid
 
@@ -13,6 +15,7 @@ import ray
 import torch
 
 import ray_ckpt as rc
+from ray_ckpt.cli.main import main as cli
 from actors import FreshFlaky, FreshLearner, FreshWeird
 
 pytestmark = pytest.mark.timeout(240)
@@ -170,7 +173,15 @@ def test_load_by_name_step_and_rank(engine, provider):
         eng.load("policy", step=base + 15)
 
 
-def test_restore_fallback_goes_to_the_newest_version_that_verifies(engine, provider):
+def _damage(root, eng, version):
+    """Flip the last byte of ``version``'s policy file on the local tier (its only copy here)."""
+    f = root / "local" / eng.run / f"v{version:012d}" / "policy" / "rank0.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+def test_a_plain_restore_passes_over_a_version_whose_only_copy_is_damaged_naming_it(engine, provider):
     learner = provider(FreshLearner, seed=7)
     eng, base, root = engine
     v1, v2 = base + 1, base + 2
@@ -179,18 +190,51 @@ def test_restore_fallback_goes_to_the_newest_version_that_verifies(engine, provi
     want = ray.get(learner.snapshot.remote())
     ray.get(learner.train.remote())
     eng.save(v2).result(timeout=60)
-    f = root / "local" / eng.run / f"v{v2:012d}" / "policy" / "rank0.safetensors"
-    data = bytearray(f.read_bytes())
-    data[-1] ^= 0xFF
-    f.write_bytes(bytes(data))
-    with pytest.raises(rc.RestoreError, match=f"cannot restore step {v2} of run"):
-        eng.restore()
-    report = eng.restore(fallback=True)
+    _damage(root, eng, v2)
+    assert eng.list_checkpoints()[-1].step == v2  # nobody has looked at its bytes yet
+    # issue 44: a plain restore finds v2's only copy damaged; the coordinator checks that copy itself,
+    # v2 leaves the list, and the newest version listed then (v1) is restored, the report naming v2
+    report = eng.restore()
+    assert report.version == v1 and list(report.skipped_versions) == [v2], report
+    why = report.skipped_versions[v2]
+    assert "no copy of 1 critical file(s) verifies" in why and "local:" in why and "rank0.safetensors" in why, why
+    assert f"skipped newer version {v2}" in str(report)
+    got = ray.get(learner.snapshot.remote())
+    assert all(torch.equal(want[k], got[k]) for k in want if k.startswith("p."))
+    assert v2 not in [m.step for m in eng.list_checkpoints()] and eng.status()["skipped_versions"][v2] == why
+    out = io.StringIO()  # storage says so too (lost_versions.json): a restarted coordinator, ray-ckpt ls
+    with contextlib.redirect_stdout(out):
+        assert cli(["ls", str(root / "local" / eng.run)]) == 0
+    rows = {line.split()[0]: line.split()[-1] for line in out.getvalue().splitlines() if line[:1].isdigit()}
+    assert rows[str(v2)] == "lost" and rows[str(v1)] == "complete", out.getvalue()
+    report = eng.restore(fallback=True)  # fallback=True as before: v2 named skipped, v1 restored
     assert report.version == v1 and list(report.skipped_versions) == [v2]
+
+
+def test_restore_fallback_walks_past_a_version_whose_copy_is_bad_here(engine, provider):
+    learner = provider(FreshLearner, seed=8)
+    eng, base, root = engine
+    v1, v2, v3 = base + 1, base + 2, base + 3
+    eng.register("policy", learner)
+    eng.save(v1).result(timeout=60)
+    want = ray.get(learner.snapshot.remote())
+    for v in (v2, v3):
+        ray.get(learner.train.remote())
+        eng.save(v).result(timeout=60)
+        _damage(root, eng, v)
+    # a restore of that very step: refused, saying it was checked and why it is no longer listed
+    with pytest.raises(rc.RestoreError, match=f"cannot restore step {v3} of run .*; it is no longer listed: no copy "
+                                              f"of 1 critical file"):
+        eng.restore(step=v3)
+    report = eng.restore(fallback=True)
+    assert report.version == v1 and sorted(report.skipped_versions) == [v2, v3], report
     assert "checksum" in report.skipped_versions[v2] or "does not match" in report.skipped_versions[v2]
     assert f"skipped newer version {v2}" in str(report)
     got = ray.get(learner.snapshot.remote())
     assert all(torch.equal(want[k], got[k]) for k in want if k.startswith("p."))
+    with pytest.raises(rc.RestoreError, match=f"no committed checkpoint at step {v2} \\(it is not listed: no copy of 1 "
+                                              f"critical file\\(s\\) verifies .*checksum mismatch"):
+        eng.restore(step=v2)
 
 
 class _Counters:

@@ -576,7 +576,7 @@ def test_sharded_state_is_read_from_peer_replicas_by_ranges(pool, saved, tmp_pat
         target = {k: torch.zeros_like(v) for k, v in model.items()}
         rep = sharded_io.load_into_state([Tier(str(tmp_path / "gone")), PeerCopies(run)], m.states["model"],
                                          "model", target, strict=True, allow_pickle=False)
-        assert rep.status == "restored" and rep.tier == "peer:nodepeer0001", rep
+        assert rep.status == "restored" and rep.tier == "peer" and rep.node == "nodepeer0001", rep
         assert all(same_bits(target[k], want[f"model/{k}"]) for k in target)
     finally:
         ray.kill(holder)

@@ -176,3 +176,29 @@ def test_gc_on_a_live_run_is_refused_naming_the_owner_unless_forced(engine_facto
     eng.shutdown()  # the lease is released: gc goes on without --force
     code, out, err = _gc(capsys, root, "--keep-last", "1")
     assert code == 0 and "owned by" not in err and "deleted 2 versions" in out, err
+
+
+def test_gc_force_on_the_local_tier_loses_that_copy_only(engine_factory, tmp_path, run_name, capsys):
+    """Issue 44: versions gc --force deletes from the local tier stay listed (their remote copies are
+    intact) and restore from the remote tier bit-exact."""
+    import numpy as np
+
+    eng = engine_factory(**SMALL)
+    state = {}
+    eng.register("w", lambda: dict(state), loader=lambda s: state.update(s))
+    saved = {}
+    for step in (1, 2, 3, 4):
+        state["x"] = np.random.default_rng(step).standard_normal(1000)
+        saved[step] = state["x"].copy()
+        eng.save(step).wait(timeout=60, durability="remote")
+    code, out, err = _gc(capsys, tmp_path / "local" / run_name, "--keep-last", "1", "--force")
+    assert code == 0 and "deleted 3 versions" in out, err
+    assert sorted(p for p in os.listdir(tmp_path / "local" / run_name) if p.startswith("v")) == ["v000000000004"]
+    assert {m.step: m.tiers for m in eng.list_checkpoints()} == {1: ("remote",), 2: ("remote",), 3: ("remote",),
+                                                                   4: ("local", "remote")}
+    for step in (2, 1):
+        state.clear()
+        report = eng.restore(step=step)
+        assert report.step == step and report.states["w"].tier is rc.TierName.REMOTE, report
+        assert state["x"].tobytes() == saved[step].tobytes()
+    assert eng.restore().step == 4 and state["x"].tobytes() == saved[4].tobytes()

@@ -145,6 +145,8 @@ def test_replicated_durability_on_one_node_raises_naming_the_missing_peer(ray_se
         with pytest.raises(rc.SaveError, match="no node outside node .* to hold a copy"):
             h.wait(timeout=60, durability="replicated")
         assert [m.tiers for m in engine.list_checkpoints()] == [("local",)]
+        # the shortfall is in status() too, not only in the handle of whoever waited
+        assert "no node outside node" in engine.status()["replica_problems"][1], engine.status()
     finally:
         engine.shutdown()
     no_peers = rc.CheckpointEngine.create(run + "x", local_dir=str(tmp_path / "local2"), critical_writers=1,
@@ -157,15 +159,77 @@ def test_replicated_durability_on_one_node_raises_naming_the_missing_peer(ray_se
         no_peers.shutdown()
 
 
-@pytest.mark.slow
 # ---------------------------------------------------------------------- nodes lost, several nodes
-@pytest.mark.timeout(600)
-def test_node_loss_restores_the_newest_version_from_a_peer_replica(tmp_path):
-    # its own process: a multi-node Cluster needs its own ray.init, apart from the session's instance
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "peer_scenario.py"), str(tmp_path)],
+def _scenario(script: str, tmp_path, done: str) -> None:
+    """Run ``script`` in its own process (a multi-node Cluster needs its own ray.init, apart from
+    the session's instance); it prints ``done`` when every check held."""
+    proc = subprocess.run([sys.executable, os.path.join(HERE, script), str(tmp_path)],
                           capture_output=True, text=True, timeout=580)
     out = proc.stdout + proc.stderr[-3000:]
-    assert proc.returncode == 0 and "PEER OK" in proc.stdout, out
+    assert proc.returncode == 0 and done in proc.stdout, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_node_loss_restores_the_newest_version_from_a_peer_replica(tmp_path):
+    _scenario("peer_scenario.py", tmp_path, "PEER OK")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_damaged_replica_after_node_loss_leaves_the_list_and_restore_takes_the_newest_good_version(tmp_path):
+    _scenario("peer_damage_scenario.py", tmp_path, "DAMAGE OK")  # the script's docstring says what it checks
+
+
+def test_the_store_verifies_what_it_holds_again_memory_and_spill(tmp_path):
+    store = ReplicaStore(budget=1500, keep=2, spill=Tier(str(tmp_path / "spill"), "peer-spill"))
+    fs = files_of(3, [1000, 1000])  # one in memory, one spilled
+    store.put(3, [f for f, _ in fs], [d for _, d in fs])
+    assert [store.verify(f.path, f.checksum) for f, _ in fs] == [None, None]
+    mem, = [f for f, _ in fs if store.in_memory(f.path)]
+    disk, = [f for f, _ in fs if not store.in_memory(f.path)]
+    store._memory[mem.path] = bytearray(store._memory[mem.path])
+    store._memory[mem.path][7] ^= 0xFF  # bit rot in memory, after the checked arrival
+    raw = bytearray((tmp_path / "spill" / disk.path).read_bytes())
+    raw[7] ^= 0xFF
+    (tmp_path / "spill" / disk.path).write_bytes(bytes(raw))
+    assert store.verify(mem.path, mem.checksum) == "checksum mismatch (the copy is corrupt)"
+    assert store.verify(disk.path, disk.checksum) == "checksum mismatch (the copy is corrupt)"
+    assert store.verify("v000000000009/x", "0" * 32) == "not held"
+
+
+def test_a_state_report_names_its_tier_with_one_type_and_the_peer_node_apart():
+    peer = rc.StateReport("restored", "peer:nodeaaaaaaaa", True)  # the form before `node` existed
+    assert peer.tier is rc.TierName.PEER and isinstance(peer.tier, rc.TierName) and peer.node == "nodeaaaaaaaa"
+    assert rc.StateReport("restored", rc.TierName.PEER, True, node="nodebbbbbbbb").source == "peer:nodebbbbbbbb"
+    for name in ("local", "remote"):
+        r = rc.StateReport("restored", name, True)
+        assert r.tier is rc.TierName(name) and r.node is None and r.source == name
+    assert rc.StateReport("missing", None, False).source == "-"
+    report = rc.RestoreReport(3, 3, {"policy": peer})
+    assert "tier=peer:nodeaaaaaaaa" in str(report)
+
+
+@pytest.mark.timeout(120)
+def test_no_peer_copy_left_names_each_refusal_without_empty_parts(ray_session, tmp_path):
+    run = f"peerx-{uuid.uuid4().hex[:6]}"
+    cfg = EngineConfig(run, str(tmp_path / "local"), peer_replicas=1, peer_memory_mb=0)
+    (f, data), = files_of(4, [500])
+    holder = ReplicaHolder.options(name=holder_name(run, "nodecccccccc"), namespace=NAMESPACE).remote(cfg, "nodecccccccc")
+    try:
+        ray.get(holder.hold.remote(4, [f], data), timeout=60)
+        spill = tmp_path / "local" / peer_spill_dir(run, "nodecccccccc") / f.path
+        raw = bytearray(spill.read_bytes())
+        raw[3] ^= 0xFF
+        spill.write_bytes(bytes(raw))
+        with pytest.raises(IntegrityError) as err:
+            PeerCopies(run).read_verified(f.path, f.size, f.checksum)
+        assert str(err.value) == (f"no peer replica of {f.path} verified "
+                                  f"(peer:nodecccccccc: checksum mismatch (replica is corrupt))"), str(err.value)
+        assert ray.get(holder.verify.remote({f.path: f.checksum}), timeout=60) == {
+            f.path: "checksum mismatch (the copy is corrupt)"}
+    finally:
+        ray.kill(holder)
 
 
 def test_placement_never_the_writers_node_nor_its_failure_domain_least_loaded_first():
@@ -185,6 +249,41 @@ def test_placement_never_the_writers_node_nor_its_failure_domain_least_loaded_fi
     assert r._targets("n1", set(), 5) == ["n5", "n3"]  # fewer than asked: the caller reports the shortfall
     r = placement(None)
     assert r._targets("n1", set(), 2) == ["n2", "n3"] and "n1" not in r._targets("n1", set(), 9)
+
+
+def test_a_version_whose_only_copy_was_on_a_node_ray_lists_dead_is_not_listed_before_it_is_judged():
+    """Between Ray's node table saying a node is dead and the coordinator's watch loop judging it
+    (its next poll, or a repair pass it waits for), a version whose only copy was on that node is
+    not listed as if its local copy were there. No Ray: the node table read is set by hand."""
+
+    from ray_ckpt.coordinator.catalogue import Catalogue
+    from ray_ckpt.coordinator.queries import CoordinatorQueries
+    from ray_ckpt.coordinator.replication import Replication
+    from ray_ckpt.coordinator.upload_plan import UploadPlan
+    from ray_ckpt.formats.manifest import Manifest, StateEntry
+
+    def manifest(v):
+        f = FileEntry(f"v{v:012d}/policy/rank0.safetensors", 3, digest(b"abc"), node="a" * 56)
+        return Manifest("r", v, v, float(v), {"policy": StateEntry("critical", "stored", {"0": [f]}, 3)})
+
+    ms = {v: manifest(v) for v in (1, 2, 3)}
+    catalogue = Catalogue("r", {1: ms[1], 2: ms[2]})
+    uploads = UploadPlan(1, True, {3: ms[3]}, catalogue.committed)  # 3: on the remote tier too
+    catalogue.committed[3] = ms[3]
+    files = {m.states["policy"].all_files()[0].path: "a" * 56 for m in ms.values()}
+    r = Replication(EngineConfig("r", "/tmp/x", peer_replicas=1), None, None, catalogue, uploads, {}, files, "h" * 56,
+                    lambda c: None, lambda m: None)
+    r.copies = {2: {ms[2].states["policy"].all_files()[0].path: {"b" * 56}}}  # 2: held by a peer on node b
+    q = CoordinatorQueries("r", catalogue, uploads, {}, None)
+    q.replication = r
+    r._started, r._table_at, r._table_dead = True, float("inf"), set()  # node a alive (read "now": never again)
+    assert [m.version for m in q.list()] == [1, 2, 3] and q.manifest(-1).version == 3
+    r._table_dead = {"a" * 56}  # Ray's node table now lists node a dead; the watch loop has not judged it
+    assert {m.version: m.tiers for m in q.list()} == {2: ("local", "peer"), 3: ("local", "remote")}
+    assert [m.version for m in q.manifests()] == [3, 2]
+    assert "node aaaaaaaaaaaa died and held v000000000001/policy/rank0.safetensors" in q.skipped_versions()[1]
+    r.dead.add("a" * 56)  # judged: what it decided is what is listed (here: nothing was forgotten)
+    assert [m.version for m in q.list()] == [1, 2, 3]
 
 
 # ---------------------------------------------------------------------- which node holds a file, across restarts

@@ -118,7 +118,7 @@ class PeerCopies:
                 errors.append(f"peer:{key}: no longer held")
                 continue
             yield key, data
-        raise IntegrityError(f"no peer replica of {rel} could be read ({'; '.join(errors)})")
+        raise _NoneLeft(errors)
 
     def read_verified(self, rel: str, size: int, checksum: str) -> Any:
         errors = []
@@ -129,15 +129,29 @@ class PeerCopies:
                     return _writable(data)
                 errors.append(f"peer:{key}: checksum mismatch (replica is corrupt)")
                 log.warning("peer replica of %s on %s does not match its manifest: passed over", rel, key)
-        except IntegrityError as exc:
-            raise IntegrityError("; ".join(errors + [str(exc)])) from None
-        raise IntegrityError("; ".join(errors))
+        except _NoneLeft as exc:
+            errors += exc.errors
+        raise IntegrityError(f"no peer replica of {rel} verified ({'; '.join(errors)})")
 
     def read_range(self, rel: str, begin: int, end: int) -> Any:
         """Bytes ``[begin, end)`` of the first holder that has ``rel``; checked by the caller against
         per-piece digests (a bad range there makes it try the next tier)."""
-        for key, data in self._read(rel, "get_range", begin, end):
-            if len(data) == end - begin:
-                self.name = f"peer:{key}"
-                return _writable(data)
-        raise IntegrityError(f"no peer replica of {rel} holds bytes {begin}..{end}")
+        errors = []
+        try:
+            for key, data in self._read(rel, "get_range", begin, end):
+                if len(data) == end - begin:
+                    self.name = f"peer:{key}"
+                    return _writable(data)
+                errors.append(f"peer:{key}: holds {len(data)} of the range's {end - begin} bytes")
+        except _NoneLeft as exc:
+            errors += exc.errors
+        raise IntegrityError(f"no peer replica of {rel} holds bytes {begin}..{end} ({'; '.join(errors)})")
+
+
+class _NoneLeft(IntegrityError):
+    """Every holder of a file was tried (``errors``: why each that returned nothing failed); the
+    caller names these with what it refused itself, so no message ends in an empty list."""
+
+    def __init__(self, errors: List[str]):
+        super().__init__("; ".join(errors))
+        self.errors = list(errors)

@@ -12,7 +12,7 @@ from typing import Any, List, Optional, Sequence
 from ..errors import IntegrityError, RestoreError, one_line
 from ..formats.manifest import FileEntry
 from ..protocol import StagedState
-from ..storage.checkpoint_io import decode_files, read_files
+from ..storage.checkpoint_io import NoGoodCopy, decode_files, read_files
 from ..storage.tier import Tier
 from .object_store import start_prefault
 from .peer_reads import PeerCopies
@@ -40,6 +40,8 @@ def stage_in_actor(actor: Any, name: str, config: Any, files: List[FileEntry],
         start_prefault()  # a restarted provider restores first: its next saves find the store mapped
     try:
         state, tier, problems = read_state(tiers_of(config), files, name, allow_pickle)
+    except NoGoodCopy as exc:
+        return StagedState(False, None, one_line(exc), unreadable=True)
     except (IntegrityError, RestoreError, OSError) as exc:
         return StagedState(False, None, one_line(exc))
     hold(actor, name, state)

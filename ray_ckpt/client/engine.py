@@ -365,9 +365,14 @@ class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes, PreemptionNot
         from the remote tier when the local copy is missing or corrupt. With ``strict=True`` nothing
         is loaded into any provider unless every CRITICAL / RELOADABLE state verified.
 
-        ``fallback=True`` (with ``step=-1``): when the newest version fails verification on every
-        tier, restore the newest older one that passes; the report's ``skipped_versions`` says
-        which were passed over and why. Without it such a restore refuses, loading nothing.
+        A listed version is one that some copy can restore. When a critical file of the version
+        tried has no good copy on any tier this process reads, the coordinator checks every copy
+        it can reach; if none verifies, the version is no longer listed (``status()`` says why) and
+        a plain ``restore()`` goes on to the newest version listed then, its report's
+        ``skipped_versions`` naming the one passed over. If the coordinator still finds a copy
+        (or one it cannot check, on another node's disk), the restore refuses, loading nothing.
+        ``fallback=True`` (with ``step=-1``): restore the newest version that verifies here,
+        passing over (and naming) any newer one that does not.
 
         Versions are steps, so after restoring an older version, saves must go past the newest
         one. ``rewind=True`` instead deletes every version newer than the restored one (after the

@@ -31,6 +31,13 @@ log = logging.getLogger("ray_ckpt")
 Call = Callable[..., Any]
 
 
+def _naming(exc: RestoreError, skipped: Mapping[int, str]) -> RestoreError:
+    """``exc``, naming the newer versions the restore passed over (if any) and why."""
+    if not skipped:
+        return exc
+    return RestoreError(f"{exc}; newer versions skipped: " + "; ".join(f"{v}: {why}" for v, why in skipped.items()))
+
+
 class StateReader:
     """Reads committed states for one engine; ``call`` asks its coordinator (reviving it if the
     engine owns the run), ``registry`` is the engine's own (a live view, not a copy)."""
@@ -44,7 +51,11 @@ class StateReader:
         if m is None:
             what = "" if version == -1 and step is None else (
                 f" at step {step}" if step is not None else f" with version {version}")
-            raise RestoreError(f"run {self.run!r} has no committed checkpoint{what}")
+            asked = step if step is not None else version
+            why = self._call(lambda c: c.skipped_versions.remote(), "the skipped versions",
+                             error=RestoreError).get(asked) if asked != -1 else None
+            raise RestoreError(f"run {self.run!r} has no committed checkpoint{what}"
+                               + (f" (it is not listed: {why})" if why else ""))
         return m
 
     def stored_state(self, name: str, step: int, allow_pickle: Optional[bool]) -> Tuple[str, StateEntry, bool]:
@@ -137,20 +148,47 @@ class StateReader:
         if not candidates:
             raise RestoreError(f"run {self.run!r} has no committed checkpoint")
         skipped: Dict[int, str] = {}
-        for i, m in enumerate(candidates):
+        i = 0
+        while True:
+            m = candidates[i]
             try:
                 plan = stages.plan(m, self._registry, wanted)
                 staged = stages.stage(plan, self.config)
                 reports = stages.verify(staged, self._registry, strict, self.run)
+            except stages.NoCopyVerified as exc:
+                # a critical file of a listed version has no good copy on the tiers this process
+                # reads: the coordinator checks every copy it can reach, and a version with none
+                # left is no longer listed
+                why = self._call(lambda c: c.recheck.remote(m.version), "a recheck", 600, RestoreError)
+                if why is not None:
+                    log.warning("restore: %s can no longer be restored and is no longer listed: %s",
+                                step_label(m.step, m.version), why)
+                if fallback and i < len(candidates) - 1:
+                    skipped[m.version] = why or one_line(exc)
+                    log.warning("restore(fallback=True): %s does not verify, trying an older one: %s",
+                                step_label(m.step, m.version), one_line(exc))
+                    i += 1
+                    continue
+                if step == -1 and not fallback and why is not None:  # the newest version listed now, then
+                    skipped[m.version] = why
+                    try:
+                        candidates = [self.manifest(-1)]
+                    except RestoreError as none:
+                        raise _naming(none, skipped) from None
+                    continue
+                if why is not None:
+                    raise RestoreError(f"{_naming(exc, skipped)}; it is no longer listed: {why}") from None
+                raise RestoreError(f"{_naming(exc, skipped)}; it stays listed: the coordinator found a copy that "
+                                   f"verifies, or one it cannot check from its node" + (
+                                       "" if fallback or step != -1 else ". restore(fallback=True) restores the "
+                                       "newest older version that verifies here")) from None
             except RestoreError as exc:
                 if not fallback or i == len(candidates) - 1:
-                    if skipped:
-                        raise RestoreError(f"{exc}; newer versions skipped: "
-                                           + "; ".join(f"{v}: {why}" for v, why in skipped.items())) from None
-                    raise
+                    raise _naming(exc, skipped) from None
                 skipped[m.version] = one_line(exc)
                 log.warning("restore(fallback=True): %s does not verify, trying an older one: %s",
                             step_label(m.step, m.version), one_line(exc))
+                i += 1
                 continue
             break
         stages.apply(staged, reports, self._registry, self.run)

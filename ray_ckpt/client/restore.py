@@ -20,11 +20,11 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import ray
 
-from ..storage.checkpoint_io import rank_files
+from ..storage.checkpoint_io import NoGoodCopy, rank_files
 from ..storage.tier import farther
 from ..errors import IntegrityError, RestoreError, one_line
 from ..formats.manifest import FileEntry, Manifest, StateEntry
@@ -36,6 +36,12 @@ from ..capture.snapshot import ActorProvider, actor_get
 from ..types import StateReport, Strategy, step_label
 
 StageKey = Tuple[str, Optional[int]]  # (state, rank) — rank None: the state's single provider
+
+
+class NoCopyVerified(RestoreError):
+    """A strict restore failed, and at least one CRITICAL / RELOADABLE state failed because no tier
+    this process reads held a copy of one of its files that verified: a question for the
+    coordinator, which can check every copy (``coordinator/recheck.py``)."""
 
 
 RESTARTING_WAIT_S = 120.0  # how long a restore waits for a provider actor that Ray is restarting
@@ -76,6 +82,7 @@ class Staged:
     in_actors: Dict[StageKey, Any] = field(default_factory=dict)     # -> ObjectRef of a StagedState
     local: Dict[str, Any] = field(default_factory=dict)              # state read in this process
     reports: Dict[str, StateReport] = field(default_factory=dict)    # of the local reads
+    unreadable: Set[str] = field(default_factory=set)  # states with a file no tier had a good copy of
 
 
 def plan(manifest: Manifest, registry: Mapping[str, Registration], names: Sequence[str]) -> RestorePlan:
@@ -138,6 +145,8 @@ def stage(p: RestorePlan, config: Any) -> Staged:
             s.reports[r.name] = StateReport("restored", tier, True, "; ".join(problems), sum(f.size for f in r.files))
         except (IntegrityError, RestoreError, OSError) as exc:
             s.reports[r.name] = StateReport("missing", None, False, one_line(exc))
+            if isinstance(exc, NoGoodCopy):
+                s.unreadable.add(r.name)
     return s
 
 
@@ -216,6 +225,8 @@ def stage_sharded_in_actor(actor: Any, name: str, config: Any, entry: StateEntry
     try:
         target = _copy_tensors(actor_get(actor, getter, attribute, name))
         rep = load_into_state(tiers_of(config), entry, name, target, strict=True, allow_pickle=allow_pickle)
+    except NoGoodCopy as exc:
+        return StagedState(False, None, one_line(exc), unreadable=True)
     except (IntegrityError, RestoreError, OSError) as exc:
         return StagedState(False, None, one_line(exc))
     hold(actor, name, target)
@@ -232,7 +243,9 @@ def verify(s: Staged, registry: Mapping[str, Registration], strict: bool, run: s
         name, rank = a.name, a.rank
         r = _staged_result(s, a)
         if rank is not None and r.detail:
-            r = StagedState(r.ok, r.tier, f"rank {rank}: {r.detail}", r.bytes)
+            r = StagedState(r.ok, r.tier, f"rank {rank}: {r.detail}", r.bytes, r.unreadable)
+        if r.unreadable:
+            s.unreadable.add(name)
         per_state.setdefault(name, []).append(r)
     for name, rs in per_state.items():
         detail = "; ".join(r.detail for r in rs if r.detail)
@@ -241,13 +254,14 @@ def verify(s: Staged, registry: Mapping[str, Registration], strict: bool, run: s
             reports[name] = StateReport("restored", tier, True, detail, sum(r.bytes for r in rs))
         else:
             reports[name] = StateReport("missing", None, False, detail)
-    failed = [f"{n}: {r.detail}" for n, r in reports.items()
+    failed = [n for n, r in reports.items()
               if r.status == "missing" and registry[n].strategy is not Strategy.BEST_EFFORT]
     if strict and failed:
         discard(s)
         m = s.plan.manifest
-        raise RestoreError(f"cannot restore {step_label(m.step, m.version)} of run {run!r}; nothing was "
-                           f"loaded: " + " | ".join(failed))
+        error = NoCopyVerified if s.unreadable & set(failed) else RestoreError
+        raise error(f"cannot restore {step_label(m.step, m.version)} of run {run!r}; nothing was loaded: "
+                    + " | ".join(f"{n}: {reports[n].detail}" for n in failed))
     return reports
 
 

@@ -63,6 +63,7 @@ from ..protocol import (CoordinatorStatus, Declaration, PartPlan, PushedPart, Sa
                         SubmitBatchResult)
 from .recovery import DECLARED, DRIVER_STATES, recover
 from .evacuation import Evacuation
+from .recheck import recheck
 from .replication import Replication
 from .run_guards import GcNoticeWatch, OwnerFence
 from .uploader import Uploader
@@ -349,6 +350,11 @@ class CheckpointCoordinator:
 
     def remote_error(self, version: int) -> Optional[str]:
         return self.uploads.errors.get(version)
+
+    async def recheck(self, version: int) -> Optional[str]:
+        """A restore found no good copy of a critical file of ``version``: why it cannot be restored
+        after it left the list for that reason, None when a copy still verifies (``recheck.py``)."""
+        return await recheck(version, self.replication, self.remote)
 
     # ------------------------------------------------------------------ rewind (deletions.py)
     async def rewind(self, version: int) -> List[int]:

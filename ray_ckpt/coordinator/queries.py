@@ -32,10 +32,22 @@ class CoordinatorQueries:
     def last_version(self) -> int:
         return max([self.catalogue.last_version] + list(self.uploads.committed))
 
+    def _unjudged(self) -> Dict[int, str]:
+        """Versions whose only copy was on a node Ray now lists dead, not judged yet (replication.py)."""
+        return self.replication.unjudged_losses() if self.replication is not None else {}
+
+    def _restorable(self) -> Dict[int, Manifest]:
+        """Every listed version's manifest (the local tier's where both tiers hold it)."""
+        allv = {**self.uploads.committed, **self.catalogue.committed}
+        for v in self._unjudged():
+            allv.pop(v, None)
+        return allv
+
     def list(self) -> list:
         local, remote = dict(self.catalogue.committed), dict(self.uploads.committed)
+        unjudged = self._unjudged()
         out = []
-        for v in sorted(set(local) | set(remote)):
+        for v in sorted((set(local) | set(remote)) - set(unjudged)):
             tiers = tuple(t for t, d in (("local", local), ("remote", remote)) if v in d)
             if self.replication is not None and self.replication.enabled and self.replication.fully_replicated(v):
                 tiers = tiers[:1] + ("peer",) + tiers[1:] if "local" in tiers else ("peer",) + tiers
@@ -44,7 +56,7 @@ class CoordinatorQueries:
 
     def manifest(self, version: int = -1, step: Optional[int] = None) -> Optional[Manifest]:
         """The manifest of ``version`` (-1: latest committed), or of the version at ``step``."""
-        allv = {**self.uploads.committed, **self.catalogue.committed}
+        allv = self._restorable()
         if step is not None:
             allv = {v: m for v, m in allv.items() if m.step == step}
             return allv[max(allv)] if allv else None
@@ -61,14 +73,16 @@ class CoordinatorQueries:
         return StoredState(m.version, m.step, tuple(sorted(m.states)), m.states.get(name))
 
     def manifests(self) -> List[Manifest]:
-        """Every committed manifest, newest first (a restore that falls back walks them)."""
-        allv = {**self.uploads.committed, **self.catalogue.committed}
+        """Every listed manifest, newest first (a restore that falls back walks them)."""
+        allv = self._restorable()
         return [allv[v] for v in sorted(allv, reverse=True)]
 
     def skipped_versions(self) -> Dict[int, str]:
-        """Versions found in storage but not trusted (and not committed on another tier): why."""
-        return {v: why for v, why in self.skipped.items()
-                if v not in self.catalogue.committed and v not in self.uploads.committed}
+        """Versions not listed (and not committed on another tier): why. Found in storage but not
+        trusted, lost with a node, or (not judged yet) depending on a node Ray lists dead."""
+        out = {v: why for v, why in self.skipped.items()
+               if v not in self.catalogue.committed and v not in self.uploads.committed}
+        return {**out, **self._unjudged()}
 
     def status(self, *, commits: int, failures: int, last_error: Optional[str], started_at: float,
                node: str) -> CoordinatorStatus:
@@ -98,4 +112,5 @@ class CoordinatorQueries:
             unplaced_writers={n[:12]: why for n, why in self.pools.unplaced.items()},
             upload_owed=self.uploads.owed, skipped_versions=self.skipped_versions(),
             replicas=self.replication.replicas() if self.replication is not None else {},
+            replica_problems=dict(self.replication.short) if self.replication is not None else {},
             preemption=self.evacuation.status() if self.evacuation is not None else None)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import ray
@@ -74,9 +75,14 @@ class Replication:
         self.alive: Dict[str, Dict[str, str]] = {}  # node -> labels, as last read
         self.dead: Set[str] = set()  # nodes judged lost
         self.table_dead: Set[str] = set()  # nodes Ray's node table lists dead, as last read
-        self.short: Dict[int, str] = {}  # version -> why it has fewer copies than asked
+        self.short: Dict[int, str] = {}  # version -> why it has fewer copies than asked (status() shows it)
+        # (version, path) -> the nodes whose holders had a copy when they died: a lost version's reason
+        self.died_with: Dict[Tuple[int, str], Set[str]] = {}
+        self.left: Set[int] = set()  # listed versions whose copies the holders dropped (older than peer_keep)
         self.draining: Set[str] = set()  # nodes Ray drains (evacuation.py): no new copy goes there
         self._task: Optional[asyncio.Future] = None
+        self._started = False  # the first node table read is done (unjudged_losses judges nothing before)
+        self._table_at, self._table_dead = float("-inf"), set()  # unjudged_losses' own node table read
         self._lock = asyncio.Lock()  # one pass of sends at a time
 
     @property
@@ -241,6 +247,8 @@ class Replication:
         for v in dropped:
             self.copies.pop(v, None)
             self.short.pop(v, None)
+        self.left = (self.left | set(dropped)) & set(self.catalogue.committed)
+        self.died_with = {k: n for k, n in self.died_with.items() if k[0] in self.catalogue.committed}
         for v in sorted(self.futures)[:-32]:
             if self.futures[v].done():
                 self.futures.pop(v)
@@ -254,6 +262,7 @@ class Replication:
     async def _read_nodes(self) -> Set[str]:
         """Read Ray's node table; returns the nodes that died since the last read."""
         nodes = await asyncio.to_thread(ray.nodes)
+        self._started = True
         before = set(self.alive)
         self.alive = {n["NodeID"]: dict(n.get("Labels") or {}) for n in nodes if n.get("Alive")}
         self.table_dead = {n["NodeID"] for n in nodes if not n.get("Alive")} - set(self.alive)
@@ -340,50 +349,102 @@ class Replication:
         for n in gone:
             self.holders.pop(n, None)
             self.held_bytes.pop(n, None)
-        for held in self.copies.values():
-            for nodes in held.values():
+        for v, held in self.copies.items():
+            for path, nodes in held.items():
+                if nodes & gone:  # remembered for the reason, should this version be judged lost
+                    self.died_with.setdefault((v, path), set()).update(nodes & gone)
                 nodes.difference_update(gone)
         names = ", ".join(n[:12] for n in sorted(gone))
         if not await self._judge(sorted(self.catalogue.committed), f"node(s) {names} lost"):
-            log.warning("run %r: node(s) %s lost; every listed version is still restorable", self.cfg.run, names)
+            log.warning("run %r: node(s) %s lost; every listed version still has a good copy of each critical "
+                        "file (on a live node's disk, on the remote tier, or in a peer replica that verified just "
+                        "now)", self.cfg.run, names)
 
     async def _judge(self, versions: List[int], cause: str) -> List[int]:
-        """Stop listing those of ``versions`` that can no longer be restored (a critical file on a
-        lost node's disk only), record them lost and report them; returns them."""
+        """Stop listing those of ``versions`` that can no longer be restored (a critical file whose
+        node is lost, not uploaded, with no peer replica that verifies), record them lost and report
+        them; returns them."""
         lost: Dict[int, LostVersion] = {}
         for v in versions:
             m = self.catalogue.committed.get(v)
             if m is None or v in self.uploads.committed or v in self.catalogue.pending:
                 continue
-            missing = [f.path for f in held_files(m) if not await self._restorable(v, f)]
-            if missing:
-                node = self.file_nodes.get(missing[0], self.node_id)
-                why = (f"lost with node {node[:12]}: {len(missing)} critical file(s) (e.g. {missing[0]}) were on its "
-                       f"local disk only (not uploaded, no live peer replica)")
+            fates = await self._fates(v, [f for f in held_files(m)
+                                          if self.file_nodes.get(f.path, self.node_id) in self.dead])
+            if fates:
+                first = next(iter(fates))
+                node = self.file_nodes.get(first, self.node_id)
+                why = (f"lost with node {node[:12]}: {len(fates)} critical file(s) (e.g. {first}) were on its "
+                       f"local disk only (not uploaded)")
+                why += "".join(f"; {fate}" for fate in sorted(set(fates.values())) if fate)
                 lost[v] = LostVersion(why, float(m.created_at))
-        if lost:
-            try:  # first, so that a restart right after the report does not list them again (nor ray-ckpt ls)
-                await asyncio.to_thread(record_lost, self.local, lost)
-            except Exception as exc:
-                log.error("run %r: cannot record the lost versions on %s: %s", self.cfg.run, self.local.display,
-                          one_line(exc))
-            for v, e in lost.items():
-                self.catalogue.forget(v)
-                self.catalogue.reserved_through = max(self.catalogue.reserved_through, v)
-                self.skipped[v] = e.why
-                self.copies.pop(v, None)
-            msg = f"{cause}: versions {sorted(lost)} can no longer be restored and are no longer listed"
-            self._set_error(msg)
-            log.error("run %r: %s", self.cfg.run, msg)
+        await self.unlist(lost, cause)
         return sorted(lost)
 
-    async def _restorable(self, version: int, f: FileEntry) -> bool:
-        if self.file_nodes.get(f.path, self.node_id) not in self.dead:
-            return True
-        if self.copies.get(version, {}).get(f.path):
-            return True
-        # a local_dir shared by the nodes (a network disk): the file is still there
-        return await asyncio.to_thread(self.local.exists, f.path)
+    async def unlist(self, lost: Dict[int, LostVersion], cause: str) -> None:
+        """Stop listing ``lost`` (version -> why) on the local tier for good: recorded lost
+        (``storage/lost.py``), reported in ``status()`` with why, their numbers never reused."""
+        if not lost:
+            return
+        try:  # first, so that a restart right after the report does not list them again (nor ray-ckpt ls)
+            await asyncio.to_thread(record_lost, self.local, lost)
+        except Exception as exc:
+            log.error("run %r: cannot record the lost versions on %s: %s", self.cfg.run, self.local.display,
+                      one_line(exc))
+        for v, e in lost.items():
+            self.catalogue.forget(v)
+            self.catalogue.reserved_through = max(self.catalogue.reserved_through, v)
+            self.skipped[v] = e.why
+            self.copies.pop(v, None)
+            self.short.pop(v, None)
+        msg = f"{cause}: versions {sorted(lost)} can no longer be restored and are no longer listed"
+        self._set_error(msg)
+        log.error("run %r: %s", self.cfg.run, msg)
+
+    async def _fates(self, version: int, files: List[FileEntry]) -> Dict[str, str]:
+        """Of ``files`` (their node is lost), those with no good copy left: path -> what became of
+        its peer replicas ("" when replicas are off). A replica is asked to verify its bytes
+        against the manifest's checksum first (memory and spill files can be damaged after they
+        arrived); one that does not verify is no copy, and is forgotten (the repair pass sends a
+        good one where one is left). A holder that does not answer in time is counted as holding:
+        its node's loss, if that is why, is judged at the next poll."""
+        held = self.copies.get(version, {})
+        asks: Dict[str, Dict[str, str]] = {}  # holder node -> path -> checksum
+        for f in files:
+            for n in held.get(f.path, ()):
+                asks.setdefault(n, {})[f.path] = f.checksum
+        nodes = [n for n in asks if n in self.holders]
+        answers = await asyncio.gather(*[asyncio.wait_for(self.holders[n].verify.remote(asks[n]), INDEX_TIMEOUT_S)
+                                         for n in nodes], return_exceptions=True)
+        bad: Dict[str, List[str]] = {}  # path -> "node X: why" of its copies that failed verification
+        unsure: Set[str] = set()  # paths whose holder did not answer
+        for n, answer in zip(nodes, answers):
+            if isinstance(answer, BaseException):
+                log.warning("run %r: the replica holder on node %s did not answer a verification: %s", self.cfg.run,
+                            n[:12], one_line(answer))
+                unsure.update(asks[n])
+                continue
+            for path, why in answer.items():
+                if why is not None:
+                    held.get(path, set()).discard(n)
+                    bad.setdefault(path, []).append(f"node {n[:12]}: {why}")
+                    self.short[version] = f"the peer replica of {path} on node {n[:12]} failed verification: {why}"
+                    log.error("run %r: step %d: the peer replica of %s on node %s failed verification: %s",
+                              self.cfg.run, version, path, n[:12], why)
+        out: Dict[str, str] = {}
+        for f in files:
+            if held.get(f.path) or f.path in unsure or await asyncio.to_thread(self.local.exists, f.path):
+                continue  # a verified replica, or a local_dir shared by the nodes (a network disk): still there
+            if f.path in bad:
+                out[f.path] = f"its peer replica failed verification ({'; '.join(bad[f.path])})"
+            elif self.died_with.get((version, f.path)):
+                names = ", ".join(sorted(n[:12] for n in self.died_with[(version, f.path)]))
+                out[f.path] = f"the node(s) holding its peer replica ({names}) were lost too"
+            elif version in self.left:
+                out[f.path] = f"the replica holders dropped it (they keep the newest peer_keep={self.cfg.peer_keep})"
+            else:
+                out[f.path] = "no peer replica held it" if self.enabled else ""
+        return out
 
     async def _reconcile(self) -> bool:
         """Ask every holder what it holds and forget the copies it lost (Ray restarted its process:
@@ -413,6 +474,42 @@ class Replication:
                 if not problems:
                     log.info("run %r: version %d is held by %d peer replica(s) again", self.cfg.run, v,
                              self.cfg.peer_replicas)
+
+    # ------------------------------------------------------------------ listing (the queries' thread)
+    def unjudged_losses(self) -> Dict[int, str]:
+        """Versions that a node table read at most ``NODE_POLL_S`` ago says depend on a node that
+        died and that the watch loop has not judged yet (its poll, or a repair pass it waits for,
+        comes later): version -> why. ``list()`` leaves them out and ``status()`` names them, so
+        a version whose only copy was on a dead node is never listed as if it were on the local
+        tier. Called on the queries' thread: it reads the node table itself, never awaits the
+        main loop. (A ``local_dir`` shared by the nodes keeps such a version: it is listed again
+        once judged.)"""
+        if not self.file_nodes or not self._started:
+            return {}
+        now = time.monotonic()
+        if now - self._table_at >= NODE_POLL_S:
+            try:
+                nodes = ray.nodes()
+            except Exception as exc:  # the GCS busy: the watch loop judges at its next poll
+                log.debug("run %r: cannot read the node table: %s", self.cfg.run, one_line(exc))
+                return {}
+            alive = {n["NodeID"] for n in nodes if n.get("Alive")}
+            self._table_dead, self._table_at = {n["NodeID"] for n in nodes if not n.get("Alive")} - alive, now
+        fresh = (self._table_dead - self.dead) & set(list(self.file_nodes.values()))  # nodes that wrote files
+        if not fresh:
+            return {}
+        out: Dict[int, str] = {}
+        copies = dict(self.copies)
+        for v, m in list(self.catalogue.committed.items()):
+            if v in self.uploads.committed or v in self.catalogue.pending:
+                continue
+            for f in held_files(m):
+                node = self.file_nodes.get(f.path, self.node_id)
+                if node in fresh and not set(copies.get(v, {}).get(f.path, ())) - fresh - self.dead:
+                    out[v] = (f"node {node[:12]} died and held {f.path} on its local disk (not uploaded, no peer "
+                              f"replica on a live node): being judged")
+                    break
+        return out
 
     # ------------------------------------------------------------------ status
     def replicas(self) -> Dict[int, Tuple[str, ...]]:

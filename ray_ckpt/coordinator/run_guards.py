@@ -87,5 +87,10 @@ class GcNoticeWatch:
                 self.catalogue.forget(v)
         else:
             self.uploads._forget(gone, self.uploads.kept_paths(self.catalogue.committed, set(gone)))
-        log.warning("run %r: versions %s were deleted from the %s tier by ray-ckpt gc --force; no longer listed",
-                    self.run, gone, "local" if local else "remote")
+        # only that tier's copy is lost: a version the other tier holds stays listed, restored from there
+        other = self.uploads.committed if local else self.catalogue.committed
+        kept, unlisted = [v for v in gone if v in other], [v for v in gone if v not in other]
+        log.warning("run %r: ray-ckpt gc --force deleted versions %s from the %s tier; %s", self.run, gone,
+                    "local" if local else "remote", "; ".join(
+                        ([f"{kept} are still listed (their {'remote' if local else 'local'} copies)"] if kept else [])
+                        + ([f"{unlisted} are no longer listed (no other copy)"] if unlisted else [])))

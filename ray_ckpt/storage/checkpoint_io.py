@@ -178,6 +178,11 @@ def _write_table(tier: Tier, rel: str, table: Any, compression: Optional[str], t
     return sink.size, sink.digest()
 
 
+class NoGoodCopy(IntegrityError):
+    """No tier this process reads holds a copy of a file (or of a byte range) that verifies: the
+    restore asks the coordinator to check every copy it can reach (``coordinator/recheck.py``)."""
+
+
 def read_files(tiers: Sequence[Tier], files: List[FileEntry]) -> Tuple[List[bytearray], str, List[str]]:
     """Read and verify every file, each from the first tier that holds a good copy.
 
@@ -200,7 +205,7 @@ def read_files(tiers: Sequence[Tier], files: List[FileEntry]) -> Tuple[List[byte
             except OSError as exc:
                 errors.append(f"{tier.name}: {one_line(exc)}")
         else:
-            raise IntegrityError(f"no good copy of {f.path} ({'; '.join(errors)})")
+            raise NoGoodCopy(f"no good copy of {f.path} ({'; '.join(errors)})")
         problems.extend(errors)
     if not files:
         used = tiers[0].name

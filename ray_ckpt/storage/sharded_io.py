@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .checkpoint_io import decode_files, rank_files, read_files
+from .checkpoint_io import NoGoodCopy, decode_files, rank_files, read_files
 from ..errors import IntegrityError, RestoreError, about, one_line
 from ..formats import safetensors_io
 from ..formats.manifest import ROLE_TABLE, ROLE_TENSORS, StateEntry
@@ -185,7 +185,7 @@ class RangeReader:
                 self.tier = farther(self.tier, tier.name)
             self.problems.extend(errors)
             return data
-        raise IntegrityError(f"no good copy of bytes {begin}..{end} of {file} ({'; '.join(errors)})")
+        raise NoGoodCopy(f"no good copy of bytes {begin}..{end} of {file} ({'; '.join(errors)})")
 
 
 def index_of_entry(entry: StateEntry, name: str) -> Any:

@@ -122,6 +122,23 @@ class ReplicaStore:
         except FileNotFoundError:
             return None
 
+    def verify(self, path: str, checksum: str) -> Optional[str]:
+        """Why the copy held of ``path`` is not a good copy of the file whose manifest names
+        ``checksum`` (None: it is). Its bytes are hashed again: memory and spill files can be
+        damaged after they arrived, and only a copy that verifies keeps a version listed."""
+        with self._lock:
+            held = self._files.get(path)
+        if held is None:
+            return "not held"
+        data = self.get(path)
+        if data is None:
+            return "not held (its spill file is gone)"
+        if held.entry.checksum != checksum:
+            return "holds another version of the file (checksum differs from the manifest's)"
+        if len(data) != held.entry.size or digest(data) != checksum:
+            return "checksum mismatch (the copy is corrupt)"
+        return None
+
     def in_memory(self, path: str) -> bool:
         return path in self._memory
 

@@ -104,6 +104,11 @@ class ReplicaHolder:
     def checksums(self) -> Dict[int, Dict[str, str]]:
         return self.store.checksums()
 
+    def verify(self, files: Dict[str, str]) -> Dict[str, Optional[str]]:
+        """path -> why the copy held is not good (None: it verifies), for ``files`` (path -> the
+        checksum the manifest names): the coordinator asks before it counts a copy as the last one."""
+        return {path: self.store.verify(path, checksum) for path, checksum in files.items()}
+
     def usage(self) -> StoreUsage:
         return self.store.usage()
 
