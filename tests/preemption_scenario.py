@@ -69,6 +69,7 @@ def main() -> int:
     node_a = cluster.add_node(num_cpus=1, resources={"learner_slot": 1})
     node_b = cluster.add_node(num_cpus=1, resources={"learner_slot": 1})
     node_c = cluster.add_node(num_cpus=1)
+    stop_at_exit = None
     try:
         ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
@@ -111,7 +112,7 @@ def main() -> int:
         # verl's driver: the run's notices forwarded into verl's own expiry check (a real verl function)
         from ray_ckpt.integrations.verl import forward_preemption_notices
         from verl.utils.checkpoint.checkpoint_manager import should_save_ckpt_esi
-        forwarder = forward_preemption_notices(evac, poll_s=0.2)
+        forwarder = stop_at_exit = forward_preemption_notices(evac, poll_s=0.2)
         assert not should_save_ckpt_esi(max_steps_duration=5.0)
 
         # ---------------------------------------------------------------- two notices at once
@@ -160,8 +161,9 @@ def main() -> int:
                  == set(ns.moved), 30)
         skipped = short.status()["skipped_versions"]
         assert set(ns.lost) <= set(skipped), skipped
-        status = short.status()["preemption"]
-        assert status["active"] is False and status["lost"], status
+        status = wait_for("short: the notice ended", lambda: (lambda st: st if st["active"] is False else None)(
+            short.status()["preemption"]), 30, lambda: short.status()["preemption"])
+        assert status["lost"], status
         say(f"short: listed {[m.step for m in short.list_checkpoints()]}; lost {sorted(ns.lost)} not listed")
 
         wait_for("the notice ended: verl's check is clear again", lambda: not should_save_ckpt_esi(5.0), 30)
@@ -184,6 +186,8 @@ def main() -> int:
         say("PREEMPTION OK")
         return 0
     finally:
+        if stop_at_exit is not None:
+            stop_at_exit.stop()
         ray.shutdown()
         cluster.shutdown()
 

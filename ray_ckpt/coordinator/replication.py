@@ -142,28 +142,7 @@ class Replication:
         async with self._lock:
             if not self.alive:
                 await self._read_nodes()
-            m = self.catalogue.committed.get(version)
-            if m is None:
-                return [f"step {version} is no longer listed"]
-            held = self.copies.setdefault(version, {})
-            sends: Dict[Tuple[str, str, str], List[FileEntry]] = {}
-            problems: List[str] = []
-            for f in held_files(m):
-                have = held.setdefault(f.path, set())
-                have.intersection_update(self.alive)
-                src = self.file_nodes.get(f.path, self.node_id)
-                if src not in draining or have - draining:
-                    continue
-                targets = self._targets(src, have, 1)
-                if not targets:
-                    problems.append(f"{f.path}: no node that stays to hold a copy ({len(self.alive)} node(s) alive, "
-                                    f"{len(draining)} drained)")
-                elif src in self.pools.critical_by_node:
-                    sends.setdefault(("writer", src, targets[0]), []).append(f)
-                elif have:
-                    sends.setdefault(("holder", sorted(have)[0], targets[0]), []).append(f)
-                else:
-                    problems.append(f"{f.path}: no writer on node {src[:12]} to send it")
+            sends, problems = self._plan(version, away_from=set(draining))
             return await self._carry_out(version, sends, problems)
 
     async def _carry_out(self, version: int, sends: Dict[Tuple[str, str, str], List[FileEntry]],
@@ -182,8 +161,11 @@ class Replication:
             self.held_bytes[target] = self.held_bytes.get(target, 0) + sum(f.size for f in fs)
         return problems
 
-    def _plan(self, version: int) -> Tuple[Dict[Tuple[str, str, str], List[FileEntry]], List[str]]:
-        """The sends that give ``version``'s files their copies ((how, from, to) -> files), and the problems."""
+    def _plan(self, version: int, away_from: Optional[Set[str]] = None
+              ) -> Tuple[Dict[Tuple[str, str, str], List[FileEntry]], List[str]]:
+        """The sends that give ``version``'s files their copies ((how, from, to) -> files), and the
+        problems. ``away_from`` (drained nodes): instead, one copy outside them of each file whose
+        only copies are on them."""
         m = self.catalogue.committed.get(version)
         if m is None:
             return {}, [f"step {version} is no longer listed"]
@@ -196,11 +178,14 @@ class Replication:
             src = self.file_nodes.get(f.path, self.node_id)
             # a file whose writer's disk is gone lost a copy: one more holder, so that the next loss
             # is survived too
-            want = self.cfg.peer_replicas + (0 if src in self.alive else 1) - len(have)
+            if away_from is None:
+                want = self.cfg.peer_replicas + (0 if src in self.alive else 1) - len(have)
+            else:
+                want = 1 if src in away_from and not have - away_from else 0
             targets = self._targets(src, have, want)
             if len(targets) < want:
-                problems.append(f"{f.path}: no node outside {self._domain_of(src)} to hold a copy "
-                                f"({len(self.alive)} node(s) alive)")
+                problems.append(f"{f.path}: no node outside {self._domain_of(src)} that stays to hold a copy "
+                                f"({len(self.alive)} node(s) alive, {len(self.draining)} drained)")
             if not targets:
                 continue
             how = ("writer", src) if src in self.alive and src in self.pools.critical_by_node else \

@@ -39,7 +39,11 @@ class PreemptionForwarder:
         self._thread.start()
 
     def _run(self) -> None:
+        import ray
+
         while not self._stop.is_set():
+            if not ray.is_initialized():  # the driver shut Ray down: never start or join another one here
+                break
             try:
                 self.forward(self.engine.preemption(max_age=0))
                 self.error = None
