@@ -61,6 +61,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ...ray_internals import assigned_in_source, missing_among
+from .learner_params import set_outside_params
 from .names import log
 
 RUNNING_STAT_MARKER = "num_pushes"
@@ -208,6 +209,7 @@ def load_learner_state(learner: Any, state: Dict[str, Any]) -> None:
     from ray.rllib.core import COMPONENT_OPTIMIZER
 
     learner.set_state(state)
+    set_outside_params(learner, state.get(COMPONENT_OPTIMIZER) or {})  # SAC's log_alpha: not in RLlib's state
     for name, saved in (state.get(COMPONENT_OPTIMIZER) or {}).items():
         groups = (saved.get("state") or {}).get("param_groups") or []
         try:
