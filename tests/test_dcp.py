@@ -445,14 +445,22 @@ def test_plain_process_reads_verified_and_a_flipped_byte_fails_the_load(pool, pu
         assert same_bits(v, pushed[f"model.{k}"]), k
 
 
+def _on_two_ranks(pool, seed: int, method: str, *args) -> list:
+    """Two ranks in a new group build the MLP (``seed``, two AdamW steps) and call ``method(*args)``:
+    their answers."""
+    ranks = group(pool, 2)
+    try:
+        ray.get([r.build.remote(seed, 2) for r in ranks], timeout=60)
+        return ray.get([getattr(r, method).remote(*args) for r in ranks], timeout=240)
+    finally:
+        leave(ranks)
+
+
 def test_training_goes_on_while_async_save_runs_on_its_own_group(pool):
     """docs/dcp.md's pattern: the save on its own gloo group, FSDP2 steps on the default group
     meanwhile; the version holds the state at the call, training moved on."""
     eng = pool["engines"][ASYNC_RUN]
-    ranks = group(pool, 2)
-    ray.get([r.build.remote(3, 2) for r in ranks], timeout=60)
-    out = ray.get([r.save_while_training.remote(1, 6) for r in ranks], timeout=240)[0]
-    leave(ranks)
+    out = _on_two_ranks(pool, 3, "save_while_training", 1, 6)[0]
     assert out["running"][0], "the first training step ran after the save had ended: nothing overlapped"
     assert 1 in eng.all_steps()
     assert_same(_as_full(eng.load("dcp", step=1, rank=None)), out["want"])
@@ -462,10 +470,7 @@ def test_training_goes_on_while_async_save_runs_on_its_own_group(pool):
 def test_a_second_async_save_before_the_firsts_result_waits_for_it(pool):
     """Without the wait the two saves' collectives interleave and both ranks hang."""
     eng = pool["engines"][ASYNC_RUN]
-    ranks = group(pool, 2)
-    ray.get([r.build.remote(4, 1) for r in ranks], timeout=60)
-    outs = ray.get([r.two_async_saves.remote(2, 3) for r in ranks], timeout=240)
-    leave(ranks)
+    outs = _on_two_ranks(pool, 4, "two_async_saves", 2, 3)
     assert [o["first_done"] for o in outs] == [True, True]
     assert {2, 3} <= set(eng.all_steps())
     for step in (2, 3):
@@ -474,11 +479,7 @@ def test_a_second_async_save_before_the_firsts_result_waits_for_it(pool):
 
 def test_a_save_that_does_not_end_is_an_error_at_the_next_writer(pool):
     eng = pool["engines"][ASYNC_RUN]
-    ranks = group(pool, 2)
-    ray.get([r.build.remote(5, 1) for r in ranks], timeout=60)
-    msgs = ray.get([r.next_save_while_one_is_held.remote(4, 5) for r in ranks], timeout=240)
-    leave(ranks)
-    for msg in msgs:
+    for msg in _on_two_ranks(pool, 5, "next_save_while_one_is_held", 4, 5):
         assert "step 5 of run 'dcp-async' cannot start: the save of step 4" in msg, msg
         assert "has not ended after 3s" in msg and "new_group(backend='gloo')" in msg, msg
     assert 4 in eng.all_steps() and 5 not in eng.all_steps()  # the held save ended once let go
