@@ -13,29 +13,34 @@ version saved without the key restores as before.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
 from ...errors import RestoreError
 
-__all__ = ["OUTSIDE_MODULE", "with_outside_params", "set_outside_params"]
+__all__ = ["OUTSIDE_MODULE", "registered_optimizers", "with_outside_params", "set_outside_params"]
 
 OUTSIDE_MODULE = "params_outside_module"
 
 
-def _outside(learner: Any) -> Dict[str, List[Any]]:
-    """{optimizer's registration name: the parameters of its param groups that no module holds}."""
+def registered_optimizers(learner: Any) -> List[Tuple[str, str, Any]]:
+    """(module id, optimizer name, optimizer) of every optimizer the learner registered (per module
+    or for all modules), through RLlib's public ``get_optimizers_for_module``."""
     from ray.rllib.core import ALL_MODULES
 
-    module_ids = list(learner.module.keys())
-    in_modules = {id(p) for mid in module_ids for p in learner.module[mid].parameters()}
+    return [(mid, name, opt) for mid in [*learner.module.keys(), ALL_MODULES]
+            for name, opt in learner.get_optimizers_for_module(mid)]
+
+
+def _outside(learner: Any) -> Dict[str, List[Any]]:
+    """{optimizer's registration name: the parameters of its param groups that no module holds}."""
+    in_modules = {id(p) for mid in learner.module.keys() for p in learner.module[mid].parameters()}
     out: Dict[str, List[Any]] = {}
-    for mid in [*module_ids, ALL_MODULES]:
-        for name, opt in learner.get_optimizers_for_module(mid):
-            params = [p for g in opt.param_groups for p in g["params"] if id(p) not in in_modules]
-            if params:
-                out[f"{mid}_{name}"] = params
+    for mid, name, opt in registered_optimizers(learner):
+        params = [p for g in opt.param_groups for p in g["params"] if id(p) not in in_modules]
+        if params:
+            out[f"{mid}_{name}"] = params  # the key of its entry in Learner.get_state's optimizer state
     return out
 
 

@@ -57,6 +57,7 @@ from ...capture.restored import read_state, tiers_of
 from ...storage.layout import validate_name
 from ...types import CheckpointMeta
 from ._rllib_internals import scheduled_lr, set_optimizer_lr
+from .learner_params import registered_optimizers
 from .names import log
 
 POINTER_FILE = "ray_ckpt_version.json"
@@ -261,25 +262,17 @@ def open_run(run: str, version: int, config: EngineConfig) -> StoredRun:
 
 
 # ====================================================================== a clone's own hyperparameters
-def _optimizers(learner: Any) -> List[Any]:
-    """(module id, optimizer name, optimizer) of every optimizer the learner registered."""
-    from ray.rllib.core import ALL_MODULES
-
-    return [(mid, name, opt) for mid in [*learner.module.keys(), ALL_MODULES]
-            for name, opt in learner.get_optimizers_for_module(mid)]
-
-
 def _group_settings(learner: Any) -> Dict[str, List[Dict[str, Any]]]:
     """Runs in each learner: every optimizer's ``param_groups`` settings (all but ``params``)."""
     import copy
 
     return {f"{mid}/{name}": [copy.deepcopy({k: v for k, v in g.items() if k != "params"})
-                              for g in opt.param_groups] for mid, name, opt in _optimizers(learner)}
+                              for g in opt.param_groups] for mid, name, opt in registered_optimizers(learner)}
 
 
 def _apply_group_settings(learner: Any, settings: Dict[str, List[Dict[str, Any]]], timestep: int) -> None:
     """Runs in each learner: ``settings`` over its optimizers' param groups, then each scheduled lr."""
-    for mid, name, opt in _optimizers(learner):
+    for mid, name, opt in registered_optimizers(learner):
         for group, own in zip(opt.param_groups, settings.get(f"{mid}/{name}", ())):
             group.update(own)
         lr = scheduled_lr(learner, opt, timestep)
