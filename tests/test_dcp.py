@@ -42,7 +42,7 @@ pytestmark = [pytest.mark.timeout(300),
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 ray.cloudpickle.register_pickle_by_value(gloo_util)
 
-ENGINE_RUN, WRITER_RUN = "dcp-engine", "dcp-writer"
+ENGINE_RUN, WRITER_RUN, ASYNC_RUN = "dcp-engine", "dcp-writer", "dcp-async"
 SAVED, WRITTEN, ASYNC = 10, 20, 21  # steps: pushed by the engine, dcp.save, dcp.async_save
 
 
@@ -89,10 +89,7 @@ class Rank:
         fully_shard(self.model, mesh=mesh)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.1)
         for s in range(steps):
-            x = torch.randn(6, 12, generator=torch.Generator().manual_seed(1000 * s + self.rank))
-            self.model(x).pow(2).sum().backward()
-            self.opt.step()
-            self.opt.zero_grad()
+            self.train_step(s)
         if not steps:
             for g in self.opt.param_groups:
                 g["lr"] = 0.0
@@ -103,8 +100,83 @@ class Rank:
             for g in self.opt.param_groups:
                 g["lr"], g["weight_decay"] = 0.5, 0.0
 
+    def train_step(self, s: int) -> None:
+        """One FSDP2 + AdamW step: all-gathers and reduce-scatters on the default group."""
+        x = torch.randn(6, 12, generator=torch.Generator().manual_seed(1000 * s + self.rank))
+        self.model(x).pow(2).sum().backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
     def state(self) -> dict:
         return {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
+
+    def async_save(self, step: int, pg, planner=None, timeout: float = 120):
+        """dcp.async_save with our writer on process group ``pg``; its upload future."""
+        import torch.distributed.checkpoint as dcp
+
+        fut = dcp.async_save(self.state(), storage_writer=rc.dcp.writer(self.engine(ASYNC_RUN), step, timeout=timeout),
+                             planner=planner, process_group=pg)
+        return getattr(fut, "upload_completion", fut)  # an AsyncSaveResponse or a Future
+
+    def save_while_training(self, step: int, steps: int) -> dict:
+        """The docs' pattern: dcp.async_save on its own gloo group, ``steps`` training steps (their
+        collectives on the default group) while it runs, then its result."""
+        import torch.distributed as dist
+
+        want = self.full()
+        pg = dist.new_group(backend="gloo")
+        fut = self.async_save(step, pg)
+        running = []
+        for s in range(steps):
+            running.append(not fut.done())
+            self.train_step(100 + s)
+        fut.result(timeout=120)
+        dist.destroy_process_group(pg)
+        return {"want": want, "running": running, "after": self.full()}
+
+    def two_async_saves(self, first: int, second: int) -> dict:
+        """A second dcp.async_save before the first's .result() (a training step between them)."""
+        import torch.distributed as dist
+
+        pg = dist.new_group(backend="gloo")
+        want = {first: self.full()}
+        fut = self.async_save(first, pg)
+        self.train_step(200)
+        want[second] = self.full()
+        fut2 = self.async_save(second, pg)  # rc.dcp.writer waits until the first save ended
+        first_done = fut.done()
+        fut.result(timeout=120), fut2.result(timeout=120)
+        dist.destroy_process_group(pg)
+        return {"want": want, "first_done": first_done}
+
+    def next_save_while_one_is_held(self, held: int, nxt: int) -> str:
+        """A save held in its planning (a planner that waits for a gate), then a writer for the next
+        step with a 3 s timeout: its error; then the gate opens and the held save ends."""
+        import threading
+
+        import torch.distributed as dist
+        from torch.distributed.checkpoint import DefaultSavePlanner
+
+        gate = threading.Event()
+
+        class Held(DefaultSavePlanner):
+            def create_local_plan(self):
+                if not gate.wait(60):
+                    raise RuntimeError("the gate never opened")
+                return super().create_local_plan()
+
+        pg = dist.new_group(backend="gloo")
+        fut = self.async_save(held, pg, planner=Held())
+        try:
+            rc.dcp.writer(self.engine(ASYNC_RUN), nxt, timeout=3)
+            msg = "no error"
+        except rc.errors.SaveTimeoutError as exc:
+            msg = str(exc)
+        finally:
+            gate.set()
+        fut.result(timeout=120)
+        dist.destroy_process_group(pg)
+        return msg
 
     def full(self) -> dict:
         """Every parameter's and AdamW moment's full tensor by its DCP key, the step counters and
@@ -165,13 +237,14 @@ def pool(ray_session, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dcp")
     actors = [Rank.remote() for _ in range(3)]  # first: their processes start while the engines' do
     dirs = {run: {"local_dir": str(tmp / run / "local"), "remote_uri": f"file://{tmp / run / 'remote'}"}
-            for run in (ENGINE_RUN, WRITER_RUN)}
+            for run in (ENGINE_RUN, WRITER_RUN, ASYNC_RUN)}
     engines = {run: rc.CheckpointEngine.create(run, critical_writers=1, best_effort_writers=0, **dirs[run])
                for run in dirs}
     for name in ("model", "optim", "plain"):
         engines[ENGINE_RUN].register(name, world_size=2)
     engines[ENGINE_RUN].register("meta", world_size=2, replicated=True)  # stored once: a single-copy state
     engines[WRITER_RUN].register("dcp", world_size=2)
+    engines[ASYNC_RUN].register("dcp", world_size=2)
     ray.get([actor_ready(a) for a in actors], timeout=120)
     yield {"actors": actors, "engines": engines, "dirs": dirs}
     for a in actors:
@@ -370,3 +443,43 @@ def test_plain_process_reads_verified_and_a_flipped_byte_fails_the_load(pool, pu
     dcp.load(target, storage_reader=rc.dcp.reader(ENGINE_RUN, SAVED, **d), no_dist=True)
     for k, v in target["model"].items():
         assert same_bits(v, pushed[f"model.{k}"]), k
+
+
+def _on_two_ranks(pool, seed: int, method: str, *args) -> list:
+    """Two ranks in a new group build the MLP (``seed``, two AdamW steps) and call ``method(*args)``:
+    their answers."""
+    ranks = group(pool, 2)
+    try:
+        ray.get([r.build.remote(seed, 2) for r in ranks], timeout=60)
+        return ray.get([getattr(r, method).remote(*args) for r in ranks], timeout=240)
+    finally:
+        leave(ranks)
+
+
+def test_training_goes_on_while_async_save_runs_on_its_own_group(pool):
+    """docs/dcp.md's pattern: the save on its own gloo group, FSDP2 steps on the default group
+    meanwhile; the version holds the state at the call, training moved on."""
+    eng = pool["engines"][ASYNC_RUN]
+    out = _on_two_ranks(pool, 3, "save_while_training", 1, 6)[0]
+    assert out["running"][0], "the first training step ran after the save had ended: nothing overlapped"
+    assert 1 in eng.all_steps()
+    assert_same(_as_full(eng.load("dcp", step=1, rank=None)), out["want"])
+    assert not same_bits(out["after"]["model.0.weight"], out["want"]["model.0.weight"])
+
+
+def test_a_second_async_save_before_the_firsts_result_waits_for_it(pool):
+    """Without the wait the two saves' collectives interleave and both ranks hang."""
+    eng = pool["engines"][ASYNC_RUN]
+    outs = _on_two_ranks(pool, 4, "two_async_saves", 2, 3)
+    assert [o["first_done"] for o in outs] == [True, True]
+    assert {2, 3} <= set(eng.all_steps())
+    for step in (2, 3):
+        assert_same(_as_full(eng.load("dcp", step=step, rank=None)), outs[0]["want"][step])
+
+
+def test_a_save_that_does_not_end_is_an_error_at_the_next_writer(pool):
+    eng = pool["engines"][ASYNC_RUN]
+    for msg in _on_two_ranks(pool, 5, "next_save_while_one_is_held", 4, 5):
+        assert "step 5 of run 'dcp-async' cannot start: the save of step 4" in msg, msg
+        assert "has not ended after 3s" in msg and "new_group(backend='gloo')" in msg, msg
+    assert 4 in eng.all_steps() and 5 not in eng.all_steps()  # the held save ended once let go

@@ -322,7 +322,27 @@ def _episodes_state(eps):
     return out
 
 
-def _run_and_restore(make_config, engine_factory, run_name, iterations, rollback=False):
+def _numpy(x):
+    """Tensors as NumPy arrays, throughout a tree (to compare a live state with a loaded one)."""
+    import torch
+    if isinstance(x, dict):
+        return {k: _numpy(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_numpy(v) for v in x)
+    return x.numpy() if isinstance(x, torch.Tensor) else x
+
+
+def _learner_state(algo):
+    """The learner's whole state a restore promises back: every module parameter (target networks,
+    SAC's log_alpha included) and every optimizer (moments, steps, param groups), storable."""
+    st = algo.learner_group.get_state(components=["learner/rl_module", "learner/optimizer"])["learner"]
+    # SAC's entropy temperature is a learner attribute, in no RLlib get_state
+    [alpha] = [r.get() for r in algo.learner_group.foreach_learner(
+        lambda learner: {m: v.detach().numpy().copy() for m, v in getattr(learner, "curr_log_alpha", {}).items()})]
+    return rr.to_storable({"rl_module": st["rl_module"], "optimizer": st["optimizer"], "log_alpha": alpha})
+
+
+def _run_and_restore(make_config, engine_factory, run_name, iterations, rollback=False, learner_check=None):
     engine = engine_factory(critical_writers=1)
     # connects to the engine created above; "wait": every iteration is saved however slow the disk
     cb = rr.make_callback(run_name, every=1, on_busy="wait")
@@ -346,6 +366,10 @@ def _run_and_restore(make_config, engine_factory, run_name, iterations, rollback
                 assert np.array_equal(v[i1], r_last[col][i2]), col
         assert np.setdiff1d(r_last["row_id"], r_prev["row_id"]).min() > r_prev["row_id"].max()
         assert len(r_last["row_id"]) == buf.get_num_timesteps()
+        want_learner = _learner_state(algo)  # no update since the last iteration's save
+        want_counters = engine.load(name="counters", version=iterations)
+        if learner_check is not None:
+            learner_check(want_learner)
     finally:
         algo.stop()  # the "preemption": the original buffer object stays here to compare with
 
@@ -357,6 +381,15 @@ def _run_and_restore(make_config, engine_factory, run_name, iterations, rollback
         report = rr.find_callback(fresh).resumed
         assert report.version == iterations and fresh.iteration == iterations
         assert report.states["replay"] == "restored" and report.states["replay_meta"] == "restored"
+        # the learner as it was at the save, bit for bit: weights, target networks, every optimizer
+        _assert_same(_learner_state(fresh), want_learner, "learner")
+        from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME
+        sampled = fresh.metrics.peek((ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME))
+        assert sampled == want_counters[NUM_ENV_STEPS_SAMPLED_LIFETIME] > 0
+        # the process RNGs (Python, NumPy, torch) as saved with the version
+        from ray_ckpt.capture.rng import rng_state
+        _assert_same(_numpy(rr.to_storable(rng_state(), "rng")), _numpy(engine.load(name="rng", version=iterations)),
+                     "rng")
         got = fresh.local_replay_buffer
         assert len(got) == len(buf) and got.get_num_timesteps() == buf.get_num_timesteps()
         assert got.get_num_episodes() == buf.get_num_episodes()
@@ -402,7 +435,14 @@ def test_dqn_prioritized_buffer_saved_by_callback_restores_exactly(engine_factor
 @pytest.mark.slow  # 20-35 s: DQN's test covers the callback's replay path in the fast suite
 @pytest.mark.timeout(240)
 def test_sac_pendulum_buffer_saved_by_callback_restores_exactly(engine_factory, run_name):
-    buf, got = _run_and_restore(_sac_config, engine_factory, run_name, iterations=3)
+    def sac_parts(learner):  # what makes SAC's learner SAC's: twin target Q networks, alpha and its optimizer
+        params = learner["rl_module"]["default_policy"]
+        assert any(k.startswith("target_qf") for k in params), sorted(params)
+        assert learner["log_alpha"]["default_policy"] != 0.0  # trained away from initial_alpha=1.0
+        assert {"default_policy_qf", "default_policy_qf_twin", "default_policy_policy",
+                "default_policy_alpha"} <= set(learner["optimizer"]), sorted(learner["optimizer"])
+
+    buf, got = _run_and_restore(_sac_config, engine_factory, run_name, iterations=3, learner_check=sac_parts)
     assert got.episodes[0].get_observations(0).shape == (3,)
 
 

@@ -144,18 +144,27 @@ def test_a_grid_search_with_restarts_keeps_each_trials_state_apart(ray_session, 
             assert not _same(first, last)
 
 
+def _set_lr(learner, lr):
+    """Every optimizer's lr, set by hand (the reference run of the PBT test)."""
+    for module_id in learner.module.keys():
+        for _name, optimizer in learner.get_optimizers_for_module(module_id):
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(600)
 def test_pbt_clones_a_trials_ray_ckpt_version_into_another(ray_session, engine_factory, run_name, tmp_path):
     from ray.tune.schedulers import PopulationBasedTraining
 
     # trial B (lr=1e-3) scores higher than trial A (lr=1e-4); at iteration 1 PBT (synchronous: both
-    # trials pause) clones B into A with B's lr, so both continue from B's version 1 with one config
-    # and one seed: A's iteration 2 must be B's, bit for bit, if A got all of B's state (weights,
-    # optimizer, connectors, counters, RNGs) from ray_ckpt
+    # trials pause) clones B into A and mutates A's lr to 5e-4 (not B's): A's iteration 2 must be what
+    # B's version 1 gives in one iteration with lr 5e-4, bit for bit, if A got all of B's state
+    # (weights, optimizer moments, connectors, counters, RNGs) from ray_ckpt and trained with its own lr
+    # from its first iteration (the restored optimizer param_groups hold B's lr)
     pbt = PopulationBasedTraining(time_attr="training_iteration", metric="score", mode="max",
                                   perturbation_interval=1, synch=True, quantile_fraction=0.5,
-                                  hyperparam_mutations={"lr": [1e-3]})
+                                  hyperparam_mutations={"lr": [5e-4]})
     config = _config([_callback(run_name, tmp_path), ScoreIsLr], env_runners=0)
     config.training(lr=tune.grid_search([1e-4, 1e-3]))
     results = tune.Tuner(config.algo_class, param_space=config, tune_config=tune.TuneConfig(scheduler=pbt),
@@ -168,14 +177,27 @@ def test_pbt_clones_a_trials_ray_ckpt_version_into_another(ray_session, engine_f
     (a,) = [s for s in summaries if s["run"] != run_b]
     run_a = a["run"]
     assert run_a.startswith(f"{run_name}-") and run_b.startswith(f"{run_name}-")
-    assert all(r.metrics["training_iteration"] == 2 and r.config["lr"] == 1e-3 for r in results)
+    assert all(r.metrics["training_iteration"] == 2 for r in results)
+    assert sorted(r.config["lr"] for r in results) == [5e-4, 1e-3]
 
     eng_a, eng_b = engine_factory(run=run_a), engine_factory(run=run_b)
     assert [m.version for m in eng_a.list_checkpoints()] == [1, 2]  # A's own run, after the clone too
     assert [m.version for m in eng_b.list_checkpoints()] == [1, 2]  # nothing of A's went into B's run
     assert not _same(_policy(eng_a, 1), _policy(eng_b, 1))  # the trials differed before the exploit
-    assert _same(_policy(eng_a, 2), _policy(eng_b, 2)), "A did not continue from B's version 1"
+    assert not _same(_policy(eng_a, 2), _policy(eng_b, 2)), "A's first iteration after the clone used B's lr"
     assert eng_a.load("counters", version=2)["training_iteration"] == 2
+
+    # the reference: B's version 1 restored here into an algorithm built with lr=5e-4, every
+    # optimizer's lr set to 5e-4 by hand, one iteration
+    ref = _config([ScoreIsLr], env_runners=0).training(lr=5e-4).build_algo()
+    try:
+        rr.restore_algorithm(ref, eng_b, 1)
+        ref.learner_group.foreach_learner(_set_lr, lr=5e-4)
+        ref.train()
+        want = ref.learner_group.get_state(components="learner/rl_module")["learner"]["rl_module"]["default_policy"]
+    finally:
+        ref.stop()
+    assert _same(_policy(eng_a, 2), want), "A's iteration 2 is not B's version 1 trained with A's own lr"
     # Tune's own checkpoints held only the pointer (a few bytes), not the algorithm's state
     for r in results:
         files = {f.name: f.stat().st_size for f in Path(r.checkpoint.path).iterdir() if f.is_file()}

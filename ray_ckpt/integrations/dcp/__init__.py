@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ...errors import InvalidArgumentError, InvalidSaveError
 from ...storage.layout import validate_name
 from .storage_reader import RayCkptStorageReader, dcp_states, find_version
+from .saves_in_flight import wait_for_earlier_saves
 from .storage_writer import RayCkptStorageWriter, declared_world_size
 
 __all__ = ["reader", "writer", "RayCkptStorageReader", "RayCkptStorageWriter"]
@@ -120,7 +121,10 @@ def writer(engine: Any, step: int, *, state: str = DEFAULT_STATE, timeout: float
     ``engine.register(state, world_size=N)`` with N the number of ranks that call ``dcp.save``.
     ``write_data`` on every rank pushes its part and waits up to ``timeout`` seconds for the
     commit; ``dcp.save`` raises (DCP's CheckpointException naming the ray_ckpt error) when the
-    version did not commit. Bad input (an undeclared state, a step already committed, a world
+    version did not commit. One save at a time in a process: a writer made while an earlier
+    ``dcp.async_save`` of this process still runs waits for it to end (two saves at once
+    interleave their collectives and hang), at most ``timeout`` seconds, then raises a
+    SaveTimeoutError naming the step still running. Bad input (an undeclared state, a step already committed, a world
     size other than the declared one, a dtype the shard index cannot record) raises before any
     byte is written. Read it back with ``rc.dcp.reader(run, step, state=state)`` or
     ``engine.load(state, step=step, rank=None)`` (full tensors)."""
@@ -133,6 +137,7 @@ def writer(engine: Any, step: int, *, state: str = DEFAULT_STATE, timeout: float
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
         raise InvalidArgumentError(f"rc.dcp.writer: timeout must be a positive number of seconds, got {timeout!r}")
     world = declared_world_size(engine, state)
+    wait_for_earlier_saves(float(timeout), step)  # one save at a time: two interleave their collectives and hang
     latest = engine.latest_step()
     if latest is not None and step <= latest:
         raise InvalidSaveError(f"rc.dcp.writer: step {step} is not after the run's newest committed step {latest} "

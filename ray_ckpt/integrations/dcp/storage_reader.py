@@ -211,6 +211,9 @@ class RayCkptStorageReader(NamedVersion, StorageReader):
                 self._objects[fqn] = v
                 md[fqn] = BytesStorageMetadata()
         self._states = states
+        for s in states.values():  # closed until read_data reopens what it reads: a load that fails in DCP's
+            if s.reader is not None:  # planning (a key the version lacks) calls nothing else of the reader
+                s.reader.close()
         return Metadata(state_dict_metadata=md)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

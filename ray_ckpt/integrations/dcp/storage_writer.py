@@ -31,6 +31,7 @@ from torch.futures import Future
 from ...errors import InvalidArgumentError, InvalidSaveError, SaveError, one_line
 from ...formats.shard_index import itemsize_of
 from .named_version import NamedVersion
+from .saves_in_flight import SaveInFlight
 
 __all__ = ["RayCkptStorageWriter", "check_dtype"]
 
@@ -56,14 +57,15 @@ def _world() -> Tuple[int, int]:
     return 0, 1
 
 
-class RayCkptStorageWriter(NamedVersion, StorageWriter):
+class RayCkptStorageWriter(NamedVersion, SaveInFlight, StorageWriter):
     """DCP StorageWriter of one ray_ckpt version (built by :func:`ray_ckpt.dcp.writer`)."""
 
     _role, _id_error = "writer", InvalidSaveError
 
     def __init__(self, engine: Any, step: int, name: str, world_size: int, timeout: float):
-        super().__init__()
         self.engine, self.step, self.name, self.world_size, self.timeout = engine, step, name, world_size, timeout
+        self.run = engine.run
+        super().__init__()  # SaveInFlight: listed as this process's save until DCP ran it (saves_in_flight.py)
         self.checkpoint_id = f"{engine.run}@{step}"
         self.rank = 0
         self.is_coordinator = False
@@ -76,18 +78,24 @@ class RayCkptStorageWriter(NamedVersion, StorageWriter):
         return StorageMeta(checkpoint_id=self.checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.started()
         self.is_coordinator = is_coordinator
         self.rank, world = _world()
         if world != self.world_size:
+            self.ended()
             raise InvalidSaveError(
                 f"rc.dcp.writer: state {self.name!r} of run {self.engine.run!r} is declared for {self.world_size} "
                 f"ranks but DCP saves from {world}; declare it with engine.register({self.name!r}, "
                 f"world_size={world}); nothing was written")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        for item in plan.items:
-            if item.type != WriteItemType.BYTE_IO and item.tensor_data is not None:
-                check_dtype(item.tensor_data.properties.dtype, item.index.fqn)
+        try:
+            for item in plan.items:
+                if item.type != WriteItemType.BYTE_IO and item.tensor_data is not None:
+                    check_dtype(item.tensor_data.properties.dtype, item.index.fqn)
+        except BaseException:
+            self.ended()
+            raise
         return plan
 
     def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
@@ -95,12 +103,14 @@ class RayCkptStorageWriter(NamedVersion, StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         """Push this rank's part, then wait (bounded) until the version is committed."""
-        handle = self.engine.submit(self.step, self.name, self._part(plan, planner), rank=self.rank)
         try:
+            handle = self.engine.submit(self.step, self.name, self._part(plan, planner), rank=self.rank)
             self.result = handle.wait(timeout=self.timeout)
         except SaveError as exc:
-            raise SaveError(f"rc.dcp.writer: step {self.step} of run {self.engine.run!r} (state {self.name!r}, "
+            raise type(exc)(f"rc.dcp.writer: step {self.step} of run {self.engine.run!r} (state {self.name!r}, "
                             f"rank {self.rank}) was not committed: {one_line(exc)}") from None
+        finally:
+            self.ended()
         results = []
         for item in plan.items:
             nbytes = 0

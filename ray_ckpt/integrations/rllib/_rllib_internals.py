@@ -33,6 +33,13 @@ format                                                   ``np.save``) of ``Runni
 ``RunningStat.to_state()`` keys (``num_pushes``,         How the conversion recognises a RunningStat
 ``mean_array``, ``mean_delta_array``,                    state (MeanStdFilter) inside a connector state
 ``sum_sq_diff_array``, ``sum_sq_diff_delta_array``)      and which of its values are such strings.
+``Learner._optimizer_lr_schedules`` (set in              An optimizer's learning-rate Scheduler (the
+``__init__``) and ``Learner._set_optimizer_lr``          trial config's ``lr``, fixed or a schedule) and
+                                                         how RLlib sets that lr on the optimizer (as its
+                                                         ``after_gradient_based_update`` does): a PBT
+                                                         clone applies its own trial's lr over the source
+                                                         trial's restored optimizer state (:mod:`.tune`).
+                                                         RLlib exposes neither.
 ======================================================== =================================================
 
 :func:`missing_internals` checks each against the installed RLlib / gymnasium (a test runs it), and
@@ -54,6 +61,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ...ray_internals import assigned_in_source, missing_among
+from .learner_params import set_outside_params
 from .names import log
 
 RUNNING_STAT_MARKER = "num_pushes"
@@ -86,6 +94,10 @@ INTERNALS = (
              "an env's RNG read without seeding a new one"),
     Internal("ray.rllib.utils.serialization", "_serialize_ndarray", "function",
              "the RunningStat array string format the conversion decodes and re-encodes"),
+    Internal("ray.rllib.core.learner.learner:Learner", "_optimizer_lr_schedules", "instance",
+             "each optimizer's lr Scheduler (a PBT clone's own lr over the restored optimizer state)"),
+    Internal("ray.rllib.core.learner.learner:Learner", "_set_optimizer_lr", "method",
+             "setting an optimizer's lr the way RLlib does"),
 ) + tuple(
     Internal("ray.rllib.utils.filter:RunningStat", key, "state_keys",
              "how the conversion recognises a RunningStat state and its array strings")
@@ -173,6 +185,19 @@ def env_rng(env: Any) -> Optional[np.random.Generator]:
     return gen if isinstance(gen, np.random.Generator) else None
 
 
+def scheduled_lr(learner: Any, optimizer: Any, timestep: int) -> Optional[float]:
+    """The learning rate RLlib's Scheduler of ``optimizer`` gives at ``timestep`` (the trial
+    config's ``lr``, fixed or a schedule), as ``Learner.after_gradient_based_update`` computes it;
+    None where the optimizer was registered without one (its learner manages its lr itself)."""
+    schedule = learner._optimizer_lr_schedules.get(optimizer)
+    return None if schedule is None else schedule.update(timestep=timestep)
+
+
+def set_optimizer_lr(learner: Any, optimizer: Any, lr: float) -> None:
+    """Set ``optimizer``'s learning rate the way the learner's framework does it in RLlib."""
+    learner._set_optimizer_lr(optimizer, lr=lr)
+
+
 # ---------------------------------------------------------------------- differences between RLlib releases
 def load_learner_state(learner: Any, state: Dict[str, Any]) -> None:
     """``learner.set_state(state)``, with the optimizers' ``param_groups`` values as saved.
@@ -184,6 +209,7 @@ def load_learner_state(learner: Any, state: Dict[str, Any]) -> None:
     from ray.rllib.core import COMPONENT_OPTIMIZER
 
     learner.set_state(state)
+    set_outside_params(learner, state.get(COMPONENT_OPTIMIZER) or {})  # SAC's log_alpha: not in RLlib's state
     for name, saved in (state.get(COMPONENT_OPTIMIZER) or {}).items():
         groups = (saved.get("state") or {}).get("param_groups") or []
         try:

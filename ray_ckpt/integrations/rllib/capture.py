@@ -36,6 +36,7 @@ from ...errors import UnsupportedTypeError
 from ...capture.rng import rng_state
 from .conversion import to_storable
 from .env_runners import CONNECTOR_COMPONENTS
+from .learner_params import with_outside_params
 from .learners import is_remote, reported_weights_seq_no
 from .names import CONNECTORS, COUNTERS, METRICS, OPTIMIZER, POLICY, RNG, TRAINING_ITERATION
 from .replay.algorithm import capture_algorithm_replay
@@ -94,7 +95,9 @@ def capture_algorithm_state(algorithm: Any, *, rng: bool = True, metrics: bool =
     out: Dict[str, Any] = {}
     if not remote:  # RLlib's copies: the callback's copy thread puts them into the object store (OVERLAPPED)
         out[POLICY] = to_storable(lg[COMPONENT_RL_MODULE], POLICY, POLICY in pickled)
-        out[OPTIMIZER] = to_storable(lg[COMPONENT_OPTIMIZER], OPTIMIZER, OPTIMIZER in pickled)
+        opt = lg[COMPONENT_OPTIMIZER]
+        algorithm.learner_group.foreach_learner(with_outside_params, optimizer_state=opt)  # SAC's log_alpha
+        out[OPTIMIZER] = to_storable(opt, OPTIMIZER, OPTIMIZER in pickled)
     conn = _connector_state(algorithm)
     out[CONNECTORS] = to_storable(conn if conn is not None else {}, CONNECTORS, CONNECTORS in pickled)
     sampled = algorithm.metrics.peek((ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME), default=0)

@@ -64,6 +64,7 @@ from ...capture.snapshot import actor_provider
 from ...types import Strategy
 from ._rllib_internals import load_learner_state, remote_learners
 from .conversion import from_storable, to_storable
+from .learner_params import OUTSIDE_MODULE, with_outside_params
 from .names import COUNTERS, METRICS, OPTIMIZER, POLICY, log
 
 try:
@@ -101,7 +102,8 @@ def reported_weights_seq_no(algorithm: Any) -> int:
 # ====================================================================== saving (in the first learner)
 def _learner_component(learner: Any, name: str) -> Any:
     comp = LEARNER_STATES[name]
-    return learner.get_state(components=comp)[comp]
+    state = learner.get_state(components=comp)[comp]
+    return with_outside_params(learner, state) if name == OPTIMIZER else state  # SAC's log_alpha too
 
 
 def _install_learner_provider(learner: Any, pickled: Tuple[str, ...], algorithm_metrics: Any) -> None:
@@ -233,9 +235,12 @@ def _apply_on_learner(learner: Any, state: Dict[str, Any]) -> Dict[str, Any]:
     """Runs inside each learner actor: load the state, then report what the learner now holds."""
     load_learner_state(learner, state)
     held = learner.get_state(components=[COMPONENT_RL_MODULE, COMPONENT_OPTIMIZER])
+    saved_opt = state.get(COMPONENT_OPTIMIZER) or {}
+    opt = with_outside_params(learner, held[COMPONENT_OPTIMIZER],  # as the version holds them (older: none)
+                              only=[n for n, v in saved_opt.items() if isinstance(v, dict) and OUTSIDE_MODULE in v])
     return {WEIGHTS_SEQ_NO: int(held.get(WEIGHTS_SEQ_NO, 0) or 0),
             POLICY: state_digest(held[COMPONENT_RL_MODULE]),
-            OPTIMIZER: state_digest(to_storable(held[COMPONENT_OPTIMIZER], OPTIMIZER, True))}
+            OPTIMIZER: state_digest(to_storable(opt, OPTIMIZER, True))}
 
 
 def _answers(calls: Dict[int, Any], timeout_s: float) -> Dict[int, Any]:

@@ -19,6 +19,17 @@ A directory without that file (an RLlib checkpoint) is loaded by RLlib as before
 ``save_to_path`` / ``from_checkpoint`` are not changed. ``tune_checkpoints="rllib"`` leaves
 ``save_checkpoint`` / ``load_checkpoint`` alone (Tune checkpoints are RLlib's, full size).
 
+**A clone trains with its own hyperparameters.** PBT's exploit restores the source trial's
+version into a trial whose config it mutated (``lr`` 1e-3 -> 5e-4). The restored optimizer state
+carries the source's ``param_groups`` (its learning rate); RLlib would put the trial's own lr back
+only after the first update, so the clone's first iteration trained with the source's lr. When the
+version comes from another run, the optimizers' ``param_groups`` settings the clone's learners were
+built with (its config: lr, and what its learner sets from the config) are put back over the
+restored state, and each optimizer's lr Scheduler (a fixed ``lr`` or a schedule) sets its lr at the
+restored ``num_env_steps_sampled_lifetime``, as RLlib's ``after_gradient_based_update`` does
+(:func:`apply_trial_optimizer_settings`). A trial restored from its own version keeps the state as
+saved.
+
 **The end.** ``algorithm.stop()`` (Tune stops a trial's Algorithm the same way) first waits, at
 most ``stop_timeout_s``, for the callback's saves in flight, then shuts down the coordinator the
 callback started -- one it created, or its trial's own run -- but not one that existed before under
@@ -45,6 +56,8 @@ from ...errors import CheckpointError, IntegrityError, InvalidArgumentError, Res
 from ...capture.restored import read_state, tiers_of
 from ...storage.layout import validate_name
 from ...types import CheckpointMeta
+from ._rllib_internals import scheduled_lr, set_optimizer_lr
+from .learner_params import registered_optimizers
 from .names import log
 
 POINTER_FILE = "ray_ckpt_version.json"
@@ -219,7 +232,10 @@ def install_hooks(algorithm: Any, callback: Any) -> None:  # callback: a RayCkpt
         pointer = read_pointer(checkpoint)
         if pointer is None:
             return rllib_load(checkpoint)
+        own = trial_optimizer_settings(algorithm) if pointer["run"] != callback.run else None
         callback.restore_pointer(algorithm, pointer)
+        if own is not None:  # a clone (PBT's exploit): its own hyperparameters over the source's optimizer state
+            apply_trial_optimizer_settings(algorithm, own)
         _checkpoint_loaded(algorithm)
 
     algorithm.save_checkpoint = save_checkpoint
@@ -243,3 +259,46 @@ def open_run(run: str, version: int, config: EngineConfig) -> StoredRun:
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"cannot open run {run!r} next to run {config.run!r}: {exc}") from None
     return StoredRun(other, [version])
+
+
+# ====================================================================== a clone's own hyperparameters
+def _group_settings(learner: Any) -> Dict[str, List[Dict[str, Any]]]:
+    """Runs in each learner: every optimizer's ``param_groups`` settings (all but ``params``)."""
+    import copy
+
+    return {f"{mid}/{name}": [copy.deepcopy({k: v for k, v in g.items() if k != "params"})
+                              for g in opt.param_groups] for mid, name, opt in registered_optimizers(learner)}
+
+
+def _apply_group_settings(learner: Any, settings: Dict[str, List[Dict[str, Any]]], timestep: int) -> None:
+    """Runs in each learner: ``settings`` over its optimizers' param groups, then each scheduled lr."""
+    for mid, name, opt in registered_optimizers(learner):
+        for group, own in zip(opt.param_groups, settings.get(f"{mid}/{name}", ())):
+            group.update(own)
+        lr = scheduled_lr(learner, opt, timestep)
+        if lr is not None:
+            set_optimizer_lr(learner, opt, lr)
+
+
+def _each_learner(algorithm: Any, fn: Any, **kwargs: Any) -> List[Any]:
+    results = []
+    for r in algorithm.learner_group.foreach_learner(fn, **kwargs):
+        if not r.ok:
+            raise RestoreError(f"applying the trial's optimizer settings in a learner failed: {one_line(r.get())}")
+        results.append(r.get())
+    return results
+
+
+def trial_optimizer_settings(algorithm: Any) -> Dict[str, List[Dict[str, Any]]]:
+    """The ``param_groups`` settings of the algorithm's optimizers before a restore: what its
+    learners were built with from the trial's config (every learner is built from the same one)."""
+    return _each_learner(algorithm, _group_settings)[0]
+
+
+def apply_trial_optimizer_settings(algorithm: Any, settings: Dict[str, List[Dict[str, Any]]]) -> None:
+    """``settings`` (:func:`trial_optimizer_settings`) over the restored optimizer state of every
+    learner, then each optimizer's lr from its Scheduler at the restored sampled-steps count."""
+    from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME
+
+    timestep = int(algorithm.metrics.peek((ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME), default=0) or 0)
+    _each_learner(algorithm, _apply_group_settings, settings=settings, timestep=timestep)
