@@ -48,12 +48,13 @@ exec(compile(part1.replace("/tmp/ckpt", sys.argv[2]), "docs/rllib.md", "exec"), 
 
 _OPENRLHF = """
 import re, sys
-import openrlhf
+from importlib.metadata import version
+import openrlhf  # noqa: F401  (the import that failed without pylatexenc)
 text = open(sys.argv[1], encoding="utf-8").read()
 section = re.search(r"^## Try it on a CPU$(.*?)(?=^## |\\Z)", text, re.M | re.S).group(1)
 (block,) = re.findall(r"^```python\\n(.*?)^```", section, re.M | re.S)
 exec(compile(block, "docs/openrlhf.md", "exec"), {"__name__": "__main__"})
-print("openrlhf", openrlhf.__version__, "snippet ran")
+print("openrlhf", version("openrlhf"), "snippet ran")
 """
 
 _VERL = """
