@@ -15,7 +15,9 @@ GPUs).
 The environments use this machine's wheels and pip cache, as ``make install`` does: pip's retries are one
 (the Makefile's ``--retries 1``), so where PyTorch's index cannot be reached pip falls back at once to the
 local wheels instead of retrying; every recipe installs the CPU torch before anything that needs torch
-(checked before it runs), so no CUDA build is downloaded. Slow: about 1.5-6 minutes per guide on 2 cores.
+(checked before it runs), so no CUDA build is downloaded. Slow: on the 2-core machine with other tests
+running (load 25-50) the four took 32 minutes (getting-started 641 s, openrlhf 530, rllib 454, verl 315);
+without other load OpenRLHF's recipe took 84 s and its snippet 35 s.
 """
 from __future__ import annotations
 
@@ -70,7 +72,7 @@ print("verl", verl.__version__)
 """
 
 # guide -> (what runs in the new environment after the recipe: python code, its argv; the recipe's time
-# limit, the check's, in seconds). Measured on the 2-core CI machine under load: see the report of issue 44.
+# limit, the check's, in seconds: about 1.5x what each took on the loaded 2-core machine (module docstring).
 CHECKS: dict[str, tuple[str | None, list[str], int, int]] = {
     "docs/getting-started.md": (None, [], 900, 1),  # the recipe runs the demo itself
     "docs/rllib.md": (_RLLIB_PART_1, ["docs/rllib.md", "{tmp}/ckpt"], 600, 400),
