@@ -72,7 +72,7 @@ print("verl", verl.__version__)
 """
 
 # guide -> (what runs in the new environment after the recipe: python code, its argv; the recipe's time
-# limit, the check's, in seconds: about 1.5x what each took on the loaded 2-core machine (module docstring).
+# limit, the check's, in seconds: room over what each took on the loaded 2-core machine (module docstring).
 CHECKS: dict[str, tuple[str | None, list[str], int, int]] = {
     "docs/getting-started.md": (None, [], 900, 1),  # the recipe runs the demo itself
     "docs/rllib.md": (_RLLIB_PART_1, ["docs/rllib.md", "{tmp}/ckpt"], 600, 400),
