@@ -59,6 +59,8 @@ def find_version(tiers: Sequence[Tier], run: str, step: Optional[int], key: Any)
     problems: List[str] = []
     found: Dict[int, Manifest] = {}
     for tier in tiers:
+        if not hasattr(tier, "version_dirs"):  # peer replicas hold files, not manifests: read, never listed
+            continue
         try:
             dirs = tier.version_dirs()
         except OSError as exc:
