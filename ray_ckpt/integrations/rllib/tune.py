@@ -165,6 +165,8 @@ class StoredRun:
         if version not in self._manifests:
             problems = []
             for tier in self._tiers:
+                if not hasattr(tier, "version_dirs"):  # peer replicas hold files, not manifests
+                    continue
                 try:
                     self._manifests[version] = read_manifest(tier, version, self.config.signing_key)
                     break
