@@ -79,12 +79,29 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
         if settings is None:
             raise InvalidArgumentError("RayCkptDeepspeedStrategy needs args.ray_ckpt.run (--ray_ckpt.run) and, on "
                                        "the ranks that create the run, --ray_ckpt.local_dir; see docs/openrlhf.md")
+        if self.stage not in (1, 2, 3):
+            raise InvalidArgumentError(f"RayCkptDeepspeedStrategy saves ZeRO stages 1, 2 and 3 (--ds.zero_stage "
+                                       f"{self.stage})")
+        if self.ring_attn_size != 1 or self.ds_tensor_parallel_size != 1:
+            raise InvalidArgumentError("RayCkptDeepspeedStrategy saves data-parallel ZeRO only (--ds.ring_attn_size "
+                                       "and --ds.tensor_parallel_size must be 1)")
         self.ray_ckpt: OpenRLHFSettings = settings
         self._runs: Dict[str, _Run] = {}
         self._lock = threading.Lock()
         self._partitions = PartitionCache()
         self.last_block_s: Optional[float] = None  # how long the last save_ckpt blocked this rank
         self.last_load_wait_s: Optional[float] = None
+
+    def _ds_init_train_model(self, model: Any, cfg: dict) -> Any:
+        """OpenRLHF's training set-up, then a check that this module can save the optimizer
+        DeepSpeed chose (``zero.check_engine``): an unsupported one is refused here, not at the
+        first save."""
+        out = super()._ds_init_train_model(model, cfg)
+        wrapped = out[0]
+        engine = wrapped if isinstance(wrapped, deepspeed.DeepSpeedEngine) else getattr(wrapped, "model", None)
+        if isinstance(engine, deepspeed.DeepSpeedEngine):
+            zero.check_engine(engine)
+        return out
 
     # ------------------------------------------------------------------ set-up (collective once per run)
     def _world(self) -> Tuple[int, int]:
@@ -173,9 +190,7 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
         t0 = time.perf_counter()
         assert isinstance(model, deepspeed.DeepSpeedEngine)
         rank, world = self._world()
-        if self.ring_attn_size != 1 or self.ds_tensor_parallel_size != 1:
-            raise InvalidArgumentError("RayCkptDeepspeedStrategy saves data-parallel ZeRO only (ring_attn_size and "
-                                       "tensor_parallel_size must be 1)")
+        zero.check_engine(model)  # an engine prepared elsewhere: refused before anything is pushed
         tag = tag or f"global_step{model.global_steps}"
         step = step_of_tag(tag)
         step = int(model.global_steps) if step is None else step
