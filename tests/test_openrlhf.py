@@ -14,6 +14,11 @@ step (the replay's reference):
   back, and the replayed step gives bit-identical logits;
 * 1 and 3 ranks (other processes first) load it: the same full tensors, bit-equal;
 * ZeRO-2's version loads into ZeRO-3 and ZeRO-3's into ZeRO-2, bit-equal;
+* DeepSpeed's other optimizers (issue 44): ``BF16_Optimizer`` (ZeRO-1, bf16 + fp32 gradient
+  accumulation), ZeRO-2 with fp32 accumulation, ``--ds.adam_offload`` (``DeepSpeedCPUAdam``) on
+  ZeRO-1 and ZeRO-3: save on 2, reload on 2 (replayed step identical), on 3 and on plain ZeRO of
+  another stage, bit-equal; ZeRO-2's version loads into ``BF16_Optimizer``; settings the strategy
+  cannot save are refused when it is built, naming the flag;
 * ``load_module_only``: the 16-bit weights, fp32 masters refreshed from them (ZeRO-2, ZeRO-3);
 * an overlapped save (the default) between a backward and its optimizer step, and the next one:
   each version holds the state at its call, bit-exact (ZeRO-2, ZeRO-3);

@@ -25,7 +25,9 @@ rank its ``ds_tensor`` range), bit-equal. Versions of layout 1 (no ``layout`` in
 ZeRO-1/2's full 16-bit module state in ``module`` and nothing of ZeRO-3's frozen parameters; they
 still load.
 
-``save_ckpt`` pushes and returns: no barrier, no file written by the call. With ``overlap`` (the
+``save_ckpt`` pushes and returns, no file written by the call; only the first call for a save_dir is
+collective (rank 0 gets or creates the run and declares its states while the others wait: ``_run``,
+``_declare``), later ones wait for no other rank. With ``overlap`` (the
 default) the ``optim`` state is views of the live partition, flattened once and reused while the
 partition's buffers stay (``partition.py``); its copy into the object store runs on a background thread while the rank trains on, and the inner
 torch optimizer's ``step`` (which changes the fp32 masters and moments in place, before DeepSpeed

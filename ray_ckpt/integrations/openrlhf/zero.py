@@ -2,7 +2,9 @@
 
 ZeRO keeps, per rank, the fp32 master copy and the Adam moments of a slice of the parameters:
 
-* ZeRO-1/2: the parameters of a group are flattened one after another into one buffer, cut into
+* ZeRO-1/2 (``DeepSpeedZeroOptimizer``; and ``BF16_Optimizer``, which DeepSpeed builds instead on
+  ZeRO-1 for bf16 parameters with fp32 gradient accumulation, partitioned the same way): the
+  parameters of a group are flattened one after another into one buffer, cut into
   equal partitions; rank r's partition covers a range of that buffer, so a range (possibly empty)
   of each parameter it touches, starting and ending anywhere (``param._hp_mapping``:
   ``lp_fragment_address`` is the range within the parameter, ``hp_fragment`` the fp32 view);
