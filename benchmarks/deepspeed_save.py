@@ -21,7 +21,10 @@ OpenRLHF's own ``prepare`` at ``--stage``, train one step (the Adam state exists
   loads with ``checkpoint.load_universal`` (OpenRLHF's ``--ds.use_universal_ckpt``).
 
     python benchmarks/deepspeed_save.py [--stage 2 --hidden 512 --layers 4 --ranks 2 --other 1
-                                         --repeats 3 --dir /tmp/ds_bench] [--prefault]
+                                         --repeats 3 --dir /tmp/ds_bench] [--prefault] [--driver-creates]
+
+``--driver-creates``: the driver creates the runs before the ranks start, and the ranks only
+connect (``--ray_ckpt.local_dir`` unset): what the first save costs then.
 """
 from __future__ import annotations
 
@@ -122,16 +125,25 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/ds_bench")
     ap.add_argument("--prefault", action="store_true", help="create the run with prefault_object_store=True")
+    ap.add_argument("--driver-creates", action="store_true",
+                    help="create the runs in this driver first; the ranks only connect (no --ray_ckpt.local_dir)")
     a = ap.parse_args()
     shutil.rmtree(a.dir, ignore_errors=True)
     os.environ["OMP_NUM_THREADS"] = "1"
-    ray.init(num_cpus=max(4, a.ranks + 2), include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=max(4, a.ranks + 2), include_dashboard=False, log_to_driver=False)
     n = max(a.ranks, a.other)
     actors = [openrlhf_rank.DSRank.remote() for _ in range(n)]
     ray.get([x.pid.remote() for x in actors])
     ck = {"run": "dsbench", "local_dir": os.path.join(a.dir, "local")}
     if a.prefault:
         ck["engine_options"] = {"prefault_object_store": True}
+    if a.driver_creates:
+        import ray_ckpt as rc
+
+        options = dict(ck.get("engine_options", {}), local_dir=ck.pop("local_dir"))
+        ck.pop("engine_options", None)
+        for role in ("actor", "steps"):  # the runs of ours_dir and of save_and_step's folder
+            rc.CheckpointEngine.create(f"{ck['run']}-{role}", **options)
     ours_dir, stock_dir = os.path.join(a.dir, "ours", "_actor"), os.path.join(a.dir, "stock", "_actor")
     rows = {}
 
