@@ -75,12 +75,15 @@ class DSRank:
                 setattr(groups, name, None)
         for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP", "_ALL_TO_ALL_GROUP"):
             getattr(groups, name).clear()
-        # ZeRO-3 numbers the modules it hooks with a process-wide counter (a mutable default of
-        # _register_deepspeed_module) and checks at each forward that every rank traced the same
-        # numbers: ranks whose processes built different numbers of ZeRO-3 models would disagree
+        # ZeRO-3 numbers the modules and parameters it partitions with process-wide counters (a
+        # mutable default of _register_deepspeed_module, Init.param_id) and checks at each forward
+        # that every rank traced the same numbers: ranks whose processes built different numbers of
+        # ZeRO-3 models would disagree
         from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+        from deepspeed.runtime.zero.partition_parameters import Init
 
         DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0][0] = 0
+        Init.param_id = 0
 
     def build(self, stage: int, ray_ckpt: Optional[dict] = None, seed: int = 0, hidden: int = 64,
               layers: int = 2, ds: Optional[dict] = None, freeze: tuple = ()) -> str:
