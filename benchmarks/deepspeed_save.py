@@ -8,7 +8,8 @@ OpenRLHF's own ``prepare`` at ``--stage``, train one step (the Adam state exists
 * ray_ckpt: ``save_ckpt`` on every rank; "blocks" is the longest a rank's call took, "durable" the
   time until ``wait_until_finished`` returned on every rank (the version committed on the local
   tier: written, checksummed, fsync'ed, manifest renamed in, ``latest`` written). The first save
-  of a run, which creates it (coordinator and writers), is a warm-up and not counted;
+  of a run is not counted there: it has its own row, "first save_ckpt of a run blocks a rank"
+  (the longest rank's call, against stock's first save);
 * stock: ``save_ckpt`` on every rank (rotation, barrier, DeepSpeed's ``torch.save`` of every
   rank's partition and rank 0's module): it blocks until its files are written (no fsync);
 * "save + next step": ``save_ckpt`` and at once one training step, the longest rank's sum, against
@@ -20,7 +21,10 @@ OpenRLHF's own ``prepare`` at ``--stage``, train one step (the Adam state exists
   loads with ``checkpoint.load_universal`` (OpenRLHF's ``--ds.use_universal_ckpt``).
 
     python benchmarks/deepspeed_save.py [--stage 2 --hidden 512 --layers 4 --ranks 2 --other 1
-                                         --repeats 3 --dir /tmp/ds_bench] [--prefault]
+                                         --repeats 3 --dir /tmp/ds_bench] [--prefault] [--driver-creates]
+
+``--driver-creates``: the driver creates the runs before the ranks start, and the ranks only
+connect (``--ray_ckpt.local_dir`` unset): what the first save costs then.
 """
 from __future__ import annotations
 
@@ -121,16 +125,25 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/ds_bench")
     ap.add_argument("--prefault", action="store_true", help="create the run with prefault_object_store=True")
+    ap.add_argument("--driver-creates", action="store_true",
+                    help="create the runs in this driver first; the ranks only connect (no --ray_ckpt.local_dir)")
     a = ap.parse_args()
     shutil.rmtree(a.dir, ignore_errors=True)
     os.environ["OMP_NUM_THREADS"] = "1"
-    ray.init(num_cpus=max(4, a.ranks + 2), include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=max(4, a.ranks + 2), include_dashboard=False, log_to_driver=False)
     n = max(a.ranks, a.other)
     actors = [openrlhf_rank.DSRank.remote() for _ in range(n)]
     ray.get([x.pid.remote() for x in actors])
     ck = {"run": "dsbench", "local_dir": os.path.join(a.dir, "local")}
     if a.prefault:
         ck["engine_options"] = {"prefault_object_store": True}
+    if a.driver_creates:
+        import ray_ckpt as rc
+
+        options = dict(ck.get("engine_options", {}), local_dir=ck.pop("local_dir"))
+        ck.pop("engine_options", None)
+        for role in ("actor", "steps"):  # the runs of ours_dir and of save_and_step's folder
+            rc.CheckpointEngine.create(f"{ck['run']}-{role}", **options)
     ours_dir, stock_dir = os.path.join(a.dir, "ours", "_actor"), os.path.join(a.dir, "stock", "_actor")
     rows = {}
 
@@ -138,7 +151,7 @@ def main() -> None:
     ray.get([r.build.remote(a.stage, ck, 0, a.hidden, a.layers) for r in rk])
     params = state_bytes(rk)
     ray.get([r.train.remote(1, 1) for r in rk])
-    timed_save(rk, ours_dir, "global_step1", True)  # warm-up: creates the run
+    first = timed_save(rk, ours_dir, "global_step1", True)  # the run's first save: its own row
     ours = [timed_save(rk, ours_dir, f"global_step{i + 2}", True) for i in range(a.repeats)]
     last = f"global_step{a.repeats + 1}"
     ours_step = save_and_step(rk, os.path.join(a.dir, "ours", "_steps"), True, a.repeats, 100)
@@ -147,6 +160,7 @@ def main() -> None:
     ray.get([r.train.remote(1, 1) for r in rk])
     stock = [timed_save(rk, stock_dir, f"global_step{i + 2}", False) for i in range(a.repeats)]
     stock_step = save_and_step(rk, os.path.join(a.dir, "stock", "_steps"), False, a.repeats, 100)
+    rows["first save_ckpt of a run blocks a rank"] = (first[0], stock[0][0])
     rows["save_ckpt blocks a rank"] = (statistics.median(b for b, _ in ours), statistics.median(b for b, _ in stock))
     rows["save to durable"] = (statistics.median(d for _, d in ours), statistics.median(d for _, d in stock))
     rows[f"save + next step (step alone: {ours_step[2]:.3f} s / {stock_step[2]:.3f} s; "

@@ -75,19 +75,30 @@ class DSRank:
                 setattr(groups, name, None)
         for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP", "_ALL_TO_ALL_GROUP"):
             getattr(groups, name).clear()
+        # ZeRO-3 numbers the modules and parameters it partitions with process-wide counters (a
+        # mutable default of _register_deepspeed_module, Init.param_id) and checks at each forward
+        # that every rank traced the same numbers: ranks whose processes built different numbers of
+        # ZeRO-3 models would disagree
+        from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+        from deepspeed.runtime.zero.partition_parameters import Init
+
+        DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0][0] = 0
+        Init.param_id = 0
 
     def build(self, stage: int, ray_ckpt: Optional[dict] = None, seed: int = 0, hidden: int = 64,
               layers: int = 2, ds: Optional[dict] = None, freeze: tuple = ()) -> str:
         """OpenRLHF's strategy (ours with ``ray_ckpt`` settings, else the stock one) and a Qwen2
         prepared by it: the same initial weights on every rank (seeded); the parameters named in
-        ``freeze`` get ``requires_grad=False`` before ``prepare`` (a frozen embedding)."""
+        ``freeze`` get ``requires_grad=False`` before ``prepare`` (a frozen embedding). ``ds``
+        sets ``args.ds`` entries (the ``--ds.*`` flags: ``grad_accum_dtype``, ``adam_offload``);
+        with ``adam_offload`` DeepSpeed picks its own optimizer (DeepSpeedCPUAdam), as on a GPU."""
         from openrlhf.utils.deepspeed import DeepspeedStrategy
         from transformers import AutoModelForCausalLM
 
         from ray_ckpt.integrations.openrlhf import RayCkptDeepspeedStrategy, cpu
 
         base = RayCkptDeepspeedStrategy if ray_ckpt is not None else DeepspeedStrategy
-        cls = cpu.torch_adam(base)
+        cls = base if (ds or {}).get("adam_offload") else cpu.torch_adam(base)
         args = strategy_args(ray_ckpt)
         vars(args.ds).update(ds or {})  # e.g. use_universal_ckpt (--ds.use_universal_ckpt)
         self.strategy = cls(seed=seed, micro_train_batch_size=1, train_batch_size=self.world, zero_stage=stage,
@@ -99,6 +110,11 @@ class DSRank:
             p.requires_grad_(name not in freeze)
         self.model, self.opt, self.sched = self.strategy.prepare((model, dict(OPTIM)))
         return type(self.strategy).__name__
+
+    def optimizers(self) -> tuple:
+        """(DeepSpeed's optimizer, the torch optimizer it wraps), by class name."""
+        opt = self.model.optimizer
+        return type(opt).__name__, type(getattr(opt, "optimizer", None)).__name__
 
     def train(self, first: int, steps: int, seed: int = 0) -> torch.Tensor:
         """Steps ``first .. first+steps-1``, each rank's tokens a function of (seed, step, rank) and

@@ -14,6 +14,11 @@ step (the replay's reference):
   back, and the replayed step gives bit-identical logits;
 * 1 and 3 ranks (other processes first) load it: the same full tensors, bit-equal;
 * ZeRO-2's version loads into ZeRO-3 and ZeRO-3's into ZeRO-2, bit-equal;
+* DeepSpeed's other optimizers (issue 44): ``BF16_Optimizer`` (ZeRO-1, bf16 + fp32 gradient
+  accumulation), ZeRO-2 with fp32 accumulation, ``--ds.adam_offload`` (``DeepSpeedCPUAdam``) on
+  ZeRO-1 and ZeRO-3: save on 2, reload on 2 (replayed step identical), on 3 and on plain ZeRO of
+  another stage, bit-equal; ZeRO-2's version loads into ``BF16_Optimizer``; settings the strategy
+  cannot save are refused when it is built, naming the flag;
 * ``load_module_only``: the 16-bit weights, fp32 masters refreshed from them (ZeRO-2, ZeRO-3);
 * an overlapped save (the default) between a backward and its optimizer step, and the next one:
   each version holds the state at its call, bit-exact (ZeRO-2, ZeRO-3);
@@ -223,18 +228,101 @@ def test_zero_stage_reloads_bit_exact_on_2_1_and_3_ranks(setup, stage):
     print(f"ZeRO-{stage}: save blocked {max(blocked) * 1e3:.0f} ms; all loads {time.perf_counter() - t0:.1f} s")
 
 
-@pytest.mark.parametrize("saved_stage,load_stage", [(2, 3), (3, 2)])
-def test_another_zero_stage_loads_it(setup, saved_stage, load_stage):
+@pytest.mark.parametrize("saved_stage,load_stage,ds", [(2, 3, None), (3, 2, None), (2, 1, {"grad_accum_dtype": "fp32"})],
+                         ids=["2-as-3", "3-as-2", "2-as-bf16-optimizer"])
+def test_another_zero_stage_loads_it(setup, saved_stage, load_stage, ds):
+    """A version loads on another stage bit-equal; ZeRO-2's also into DeepSpeed's BF16_Optimizer
+    (ZeRO-1 with fp32 gradient accumulation)."""
     if saved_stage not in setup["saved"]:
         pytest.skip(f"ZeRO-{saved_stage}'s save did not run")
     tag, want = setup["saved"][saved_stage]
     rk = group(setup["actors"], 2)
-    ray.get([r.build.remote(load_stage, setup["ck"], 11, freeze=FREEZE) for r in rk], timeout=120)
+    ray.get([r.build.remote(load_stage, setup["ck"], 11, ds=ds, freeze=FREEZE) for r in rk], timeout=120)
+    if ds:
+        assert ray.get(rk[0].optimizers.remote(), timeout=60)[0] == "BF16_Optimizer"
     errors = [x for x in ray.get([r.load.remote(save_dir(setup, saved_stage), tag) for r in rk], timeout=120)
               if isinstance(x, str)]
     assert not errors, errors
     full_equal(want, ray.get([r.full.remote() for r in rk], timeout=60)[0],
                f"ZeRO-{saved_stage} loaded as ZeRO-{load_stage}")
+
+
+# (ZeRO stage, args.ds, DeepSpeed's optimizer and the one it wraps): bf16 parameters throughout.
+# DeepSpeed 0.19 builds its BF16_Optimizer for bf16 + fp32 gradient accumulation on ZeRO-1 only,
+# and not with an offloaded optimizer (engine._do_optimizer_sanity_check); ZeRO-2 then keeps its
+# ZeRO optimizer, accumulating in fp32. --ds.adam_offload lets DeepSpeed choose DeepSpeedCPUAdam
+# (a C++ op, compiled on first use).
+OPTIMIZERS = {
+    "bf16-optimizer-zero1": (1, {"grad_accum_dtype": "fp32"}, ("BF16_Optimizer", "AdamW")),
+    "fp32-accumulation-zero2": (2, {"grad_accum_dtype": "fp32"}, ("DeepSpeedZeroOptimizer", "AdamW")),
+    "adam-offload-zero1": (1, {"adam_offload": True}, ("DeepSpeedZeroOptimizer", "DeepSpeedCPUAdam")),
+    "adam-offload-zero3": (3, {"adam_offload": True}, ("DeepSpeedZeroOptimizer_Stage3", "DeepSpeedCPUAdam")),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+def test_other_deepspeed_optimizers_reload_bit_exact(setup, kind):
+    """Issue 44: each optimizer DeepSpeed builds for these settings (checked by class) saves on 2
+    ranks and loads bit-equal (fp32 masters, moments, 16-bit weights, scalars) on 2 ranks of the
+    same settings, whose replayed step gives identical logits; on 3 ranks of the same settings;
+    and on 2 ranks of plain ZeRO at another stage."""
+    stage, ds, optimizers = OPTIMIZERS[kind]
+    actors = setup["actors"]
+    ck = dict(setup["ck"], run=setup["ck"]["run"] + "opt")
+    d = str(setup["root"] / kind / "_actor")
+    step = 5 + list(OPTIMIZERS).index(kind)  # one run for every kind: its steps increase
+    tag = f"global_step{step}"
+    rk = group(actors, 2)
+    ray.get([r.build.remote(stage, ck, 0, ds=ds, freeze=FREEZE) for r in rk], timeout=300)
+    assert ray.get(rk[0].optimizers.remote(), timeout=60) == optimizers
+    ray.get([r.train.remote(1, 2) for r in rk], timeout=120)
+    ray.get([r.save.remote(d, tag, {"kind": kind}) for r in rk], timeout=120)
+    want = ray.get([r.full.remote() for r in rk], timeout=60)[0]
+    replay_ref = ray.get([r.train.remote(3, 1) for r in rk], timeout=60)
+    assert ray.get([r.wait.remote(60) for r in rk], timeout=90) == [None, None]
+
+    rk = group(actors, 2)
+    ray.get([r.build.remote(stage, ck, 5, ds=ds, freeze=FREEZE) for r in rk], timeout=300)
+    out = ray.get([r.load.remote(d, tag) for r in rk], timeout=120)
+    assert [x[1] if isinstance(x, tuple) else x for x in out] == [{"kind": kind}] * 2, out
+    got = ray.get([r.full.remote() for r in rk], timeout=60)[0]
+    full_equal(want, got, f"{kind} on 2 ranks")
+    assert got["scalars"] == want["scalars"]
+    replay = ray.get([r.train.remote(3, 1) for r in rk], timeout=60)
+    assert all(same_bits(a, b) for a, b in zip(replay_ref, replay)), f"{kind}: the replayed step differs"
+
+    for n, load_stage, load_ds in ((3, stage, ds), (2, 3 if stage != 3 else 2, None)):
+        rk = group(actors[::-1], n)
+        ray.get([r.build.remote(load_stage, ck, 9, ds=load_ds, freeze=FREEZE) for r in rk], timeout=300)
+        load_ok(rk, d, tag)
+        got = ray.get([r.full.remote() for r in rk], timeout=60)[0]
+        full_equal(want, got, f"{kind} saved on 2, loaded on {n} ranks of ZeRO-{load_stage} {load_ds or ''}")
+        assert got["scalars"] == want["scalars"]
+
+
+def _refused_settings(self):
+    """What the strategy's constructor says to settings it cannot save."""
+    import ray_ckpt as rc
+    from ray_ckpt.integrations.openrlhf import RayCkptDeepspeedStrategy
+
+    out = []
+    for stage, ds in ((0, {}), (2, {"ring_attn_size": 2}), (2, {"tensor_parallel_size": 2})):
+        args = openrlhf_rank.strategy_args({"run": "x"})
+        vars(args.ds).update(ds)
+        try:
+            RayCkptDeepspeedStrategy(zero_stage=stage, args=args)
+            out.append(None)
+        except rc.InvalidArgumentError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_unsupported_settings_are_refused_when_the_strategy_is_built(setup):
+    zero0, ring, tp = ray.get(setup["actors"][0].call.remote(_refused_settings), timeout=120)
+    assert zero0 and "--ds.zero_stage 0" in zero0
+    assert ring and "--ds.ring_attn_size" in ring
+    assert tp and "--ds.tensor_parallel_size" in tp
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -25,7 +25,9 @@ rank its ``ds_tensor`` range), bit-equal. Versions of layout 1 (no ``layout`` in
 ZeRO-1/2's full 16-bit module state in ``module`` and nothing of ZeRO-3's frozen parameters; they
 still load.
 
-``save_ckpt`` pushes and returns: no barrier, no file written by the call. With ``overlap`` (the
+``save_ckpt`` pushes and returns, no file written by the call; only the first call for a save_dir is
+collective (rank 0 gets or creates the run and declares its states while the others wait: ``_run``,
+``_declare``), later ones wait for no other rank. With ``overlap`` (the
 default) the ``optim`` state is views of the live partition, flattened once and reused while the
 partition's buffers stay (``partition.py``); its copy into the object store runs on a background thread while the rank trains on, and the inner
 torch optimizer's ``step`` (which changes the fp32 masters and moments in place, before DeepSpeed
@@ -79,12 +81,29 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
         if settings is None:
             raise InvalidArgumentError("RayCkptDeepspeedStrategy needs args.ray_ckpt.run (--ray_ckpt.run) and, on "
                                        "the ranks that create the run, --ray_ckpt.local_dir; see docs/openrlhf.md")
+        if self.stage not in (1, 2, 3):
+            raise InvalidArgumentError(f"RayCkptDeepspeedStrategy saves ZeRO stages 1, 2 and 3 (--ds.zero_stage "
+                                       f"{self.stage})")
+        if self.ring_attn_size != 1 or self.ds_tensor_parallel_size != 1:
+            raise InvalidArgumentError("RayCkptDeepspeedStrategy saves data-parallel ZeRO only (--ds.ring_attn_size "
+                                       "and --ds.tensor_parallel_size must be 1)")
         self.ray_ckpt: OpenRLHFSettings = settings
         self._runs: Dict[str, _Run] = {}
         self._lock = threading.Lock()
         self._partitions = PartitionCache()
         self.last_block_s: Optional[float] = None  # how long the last save_ckpt blocked this rank
         self.last_load_wait_s: Optional[float] = None
+
+    def _ds_init_train_model(self, model: Any, cfg: dict) -> Any:
+        """OpenRLHF's training set-up, then a check that this module can save the optimizer
+        DeepSpeed chose (``zero.check_engine``): an unsupported one is refused here, not at the
+        first save."""
+        out = super()._ds_init_train_model(model, cfg)
+        wrapped = out[0]
+        engine = wrapped if isinstance(wrapped, deepspeed.DeepSpeedEngine) else getattr(wrapped, "model", None)
+        if isinstance(engine, deepspeed.DeepSpeedEngine):
+            zero.check_engine(engine)
+        return out
 
     # ------------------------------------------------------------------ set-up (collective once per run)
     def _world(self) -> Tuple[int, int]:
@@ -173,9 +192,7 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
         t0 = time.perf_counter()
         assert isinstance(model, deepspeed.DeepSpeedEngine)
         rank, world = self._world()
-        if self.ring_attn_size != 1 or self.ds_tensor_parallel_size != 1:
-            raise InvalidArgumentError("RayCkptDeepspeedStrategy saves data-parallel ZeRO only (ring_attn_size and "
-                                       "tensor_parallel_size must be 1)")
+        zero.check_engine(model)  # an engine prepared elsewhere: refused before anything is pushed
         tag = tag or f"global_step{model.global_steps}"
         step = step_of_tag(tag)
         step = int(model.global_steps) if step is None else step

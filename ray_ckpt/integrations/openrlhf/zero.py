@@ -2,7 +2,9 @@
 
 ZeRO keeps, per rank, the fp32 master copy and the Adam moments of a slice of the parameters:
 
-* ZeRO-1/2: the parameters of a group are flattened one after another into one buffer, cut into
+* ZeRO-1/2 (``DeepSpeedZeroOptimizer``; and ``BF16_Optimizer``, which DeepSpeed builds instead on
+  ZeRO-1 for bf16 parameters with fp32 gradient accumulation, partitioned the same way): the
+  parameters of a group are flattened one after another into one buffer, cut into
   equal partitions; rank r's partition covers a range of that buffer, so a range (possibly empty)
   of each parameter it touches, starting and ending anywhere (``param._hp_mapping``:
   ``lp_fragment_address`` is the range within the parameter, ``hp_fragment`` the fp32 view);
@@ -52,20 +54,39 @@ def _moment_keys(state: Dict[str, Any], flat: Any) -> List[str]:
     return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == flat.shape)
 
 
+# where each ZeRO optimizer keeps the fp32 flat partitions its inner optimizer steps: ZeRO-3's
+# DeepSpeedZeroOptimizer_Stage3, ZeRO-1/2's DeepSpeedZeroOptimizer, and the BF16_Optimizer that
+# DeepSpeed builds instead on ZeRO-1 with bf16 parameters and fp32 gradient accumulation (without
+# an offloaded optimizer); the last two partition alike (``_hp_mapping`` fragments, ``update_lp_params``)
+FLAT_GROUPS = ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups", "fp32_groups_flat_partition")
+
+
 def flat_groups(engine: Any) -> List[Any]:
     """The fp32 flat partitions the base optimizer steps (its ``state`` is keyed by them)."""
     opt = engine.optimizer
-    if stage_of(engine) == 3:
-        return list(opt.fp32_partitioned_groups_flat)
-    return list(opt.single_partition_of_fp32_groups)
+    for name in FLAT_GROUPS:
+        groups = getattr(opt, name, None)
+        if groups is not None:
+            return list(groups)
+    raise InvalidArgumentError(f"RayCkptDeepspeedStrategy saves DeepSpeed's ZeRO optimizers (DeepSpeedZeroOptimizer, "
+                               f"DeepSpeedZeroOptimizer_Stage3, BF16_Optimizer); this engine's optimizer is "
+                               f"{type(opt).__name__}, which keeps no fp32 partition it knows")
+
+
+def check_engine(engine: Any) -> None:
+    """Refuse an engine whose optimizer state this module cannot save (before any byte of it is
+    pushed): a stage other than 1-3, an optimizer without known fp32 partitions."""
+    stage = stage_of(engine)
+    if stage not in (1, 2, 3):
+        raise InvalidArgumentError(f"RayCkptDeepspeedStrategy saves ZeRO stages 1, 2 and 3 (zero_stage={stage})")
+    flat_groups(engine)
 
 
 def slots(engine: Any) -> List[Slot]:
     """This rank's range of every trainable parameter of a ZeRO-1/2/3 DeepSpeedEngine, in
-    ``named_parameters`` order. ZeRO-0 (no partition) is refused."""
+    ``named_parameters`` order. ZeRO-0 (no partition) is refused (:func:`check_engine`)."""
+    check_engine(engine)
     stage = stage_of(engine)
-    if stage not in (1, 2, 3):
-        raise InvalidArgumentError(f"RayCkptDeepspeedStrategy saves ZeRO stages 1, 2 and 3 (zero_stage={stage})")
     opt = engine.optimizer
     base_state = opt.optimizer.state
     out = []
@@ -267,14 +288,24 @@ def set_ranges(target: Dict[str, Dict[str, TensorChunk]], ss: List[Slot], keys: 
                     s.set(key, target[key or FP32][s.name].local)
 
 
+def _step_value(engine: Any, step: float, old: Any) -> Any:
+    """``step`` as the inner optimizer keeps it: torch's Adam a float32 tensor (or the dtype it
+    had), DeepSpeedCPUAdam a Python int (its C++ update takes an integer)."""
+    if torch.is_tensor(old):
+        return torch.tensor(float(step), dtype=old.dtype)
+    if isinstance(old, int) or not type(engine.optimizer.optimizer).__module__.startswith("torch."):
+        return int(step)
+    return torch.tensor(float(step))
+
+
 def ensure_optimizer_state(engine: Any) -> None:
     """A fresh engine's base optimizer has no moments before its first step; give it zeroed ones
-    (and ``step`` 0), as torch's Adam would create them, so that loaded ranges have a place."""
+    (and ``step`` 0), as its own first step would create them, so that loaded ranges have a place."""
     state = engine.optimizer.optimizer.state
     for f in flat_groups(engine):
         st = state[f]
         if not st:
-            st["step"] = torch.tensor(0.0)
+            st["step"] = _step_value(engine, 0, None)
             st["exp_avg"] = torch.zeros_like(f, memory_format=torch.preserve_format)
             st["exp_avg_sq"] = torch.zeros_like(f, memory_format=torch.preserve_format)
 
@@ -287,8 +318,7 @@ def set_optimizer_scalars(engine: Any, scalars: Dict[str, Any]) -> None:
         if len(set(steps)) != 1:
             raise RestoreError(f"the saved optimizer groups disagree on their step: {steps}")
         for f in flats:
-            old = state[f].get("step")
-            state[f]["step"] = torch.tensor(float(steps[0]), dtype=old.dtype if torch.is_tensor(old) else torch.float32)
+            state[f]["step"] = _step_value(engine, steps[0], state[f].get("step"))
     lrs = scalars.get("lrs") or []
     groups = engine.optimizer.param_groups
     if len(lrs) == len(groups):
