@@ -102,6 +102,18 @@ def broadcast_error(error: Optional[str], world_size: int) -> None:
         raise CheckpointError(error)
 
 
+def rank0_decides(value: Any, world_size: int) -> Any:
+    """Rank 0's ``value`` on every rank of the torch.distributed group (one small collective): what
+    all ranks must agree on, such as whether this step is saved."""
+    if world_size > 1:
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return value
+
+
 def wait_committed(engine: Any, run: str, step: int, load_wait_s: float) -> float:
     """Return (the seconds waited) once ``step`` of ``engine``'s run is committed. A step still in
     flight is waited for, up to ``load_wait_s``; one neither committed nor in flight (after a short

@@ -55,8 +55,8 @@ from ray_ckpt import InvalidArgumentError, RestoreError, SaveError
 from . import zero
 from .partition import PartitionCache
 from .settings import OpenRLHFSettings, read_settings
-from ..committed import (broadcast_error, error_line, read_pointer, wait_committed, wait_done, watch_saves,
-                         write_pointer)
+from ..committed import (broadcast_error, error_line, rank0_decides, read_pointer, wait_committed, wait_done,
+                         watch_saves, write_pointer)
 from .runs import Run as _Run, Save as _Save
 from .tracker import advance_latest, read_latest, step_of_tag
 
@@ -143,6 +143,18 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
         run.kept = keep
         threading.Thread(target=self._watch, args=(run,), name=f"ray_ckpt-{name}", daemon=True).start()
         return run
+
+    def preemption_save_due(self, save_dir: str) -> bool:
+        """Whether to save this step for a preemption notice (Ray drains a node of the run with a
+        deadline; the run copies that node's only copies away meanwhile): rank 0 asks the run, once
+        per notice, and every rank gets its answer, so all of them save the same step. Collective:
+        call it on every rank at each step boundary, e.g.
+        ``if step % args.save_steps == 0 or strategy.preemption_save_due(args.ckpt_path): strategy.save_ckpt(...)``.
+        The first call sets the run up (as the first ``save_ckpt`` does)."""
+        run = self._run(save_dir)
+        rank, world = self._world()
+        due = run.engine.preemption_save_due() is not None if rank == 0 else False
+        return bool(rank0_decides(due, world))
 
     # (name, replicated) of every version, whatever the stage: a run's declarations outlive a
     # change of stage

@@ -36,11 +36,10 @@ from typing import Any, Dict, List, Optional
 
 import ray
 import ray.train
-import torch.distributed as dist
 
 import ray_ckpt as rc
 from ...errors import InvalidArgumentError
-from ..committed import broadcast_error, error_line, read_pointer, write_pointer
+from ..committed import broadcast_error, error_line, rank0_decides, read_pointer, write_pointer
 
 log = logging.getLogger("ray_ckpt")
 
@@ -55,15 +54,6 @@ def _run_name(name: str) -> str:
 def _world() -> tuple:
     ctx = ray.train.get_context()
     return ctx.get_world_rank(), ctx.get_world_size()
-
-
-def _decide(value: Any, world_size: int) -> Any:
-    """Rank 0's ``value`` on every rank (one small collective): what all ranks must agree on."""
-    if world_size > 1 and dist.is_available() and dist.is_initialized():
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-    return value
 
 
 class Checkpointer:
@@ -141,7 +131,7 @@ class Checkpointer:
             raise InvalidArgumentError("nothing to save: register at least one state before report()")
         self._raise_failures()
         preempted = ray.train.get_preemption_info() is not None  # collective in Ray Train
-        push = _decide(step % self.every == 0 or self._last_save_for_notice(preempted), self.world_size)
+        push = rank0_decides(step % self.every == 0 or self._last_save_for_notice(preempted), self.world_size)
         if push:
             self._push(step)
         checkpoint, folder = self._pointer() if self.rank == 0 else (None, None)
@@ -211,7 +201,7 @@ class Checkpointer:
         for h in self._handles:
             h.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._handles = []
-        if _decide(self.rank == 0 and bool(self._pushed), self.world_size):
+        if rank0_decides(self.rank == 0 and bool(self._pushed), self.world_size):
             checkpoint, folder = self._pointer() if self.rank == 0 else (None, None)
             try:
                 if checkpoint is not None:
@@ -248,7 +238,7 @@ class Checkpointer:
                     log.info("ray_ckpt: Ray Train's checkpoint names step %d; run %r has step %d committed "
                              "since: restoring that", step, self.run, newest)
                 step = newest
-        step = _decide(step, self.world_size)
+        step = rank0_decides(step, self.world_size)
         if step is None:
             return None
         for name, (obj, replicated) in self.states.items():
