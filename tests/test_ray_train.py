@@ -17,10 +17,10 @@ def test_the_package_imports_the_checkpointer_on_first_use():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1000)
 def test_a_killed_worker_group_resumes_bit_exact_from_committed_versions_only(tmp_path):
     # its own process: the train function must live in __main__ so Ray ships it by value
     proc = subprocess.run([sys.executable, os.path.join(HERE, "ray_train_scenario.py"), str(tmp_path)],
-                          capture_output=True, text=True, timeout=580)
+                          capture_output=True, text=True, timeout=960)
     out = proc.stdout + proc.stderr[-4000:]
     assert proc.returncode == 0 and "RAY TRAIN OK" in proc.stdout, out

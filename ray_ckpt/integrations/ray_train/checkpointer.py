@@ -37,9 +37,12 @@ from typing import Any, Dict, List, Optional
 import ray
 import ray.train
 
+import torch
+
 import ray_ckpt as rc
 from ...errors import InvalidArgumentError
 from ..committed import broadcast_error, error_line, rank0_decides, read_pointer, write_pointer
+from ..optimizers import init_optimizer_state
 
 log = logging.getLogger("ray_ckpt")
 
@@ -242,6 +245,8 @@ class Checkpointer:
         if step is None:
             return None
         for name, (obj, replicated) in self.states.items():
+            if isinstance(obj, torch.optim.Optimizer):
+                init_optimizer_state(obj)  # its state tensors exist (DTensors on this mesh) to be filled
             state = obj.state_dict()
             if _sharded(state):
                 self.engine.load_into(name, state, step=step, rank=self.rank, world_size=self.world_size)

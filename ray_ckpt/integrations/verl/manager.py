@@ -40,6 +40,7 @@ from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
 from .settings import VerlSettings, read_settings
 from ..committed import (POINTER, broadcast_error, error_line, read_pointer, time_left, wait_committed, wait_done,
                          watch_saves, write_pointer)
+from ..optimizers import init_optimizer_state
 from .tracker import advance_tracker, step_of_path
 
 log = logging.getLogger("ray_ckpt.verl")
@@ -293,7 +294,7 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
         if self.should_load_optimizer:
             assert self.optimizer is not None, \
                 "optimizer must be provided when checkpoint_contents.load includes ['optimizer']"
-            _init_optimizer_state(self.optimizer)
+            init_optimizer_state(self.optimizer)
             osd = self.optimizer.state_dict()
             engine.load_into(OPTIMIZER, osd, step=step, rank=r)
             self.optimizer.load_state_dict(osd)
@@ -308,22 +309,3 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
                             "not restored (they are per rank); model, optimizer and scheduler were resharded",
                             step, saved_world, self.world_size)
         log.info("ray_ckpt: rank %s loaded step %s of run %r", r, step, run)
-
-
-def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give a fresh optimizer its state tensors (``load_into`` fills tensors in place): one step
-    with zero gradients at learning rate 0 leaves every parameter's bits unchanged (as
-    ``torch.distributed.checkpoint.state_dict`` does before loading)."""
-    if optimizer.state:
-        return
-    lrs = []
-    for group in optimizer.param_groups:
-        lrs.append(group["lr"])
-        group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
-        for p in group["params"]:
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    for group, lr in zip(optimizer.param_groups, lrs):
-        group["lr"] = lr
