@@ -24,9 +24,11 @@ builds it may not import this module; it is named here as one of the messages.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
+from .errors import InvalidSaveError
 from .formats.manifest import FileEntry, StateEntry
 from .formats.shard_record import ShardHead, ShardRecord  # noqa: F401 (messages named here)
 from .types import SaveResult, Strategy
@@ -217,10 +219,27 @@ class StoredState:
     entry: Optional[StateEntry]
 
 
+def checked_metrics(metrics: Optional[Dict[str, float]]) -> Dict[str, float]:
+    """A version's metrics (``save(metrics=...)``, ``submit(metrics=...)``) checked before anything
+    is sent: a dict of str -> finite number (they go into the manifest's JSON and rank versions for
+    ``keep_best``)."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict):
+        raise InvalidSaveError(f"metrics must be a dict of name -> number, got {type(metrics).__name__}")
+    out = {}
+    for k, v in metrics.items():
+        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise InvalidSaveError(f"metrics must map str -> finite number; bad entry {k!r}: {v!r}")
+        out[k] = float(v)
+    return out
+
+
 class PushedPart(NamedTuple):
     """One rank's part inside a ``submit_parts`` call (a tuple on the wire: cheap to serialise).
     ``ref`` is the snapshot's ObjectRef (None for a replica rank, whose rank 0 stores the copy);
-    ``upload`` and ``after`` as ``coordinator.submit`` documents them."""
+    ``upload`` and ``after`` as ``coordinator.submit`` documents them; ``metrics``: the version's
+    metrics (``submit(..., metrics=...)``), merged into its manifest (what ``keep_best`` ranks)."""
 
     name: str
     rank: int
@@ -228,6 +247,7 @@ class PushedPart(NamedTuple):
     nbytes: int
     upload: bool
     after: int
+    metrics: Optional[Dict[str, float]] = None
 
 
 @dataclass(frozen=True)

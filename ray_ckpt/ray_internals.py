@@ -33,6 +33,12 @@ internal                                                  why there is no public
                                                           say that a live node is being drained. What Ray
                                                           Train's preemption watcher and Serve's node cache
                                                           read; no public API yet.
+``ray.train.v2._internal.execution.context``              The Train run's ``RunConfig`` inside a worker, so
+(``get_train_context().train_run_context.run_config``)    its ``CheckpointConfig`` (how many checkpoints to
+                                                          keep, by which metric) becomes the ray_ckpt run's
+                                                          retention without the user saying it twice. The
+                                                          public ``ray.train.get_context()`` does not give
+                                                          the run config to a worker.
 ``__ray_ready__`` (every actor's built-in method)         Wait until an actor has started (its constructor
                                                           ran) without a method of our own on every actor
                                                           class (writers, coordinator, mailbox).
@@ -57,7 +63,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 class Internal:
     """One internal: ``attribute`` of ``owner`` ("package.module:Class" or "package.module").
     ``kind``: "instance" (assigned to ``self`` in the class's source), "property", "attribute" (of a
-    module) or "actor_method" (a method Ray adds to every actor class: defined in ``ray.actor``)."""
+    module), "field" (of a dataclass) or "actor_method" (a method Ray adds to every actor class: defined in ``ray.actor``)."""
 
     owner: str
     attribute: str
@@ -76,6 +82,12 @@ INTERNALS = (
     Internal("ray._private.state", "state", "attribute", "the GCS state accessor (draining nodes)"),
     Internal("ray._private.state:GlobalState", "get_draining_nodes", "attribute",
              "preemption notices: which nodes Ray drains, with their deadlines"),
+    Internal("ray.train.v2._internal.execution.context", "get_train_context", "attribute",
+             "a Train worker's run config (its CheckpointConfig becomes the run's retention)"),
+    Internal("ray.train.v2._internal.execution.context:TrainContext", "train_run_context", "field",
+             "a Train worker's run config (its CheckpointConfig becomes the run's retention)"),
+    Internal("ray.train.v2._internal.execution.context:TrainRunContext", "run_config", "field",
+             "a Train worker's run config (its CheckpointConfig becomes the run's retention)"),
     Internal("ray.actor:ActorHandle", "_actor_id", "property", "one wait call per coordinator, shared by handles"),
     Internal("ray.actor", "__ray_ready__", "actor_method", "waiting until an actor has started"),
     Internal("ray.actor", "__ray_call__", "actor_method", "the engine's actor protocol (snapshot, restore)"),
@@ -123,6 +135,8 @@ def _present(obj: Any, item: Internal) -> bool:
         return isinstance(inspect.getattr_static(obj, item.attribute, None), property)
     if item.kind == "attribute":
         return getattr(obj, item.attribute, None) is not None
+    if item.kind == "field":
+        return item.attribute in getattr(obj, "__dataclass_fields__", {})
     if item.kind == "actor_method":
         return re.search(rf"\bdef {re.escape(item.attribute)}\(", inspect.getsource(obj)) is not None
     raise ValueError(f"unknown kind {item.kind!r}")
@@ -175,6 +189,18 @@ def draining_nodes() -> Dict[str, float]:
     from ray._private import state
 
     return {node: (ms / 1000.0 if ms else float("inf")) for node, ms in state.state.get_draining_nodes().items()}
+
+
+def train_checkpoint_config() -> Any:
+    """The ``CheckpointConfig`` of the Ray Train run this worker belongs to (Train v2), or None
+    outside a Train worker."""
+    from ray.train.v2._internal.execution import context
+
+    try:
+        run_context = context.get_train_context().train_run_context
+    except RuntimeError:  # not inside a Train worker
+        return None
+    return run_context.run_config.checkpoint_config
 
 
 def actor_id_hex(handle: Any) -> str:

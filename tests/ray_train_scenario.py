@@ -1,4 +1,5 @@
-"""ray_ckpt as the checkpoint layer of a real Ray Train ``TorchTrainer`` (2 workers, gloo, DDP).
+"""ray_ckpt as the checkpoint layer of a real Ray Train ``TorchTrainer`` (2 workers, gloo, DDP, a
+``StatefulDataLoader`` per rank).
 
 Run by tests/test_ray_train.py in its own process (the train function is defined here, in
 ``__main__``, so Ray ships it by value to the workers). Prints "RAY TRAIN OK" and exits 0 when
@@ -11,7 +12,8 @@ every check holds; an AssertionError otherwise.
   2. the same run with worker rank 1 exiting right after its report of step 5 (FailureConfig
      max_failures=1): Ray Train restarts the group, restore() brings back the step its
      get_checkpoint() names (bit-equal to what was saved at that step), and the final model and
-     optimizer are bit-equal to the uninterrupted run's.
+     optimizer are bit-equal to the uninterrupted run's (each step also trains on the next batch of
+     a shuffled ``StatefulDataLoader``: a loader that restarted its epoch would change them).
 """
 import hashlib
 import json
@@ -45,6 +47,8 @@ def digest(model, opt) -> str:
 def train_func(config):
     import torch
     import ray.train
+    from torch.utils.data import TensorDataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
     from ray_ckpt.integrations.ray_train import Checkpointer
 
     rank = ray.train.get_context().get_world_rank()
@@ -52,19 +56,29 @@ def train_func(config):
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
+    # a shuffled StatefulDataLoader: 5 batches an epoch, so 8 steps cross an epoch; each rank its own
+    loader = StatefulDataLoader(TensorDataset(torch.randn(20, 16, generator=torch.Generator().manual_seed(7))),
+                                batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(rank))
     ckpt = Checkpointer(config["run"], local_dir=config["local"], remote_uri=config["remote"], every=2)
     ckpt.register("model", model, replicated=True)
     ckpt.register("optimizer", opt, replicated=True)
     ckpt.register("scheduler", sched, replicated=True)
+    ckpt.register("loader", loader)
     out = config["out"]
     start = ckpt.restore()
+    batches = iter(loader)  # after a restore: from the batch after the last one the saved step used
     if start is not None and rank == 0:
         with open(os.path.join(out, f"restored-{start}.json"), "w") as f:
             json.dump({"step": start, "digest": digest(model, opt), "lr": opt.param_groups[0]["lr"]}, f)
     for step in range((start or 0) + 1, config["steps"] + 1):
         g = torch.Generator().manual_seed(1000 * step + rank)
         x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
-        loss = ((model(x) - y) ** 2).mean()
+        try:
+            (batch,) = next(batches)
+        except StopIteration:  # a new epoch, shuffled by the loader's generator
+            batches = iter(loader)
+            (batch,) = next(batches)
+        loss = ((model(x) - y) ** 2).mean() + 0.1 * model(batch).pow(2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -24,3 +24,51 @@ def test_a_killed_worker_group_resumes_bit_exact_from_committed_versions_only(tm
                           capture_output=True, text=True, timeout=960)
     out = proc.stdout + proc.stderr[-4000:]
     assert proc.returncode == 0 and "RAY TRAIN OK" in proc.stdout, out
+
+
+def test_a_checkpoint_config_becomes_the_runs_retention():
+    from ray.train import CheckpointConfig
+
+    from ray_ckpt.integrations.ray_train import retention_options
+
+    assert retention_options(None) == {}
+    assert retention_options(CheckpointConfig()) == {}  # Ray Train keeps every checkpoint: so does the run
+    assert retention_options(CheckpointConfig(num_to_keep=3)) == {"keep_last": 3}
+    assert retention_options(CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="reward")) == \
+        {"keep_best": ("reward", "max", 2)}
+    assert retention_options(CheckpointConfig(num_to_keep=1, checkpoint_score_attribute="loss",
+                                              checkpoint_score_order="min")) == {"keep_best": ("loss", "min", 1)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(700)
+def test_a_train_runs_retention_and_preemption_notice_are_honoured(tmp_path):
+    # its own process and cluster: two nodes, one of them drained for preemption
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "ray_train_preemption_scenario.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=660)
+    out = proc.stdout + proc.stderr[-4000:]
+    assert proc.returncode == 0 and "RAY TRAIN PREEMPTION OK" in proc.stdout, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_guides_example_runs_as_written(tmp_path):
+    """docs/ray-train.md's example, with its storage paths pointed at tmp_path and Ray started with
+    room for the run's writers beside the two workers (the 2-core VM)."""
+    import re
+
+    text = open(os.path.join(HERE, "..", "docs", "ray-train.md"), encoding="utf-8").read()
+    code = re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)[0]
+    for path in ("/mnt/nvme/ckpt", "s3://bucket/runs", "s3://bucket/ray-train"):
+        assert path in code, f"the guide's example no longer uses {path}: update this test"
+    code = (code.replace("/mnt/nvme/ckpt", str(tmp_path / "local"))
+            .replace("s3://bucket/runs", f"file://{tmp_path / 'remote'}")
+            .replace("s3://bucket/ray-train", str(tmp_path / "train")))
+    script = tmp_path / "example.py"
+    script.write_text("import ray\nray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)\n" + code)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=560,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    assert "ray_ckpt-step000000000020" in proc.stdout, proc.stdout[-2000:]  # Ray Train's checkpoint: step 20
+    remote = sorted(n for n in os.listdir(tmp_path / "remote" / "ppo-ddp") if n.startswith("v"))
+    assert remote == [f"v{s:012d}" for s in range(2, 21, 2)], remote  # every pushed step is on the remote tier

@@ -67,3 +67,21 @@ def test_one_call_carries_a_batch_and_names_the_entry_it_refuses(engine_factory,
     pusher.close()
     for r in (0, world - 1):
         assert np.array_equal(eng.load("s", step=1, rank=r)["w"], state(r)["w"])
+
+
+def test_pushed_versions_carry_metrics_and_keep_best_ranks_them(engine_factory, run_name):
+    """``submit(..., metrics=...)`` (what the Ray Train checkpointer sends from rank 0): the metrics
+    land in the version's manifest, and ``keep_best`` keeps the best pushed versions by them."""
+    eng = engine_factory(critical_writers=1, best_effort_writers=0, remote_uri=None, keep_best=("reward", "max", 2))
+    eng.register("s", world_size=2)
+    with pytest.raises(rc.InvalidArgumentError, match="metrics must map str -> finite number; bad entry 'reward': nan"):
+        eng.submit(1, "s", state(0), rank=0, metrics={"reward": float("nan")})
+    rewards = {1: 5.0, 2: 9.0, 3: 1.0, 4: 7.0, 5: 2.0}
+    for step, reward in rewards.items():
+        hs = [eng.submit(step, "s", state(r), rank=r, metrics={"reward": reward} if r == 0 else None) for r in (0, 1)]
+        [h.wait(timeout=60) for h in hs]
+    want = {2: 9.0, 4: 7.0, 5: 2.0}  # the best two and the newest
+    deadline = time.monotonic() + 30  # retention runs after each commit, in the background
+    while (listed := {m.step: m.metrics["reward"] for m in eng.list_checkpoints()}) != want:
+        assert time.monotonic() < deadline, listed
+        time.sleep(0.1)

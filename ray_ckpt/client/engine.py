@@ -11,7 +11,6 @@ step counters); the work lives beside it: ``capture/calls.py`` (who captures eac
 """
 from __future__ import annotations
 
-import math
 import os
 import time
 import warnings
@@ -30,7 +29,7 @@ from .preemption import PreemptionNotices
 from ..coordinator.lease import OwnerLease
 from ..coordinator.live_options import passed_options
 from ..storage.ownership import DEFAULT_LEASE_S
-from ..protocol import NAMESPACE, Declaration, actor_name
+from ..protocol import NAMESPACE, Declaration, actor_name, checked_metrics
 from ..capture.providers import CallableProvider, Registration, resolve
 from .push_batch import Pusher
 from .rank_push import RankPushes, _FencedObjects
@@ -261,7 +260,7 @@ class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes, PreemptionNot
         if not self._registry:
             raise InvalidSaveError("nothing to save: register at least one state (a provider here, or a "
                                    "state its ranks push with submit(), declared with world_size=N)")
-        clean_metrics = _check_metrics(metrics)
+        clean_metrics = checked_metrics(metrics)
         if self._owner and any(h.done() and h._coordinator_died() for h in self._in_flight):
             self._revive()  # an earlier save found the coordinator dead: this one goes to a new one
         if not self._make_room(policy):  # max_in_flight (in_flight.py)
@@ -390,17 +389,3 @@ class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes, PreemptionNot
             every = self.config.remote_every
             out["saves_until_upload"] = 1 if out.get("upload_owed") else every - self._saves % every
         return out
-
-
-def _check_metrics(metrics: Optional[Dict[str, float]]) -> Dict[str, float]:
-    """``save(metrics=...)`` checked before anything is sent: a dict of str -> finite number."""
-    if metrics is None:
-        return {}
-    if not isinstance(metrics, dict):
-        raise InvalidSaveError(f"metrics must be a dict of name -> number, got {type(metrics).__name__}")
-    out = {}
-    for k, v in metrics.items():
-        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise InvalidSaveError(f"metrics must map str -> finite number; bad entry {k!r}: {v!r}")
-        out[k] = float(v)
-    return out

@@ -21,7 +21,7 @@ from ..capture.snapshot import capture
 from ..formats.flat import owned_copy
 from ..capture.providers import Registration, rank_provider
 from ..errors import InvalidArgumentError, InvalidSaveError
-from ..protocol import Declaration, PushedPart
+from ..protocol import Declaration, PushedPart, checked_metrics
 from ..storage.layout import validate_name
 from ..types import OnBusy
 from .handle import SaveHandle
@@ -36,7 +36,8 @@ class RankPushes:
 
     def submit(self, step: int, name: str, state: Any, rank: int = 0, *,
                on_busy: Union[OnBusy, str] = OnBusy.WAIT,
-               overlap_with: Optional[Iterable[Any]] = None) -> SaveHandle:
+               overlap_with: Optional[Iterable[Any]] = None,
+               metrics: Optional[Dict[str, float]] = None) -> SaveHandle:
         """Push this rank's part of a declared state for ``step`` (from inside a rank actor).
 
         Returns at once with a handle (a bad push raises here: an undeclared state, a rank out of
@@ -59,13 +60,18 @@ class RankPushes:
         the state into views), as ``overlap=True`` does for registered states. The objects given are
         the ones whose in-place changes must wait for the copy: their optimizers' ``step`` and the
         forward of their modules that change buffers are fenced; any other in-place change of the
-        pushed tensors needs ``rc.fence(name)`` first."""
+        pushed tensors needs ``rc.fence(name)`` first.
+
+        ``metrics``: the version's metrics (str -> finite number), as ``save(metrics=...)`` takes
+        them; one rank giving them is enough (ranks' metrics for one version are merged), and
+        ``keep_best`` ranks pushed versions by them."""
         t0 = time.perf_counter()
         self._check_open()
         try:
             policy = OnBusy.parse(on_busy)
         except ValueError as exc:
             raise InvalidSaveError(str(exc)) from None
+        clean_metrics = checked_metrics(metrics) or None
         decl = self._checked_push(step, name, rank)
         last = self._last_pushed.get((name, rank), -1)
         # backpressure is judged when this engine starts a version: pushes for one in flight always go
@@ -97,7 +103,7 @@ class RankPushes:
         pushes = self._pushes[(name, rank)] = self._pushes.get((name, rank), 0) + 1
         # joins this engine's open batch of the version: one coordinator call per batch (push_batch.py)
         slot = self._pusher.add(step, PushedPart(name, rank, ref, nbytes, pushes % self.config.remote_every == 0,
-                                                 last), put=later)
+                                                 last, clean_metrics), put=later)
         self._last_pushed[(name, rank)] = step
         handle = SaveHandle(self, step, None, time.perf_counter() - t0, push=slot, rank_zero_only=rank_zero_only)
         self._in_flight.append(handle)

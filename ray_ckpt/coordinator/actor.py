@@ -304,7 +304,9 @@ class CheckpointCoordinator:
         if part.ref is None:
             raise SaveError(f"state {name!r} rank {rank}: the push of step {version} carries no snapshot")
         is_new = version not in self.catalogue.pending
-        self.catalogue.accept_push(version, step, name, rank)
+        pv = self.catalogue.accept_push(version, step, name, rank)
+        if part.metrics:
+            pv.metrics.update(part.metrics)  # into the manifest at the commit (keep_best ranks by them)
         if is_new:
             self.versions.opened(version, part.upload)
             self.versions.watch_pushed(version)

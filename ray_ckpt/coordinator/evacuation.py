@@ -149,6 +149,7 @@ class Evacuation:
                 self.noticed_at, self.moved, self.lost, self.failed = time.time(), set(), {}, {}
         self.draining = dict(ours)
         self.replication.draining = set(found)  # any drained node, ours or not, takes no new copy
+        self.pools.draining = set(found)  # nor a new writer pool (Ray would refuse its actors)
         if new or ended:
             self.metrics.preemption(min(ours.values()) if ours else None)
         if self.draining:

@@ -70,10 +70,16 @@ class WriteDispatch:
         placed = [it for it in items if not (it[0].strategy is Strategy.BEST_EFFORT and self.pools.best_effort)]
         groups = [(self.pools.best_effort, anywhere)] if anywhere else []
         if placed:
-            by_node: Dict[Optional[str], List[Item]] = {}
-            for it, node in zip(placed, await self.pools.locate_many([ref for _, ref, _ in placed])):
-                by_node.setdefault(node, []).append(it)
-            groups += [(await self.pools.critical_placed(node), its) for node, its in by_node.items()]
+            try:
+                by_node: Dict[Optional[str], List[Item]] = {}
+                for it, node in zip(placed, await self.pools.locate_many([ref for _, ref, _ in placed])):
+                    by_node.setdefault(node, []).append(it)
+                groups += [(pool, its) for pool, its in
+                           [(await self.pools.critical_placed(node), its) for node, its in by_node.items()]]
+            except Exception as exc:  # no writer for them: their parts fail (the handles say why), never hang
+                for p, _, _ in placed:
+                    self._record(version, p.name, p.rank, exc)
+                await self._progress(version)
         # each chunk moves the version on when it ends: a critical chunk never waits for a best-effort one
         await asyncio.gather(*[self._write_chunk(version, writer, chunk)
                                for pool, its in groups for writer, chunk in self.pools.spread(pool, its, BATCH_PARTS)])
@@ -121,7 +127,12 @@ class WriteDispatch:
         if part.strategy is Strategy.BEST_EFFORT and self.pools.best_effort:
             pool = self.pools.best_effort  # may run anywhere: reads the snapshot over the network if needed
         else:
-            pool = await self.pools.critical_placed(await self.pools.locate(ref))  # node affinity: shared memory
+            try:
+                pool = await self.pools.critical_placed(await self.pools.locate(ref))  # node affinity: shared memory
+            except Exception as exc:  # no writer for it: the part fails (its handle says why), never hangs
+                self._record(version, part.name, part.rank, exc)
+                await self._progress(version)
+                return
         writer = self.pools.least_busy(pool)
         self.pools.add_queued(writer, size)
         reuse = self.catalogue.reuse_for(part) if part.strategy is Strategy.RELOADABLE else None

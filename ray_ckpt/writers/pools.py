@@ -154,6 +154,9 @@ class WriterPools:
         self._placing: Dict[str, List[Any]] = {}  # node -> its writers' node_id() calls, until answered
         self.unplaced: Dict[str, str] = {}  # node -> why its writers could not be placed (status())
         self._retries: Dict[str, _Retry] = {}  # unplaced node -> its next placement attempt
+        # nodes Ray drains (coordinator/evacuation.py): no new pool there (Ray refuses new actors on
+        # them); a pool already there keeps writing until the node goes
+        self.draining: Set[str] = set()
 
     def _writer(self, pool: str, cpus: float, nice: int, node: Optional[str] = None):
         opts: Dict[str, Any] = {"num_cpus": cpus}
@@ -178,9 +181,9 @@ class WriterPools:
 
     def critical_on(self, node: Optional[str]) -> list:
         """The critical pool of ``node`` (created on first use), or this node's when unknown/gone."""
-        if node and node in self.unplaced:
+        if node and node in self.unplaced and node not in self.draining:
             self._retry_unplaced(node)
-        if node and node not in self.critical_by_node and node not in self.unplaced:
+        if node and node not in self.critical_by_node and node not in self.unplaced and node not in self.draining:
             self._nodes_at = 0.0
             if node in self._alive_nodes():
                 self.critical_by_node[node] = self._make_pool(node)
@@ -192,7 +195,9 @@ class WriterPools:
         ``writer_placement_s`` (no CPU left on that node for ``critical_cpus``) is given up: its
         actors are killed, the node is listed in ``unplaced`` (status()) and this node's pool is
         returned, whose writers read the snapshot over the network: a save never waits for a
-        writer that cannot start. The node is tried again later (``_retry_unplaced``)."""
+        writer that cannot start. A pool Ray refuses to place (its node is drained or gone:
+        ``ActorUnschedulableError``) is given up the same way, at once. The node is tried again
+        later (``_retry_unplaced``)."""
         pool = self.critical_on(node)
         calls = self._placing.get(node) if node else None
         if not calls:
@@ -202,14 +207,15 @@ class WriterPools:
             self._placing.pop(node, None)
             return pool
         except asyncio.TimeoutError:
-            pass
+            why = (f"no critical writer placed within {self.cfg.writer_placement_s:g}s (each needs "
+                   f"num_cpus={self.cfg.critical_cpus:g} free on that node)")
+        except Exception as exc:  # Ray refused the placement: a drained node takes no new actor
+            why = f"Ray could not place its critical writers ({one_line(exc)})"
         if self._placing.pop(node, None) is not None:  # the first waiter gives the pool up
             for w in self.critical_by_node.pop(node, []):
                 ray.kill(w)
-            self.unplaced[node] = (f"no critical writer placed within {self.cfg.writer_placement_s:g}s (each needs "
-                                   f"num_cpus={self.cfg.critical_cpus:g} free on that node); its parts are written "
-                                   f"by writers on node {self.node_id[:12]}, reading over the network, until a later "
-                                   f"attempt places them")
+            self.unplaced[node] = (f"{why}; its parts are written by writers on node {self.node_id[:12]}, reading "
+                                   f"over the network, until a later attempt places them")
             log.error("node %s: %s", node[:12], self.unplaced[node])
             wait = 2 * self.cfg.writer_placement_s
             self._retries[node] = _Retry(time.monotonic() + wait, wait)
@@ -230,7 +236,11 @@ class WriterPools:
                 r.calls = [w.node_id.remote() for w in r.pool]
             return
         ready, _ = ray.wait(r.calls, num_returns=len(r.calls), timeout=0)
-        if len(ready) == len(r.calls):
+        try:
+            placed = len(ready) == len(r.calls) and bool(ray.get(ready, timeout=0))
+        except Exception:  # Ray refused the placement (the node drained or gone): a failed attempt
+            placed, r.started = False, float("-inf")
+        if placed:
             self.critical_by_node[node] = r.pool
             del self.unplaced[node], self._retries[node]
             log.warning("node %s: its critical writers are placed now; its parts are written there again", node[:12])

@@ -4,8 +4,9 @@
 =================== ===============================================================================
 module              holds
 =================== ===============================================================================
-``checkpointer``    :class:`Checkpointer` (register, report, restore) and the pointer checkpoints
-                    reported to Ray Train once a version has committed
+``checkpointer``    :class:`Checkpointer` (register, report, restore), the pointer checkpoints
+                    reported to Ray Train once a version has committed, and
+                    :func:`retention_options` (a ``CheckpointConfig`` as the run's retention)
 =================== ===============================================================================
 
 Ray Train is imported on first use of a name that needs it (``pip install "ray[train]"``).
@@ -16,9 +17,9 @@ from typing import Any
 
 from ..lazy import lazy_attribute
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "retention_options"]
 
-_LAZY = {"Checkpointer": "checkpointer"}
+_LAZY = {"Checkpointer": "checkpointer", "retention_options": "checkpointer"}
 
 
 def __getattr__(name: str) -> Any:

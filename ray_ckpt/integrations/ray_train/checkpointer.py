@@ -21,12 +21,15 @@ Call sequence, in every worker of the group (the calls are collective where Ray 
     ckpt.close()                              # waits for the pushes; reports the last commit
 
 Rank 0 creates the run (named after the Train run unless ``run`` is given); the other ranks connect.
+The Train run's ``CheckpointConfig`` becomes the run's retention (:func:`retention_options`): Ray
+Train then keeps pointers and the run keeps versions by the same rule and the same metric values.
 A preemption (``ray.train.get_preemption_info()``, or the run's own notice: a drained node that holds
-its files) makes the next ``report`` push whatever the cadence, once per notice.
+its files) makes the next ``report`` push whatever the cadence, once per worker group.
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import shutil
@@ -41,6 +44,7 @@ import torch
 
 import ray_ckpt as rc
 from ...errors import InvalidArgumentError
+from ...ray_internals import train_checkpoint_config
 from ..committed import broadcast_error, error_line, rank0_decides, read_pointer, write_pointer
 from ..optimizers import init_optimizer_state
 
@@ -52,6 +56,39 @@ POINTER_DIR = "ray_ckpt-step{step:012d}"  # the directory name of a pointer chec
 def _run_name(name: str) -> str:
     """A Train run's name as a ray_ckpt run name (letters, digits, ``._-``)."""
     return re.sub(r"[^A-Za-z0-9._-]", "-", name).strip(".-")[:100] or "ray-train"
+
+
+RETENTION_OPTIONS = ("keep_last", "keep_every", "keep_best")
+
+
+def retention_options(checkpoint_config: Any) -> Dict[str, Any]:
+    """The run's retention for a Ray Train ``CheckpointConfig``: ``num_to_keep=N`` keeps the newest
+    N versions (``keep_last``), with ``checkpoint_score_attribute`` the N best by that metric in
+    ``checkpoint_score_order`` (``keep_best``); the newest committed version is always kept, as Ray
+    Train keeps its latest checkpoint. No ``num_to_keep``: every version is kept (``{}``)."""
+    if checkpoint_config is None or checkpoint_config.num_to_keep is None:
+        return {}
+    n, metric = checkpoint_config.num_to_keep, checkpoint_config.checkpoint_score_attribute
+    if metric is None:
+        return {"keep_last": n}
+    order = checkpoint_config.checkpoint_score_order
+    if order not in ("max", "min"):
+        raise InvalidArgumentError(f"CheckpointConfig.checkpoint_score_order must be 'max' or 'min', got {order!r}")
+    return {"keep_best": (metric, order, n)}
+
+
+def _numbers(metrics: Dict[str, Any]) -> Dict[str, float]:
+    """The finite numbers among a report's metrics (what a version's manifest can hold)."""
+    return {k: float(v) for k, v in metrics.items()
+            if isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def _train_preemption_notice() -> bool:
+    """Whether Ray Train announces a preemption of a node of this worker group
+    (``ray.train.get_preemption_info()``, Ray 2.60; a barrier every rank calls). Older Rays have no
+    such notice: the run's own (a drained node that holds its files) still makes a report save."""
+    notice = getattr(ray.train, "get_preemption_info", None)
+    return notice is not None and notice() is not None
 
 
 def _world() -> tuple:
@@ -66,7 +103,9 @@ class Checkpointer:
     and any other ``CheckpointEngine.create`` option): rank 0 creates the run (get-or-create);
     without ``local_dir`` every rank connects to a run created elsewhere. ``every``: push every
     ``every``-th step given to :meth:`report`. ``connect_timeout_s`` bounds the other ranks' wait for
-    rank 0's run."""
+    rank 0's run. Retention comes from the Train run's ``CheckpointConfig`` (see
+    :func:`retention_options`), or from ``keep_last`` / ``keep_every`` / ``keep_best`` given here:
+    one or the other, both is refused."""
 
     def __init__(self, run: Optional[str] = None, local_dir: Optional[str] = None,
                  remote_uri: Optional[str] = None, *, every: int = 1, connect_timeout_s: float = 120.0,
@@ -74,6 +113,21 @@ class Checkpointer:
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise InvalidArgumentError(f"every must be an integer >= 1, got {every!r}")
         self.rank, self.world_size = _world()
+        retention = retention_options(train_checkpoint_config())
+        given = sorted(k for k in RETENTION_OPTIONS if create_options.get(k) is not None)
+        if retention and given:
+            raise InvalidArgumentError(
+                f"retention is set twice: the Train run's CheckpointConfig gives {retention} and the "
+                f"Checkpointer {given}; set it in one place (CheckpointConfig: Ray Train's pointers and the "
+                f"run's versions are then kept by the same rule)")
+        if retention and local_dir is None:
+            raise InvalidArgumentError(
+                f"the Train run's CheckpointConfig asks for retention {retention}, but this Checkpointer connects "
+                f"to a run created elsewhere (no local_dir): give that run the retention where it is created")
+        create_options = dict(create_options, **retention)
+        best = create_options.get("keep_best")
+        self._score = best[0] if best else None  # the metric every pushed step's report must carry
+        self._step_metrics: Dict[int, Dict[str, float]] = {}  # rank 0: each pushed step's numeric metrics
         self.run = run if run is not None else _run_name(ray.train.get_context().get_experiment_name())
         self.every = every
         self.states: Dict[str, Any] = {}
@@ -133,14 +187,20 @@ class Checkpointer:
         if not self.states:
             raise InvalidArgumentError("nothing to save: register at least one state before report()")
         self._raise_failures()
-        preempted = ray.train.get_preemption_info() is not None  # collective in Ray Train
-        push = rank0_decides(step % self.every == 0 or self._last_save_for_notice(preempted), self.world_size)
+        preempted = _train_preemption_notice()
+        if not isinstance(metrics, dict):
+            raise InvalidArgumentError(f"metrics must be a dict, got {type(metrics).__name__}")
+        due = self.rank == 0 and (step % self.every == 0 or self._last_save_for_notice(preempted))
+        # rank 0 decides whether this step is saved, or why its report is refused (every rank raises)
+        push = rank0_decides(self._missing_score(step, metrics) or due if due else False, self.world_size)
+        if isinstance(push, str):
+            raise InvalidArgumentError(push)
         if push:
-            self._push(step)
+            self._push(step, metrics)
         checkpoint, folder = self._pointer() if self.rank == 0 else (None, None)
         try:
             if checkpoint is not None:
-                ray.train.report(dict(metrics, ray_ckpt_step=self._reported), checkpoint=checkpoint,
+                ray.train.report(self._pointer_metrics(metrics), checkpoint=checkpoint,
                                  checkpoint_dir_name=os.path.basename(folder))
             else:
                 ray.train.report(metrics)
@@ -154,20 +214,46 @@ class Checkpointer:
         that holds its files) not yet answered with a push."""
         if self.rank != 0:
             return False
-        due = self.engine.preemption_save_due() is not None
-        if preempted and not self._preempted_saved:
-            self._preempted_saved = due = True
+        run_notice = self.engine.preemption_save_due() is not None  # (marks the run's notice as answered)
+        due = (run_notice or preempted) and not self._preempted_saved
+        if due:  # one last save per worker group (it restarts after the preemption): both notices are
+            self._preempted_saved = True  # usually of the same drain, seen a few steps apart
         return due
 
-    def _push(self, step: int) -> None:
+    def _missing_score(self, step: int, metrics: Dict[str, Any]) -> Optional[str]:
+        """Why a report that saves is refused: the run keeps its best versions by a metric that the
+        report's metrics lack (a version without it could never be ranked)."""
+        if self._score is None or self._score in _numbers(metrics):
+            return None
+        return (f"step {step}: the run keeps the best versions by {self._score!r} (keep_best / the Train run's "
+                f"CheckpointConfig.checkpoint_score_attribute), but this report's metrics have no number under "
+                f"it (got {sorted(metrics)}); give it in every report() that saves")
+
+    def _push(self, step: int, metrics: Dict[str, Any]) -> None:
+        numbers = _numbers(metrics) if self.rank == 0 else {}
         if not self._declared:
             self._declare()
         with self.engine.push_group():
-            for name, (obj, replicated) in self.states.items():
+            for i, (name, (obj, replicated)) in enumerate(self.states.items()):
                 if replicated and self.rank != 0:
                     continue
-                self._handles.append(self.engine.submit(step, name, obj.state_dict(), rank=self.rank))
+                self._handles.append(self.engine.submit(step, name, obj.state_dict(), rank=self.rank,
+                                                        metrics=numbers if i == 0 else None))
         self._pushed.append(step)
+        if self.rank == 0:
+            self._step_metrics[step] = numbers
+
+    def _pointer_metrics(self, metrics: Dict[str, Any]) -> Dict[str, Any]:
+        """The metrics of the report that carries the pointer to step ``_reported``: the report's
+        own, ``ray_ckpt_step``, and the score metric's value *at the step saved* (so Ray Train ranks
+        its pointers as the run ranks its versions, and keeps the same ones)."""
+        out = dict(metrics, ray_ckpt_step=self._reported)
+        saved = self._step_metrics.get(self._reported, {})
+        if self._score is not None and self._score in saved:
+            out[self._score] = saved[self._score]
+        for s in [s for s in self._step_metrics if s <= self._reported]:
+            del self._step_metrics[s]
+        return out
 
     def _pointer(self) -> tuple:
         """Rank 0: a pointer checkpoint for the newest pushed step that committed since the last
@@ -208,7 +294,7 @@ class Checkpointer:
             checkpoint, folder = self._pointer() if self.rank == 0 else (None, None)
             try:
                 if checkpoint is not None:
-                    ray.train.report({"ray_ckpt_step": self._reported}, checkpoint=checkpoint,
+                    ray.train.report(self._pointer_metrics({}), checkpoint=checkpoint,
                                      checkpoint_dir_name=os.path.basename(folder))
                 else:
                     ray.train.report({})
