@@ -20,7 +20,8 @@ relative ones resolved. Fails, naming the edges, on
 storage -> vocabulary", with the root's vocabulary in two rows: ``config`` and ``protocol`` speak in
 the terms of storage and formats (``EngineConfig`` builds the tiers and retention policies it names;
 the messages carry manifest entries), and everything else stands on ``errors``, ``types``,
-``metrics`` and ``ray_internals`` (the private Ray APIs), which import nothing of the package.
+``metrics``, ``ray_internals`` (the private Ray APIs) and ``interfaces`` (the extension points), which
+import nothing of the package.
 """
 import ast
 import pathlib
@@ -36,7 +37,7 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("ray_ckpt.capture",),
     ("ray_ckpt.config", "ray_ckpt.protocol"),
     ("ray_ckpt.formats", "ray_ckpt.storage"),
-    ("ray_ckpt.errors", "ray_ckpt.types", "ray_ckpt.metrics", "ray_ckpt.ray_internals"),
+    ("ray_ckpt.errors", "ray_ckpt.types", "ray_ckpt.metrics", "ray_ckpt.ray_internals", "ray_ckpt.interfaces"),
 )
 ROW = {unit: i for i, row in enumerate(LAYERS) for unit in row}
 

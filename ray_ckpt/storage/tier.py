@@ -24,6 +24,7 @@ import pyarrow.fs as pafs
 
 from ..errors import CheckpointError, IntegrityError, one_line
 from ..formats.checksum import HashingSink, combine, digest
+from ..interfaces import StorageTier
 from .filesystems import OBJECT_STORES, redact_uri, resolve_filesystem, s3_hint, scrub
 from .layout import MANIFEST, manifest_path, parse_version_dir
 from .range_source import RangeSource
@@ -47,8 +48,9 @@ def farther(a: str, b: str) -> str:
     return a if rank(a) >= rank(b) else b
 
 
-class Tier:
-    """The run root ``<uri>`` on one filesystem. Paths given to methods are relative to it."""
+class Tier(StorageTier):
+    """The run root ``<uri>`` on one ``pyarrow.fs`` filesystem (the :class:`~ray_ckpt.interfaces.StorageTier`
+    every tier is). Paths given to methods are relative to it."""
 
     def __init__(self, uri: str, name: str = "local", options: Optional[Dict[str, Any]] = None):
         self.uri = uri
