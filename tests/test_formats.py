@@ -704,7 +704,7 @@ def test_a_flat_travels_in_pieces_and_writes_the_same_file(tmp_path):
     back = decode_files([entry], read_files([tier], [entry])[0], name="s")
     assert all(torch.equal(back[k], v) for k, v in state.items() if k != "meta") and back["meta"] == {"step": 3}
     for direct in (False, True):  # the block writer of large files (threads, O_DIRECT) takes pieces too
-        size, digest = tier.write_blocks(f"blocks{int(direct)}", safetensors_io.segments(moved), 2, direct)
+        size, digest = tier.write_blocks(f"blocks{int(direct)}", safetensors_io.file_views(moved), 2, direct)
         with open(tier.abspath(f"blocks{int(direct)}"), "rb") as f:
             assert f.read() == file_bytes(flat)
         assert (size, digest) == (entry.size, entry.checksum)

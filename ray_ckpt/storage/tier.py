@@ -31,9 +31,9 @@ from .range_source import RangeSource
 from .confined import (NotOurs, kind_of, list_under, lstat_under, make_dirs_under, open_regular, prune_under,
                        unlink_under)
 from .local_files import (TMP_MARK, RateLimit, WholeWrites, hash_file, host_buffer, local_atomic, map_fd,
-                          write_chunks, write_direct)
+                          write_hashed, write_direct)
 
-_COPY_CHUNK = 16 << 20
+_COPY_BUFFER = 16 << 20
 VERIFY_THREADS = 4  # threads hashing one large file being restored (I/O-bound: more reads in flight)
 _MAP_FROM = 1 << 20  # local files from 1 MiB are mapped for reading, not copied
 
@@ -110,9 +110,9 @@ class Tier(StorageTier):
                 raise
             out.close()
 
-    def write_blocks(self, rel: str, segments: List[Any], threads: int,
+    def write_blocks(self, rel: str, buffers: List[Any], threads: int,
                      direct: bool = False) -> Tuple[int, str]:
-        """Write the concatenation of ``segments`` (bytes-like, in file order) to ``rel`` with
+        """Write the concatenation of ``buffers`` (bytes-like, in file order) to ``rel`` with
         ``threads`` threads, each hashing and writing whole checksum blocks at their offsets.
 
         Why threads: one thread copying into the page cache is CPU-bound well below what the disk
@@ -128,7 +128,7 @@ class Tier(StorageTier):
         rename."""
         if not self.is_local:
             raise CheckpointError("write_blocks is for local tiers; object stores take one stream")
-        views = [memoryview(x).cast("B") for x in segments]
+        views = [memoryview(x).cast("B") for x in buffers]
         size = sum(len(v) for v in views)
         self._local_parent(rel)
         with local_atomic(self.abspath(rel)) as tmp:
@@ -138,7 +138,7 @@ class Tier(StorageTier):
                 try:
                     if size:
                         os.ftruncate(fd, size)
-                    digests = write_chunks(fd, views, size, threads, self.rate_limit, aligned=False)
+                    digests = write_hashed(fd, views, size, threads, self.rate_limit, aligned=False)
                     os.fsync(fd)
                 finally:
                     os.close(fd)
@@ -158,10 +158,10 @@ class Tier(StorageTier):
         """Stream ``rel`` from this tier to ``dest`` (same relative path); returns (size, checksum)."""
         with self._open_input(rel) as src, dest.open_atomic(rel) as sink:
             while True:
-                chunk = src.read(_COPY_CHUNK)
-                if not chunk:
+                data = src.read(_COPY_BUFFER)
+                if not data:
                     break
-                sink.write(chunk)
+                sink.write(data)
         return sink.size, sink.digest()
 
     # ---------------------------------------------------------------- reading
