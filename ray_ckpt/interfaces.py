@@ -159,10 +159,11 @@ class CheckpointSeam(Protocol):
        return a ``SaveHandle`` at once; nothing waits for storage. ``preemption_save_due()`` at each
        step says whether a preemption notice asks for one more save now.
     4. Commit: the handle completes when every critical part of the version is durable and its
-       manifest written; the integration writes its framework's marker (``ray_ckpt.json``, a
-       "latest" file) only then, so a framework never names an uncommitted version. Before the
-       process exits, every handle is waited on (``wait_until_finished`` / ``flush``), and a
-       failure is raised there, never swallowed.
+       manifest written; the framework's markers (verl's and OpenRLHF's ``ray_ckpt.json`` and
+       "latest" files) are written only then, so a framework never names an uncommitted version. Before the
+       process exits, every handle is waited on: ``wait_until_finished`` / the callback's ``flush``
+       raise a failed save's error (the callback's ``close``, called by ``algorithm.stop()``, logs
+       it as an error), never drop it.
     5. Load: ``all_steps()`` / ``latest_step()`` to choose the newest committed step at or before the
        one asked for, then ``load(name, step, rank)`` (a copy) or ``load_into(name, state, step,
        rank)`` (in place; sharded state resharded to this world size).
