@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import ray_ckpt as rc  # noqa: E402
 from ray_ckpt.client import run_lifetime  # noqa: E402
 from ray_ckpt.config import EngineConfig  # noqa: E402
-from ray_ckpt.client.coordinator_client import _ask  # noqa: E402
+from ray_ckpt.client.coordinator_client import ask_coordinator  # noqa: E402
 from ray_ckpt.coordinator.lease import OwnerLease, job_alive, ray_identity, read_owner, write_owner  # noqa: E402
 from ray_ckpt.storage.ownership import claim  # noqa: E402
 
@@ -113,7 +113,7 @@ def one_create(root: str, i: int) -> dict:
     ph["owner"] = t2 - t1
     if PRESTART:
         run_lifetime.prestart_writer_processes(config)
-    coord = run_lifetime._open_coordinator.__globals__["_start_coordinator"](config)
+    coord = run_lifetime.open_coordinator.__globals__["_start_coordinator"](config)
     existing = ray.get(coord.config.remote(), timeout=120)
     t3 = time.time()
     ray.get(coord.ready.remote(), timeout=120)
@@ -135,7 +135,7 @@ def one_create(root: str, i: int) -> dict:
     ph["cpu_driver"] = time.process_time() - cpu0[1]
     engine = rc.CheckpointEngine(coord, existing)
     engine._owner, engine._token = True, record.token
-    _ask(run, coord.set_owner.remote(record.token), "the owner token")
+    ask_coordinator(run, coord.set_owner.remote(record.token), "the owner token")
     engine._lease = OwnerLease(tiers, record, run)
     t5 = time.time()
     ph["first_calls"] = t5 - t4

@@ -7,13 +7,21 @@ relative ones resolved. Fails, naming the edges, on
 * an import circle between modules;
 * an import circle between the units of ``LAYERS`` (subpackages and the root's modules): peers in
   one layer may import each other one way only;
-* an import from a lower layer to a higher one.
+* an import from a lower layer to a higher one;
+* in every package below the root, a circle between the package's own modules (taken together: its
+  ``__init__`` runs before any module under it is imported) and its subpackages, each taken whole
+  (``integrations/rllib/`` and ``integrations/rllib/replay/``, ``rllib/`` and ``rllib/base/``): a
+  subpackage sits wholly below or wholly above its parent's modules, and its siblings;
+* a name with a leading underscore imported from another module of the package (``from .x import
+  _y``), except from the two modules that hold the private Ray and RLlib APIs (``ray_internals`` and
+  ``integrations/rllib/base/_rllib_internals``). What is used across modules is public in its module.
 
 ``LAYERS`` is DESIGN's "integrations / cli -> client -> coordinator, writers -> capture -> formats,
 storage -> vocabulary", with the root's vocabulary in two rows: ``config`` and ``protocol`` speak in
 the terms of storage and formats (``EngineConfig`` builds the tiers and retention policies it names;
 the messages carry manifest entries), and everything else stands on ``errors``, ``types``,
-``metrics`` and ``ray_internals`` (the private Ray APIs), which import nothing of the package.
+``metrics``, ``ray_internals`` (the private Ray APIs) and ``interfaces`` (the extension points), which
+import nothing of the package.
 """
 import ast
 import pathlib
@@ -29,7 +37,7 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("ray_ckpt.capture",),
     ("ray_ckpt.config", "ray_ckpt.protocol"),
     ("ray_ckpt.formats", "ray_ckpt.storage"),
-    ("ray_ckpt.errors", "ray_ckpt.types", "ray_ckpt.metrics", "ray_ckpt.ray_internals"),
+    ("ray_ckpt.errors", "ray_ckpt.types", "ray_ckpt.metrics", "ray_ckpt.ray_internals", "ray_ckpt.interfaces"),
 )
 ROW = {unit: i for i, row in enumerate(LAYERS) for unit in row}
 
@@ -38,6 +46,66 @@ ROW = {unit: i for i, row in enumerate(LAYERS) for unit in row}
 KNOWN_CIRCLES: Set[frozenset] = set()
 
 Edge = Tuple[str, str, int]  # importer, imported module, line
+
+# the modules whose private names may be imported elsewhere: they name the private Ray / RLlib APIs
+INTERNALS = ("ray_ckpt.ray_internals", "ray_ckpt.integrations.rllib.base._rllib_internals")
+
+# private names imported across modules today inside integrations/rllib/replay/ (issue 47's part 1
+# rewrites that package): (importer, module imported from) -> the names, under replay/. The test
+# fails on any import not listed here, and on a listed one no longer made (delete it then): the list
+# only shrinks.
+REPLAY = "ray_ckpt.integrations.rllib.replay."
+KNOWN_PRIVATE_IMPORTS: Dict[Tuple[str, str], str] = {
+    ("buffers", "values"): "_scalar_state _type_name",
+    ("compare", "buffers"): "_attributes",
+    ("episode_parts", "values"): "_Spaces",
+    ("episode_rebuild", "buffers"): "_Kind",
+    ("episode_rebuild", "episode_parts"): "_EP_NUMBERS",
+    ("episode_rebuild", "values"): "_Spaces",
+    ("incremental_capture", "buffers"): "_Kind _attributes",
+    ("incremental_capture", "episode_parts"): "_EpisodeParts _int32 _split_episode _table",
+    ("incremental_capture", "incremental_priorities"): "_hook _priorities _priority_record _priority_scalars",
+    ("incremental_capture", "incremental_state"): "_empty_log _encode _raw",
+    ("incremental_capture", "records"): "_decode_raw",
+    ("incremental_capture", "row_ids"): "_update_ids",
+    ("incremental_capture", "values"): "_type_name",
+    ("incremental_ma_restore", "episode_parts"): "_EpisodeParts _parts_from_table _table",
+    ("incremental_ma_restore", "incremental_restore"): "_record",
+    ("incremental_ma_restore", "row_ids"): "_IndexList",
+    ("incremental_multi_agent", "buffers"): "_Kind _attributes",
+    ("incremental_multi_agent", "episode_parts"): "_EpisodeParts _int32 _split_episode _table",
+    ("incremental_multi_agent", "incremental_capture"): "_Misaligned _append_dict _gather _log_state _static_of",
+    ("incremental_multi_agent", "incremental_priorities"): "_hook _priorities _priority_record",
+    ("incremental_multi_agent", "incremental_state"): "_leaf_codes _raw",
+    ("incremental_multi_agent", "multi_agent"): "_ma_episode_state _ma_rows",
+    ("incremental_multi_agent", "segment_trees"): "_check_maps _check_neutral",
+    ("incremental_multi_agent", "values"): "_type_name",
+    ("incremental_priorities", "incremental_state"): "_leaf_codes _raw",
+    ("incremental_priorities", "segment_trees"): "_check_maps _check_neutral",
+    ("incremental_restore", "episode_parts"): "_EpisodeParts _parts_from_table _table",
+    ("incremental_restore", "incremental_priorities"): "_hook",
+    ("incremental_restore", "incremental_state"): "_raw",
+    ("incremental_restore", "records"): "_decode _decode_raw",
+    ("incremental_restore", "values"): "_Spaces",
+    ("incremental_state", "records"): "_encode _raw",
+    ("incremental_state", "values"): "_kind_of _type_name",
+    ("multi_agent", "buffers"): "_Kind _MA_MODULE_COUNTERS _attributes _like",
+    ("multi_agent", "episode_parts"): "_EpisodeParts _columns _episode_table _int32 _split_episode",
+    ("multi_agent", "priorities"): "_priority_state",
+    ("multi_agent", "row_ids"): "_update_ids",
+    ("multi_agent", "values"): "_Spaces _scalar_state _space_tree_from_storable _space_tree_to_storable _type_name",
+    ("priorities", "buffers"): "_Kind _like",
+    ("priorities", "segment_trees"): "_check_maps _check_neutral _free_nodes_from _free_nodes_state _leaves_of _rebuild_tree _same_leaves _tree_leaves",
+    ("priorities", "values"): "_pack_one _unpack_one",
+    ("row_ids", "episode_parts"): "_EpisodeParts",
+    ("row_ids", "values"): "_Spaces _type_name",
+    ("two_state", "buffers"): "_Kind _like",
+    ("two_state", "episode_rebuild"): "_rebuild_records",
+    ("two_state", "multi_agent"): "_rebuild_ma_episode",
+    ("two_state", "priorities"): "_restore_priority",
+    ("two_state", "row_ids"): "_IndexList _TRACKERS",
+    ("two_state", "values"): "_Spaces _type_name",
+}
 
 
 def _modules() -> Dict[str, pathlib.Path]:
@@ -79,6 +147,38 @@ def _edges(mods: Dict[str, pathlib.Path]) -> List[Edge]:
                     if target != mod:
                         edges.append((mod, target, node.lineno))
     return edges
+
+
+def _private_imports(mods: Dict[str, pathlib.Path]) -> List[Tuple[str, str, str, int]]:
+    """``(importer, module imported from, name, line)`` of every ``from <ray_ckpt module> import _name``
+    (a private module imported by name counts as its own private name)."""
+    found = []
+    for mod, path in mods.items():
+        package = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if not (source == "ray_ckpt" or source.startswith("ray_ckpt.")):
+                continue
+            for alias in node.names:
+                if not alias.name.startswith("_") or alias.name.startswith("__"):
+                    continue
+                module = f"{source}.{alias.name}" if f"{source}.{alias.name}" in mods else _known(source, mods)
+                if module != mod:
+                    found.append((mod, module, alias.name, node.lineno))
+    return found
+
+
+def _package_unit(package: str, mod: str, packages: Set[str]) -> str:
+    """``mod`` seen from ``package``: the subpackage of ``package`` it lies in, or ``package`` itself
+    (the package's own modules, its ``__init__`` among them, are one unit)."""
+    rest = mod[len(package) + 1:].split(".") if mod != package else []
+    return f"{package}.{rest[0]}" if rest and f"{package}.{rest[0]}" in packages else package
 
 
 def _unit(mod: str) -> str:
@@ -168,6 +268,45 @@ def test_no_upward_import():
     assert not upward, "upward imports (LAYERS in tests/test_architecture.py):\n" + "\n".join(upward)
 
 
+def test_no_circle_between_a_package_and_its_subpackages():
+    """Every package at its own level: its own modules (one unit) and each subpackage (one unit)
+    import each other one way only. The root is left to ``LAYERS`` (its modules are rows of their own)."""
+    packages = {m for m, p in MODULES.items() if p.name == "__init__.py"}
+    found = []
+    for package in sorted(packages - {"ray_ckpt"}):
+        def key(m: str, package: str = package) -> str:
+            return _package_unit(package, m, packages)
+        inside = [(a, b, n) for a, b, n in EDGES
+                  if (a == package or a.startswith(package + ".")) and (b == package or b.startswith(package + "."))]
+        graph: Dict[str, Set[str]] = {}
+        for a, b, _ in inside:
+            if key(a) != key(b):
+                graph.setdefault(key(a), set()).add(key(b))
+        found += [f"in {package}: " + _describe(c, inside, key) for c in _circles(graph)]
+    assert not found, "circles between a package's own modules and its subpackages:\n" + "\n".join(found)
+
+
+def test_no_private_name_imported_across_modules():
+    """``from .x import _y`` only from the internals modules; inside ``replay/`` only what
+    ``KNOWN_PRIVATE_IMPORTS`` lists, and the list only shrinks."""
+    found: Dict[Tuple[str, str], Set[str]] = {}
+    unlisted = []
+    for importer, module, name, line in _private_imports(MODULES):
+        if module in INTERNALS:
+            continue
+        key = (importer[len(REPLAY):], module[len(REPLAY):])
+        if importer.startswith(REPLAY) and module.startswith(REPLAY) \
+                and name in KNOWN_PRIVATE_IMPORTS.get(key, "").split():
+            found.setdefault(key, set()).add(name)
+        else:
+            unlisted.append(f"  {importer} (line {line}) imports {name} from {module}")
+    assert not unlisted, ("private names imported from another module (make them public where they are "
+                          "used across modules):\n" + "\n".join(sorted(unlisted)))
+    stale = sorted(f"  {k}: {n}" for k, names in KNOWN_PRIVATE_IMPORTS.items()
+                   for n in sorted(set(names.split()) - found.get(k, set())))
+    assert not stale, "no longer imported: delete them from KNOWN_PRIVATE_IMPORTS:\n" + "\n".join(stale)
+
+
 def test_the_walk_sees_the_imports():
     """The checks above are only as good as the edges: a few that must be found."""
     found = {(a, b) for a, b, _ in EDGES}
@@ -177,3 +316,16 @@ def test_the_walk_sees_the_imports():
                  ("ray_ckpt.capture.mailbox", "ray_ckpt.protocol"),  # inside a function
                  ("ray_ckpt.client.handle", "ray_ckpt.client.push_batch")]:  # under TYPE_CHECKING
         assert edge in found, edge
+    private = {(a, b, n) for a, b, n, _ in _private_imports(MODULES)}
+    assert ("ray_ckpt.integrations.rllib.replay.two_state", "ray_ckpt.integrations.rllib.replay.values",
+            "_Spaces") in private  # from .values import _Spaces
+
+
+def test_the_package_rule_sees_a_circle():
+    """The per-package check finds a subpackage and its parent's modules importing each other."""
+    packages = {"p", "p.sub"}
+    edges = [("p.top", "p.sub.low", 1), ("p.sub.low", "p.names", 2)]
+    graph: Dict[str, Set[str]] = {}
+    for a, b, _ in edges:
+        graph.setdefault(_package_unit("p", a, packages), set()).add(_package_unit("p", b, packages))
+    assert _circles(graph) == [["p", "p.sub"]]

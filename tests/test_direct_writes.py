@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ray_ckpt.formats import checksum
-from ray_ckpt.formats.checksum import CHUNK
+from ray_ckpt.formats.checksum import STRIDE
 from ray_ckpt.storage import local_files
 
 
@@ -29,9 +29,9 @@ def _write(path: str, pieces):
 def test_reused_bounce_buffers_write_exactly_each_files_bytes(tmp_path):
     rng = np.random.default_rng(17)
     files = [
-        _pieces(rng, [4100, 3 * CHUNK - 77, CHUNK + 5, 513]),  # several chunks, a padded last one
-        _pieces(rng, [8, CHUNK // 2 + 7]),                      # smaller: a reused buffer's stale tail
-        _pieces(rng, [CHUNK]),                                  # exactly one aligned chunk
+        _pieces(rng, [4100, 3 * STRIDE - 77, STRIDE + 5, 513]),  # several strides, a padded last one
+        _pieces(rng, [8, STRIDE // 2 + 7]),                      # smaller: a reused buffer's stale tail
+        _pieces(rng, [STRIDE]),                                  # exactly one aligned stride
         _pieces(rng, [1]),
     ]
     for i, pieces in enumerate(files):

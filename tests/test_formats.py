@@ -640,7 +640,7 @@ def test_rate_limited_local_writes_take_their_time_and_write_the_same_bytes(tmp_
     """A tier with a RateLimit schedules each 8 MiB chunk's write at the limit's pace (no burst
     from idle credit), on every write path; the bytes and digest are those of an unlimited write."""
     from ray_ckpt.storage.checkpoint_io import PARALLEL_FROM
-    from ray_ckpt.formats.checksum import CHUNK
+    from ray_ckpt.formats.checksum import STRIDE
     from ray_ckpt.storage.tier import RateLimit
 
     mb = 24 if path == "stream" else PARALLEL_FROM >> 20
@@ -653,7 +653,7 @@ def test_rate_limited_local_writes_take_their_time_and_write_the_same_bytes(tmp_
     expected = write_flat(free, 1, "s", 0, flat, **kw)
     t = time.perf_counter()
     got = write_flat(limited, 1, "s", 0, flat, **kw)
-    assert time.perf_counter() - t >= (got[0].size - CHUNK) / rate * 0.99
+    assert time.perf_counter() - t >= (got[0].size - STRIDE) / rate * 0.99
     assert (got[0].size, got[0].checksum) == (expected[0].size, expected[0].checksum)
     assert (tmp_path / "limited" / got[0].path).read_bytes() == (tmp_path / "free" / expected[0].path).read_bytes()
 
@@ -704,7 +704,7 @@ def test_a_flat_travels_in_pieces_and_writes_the_same_file(tmp_path):
     back = decode_files([entry], read_files([tier], [entry])[0], name="s")
     assert all(torch.equal(back[k], v) for k, v in state.items() if k != "meta") and back["meta"] == {"step": 3}
     for direct in (False, True):  # the block writer of large files (threads, O_DIRECT) takes pieces too
-        size, digest = tier.write_blocks(f"blocks{int(direct)}", safetensors_io.segments(moved), 2, direct)
+        size, digest = tier.write_blocks(f"blocks{int(direct)}", safetensors_io.file_views(moved), 2, direct)
         with open(tier.abspath(f"blocks{int(direct)}"), "rb") as f:
             assert f.read() == file_bytes(flat)
         assert (size, digest) == (entry.size, entry.checksum)

@@ -467,7 +467,8 @@ def test_eight_way_rank_reads_about_its_share(pool, saved):
     through the same RangeReader and load path as load_into, reading <= 1.25x its own bytes."""
     from ray_ckpt.storage.checkpoint_io import read_manifest
     from ray_ckpt.formats.shards import load_chunk
-    from ray_ckpt.storage.sharded_io import RangeReader, index_of_entry, read_head
+    from ray_ckpt.storage.range_reader import RangeReader
+    from ray_ckpt.storage.sharded_io import index_of_entry, read_head
     from ray_ckpt.storage.tier import Tier
 
     tier = Tier(str(pool["tmp"] / "local" / pool["run"]))

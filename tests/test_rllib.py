@@ -16,7 +16,7 @@ pytest.importorskip("ray.rllib")
 
 import ray_ckpt as rc  # noqa: E402
 from ray_ckpt.integrations import rllib as rr  # noqa: E402
-from ray_ckpt.integrations.rllib.conversion import _ITEMS  # noqa: E402
+from ray_ckpt.integrations.rllib.base.conversion import _ITEMS  # noqa: E402
 from ray_ckpt.integrations.rllib.env_runners import _runner_module_state  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The RLlib internals the integration relies on (all listed in ray_ckpt/integrations/rllib/_rllib_internals.py)
+"""The RLlib internals the integration relies on (all listed in ray_ckpt/integrations/rllib/base/_rllib_internals.py)
 still exist on the installed RLlib / gymnasium: an upgrade that moves one fails here, naming it. No Ray needed."""
 import io
 import tokenize
@@ -10,16 +10,16 @@ import pytest
 pytest.importorskip("gymnasium")
 pytest.importorskip("ray.rllib")
 
-from ray_ckpt.integrations.rllib import _rllib_internals as internals  # noqa: E402
-from ray_ckpt.integrations.rllib.conversion import _decode_npy_b64, _encode_npy_b64  # noqa: E402
+from ray_ckpt.integrations.rllib.base import _rllib_internals as internals  # noqa: E402
+from ray_ckpt.integrations.rllib.base.conversion import _decode_npy_b64, _encode_npy_b64  # noqa: E402
 
-PACKAGE = Path(internals.__file__).parent
+PACKAGE = Path(internals.__file__).parent  # rllib/base/
 
 
 def test_every_rllib_internal_still_exists():
     missing = internals.missing_internals()
     assert not missing, ("RLlib / gymnasium moved internals ray_ckpt relies on -- update "
-                         "ray_ckpt/integrations/rllib/_rllib_internals.py:\n  " + "\n  ".join(missing))
+                         "ray_ckpt/integrations/rllib/base/_rllib_internals.py:\n  " + "\n  ".join(missing))
 
 
 def test_a_moved_internal_is_named(monkeypatch):
@@ -60,7 +60,7 @@ def _code_names(path: Path) -> set:
 
 def test_only_the_internals_module_touches_rllib_internals():
     private = {i.attribute for i in internals.INTERNALS if i.attribute.startswith("_")} | {"_weights_seq_no"}
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in sorted([*PACKAGE.glob("*.py"), *PACKAGE.parent.glob("*.py")]):  # base/ and the modules over it
         if path.name == "_rllib_internals.py":
             continue
         used = _code_names(path) & private

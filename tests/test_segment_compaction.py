@@ -136,7 +136,7 @@ def test_the_merged_segment_holds_only_live_rows(tmp_path):
     assert seg.path == "v000000000005/replay/rank0.segment.arrow" and seg.rows == 3 * 20 - 4 + 20
     f = next(f for f in files if f.path == seg.path)
     structure, views, _ = buffer_io.read(tier.read_verified(f.path, f.size, f.checksum), path=f.path)
-    node = dict(buffer_io._columns(structure))["row_id"]
+    node = dict(buffer_io.columns_of(structure))["row_id"]
     stored = np.frombuffer(views[node["N"]], np.int64)
     assert np.array_equal(stored, buf.ids[buf.ids >= 20]) and not np.isin(evicted, stored).any()
     assert [p.path for p in files if p.role == ROLE_SEGMENT] == ["v000000000001/replay/rank0.segment.arrow", seg.path]

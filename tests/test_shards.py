@@ -313,7 +313,7 @@ def test_safetensors_array_offsets():
 
     flat = flatten({"a": torch.arange(5, dtype=torch.int16), "b": torch.randn(3, 2, dtype=torch.float64),
                     "c": np.arange(4, dtype=np.uint8)})
-    blob = b"".join(bytes(memoryview(p).cast("B")) for p in safetensors_io.segments(flat))
+    blob = b"".join(bytes(memoryview(p).cast("B")) for p in safetensors_io.file_views(flat))
     offs = safetensors_io.parse_header(blob, len(blob)).offsets
     for off, arr in zip(offs, flat.arrays):
         assert blob[off: off + arr.nbytes] == arr.tobytes()

@@ -8,7 +8,7 @@ import pytest
 import ray
 
 import ray_ckpt as rc
-from ray_ckpt.client.handle import _shared_wait
+from ray_ckpt.client.handle import shared_wait
 from ray_ckpt.client.push_batch import PushedPart, Pusher
 from ray_ckpt.capture.snapshot import capture
 
@@ -48,7 +48,7 @@ def test_one_call_carries_a_batch_and_names_the_entry_it_refuses(engine_factory,
     eng.register("s", world_size=world)
     coord = eng._coordinator
     before = ray.get(coord.call_counts.remote())
-    pusher = Pusher(lambda: coord, lambda c, v: _shared_wait(c, v, fresh=True), window_s=600.0)  # sent by hand
+    pusher = Pusher(lambda: coord, lambda c, v: shared_wait(c, v, fresh=True), window_s=600.0)  # sent by hand
     ref = ray.put(capture(state(0), "s", False))
     slots = [pusher.add(1, PushedPart("s", r, ref if r == 0 else ray.put(capture(state(r), "s", False)), 32, False, -1))
              for r in range(world)]

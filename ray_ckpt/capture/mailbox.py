@@ -190,7 +190,7 @@ def _run_of(mailbox: str) -> str:
     return mailbox[len(mailbox_name("")):]
 
 
-def _deliver(job: Any, timeout: float = 60.0) -> None:
+def deliver(job: Any, timeout: float = 60.0) -> None:
     """Announce a finished (or failed) copy in the run's mailbox, and wait until it is there: an
     announcement sent to a mailbox that is gone (its coordinator restarted) is sent again to a new
     one, once; a failure is raised (the copy thread logs it; the writer's wait fails the version)."""

@@ -4,7 +4,7 @@ With ``create(..., peer_replicas=N)`` each committed version's critical files ar
 memory of ``ReplicaHolder`` actors (``writers/replicas.py``) on other nodes. A restore on a node
 whose local tier lacks a file (a new node after a preemption) asks those holders before the remote
 tier. :class:`PeerCopies` has the reading side of a tier (``read_verified``, ``read_range``), so the
-readers that walk tiers in order (``checkpoint_io.read_files``, ``sharded_io.RangeReader``) use it
+readers that walk tiers in order (``checkpoint_io.read_files``, ``range_reader.RangeReader``) use it
 unchanged; every byte it returns is checked by them against the manifest (``read_verified`` here
 checks size and checksum itself, as the disk tiers do), so a corrupt replica is passed over like a
 corrupt file and the next copy is read.

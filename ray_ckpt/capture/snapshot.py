@@ -23,7 +23,7 @@ from ..formats.tree import flatten
 from .object_store import grow_needed, prefault_needed, start_prefault, state_nbytes
 from .fence_hooks import candidates, install_hooks
 from .overlap import OverlapCopier, process_copier, process_hooks
-from .mailbox import PendingSnapshot, _deliver, pending_refs, self_handle_ref
+from .mailbox import PendingSnapshot, deliver, pending_refs, self_handle_ref
 
 @dataclass(frozen=True)
 class ActorProvider:
@@ -197,7 +197,7 @@ def _put(flat: Flat) -> Any:
 
 
 def _copier() -> OverlapCopier:
-    return process_copier(lambda: OverlapCopier(put=_put, deliver=_deliver, readback=_readback))
+    return process_copier(lambda: OverlapCopier(put=_put, deliver=deliver, readback=_readback))
 
 
 def process_copier_or_new() -> OverlapCopier:

@@ -9,7 +9,7 @@ import pyarrow.fs as pafs
 
 from ..storage.checkpoint_io import stray_files
 from ..errors import CheckpointError, IntegrityError, one_line
-from ..formats.checksum import ALGORITHM, CHUNK, HashingSink
+from ..formats.checksum import ALGORITHM, STRIDE, HashingSink
 from ..formats.manifest import FileEntry, Manifest
 from ..storage import layout
 from ..storage.tier import VERIFY_THREADS, Tier
@@ -35,18 +35,18 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 # ---------------------------------------------------------------- checking files
 def hash_file(tier: Tier, rel: str, progress: Progress) -> Tuple[int, str]:
-    """(size, digest) of ``rel``: a local file by blocks in parallel, a remote one streamed in CHUNK
-    pieces."""
+    """(size, digest) of ``rel``: a local file by blocks in parallel, a remote one streamed in STRIDE
+    strides."""
     if tier.is_local:  # checksum blocks read in parallel
         return tier.hash_file(rel, VERIFY_THREADS, progress.add)
     sink = HashingSink()
     with tier.fs.open_input_stream(tier.abspath(rel)) as f:
         while True:
-            chunk = f.read(CHUNK)
-            if not chunk:
+            data = f.read(STRIDE)
+            if not data:
                 break
-            sink.write(chunk)
-            progress.add(len(chunk))
+            sink.write(data)
+            progress.add(len(data))
     return sink.size, sink.digest()
 
 

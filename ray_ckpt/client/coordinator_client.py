@@ -35,7 +35,7 @@ def outside_placement_group() -> Dict[str, Any]:
     return {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=None)}
 
 
-def _coordinator_placement() -> Dict[str, Any]:
+def coordinator_placement() -> Dict[str, Any]:
     """Where the coordinator runs: on the head node where Ray marks it — worker nodes are the
     preemptible ones, and a coordinator that dies with one fails the saves in flight — else next
     to this process. (A soft node-affinity request alone was not honoured for this num_cpus=0
@@ -55,11 +55,11 @@ def _start_coordinator(config: EngineConfig) -> Any:
         # process), but thousands of ranks' pushes and waits arrive at once: Ray's default of 1,000
         # slots would queue the parts that complete a version behind calls waiting for it.
         # A slot costs a coroutine, not a thread, so the ceiling is set far above any world size.
-        max_restarts=-1, num_cpus=0, max_concurrency=100_000, **_coordinator_placement(),
+        max_restarts=-1, num_cpus=0, max_concurrency=100_000, **coordinator_placement(),
     ).remote(config)
 
 
-def _open_coordinator(config: EngineConfig, timeout: float) -> Tuple[Any, EngineConfig]:
+def open_coordinator(config: EngineConfig, timeout: float) -> Tuple[Any, EngineConfig]:
     """Get-or-create the coordinator of ``config.run``, wait until it and its writers answer, and
     return it with the configuration it runs with. Right after a coordinator died, Ray may resolve
     the name to the dead actor for a moment: that is retried (bounded); a coordinator that fails to
@@ -77,7 +77,7 @@ def _open_coordinator(config: EngineConfig, timeout: float) -> Tuple[Any, Engine
             time.sleep(0.2)
 
 
-def _ask(run: str, ref: Any, what: str, timeout: float = 60.0, error: type = CheckpointError) -> Any:
+def ask_coordinator(run: str, ref: Any, what: str, timeout: float = 60.0, error: type = CheckpointError) -> Any:
     """``ray.get`` of a coordinator call; Ray's errors become ours, naming the run and the call."""
     try:
         return ray.get(ref, timeout=timeout)
@@ -113,11 +113,11 @@ class CoordinatorLink:
         owning engine creates it again and asks once more."""
         self._check_open()
         try:
-            return _ask(self.run, method(self._coordinator), what, timeout, error)
+            return ask_coordinator(self.run, method(self._coordinator), what, timeout, error)
         except CheckpointError as exc:
             if not getattr(exc, "actor_died", False) or not self._revive():
                 raise
-        return _ask(self.run, method(self._coordinator), what, timeout, error)
+        return ask_coordinator(self.run, method(self._coordinator), what, timeout, error)
 
     def _revive(self) -> bool:
         """The coordinator died for good (``ray.kill`` without restart, or its restarts exhausted):
@@ -128,7 +128,7 @@ class CoordinatorLink:
             return False
         log.warning("the coordinator of run %r is gone; creating it again from storage", self.run)
         try:
-            self._coordinator, _ = _open_coordinator(self.config, 120.0)
+            self._coordinator, _ = open_coordinator(self.config, 120.0)
             if self._token is not None:
                 ray.get(self._coordinator.set_owner.remote(self._token), timeout=60)
         except ray.exceptions.RayError as exc:

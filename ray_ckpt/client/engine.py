@@ -20,10 +20,10 @@ from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple, 
 import ray
 
 from ..config import SIGNING_KEY_ENV, EngineConfig
-from .coordinator_client import CoordinatorLink, _ask
+from .coordinator_client import CoordinatorLink, ask_coordinator
 from ..errors import CheckpointError, InvalidArgumentError, InvalidSaveError
 from ..formats.manifest import Manifest
-from .handle import SaveHandle, _shared_wait
+from .handle import SaveHandle, shared_wait
 from .in_flight import InFlightSaves
 from .preemption import PreemptionNotices
 from ..coordinator.lease import OwnerLease
@@ -32,7 +32,7 @@ from ..storage.ownership import DEFAULT_LEASE_S
 from ..protocol import NAMESPACE, Declaration, actor_name, checked_metrics
 from ..capture.providers import CallableProvider, Registration, resolve
 from .push_batch import Pusher
-from .rank_push import RankPushes, _FencedObjects
+from .rank_push import RankPushes, FencedObjects
 from .reading import StateReader
 from .run_lifetime import start_run, stop_run
 from ..capture.mailbox import open_mailbox
@@ -53,13 +53,13 @@ class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes, PreemptionNot
         self._in_flight: List[SaveHandle] = []
         self._ended_failures: Deque[BaseException] = deque(maxlen=16)  # for wait_until_finished()
         self._declared: Dict[str, Declaration] = {}
-        self._fence_owners: Dict[Tuple[int, ...], _FencedObjects] = {}
+        self._fence_owners: Dict[Tuple[int, ...], FencedObjects] = {}
         self._mailbox_open = False
         self._last_pushed: Dict[tuple, int] = {}
         self._saves = 0  # save() calls sent; every remote_every-th is uploaded
         self._pushes: Dict[tuple, int] = {}  # submit() calls sent per (state, rank), likewise
         # this engine's pushes, batched per version into one coordinator call (push_batch.py)
-        self._pusher = Pusher(lambda: self._coordinator, lambda c, v: _shared_wait(c, v, fresh=True))
+        self._pusher = Pusher(lambda: self._coordinator, lambda c, v: shared_wait(c, v, fresh=True))
         self._owner = False  # set by create()
         self._closed = False  # set by shutdown()
         self._token: Optional[int] = None  # the run's fencing token this (creating) engine holds
@@ -67,7 +67,7 @@ class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes, PreemptionNot
         self.reconfigured: List[str] = []  # create(reconfigure=True): the live options it changed
         self._last_handle: Optional[SaveHandle] = None  # the latest save(), for publish()
         self._reader = StateReader(config.run, config, self._call, self._registry)  # load / load_into / restore
-        last = _ask(config.run, coordinator.last_version.remote(), "the last version")
+        last = ask_coordinator(config.run, coordinator.last_version.remote(), "the last version")
         self._last_saved = last
         self._step = max(last, 0)
 
@@ -131,7 +131,7 @@ class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes, PreemptionNot
         except ValueError:
             raise CheckpointError(f"no checkpoint coordinator for run {run!r}; create it with "
                                   f"rc.CheckpointEngine.create({run!r}, local_dir=...)") from None
-        return cls(coord, _ask(run, coord.config.remote(), "its configuration", timeout))
+        return cls(coord, ask_coordinator(run, coord.config.remote(), "its configuration", timeout))
 
     def shutdown(self, timeout: float = 60.0, *, stop_coordinator: Optional[bool] = None) -> None:
         """Stop the coordinator; its writers (which it owns) and its peer replica holders stop too.

@@ -3,7 +3,7 @@
 A handle *is* a ``concurrent.futures.Future`` (``result``, ``done``, ``exception``,
 ``add_done_callback``, ``concurrent.futures.wait`` / ``as_completed``, awaitable); ``wait()`` is the form that also waits for the remote tier or
 for best-effort parts. A rank's push is acknowledged at once by the coordinator; the handles of one
-process share one ``wait`` call per version (``_shared_wait``), so thousands of ranks cost the
+process share one ``wait`` call per version (``shared_wait``), so thousands of ranks cost the
 coordinator a few calls, not one each.
 """
 from __future__ import annotations
@@ -24,12 +24,12 @@ from ..types import SaveResult
 if TYPE_CHECKING:
     from .push_batch import PushSlot
 
-_WAITS: "OrderedDict[tuple, ray.ObjectRef]" = OrderedDict()  # see _shared_wait
+_WAITS: "OrderedDict[tuple, ray.ObjectRef]" = OrderedDict()  # see shared_wait
 _WAITS_LOCK = threading.Lock()
 _WAITS_MAX = 4096
 
 
-def _shared_wait(coord: Any, version: int, durability: str = "local", best_effort: bool = False,
+def shared_wait(coord: Any, version: int, durability: str = "local", best_effort: bool = False,
                  pushed: bool = True, fresh: bool = False) -> ray.ObjectRef:
     """ONE ``coordinator.wait(version, durability)`` call per (coordinator, version, durability) in
     this process, shared by every handle that waits on it: a host process pushing 300 ranks costs
@@ -71,7 +71,7 @@ class SaveHandle(concurrent.futures.Future):
     A rank's handle (``submit()``) holds its place in a batch of pushed parts (``_push``, see
     ``push_batch.py``): the coordinator's answer for the batch (a refused part raises its own
     error) and ``_ref``, the version's commit, shared with every other handle of this process
-    waiting on the same version (``_shared_wait``). Asking for either sends the batch if it is
+    waiting on the same version (``shared_wait``). Asking for either sends the batch if it is
     still open."""
 
     # engine: the CheckpointEngine that made it (not imported here: the engine imports this module)
@@ -195,16 +195,16 @@ class SaveHandle(concurrent.futures.Future):
         coord = self._engine._coordinator
         pushed = self._push is not None
         if best_effort:
-            ref = _shared_wait(coord, self.version, durability, True, pushed) if pushed else \
+            ref = shared_wait(coord, self.version, durability, True, pushed) if pushed else \
                 coord.wait.remote(self.version, durability, True)
         elif durability == "local":
             ref = self._ref
         elif durability == "replicated":
-            ref = _shared_wait(coord, self.version, "replicated", pushed=pushed) if pushed else \
+            ref = shared_wait(coord, self.version, "replicated", pushed=pushed) if pushed else \
                 coord.wait.remote(self.version, "replicated")
         else:
             if self._remote_ref is None:
-                self._remote_ref = _shared_wait(coord, self.version, "remote", pushed=pushed) if pushed else \
+                self._remote_ref = shared_wait(coord, self.version, "remote", pushed=pushed) if pushed else \
                     coord.wait.remote(self.version, "remote")
             ref = self._remote_ref
         try:

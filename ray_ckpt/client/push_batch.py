@@ -30,7 +30,7 @@ The coordinator answers with a :class:`SubmitBatchResult`: which entries it refu
 twice, rank out of range on its side, version already committed), so a bad entry fails only its
 own rank's handle, with the same message a call of its own would have raised. Right after the
 batch, the flusher asks for the version's commit with the process's shared wait call
-(``handle._shared_wait``): after the parts, as before, so the wait of a version that failed before
+(``handle.shared_wait``): after the parts, as before, so the wait of a version that failed before
 and is pushed again sees the new attempt.
 """
 from __future__ import annotations
@@ -59,7 +59,7 @@ class PushBatch:
         self.opened_at = time.monotonic()
         self.sent = False
         self.ack: Optional[ray.ObjectRef] = None      # the call's SubmitBatchResult
-        self.commit: Optional[ray.ObjectRef] = None   # the version's shared wait (see handle._shared_wait)
+        self.commit: Optional[ray.ObjectRef] = None   # the version's shared wait (see handle.shared_wait)
         self.error: Optional[str] = None              # the call could not even be made
         self.later: Dict[int, Any] = {}                # index -> object the sender puts (see the module)
 

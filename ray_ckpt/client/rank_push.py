@@ -162,7 +162,7 @@ class RankPushes:
         key = tuple(id(o) for o in objs)
         owner = self._fence_owners.get(key)
         if owner is None or any(a is not b for a, b in zip(owner.objects, objs)):  # ids reused by new objects
-            owner = self._fence_owners[key] = _FencedObjects(objs)
+            owner = self._fence_owners[key] = FencedObjects(objs)
         in_actor = ray.get_runtime_context().get_actor_id() is not None
         pending = snapshot_overlapped(owner, lambda: state, name, allow_pickle, mailbox_name(self.run),
                                       self.config.overlap_check, self.run, self_handle_ref() if in_actor else None,
@@ -219,7 +219,7 @@ class RankPushes:
         return dict(self._declared)
 
 
-class _FencedObjects:
+class FencedObjects:
     """What ``submit(..., overlap_with=objects)`` fences: the objects (their optimizers and modules
     are found as a registered provider's are), kept per engine so their copy buffers are reused."""
 

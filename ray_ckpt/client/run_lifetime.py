@@ -20,7 +20,7 @@ from ..writers import pools as writers
 from ..writers.replicas import stop_holders
 from ..config import EngineConfig
 from ..protocol import NAMESPACE, actor_name
-from .coordinator_client import _coordinator_placement, _open_coordinator
+from .coordinator_client import coordinator_placement, open_coordinator
 from ..errors import CheckpointError, InvalidArgumentError, one_line
 from ..coordinator.live_options import check as check_options, shown
 from ..coordinator.lease import OwnerLease, ray_identity, read_owner, write_owner
@@ -66,7 +66,7 @@ def start_run(config: EngineConfig, *, takeover: bool, owner_lease_s: float, sta
     write_owner(tiers, record)
     prestart_writer_processes(config)
     try:
-        coord, existing = _open_coordinator(config, startup_timeout)
+        coord, existing = open_coordinator(config, startup_timeout)
     except ray.exceptions.GetTimeoutError:
         raise CheckpointError(f"the coordinator of run {run!r} or its writers did not start within "
                               f"{startup_timeout}s (are there enough CPUs for critical_cpus / "
@@ -102,7 +102,7 @@ def prestart_writer_processes(config: EngineConfig) -> None:
         return  # get-or-create will get it: its writers are running
     except ValueError:
         pass
-    preload = _PRELOAD.options(**_coordinator_placement())
+    preload = _PRELOAD.options(**coordinator_placement())
     for _ in range(config.critical_writers + config.best_effort_writers):
         preload.remote()  # fire and forget: its result, None, is never read
 

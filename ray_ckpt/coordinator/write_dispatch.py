@@ -42,7 +42,7 @@ class WriteDispatch:
         self._record, self._progress, self._in_background = record, progress, in_background
         self._outbox: Dict[int, List[Item]] = {}  # version -> parts gathered for its next batch
         self.counts: Dict[str, int] = {"written_parts": 0, "write_calls": 0}
-        self._chunk_ended: Optional[asyncio.Event] = None  # set when a writer call ends (see _hold)
+        self._call_ended: Optional[asyncio.Event] = None  # set when a writer call ends (see _hold)
 
     def dispatch(self, version: int, name: str, rank: int, ref: Any, size: int) -> None:
         """Send one part to a writer: gathered with the version's other parts arriving within
@@ -80,9 +80,9 @@ class WriteDispatch:
                 for p, _, _ in placed:
                     self._record(version, p.name, p.rank, exc)
                 await self._progress(version)
-        # each chunk moves the version on when it ends: a critical chunk never waits for a best-effort one
-        await asyncio.gather(*[self._write_chunk(version, writer, chunk)
-                               for pool, its in groups for writer, chunk in self.pools.spread(pool, its, BATCH_PARTS)])
+        # each writer call moves the version on when it ends: a critical one never waits for a best-effort one
+        await asyncio.gather(*[self._write_call(version, writer, call_items)
+                               for pool, its in groups for writer, call_items in self.pools.spread(pool, its, BATCH_PARTS)])
 
     async def _hold(self) -> None:
         """Wait, at most ``MAX_HOLD_S``, while every critical writer has a call queued."""
@@ -93,33 +93,33 @@ class WriteDispatch:
             left = deadline - loop.time()
             if left <= 0:
                 return
-            if self._chunk_ended is None:
-                self._chunk_ended = asyncio.Event()
+            if self._call_ended is None:
+                self._call_ended = asyncio.Event()
             try:
-                await asyncio.wait_for(self._chunk_ended.wait(), left)
+                await asyncio.wait_for(self._call_ended.wait(), left)
             except asyncio.TimeoutError:
                 return
 
     def _ended(self) -> None:
-        if self._chunk_ended is not None:
-            self._chunk_ended.set()
-            self._chunk_ended = None
+        if self._call_ended is not None:
+            self._call_ended.set()
+            self._call_ended = None
 
-    async def _write_chunk(self, version: int, writer: Any, chunk: List[Item]) -> None:
-        size = sum(s for _, _, s in chunk)
-        self.pools.add_queued(writer, size, len(chunk))
+    async def _write_call(self, version: int, writer: Any, call_items: List[Item]) -> None:
+        size = sum(s for _, _, s in call_items)
+        self.pools.add_queued(writer, size, len(call_items))
         self.counts["write_calls"] += 1
-        self.counts["written_parts"] += len(chunk)
+        self.counts["written_parts"] += len(call_items)
         try:
             try:
-                results = await writer.write_parts.remote(version, [(p.name, p.rank) for p, _, _ in chunk],
-                                                          [ref for _, ref, _ in chunk], compression=self.compression)
-            except Exception as exc:  # the writer died or the call failed: every part of the chunk failed
-                results = [exc] * len(chunk)
-            for (p, _, _), result in zip(chunk, results):
+                results = await writer.write_parts.remote(version, [(p.name, p.rank) for p, _, _ in call_items],
+                                                          [ref for _, ref, _ in call_items], compression=self.compression)
+            except Exception as exc:  # the writer died or the call failed: every part of the call failed
+                results = [exc] * len(call_items)
+            for (p, _, _), result in zip(call_items, results):
                 self._record(version, p.name, p.rank, result)
         finally:
-            self.pools.add_queued(writer, -size, -len(chunk))
+            self.pools.add_queued(writer, -size, -len(call_items))
             self._ended()
         await self._progress(version)
 

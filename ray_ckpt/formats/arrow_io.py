@@ -36,10 +36,10 @@ class _Collect:
     closed = False
 
     def __init__(self):
-        self.parts: List[Any] = []
+        self.views: List[Any] = []
 
     def write(self, data: Any) -> int:
-        self.parts.append(data)
+        self.views.append(data)
         return memoryview(data).nbytes
 
     def flush(self) -> None:
@@ -49,13 +49,13 @@ class _Collect:
         self.closed = True
 
 
-def segments(table: pa.Table) -> List[Any]:
-    """The uncompressed IPC file of ``table`` as consecutive byte pieces, the column data among
+def file_views(table: pa.Table) -> List[Any]:
+    """The uncompressed IPC file of ``table`` as consecutive byte views, the column data among
     them being the table's own memory (no copies): for the block writer (threads, O_DIRECT), which
-    takes a file as pieces. The bytes are those ``write(table, sink)`` streams."""
+    takes a file as views. The bytes are those ``write(table, sink)`` streams."""
     sink = _Collect()
     write(table, sink)
-    return sink.parts
+    return sink.views
 
 
 def read(buf: Any, *, path: str = "<table>") -> pa.Table:

@@ -39,7 +39,7 @@ def _is_scalar(node: Any) -> bool:
         isinstance(node, dict) and len(node) <= 2 and ("f" in node or "ns" in node))
 
 
-def _columns(structure: Any) -> Optional[List[Tuple[str, dict]]]:
+def columns_of(structure: Any) -> Optional[List[Tuple[str, dict]]]:
     """(column name, numpy leaf node) per array of a buffer's top-level dict; None if not a buffer."""
     if not isinstance(structure, dict) or set(structure) - {"d", "o"} or not structure.get("d"):
         return None
@@ -72,7 +72,7 @@ def as_table(flat: Flat) -> Optional[pa.Table]:
     if _whole_table(flat.structure, flat):
         table = flat.tables[0]
         return table.replace_schema_metadata({**(table.schema.metadata or {}), **_metadata(flat)})
-    cols = _columns(flat.structure)
+    cols = columns_of(flat.structure)
     if cols is None or flat.tables:
         return None
     rows = None
@@ -122,7 +122,7 @@ def read(buf: Any, *, path: str = "<buffer>") -> Tuple[Any, List[Any], List[pa.T
         if isinstance(structure, dict) and structure.get("A") == 0:  # the state is this table
             own = {k: v for k, v in meta.items() if k not in (FORMAT_KEY, STRUCTURE_KEY, LEAVES_KEY)}
             return structure, [], [table.replace_schema_metadata(own or None)]
-        cols = _columns(structure)
+        cols = columns_of(structure)
         if cols is None:
             raise ValueError("its structure is not a buffer's")
         views: List[Any] = [None] * len(cols)

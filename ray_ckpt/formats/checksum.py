@@ -20,7 +20,7 @@ from .pieces import PieceHasher
 
 ALGORITHM = "xxh3_128-blocks64m"
 BLOCK = 64 << 20  # the unit of the two-level digest (fixed: changing it changes every digest)
-CHUNK = 8 << 20  # hash and write in 8 MiB pieces so each piece is hashed while still in cache
+STRIDE = 8 << 20  # hash and write in 8 MiB strides so each stride is hashed while still in cache
 
 
 def block_hasher() -> Any:
@@ -100,11 +100,11 @@ class HashingSink:
     def write(self, data: Any) -> int:
         mv = memoryview(data).cast("B")
         n = len(mv)
-        for off in range(0, n, CHUNK):
-            piece = mv[off: off + CHUNK]
-            self.hasher.update(piece)
+        for off in range(0, n, STRIDE):
+            stride = mv[off: off + STRIDE]
+            self.hasher.update(stride)
             if self.target is not None:
-                self.target.write(piece)
+                self.target.write(stride)
         self.size += n
         return n
 

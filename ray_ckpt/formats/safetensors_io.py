@@ -47,16 +47,16 @@ def file_header(flat: Flat) -> Tuple[bytes, List[int]]:
     return struct.pack("<Q", len(raw)) + raw, order
 
 
-def segments(flat: Flat) -> List[Any]:
-    """The file as consecutive byte pieces: the header, then each tensor's bytes (no copies)."""
+def file_views(flat: Flat) -> List[Any]:
+    """The file as consecutive byte views: the header, then each tensor's bytes (no copies)."""
     head, order = file_header(flat)
     return [head] + [piece for i in order for piece in pieces_of(flat.arrays[i])]
 
 
 def write(flat: Flat, sink: Any) -> None:
     """Stream the file into ``sink`` (anything with ``write(bytes-like)``)."""
-    for piece in segments(flat):
-        sink.write(piece)
+    for view in file_views(flat):
+        sink.write(view)
 
 
 # safetensors dtype -> item size in bytes (sub-byte F4/F6 types are not written by ray_ckpt: refused)

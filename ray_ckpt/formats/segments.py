@@ -39,7 +39,7 @@ import pyarrow as pa
 
 from ..errors import IntegrityError
 from .arrow_io import SEGMENT_FORMAT
-from .buffer_io import FORMAT_KEY, STRUCTURE_KEY, _columns
+from .buffer_io import FORMAT_KEY, STRUCTURE_KEY, columns_of
 from .compaction import FANOUT, MAX_LEVEL, UNMERGED, merge_plan
 from .flat import Flat, pieces_of
 from .nodes import structure_to_json
@@ -129,7 +129,7 @@ class SegmentIndex:
                 prev = s.last
             if len({s.path for s in segs}) != len(segs):
                 raise ValueError("a segment is listed twice")
-            if _columns(d["structure"]) is None:
+            if columns_of(d["structure"]) is None:
                 raise ValueError("its structure is not a buffer's")
             return cls(d["structure"], live, rows, segs)
         except IntegrityError:
@@ -171,7 +171,7 @@ def _inflate(data: bytes) -> bytes:
 # ---------------------------------------------------------------------------- writing
 def row_ids(flat: Flat, name: str) -> np.ndarray:
     """The ``row_id`` column of an append-only state's snapshot, checked (ValueError says why not)."""
-    cols = _columns(flat.structure)
+    cols = columns_of(flat.structure)
     if cols is None or flat.tables:
         raise ValueError(f"append-only state {name!r} must be a buffer: a dict of equally long numpy arrays "
                          f"(plain scalars beside them allowed) with an integer {ROW_ID!r} column")
@@ -268,10 +268,10 @@ def assemble(index: SegmentIndex, parts: Sequence[Tuple[Segment, Any, List[Any]]
 
     Keeps the live rows and checks that exactly ``index.rows`` rows with the indexed ``row_id`` s
     came back; a segment whose columns differ from the index's is refused (IntegrityError)."""
-    cols = _columns(index.structure)
+    cols = columns_of(index.structure)
     pieces: Dict[str, List[np.ndarray]] = {k: [] for k, _ in cols}
     for seg, structure, views in parts:
-        seg_cols = _columns(structure)
+        seg_cols = columns_of(structure)
         if seg_cols is None or [k for k, _ in seg_cols] != [k for k, _ in cols]:
             raise IntegrityError(f"{where}: segment {seg.path} does not have the index's columns")
         for (key, want), (_, node) in zip(cols, seg_cols):

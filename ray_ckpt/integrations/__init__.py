@@ -13,8 +13,8 @@ engine options) and ``lazy.py`` (their names imported on first use).
   iterations without blocking ``train()``; ``restore_algorithm(...)`` brings an Algorithm back from a
   version and synchronises (and verifies) the weights on every env runner before it returns;
   ``make_callback(..., resume=True)`` does that itself when the Algorithm is built (e.g. a Tune trial
-  retried after a failure). A package: conversion, capture, callback, restore, env_runners, and
-  ``_rllib_internals`` (the RLlib internals it relies on, checked by a test). Needs
+  retried after a failure). A package: capture, callback, restore, env_runners, replay/, and
+  base/ (conversion, names, ``_rllib_internals``: the RLlib internals it relies on, checked by a test). Needs
   ``pip install "ray-ckpt[rllib]"``.
 - :mod:`ray_ckpt.integrations.verl` -- verl 0.9 (FSDP2): ``RayCkptCheckpointManager``, a verl
   ``BaseCheckpointManager`` built like verl's ``FSDPCheckpointManager``, with its settings under

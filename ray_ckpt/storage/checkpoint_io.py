@@ -59,7 +59,7 @@ def write_flat(tier: Tier, version: int, name: str, rank: int, flat: Flat,
         if buffer is not None:
             return [FileEntry(rel, *_write_table(tier, rel, buffer, compression, threads, direct, atomic), ROLE_BUFFER)]
         if (threads > 1 or direct) and tier.is_local and flat.nbytes >= PARALLEL_FROM:
-            size, digest = tier.write_blocks(rel, safetensors_io.segments(flat), threads, direct)
+            size, digest = tier.write_blocks(rel, safetensors_io.file_views(flat), threads, direct)
         else:
             with atomic(rel) as sink:
                 safetensors_io.write(flat, sink)
@@ -172,7 +172,7 @@ def _write_table(tier: Tier, rel: str, table: Any, compression: Optional[str], t
                  direct: bool, atomic: Any = None) -> Tuple[int, str]:
     blocks = (threads > 1 or direct) and tier.is_local and table.nbytes >= PARALLEL_FROM
     if blocks and compression is None:  # compressed files are made while streaming
-        return tier.write_blocks(rel, arrow_io.segments(table), threads, direct)
+        return tier.write_blocks(rel, arrow_io.file_views(table), threads, direct)
     with (atomic or tier.open_atomic)(rel) as sink:
         arrow_io.write(table, sink, compression)
     return sink.size, sink.digest()

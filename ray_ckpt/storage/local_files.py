@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from ..formats.checksum import BLOCK, CHUNK, block_hasher, combine, map_blocks, num_blocks
+from ..formats.checksum import BLOCK, STRIDE, block_hasher, combine, map_blocks, num_blocks
 from .confined import open_regular_path
 
 TMP_MARK = ".tmp-"  # temporary files: <final name>.tmp-<random>; never listed as checkpoint files
@@ -82,7 +82,7 @@ class WholeWrites:
         mv = memoryview(data).cast("B")
         done = 0
         while done < len(mv):
-            end = len(mv) if self.limit is None else min(len(mv), done + CHUNK)
+            end = len(mv) if self.limit is None else min(len(mv), done + STRIDE)
             if self.limit is not None:
                 self.limit.before(end - done)  # a limited write goes out 8 MiB at a time, never in bursts
             n = self.f.write(mv[done:end])
@@ -122,11 +122,11 @@ def _pwrite_all(fd: int, pieces: List[memoryview], offset: int) -> None:
 
 
 _ALIGN = 4096  # O_DIRECT: a multiple of every common logical block size (512, 4096)
-_SUB = 512 << 10  # O_DIRECT chunks are copied and hashed in steps of this size (see write_chunks)
+_SUB = 512 << 10  # O_DIRECT strides are copied and hashed in steps of this size (see write_hashed)
 
 
 class BounceBuffers:
-    """Page-aligned ``CHUNK`` buffers for O_DIRECT writes, kept between writes (at most ``keep``).
+    """Page-aligned ``STRIDE`` buffers for O_DIRECT writes, kept between writes (at most ``keep``).
 
     Why kept: a fresh anonymous 8 MiB mapping per write thread per file is 2048 page faults, each
     zero-filling a page, and an munmap, for every large save: ~4100 of the ~5100 minor faults a
@@ -143,7 +143,7 @@ class BounceBuffers:
         with self._lock:
             if self._free:
                 return self._free.pop()
-        return mmap.mmap(-1, CHUNK)  # page-aligned
+        return mmap.mmap(-1, STRIDE)  # page-aligned
 
     def give(self, buf: mmap.mmap) -> None:
         with self._lock:
@@ -160,7 +160,7 @@ BOUNCE = BounceBuffers()
 def _copy_and_hash(buf: mmap.mmap, pieces: List[memoryview], h: Any) -> None:
     """Copy ``pieces`` one after the other to the start of ``buf`` and hash the copy, ``_SUB``
     bytes at a time: each step is hashed right after it is copied, while it is still in the
-    core's L2 cache, instead of reading the whole 8 MiB chunk
+    core's L2 cache, instead of reading the whole 8 MiB stride
     back from L3 or memory, where a learner streaming its own state evicts it. The bytes hashed
     are the bytes written. ``numpy.copyto`` releases the GIL while it copies (a memoryview slice
     assignment holds it), so a writer's threads copy at the same time."""
@@ -177,16 +177,16 @@ def _copy_and_hash(buf: mmap.mmap, pieces: List[memoryview], h: Any) -> None:
             at = k
 
 
-def write_chunks(fd: int, views: List[memoryview], size: int, threads: int,
+def write_hashed(fd: int, views: List[memoryview], size: int, threads: int,
                   limit: Optional[RateLimit], aligned: bool) -> List[bytes]:
     """Hash and write the concatenation of ``views`` into ``fd`` at its offsets: each checksum
-    block by one of ``threads`` threads, ``CHUNK`` (8 MiB) at a time, hashed while in cache and
+    block by one of ``threads`` threads, ``STRIDE`` (8 MiB) at a time, hashed while in cache and
     then written. Returns the blocks' digests.
 
     ``aligned`` (for O_DIRECT, which needs aligned memory, offsets and lengths; disks want at
     least 512-byte aligned memory and snapshot buffers in the object store are only 64-byte
-    aligned): each chunk is first copied into a page-aligned buffer of ``BOUNCE`` and hashed
-    there (``_copy_and_hash``: the bytes hashed are the bytes written); the file's last chunk is
+    aligned): each stride is first copied into a page-aligned buffer of ``BOUNCE`` and hashed
+    there (``_copy_and_hash``: the bytes hashed are the bytes written); the file's last stride is
     padded to the alignment, so the caller truncates the file to ``size`` afterwards."""
     padded = -(-size // _ALIGN) * _ALIGN
     starts = list(itertools.accumulate((len(v) for v in views), initial=0))[:-1]
@@ -195,13 +195,13 @@ def write_chunks(fd: int, views: List[memoryview], size: int, threads: int,
         h = block_hasher()
         end = min(size, (i + 1) * BLOCK)
         buf = BOUNCE.take() if aligned else None
-        for pos in range(i * BLOCK, end, CHUNK):
-            n = min(CHUNK, end - pos)
+        for pos in range(i * BLOCK, end, STRIDE):
+            n = min(STRIDE, end - pos)
             pieces = _slice(views, starts, pos, pos + n)
             if buf is not None:
                 _copy_and_hash(buf, pieces, h)
                 mv = memoryview(buf)
-                w = min(CHUNK, padded - pos) if n % _ALIGN else n
+                w = min(STRIDE, padded - pos) if n % _ALIGN else n
                 mv[n:w] = bytes(w - n)
                 out = [mv[:w]]
             else:
@@ -220,7 +220,7 @@ def write_chunks(fd: int, views: List[memoryview], size: int, threads: int,
 
 def write_direct(path: str, views: List[memoryview], size: int, threads: int,
                   limit: Optional[RateLimit]) -> Optional[List[bytes]]:
-    """``write_chunks`` with O_DIRECT into a new file at ``path``, fsynced; None when this platform
+    """``write_hashed`` with O_DIRECT into a new file at ``path``, fsynced; None when this platform
     or filesystem refuses O_DIRECT (the caller then writes through the page cache).
 
     Why: no page-cache pages are allocated, filled and written back for the checkpoint, which
@@ -236,13 +236,13 @@ def write_direct(path: str, views: List[memoryview], size: int, threads: int,
         raise
     try:
         try:
-            digests = write_chunks(fd, views, size, threads, limit, aligned=True)
+            digests = write_hashed(fd, views, size, threads, limit, aligned=True)
         except OSError as exc:
             if exc.errno == errno.EINVAL:  # opened, but the filesystem refuses unbuffered I/O
                 return None
             raise
         if size % _ALIGN:
-            os.ftruncate(fd, size)  # cut the last chunk's padding
+            os.ftruncate(fd, size)  # cut the last stride's padding
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -261,11 +261,11 @@ def hash_file(path: Any, threads: int, on_bytes: Optional[Callable[[int], None]]
         size = os.fstat(fd).st_size
 
         def block(i: int) -> bytes:
-            buf = memoryview(bytearray(min(CHUNK, size) or 1))
+            buf = memoryview(bytearray(min(STRIDE, size) or 1))
             h = block_hasher()
             pos, end = i * BLOCK, min(size, (i + 1) * BLOCK)
             while pos < end:
-                n = os.preadv(fd, [buf[:min(CHUNK, end - pos)]], pos)
+                n = os.preadv(fd, [buf[:min(STRIDE, end - pos)]], pos)
                 if n <= 0:
                     raise OSError(errno.EIO, f"{path} ended at {pos} bytes while being read ({size} expected)")
                 h.update(buf[:n])

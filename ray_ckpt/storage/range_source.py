@@ -3,7 +3,7 @@
 Why: a sharded load reads one range per tensor of each rank file (hundreds per file). Opening the
 file for each range costs a path walk, an open and an fstat locally (``confined.open_regular``) and
 a request per range on an object store (``open_input_file``); a :class:`RangeSource` pays that once
-per file and serves every range of it (``sharded_io.RangeReader`` keeps one per tier and file).
+per file and serves every range of it (``range_reader.RangeReader`` keeps one per tier and file).
 The file is checked as ``Tier.read_range`` checks it (a regular file reached without following
 links, locally); the bytes are verified by the caller.
 """

@@ -24,15 +24,16 @@ import pyarrow.fs as pafs
 
 from ..errors import CheckpointError, IntegrityError, one_line
 from ..formats.checksum import HashingSink, combine, digest
+from ..interfaces import StorageTier
 from .filesystems import OBJECT_STORES, redact_uri, resolve_filesystem, s3_hint, scrub
 from .layout import MANIFEST, manifest_path, parse_version_dir
 from .range_source import RangeSource
 from .confined import (NotOurs, kind_of, list_under, lstat_under, make_dirs_under, open_regular, prune_under,
                        unlink_under)
 from .local_files import (TMP_MARK, RateLimit, WholeWrites, hash_file, host_buffer, local_atomic, map_fd,
-                          write_chunks, write_direct)
+                          write_hashed, write_direct)
 
-_COPY_CHUNK = 16 << 20
+_COPY_BUFFER = 16 << 20
 VERIFY_THREADS = 4  # threads hashing one large file being restored (I/O-bound: more reads in flight)
 _MAP_FROM = 1 << 20  # local files from 1 MiB are mapped for reading, not copied
 
@@ -47,8 +48,9 @@ def farther(a: str, b: str) -> str:
     return a if rank(a) >= rank(b) else b
 
 
-class Tier:
-    """The run root ``<uri>`` on one filesystem. Paths given to methods are relative to it."""
+class Tier(StorageTier):
+    """The run root ``<uri>`` on one ``pyarrow.fs`` filesystem (the :class:`~ray_ckpt.interfaces.StorageTier`
+    every tier is). Paths given to methods are relative to it."""
 
     def __init__(self, uri: str, name: str = "local", options: Optional[Dict[str, Any]] = None):
         self.uri = uri
@@ -108,9 +110,9 @@ class Tier:
                 raise
             out.close()
 
-    def write_blocks(self, rel: str, segments: List[Any], threads: int,
+    def write_blocks(self, rel: str, buffers: List[Any], threads: int,
                      direct: bool = False) -> Tuple[int, str]:
-        """Write the concatenation of ``segments`` (bytes-like, in file order) to ``rel`` with
+        """Write the concatenation of ``buffers`` (bytes-like, in file order) to ``rel`` with
         ``threads`` threads, each hashing and writing whole checksum blocks at their offsets.
 
         Why threads: one thread copying into the page cache is CPU-bound well below what the disk
@@ -126,7 +128,7 @@ class Tier:
         rename."""
         if not self.is_local:
             raise CheckpointError("write_blocks is for local tiers; object stores take one stream")
-        views = [memoryview(x).cast("B") for x in segments]
+        views = [memoryview(x).cast("B") for x in buffers]
         size = sum(len(v) for v in views)
         self._local_parent(rel)
         with local_atomic(self.abspath(rel)) as tmp:
@@ -136,7 +138,7 @@ class Tier:
                 try:
                     if size:
                         os.ftruncate(fd, size)
-                    digests = write_chunks(fd, views, size, threads, self.rate_limit, aligned=False)
+                    digests = write_hashed(fd, views, size, threads, self.rate_limit, aligned=False)
                     os.fsync(fd)
                 finally:
                     os.close(fd)
@@ -156,10 +158,10 @@ class Tier:
         """Stream ``rel`` from this tier to ``dest`` (same relative path); returns (size, checksum)."""
         with self._open_input(rel) as src, dest.open_atomic(rel) as sink:
             while True:
-                chunk = src.read(_COPY_CHUNK)
-                if not chunk:
+                data = src.read(_COPY_BUFFER)
+                if not data:
                     break
-                sink.write(chunk)
+                sink.write(data)
         return sink.size, sink.digest()
 
     # ---------------------------------------------------------------- reading

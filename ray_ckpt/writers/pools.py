@@ -261,9 +261,9 @@ class WriterPools:
         self.queued_parts[id(writer)] = max(0, self.queued_parts.get(id(writer), 0) + parts)
 
     def spread(self, pool: list, items: List[Any], most: int) -> List[Tuple[Any, List[Any]]]:
-        """``items`` (parts of one version) in chunks of at most ``most``, spread over ``pool``'s
-        writers, least busy first: a version's parts are written by all of a node's writers at
-        once, not queued on one."""
+        """``items`` (parts of one version) in writer calls of at most ``most`` parts, spread over
+        ``pool``'s writers, least busy first: a version's parts are written by all of a node's
+        writers at once, not queued on one."""
         if not items:
             return []
         n = max(-(-len(items) // most), min(len(pool), len(items)))

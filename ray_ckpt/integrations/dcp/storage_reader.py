@@ -35,6 +35,7 @@ from ...formats.manifest import Manifest, StateEntry
 from ...formats.shards import load_chunk
 from ...formats.tree import unflatten
 from ...storage import sharded_io
+from ...storage.range_reader import RangeReader
 from ...storage.checkpoint_io import decode_files, rank_files, read_files, read_manifest
 from ...storage.tier import Tier
 from .named_version import NamedVersion
@@ -138,7 +139,7 @@ class _State:
             return
         try:
             self.index = sharded_io.index_of_entry(entry, name)
-            self.reader = sharded_io.RangeReader(tiers, entry, name)
+            self.reader = RangeReader(tiers, entry, name)
             self.reader.index = self.index
             structure, arrays, tables = sharded_io.read_head(entry, name, self.reader, tiers, False, self.index)
         except IntegrityError as exc:

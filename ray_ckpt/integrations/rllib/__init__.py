@@ -29,8 +29,13 @@ The package, by concern:
 =================== ===============================================================================
 module              holds
 =================== ===============================================================================
-``names``           the state names of a version (``policy``, ``optimizer``, ...), the logger
-``conversion``      RLlib state <-> storable state (:func:`to_storable`, :func:`from_storable`)
+``base/``           what every other module and ``replay/`` stand on (so ``replay/`` imports nothing of
+                    the modules that import it): ``names`` (the state names of a version, the logger),
+                    ``conversion`` (RLlib state <-> storable state: :func:`to_storable`,
+                    :func:`from_storable`), ``learner_params`` (optimizer parameters outside the
+                    learner's modules), ``_rllib_internals`` (every private / undocumented RLlib
+                    attribute relied on, and a check of them)
+``replay/``         off-policy replay buffers <-> storable states (see its own docstring)
 ``capture``         what one version holds, read from an Algorithm (:func:`capture_algorithm_state`)
 ``callback``        :class:`RayCkptCallback`, :func:`make_callback`, :func:`find_callback`,
                     :func:`wait_for_saves`
@@ -40,7 +45,6 @@ module              holds
 ``tune``            one run per Tune trial (``<run>-<trial_id>``), Tune checkpoints that name a version
                     (PBT), the Algorithm's ``stop()`` (flush, then stop the callback's coordinator)
 ``learners``        remote learners: states captured in the first learner; verified push into each
-``_rllib_internals`` every private / undocumented RLlib attribute relied on, and a check of them
 =================== ===============================================================================
 """
 from __future__ import annotations
@@ -59,9 +63,9 @@ except ImportError as _exc:  # pragma: no cover - exercised only without ray[rll
 from .callback import RayCkptCallback, find_callback, make_callback, wait_for_saves  # noqa: E402
 from .capture import capture_algorithm_state  # noqa: E402
 from .settings import CheckpointSettings  # noqa: E402
-from .conversion import from_storable, to_storable  # noqa: E402
+from .base.conversion import from_storable, to_storable  # noqa: E402
 from .env_runners import env_runner_weights  # noqa: E402
-from .names import (CONNECTORS, COUNTERS, CRITICAL_STATES, ENV_RUNNER_PREFIX, METRICS,  # noqa: E402,F401
+from .base.names import (CONNECTORS, COUNTERS, CRITICAL_STATES, ENV_RUNNER_PREFIX, METRICS,  # noqa: E402,F401
                     OPTIMIZER, POLICY, RNG, TRAINING_ITERATION, log)
 from .restore import AlgorithmRestoreReport, restore_algorithm  # noqa: E402
 

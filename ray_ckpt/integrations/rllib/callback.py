@@ -31,7 +31,7 @@ from ...types import SaveResult, Strategy
 from .capture import OVERLAPPED, capture_algorithm_state
 from .env_runners import runner_snapshot_actors
 from .learners import LearnerCapture
-from .names import CONNECTORS, COUNTERS, METRICS, OPTIMIZER, POLICY, RNG, log
+from .base.names import CONNECTORS, COUNTERS, METRICS, OPTIMIZER, POLICY, RNG, log
 from .replay.algorithm import replay_strategy, sync_replay_registrations
 from .restore import AlgorithmRestoreReport, restore_algorithm
 from .settings import CheckpointSettings

@@ -34,11 +34,11 @@ from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LI
 
 from ...errors import UnsupportedTypeError
 from ...capture.rng import rng_state
-from .conversion import to_storable
+from .base.conversion import to_storable
 from .env_runners import CONNECTOR_COMPONENTS
-from .learner_params import with_outside_params
+from .base.learner_params import with_outside_params
 from .learners import is_remote, reported_weights_seq_no
-from .names import CONNECTORS, COUNTERS, METRICS, OPTIMIZER, POLICY, RNG, TRAINING_ITERATION
+from .base.names import CONNECTORS, COUNTERS, METRICS, OPTIMIZER, POLICY, RNG, TRAINING_ITERATION
 from .replay.algorithm import capture_algorithm_replay
 
 

@@ -25,9 +25,9 @@ from ray.rllib.core import (COMPONENT_ENV_TO_MODULE_CONNECTOR, COMPONENT_MODULE_
 from ray.rllib.utils.metrics import NUM_ENV_STEPS_SAMPLED_LIFETIME, WEIGHTS_SEQ_NO
 
 from ...capture.rng import rng_state, set_rng_state
-from ._rllib_internals import env_rng, remote_env_runner_actors
-from .conversion import _deep_equal, from_storable, to_storable
-from .names import CONNECTORS, ENV_RUNNER_PREFIX
+from .base._rllib_internals import env_rng, remote_env_runner_actors
+from .base.conversion import deep_equal, from_storable, to_storable
+from .base.names import CONNECTORS, ENV_RUNNER_PREFIX
 
 try:
     import torch
@@ -204,7 +204,7 @@ def _verdict(answer: Optional[Dict[str, Any]], sync: RunnerSync, conn_expected: 
         return f"no answer within {timeout_s}s"
     if answer["digest"] != sync.weights_digest:
         return f"holds other weights (its weights_seq_no {answer['weights_seq_no']}, pushed {sync.weights_seq_no})"
-    if conn_expected is not None and not _deep_equal(answer["connectors"], conn_expected):
+    if conn_expected is not None and not deep_equal(answer["connectors"], conn_expected):
         return "holds other connector states"
     return "verified"
 

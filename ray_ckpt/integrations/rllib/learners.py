@@ -62,10 +62,10 @@ from ray.rllib.utils.metrics import LEARNER_RESULTS, WEIGHTS_SEQ_NO
 from ...errors import RestoreError, SaveError
 from ...capture.snapshot import actor_provider
 from ...types import Strategy
-from ._rllib_internals import load_learner_state, remote_learners
-from .conversion import from_storable, to_storable
-from .learner_params import OUTSIDE_MODULE, with_outside_params
-from .names import COUNTERS, METRICS, OPTIMIZER, POLICY, log
+from .base._rllib_internals import load_learner_state, remote_learners
+from .base.conversion import from_storable, to_storable
+from .base.learner_params import OUTSIDE_MODULE, with_outside_params
+from .base.names import COUNTERS, METRICS, OPTIMIZER, POLICY, log
 
 try:
     import torch

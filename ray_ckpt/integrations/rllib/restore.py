@@ -21,12 +21,12 @@ from ray.rllib.utils.metrics import NUM_ENV_STEPS_SAMPLED_LIFETIME, WEIGHTS_SEQ_
 from ...client.engine import CheckpointEngine
 from ...errors import CheckpointError, RestoreError
 from ...capture.rng import set_rng_state
-from ._rllib_internals import load_learner_state
+from .base._rllib_internals import load_learner_state
 from .capture import algorithm_connectors
-from .conversion import from_storable
+from .base.conversion import from_storable
 from .env_runners import RunnerSync, push_to_env_runners, saved_runner_states
 from .learners import is_remote, restore_remote_learners
-from .names import (CONNECTORS, COUNTERS, CRITICAL_STATES, ENV_RUNNER_PREFIX, METRICS, OPTIMIZER, POLICY, REPLAY,
+from .base.names import (CONNECTORS, COUNTERS, CRITICAL_STATES, ENV_RUNNER_PREFIX, METRICS, OPTIMIZER, POLICY, REPLAY,
                     REPLAY_META, RNG, TRAINING_ITERATION)
 from .replay.algorithm import restore_algorithm_replay
 

@@ -56,9 +56,9 @@ from ...errors import CheckpointError, IntegrityError, InvalidArgumentError, Res
 from ...capture.restored import read_state, tiers_of
 from ...storage.layout import validate_name
 from ...types import CheckpointMeta
-from ._rllib_internals import scheduled_lr, set_optimizer_lr
-from .learner_params import registered_optimizers
-from .names import log
+from .base._rllib_internals import scheduled_lr, set_optimizer_lr
+from .base.learner_params import registered_optimizers
+from .base.names import log
 
 POINTER_FILE = "ray_ckpt_version.json"
 POINTER_FORMAT = "ray_ckpt.rllib.version-pointer/1"

@@ -8,8 +8,8 @@ from typing import Any, Callable, Dict, Optional
 
 from ....errors import InvalidArgumentError, RestoreError, SaveError
 from ....types import Strategy
-from ..conversion import from_storable
-from ..names import REPLAY, REPLAY_META, log
+from ..base.conversion import from_storable
+from ..base.names import REPLAY, REPLAY_META, log
 from .buffers import META_FORMAT, replay_buffer_of
 from .row_ids import RowIds, row_ids_of
 from .incremental_ma_restore import log_to_v1, seed_log

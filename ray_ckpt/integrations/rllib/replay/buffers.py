@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 from ....errors import UnsupportedTypeError
-from ..conversion import to_storable
+from ..base.conversion import to_storable
 from .values import _scalar_state, _type_name
 
 META_FORMAT = "ray_ckpt.rllib.replay/1"  # the two-state form (multi-agent buffers are saved in it)

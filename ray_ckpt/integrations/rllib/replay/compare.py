@@ -9,7 +9,7 @@ from typing import Any, List
 
 import numpy as np
 
-from ..conversion import to_storable
+from ..base.conversion import to_storable
 from .buffers import _attributes
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import tree as dm_tree
 
 from ....errors import UnsupportedTypeError
-from ..conversion import from_storable, to_storable
+from ..base.conversion import from_storable, to_storable
 from .values import _Spaces, pack_scalars, unpack_scalars
 
 

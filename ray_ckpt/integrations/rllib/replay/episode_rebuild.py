@@ -10,7 +10,7 @@ import numpy as np
 import tree as dm_tree
 
 from ....errors import RestoreError
-from ..conversion import from_storable
+from ..base.conversion import from_storable
 from .buffers import _Kind
 from .episode_parts import _EP_NUMBERS
 from .values import _Spaces, unpack_scalars

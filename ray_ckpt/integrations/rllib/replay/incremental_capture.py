@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import numpy as np
 
 from ....errors import UnsupportedTypeError
-from ..names import REPLAY, REPLAY_META, log
+from ..base.names import REPLAY, REPLAY_META, log
 from .buffers import _Kind, _attributes, buffer_kind, common_meta, extra_attrs, handled_attrs
 from .episode_parts import LAYOUT, _EpisodeParts, _int32, _split_episode, _table
 from .growth import count, kept, same_rows, survivors

@@ -11,8 +11,8 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 
 from ....errors import RestoreError
-from ..conversion import from_storable
-from ..names import REPLAY, REPLAY_META
+from ..base.conversion import from_storable
+from ..base.names import REPLAY, REPLAY_META
 from .buffers import META_FORMAT
 from .episode_parts import _EpisodeParts, _parts_from_table, _table
 from .incremental_multi_agent import ENV_LIST

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ....errors import UnsupportedTypeError
-from ..names import REPLAY, REPLAY_META
+from ..base.names import REPLAY, REPLAY_META
 from .buffers import _Kind, _attributes, buffer_kind, common_meta, extra_attrs, handled_attrs
 from .episode_parts import LAYOUT, _EpisodeParts, _int32, _split_episode, _table
 from .incremental_capture import (_Misaligned, _append_dict, _gather, changed_keys, _log_state, _static_of, append_records,

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ....errors import UnsupportedTypeError
-from ..names import log
+from ..base.names import log
 from .growth import appended, evicted_rows, positions
 from .incremental_state import Incremental, _leaf_codes, _raw
 from .priorities import tree_scalars

@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from ....errors import RestoreError, UnsupportedTypeError
-from ..conversion import from_storable, to_storable
+from ..base.conversion import from_storable, to_storable
 from .buffers import (META_FORMAT, _MA_MODULE_COUNTERS, _attributes, _Kind, _like, common_meta, extra_attrs,
                       handled_attrs)
 from .episode_parts import LAYOUT, _columns, _episode_table, _EpisodeParts, _int32, _split_episode

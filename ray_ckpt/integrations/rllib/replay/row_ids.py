@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from ....errors import UnsupportedTypeError
-from ..names import log
+from ..base.names import log
 from .episode_parts import _EpisodeParts
 from .growth import appended, count, kept, positions, survivors
 from .values import _Spaces, _type_name

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from ....errors import RestoreError
-from ..conversion import from_storable
+from ..base.conversion import from_storable
 from .buffers import META_FORMAT, _Kind, _like, buffer_kind
 from .episode_parts import LAYOUT
 from .episode_rebuild import _rebuild_records

@@ -24,8 +24,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ...errors import UnsupportedTypeError
-from ...formats.nodes import unsupported_at
+from ....errors import UnsupportedTypeError
+from ....formats.nodes import unsupported_at
 from ._rllib_internals import RUNNING_STAT_ARRAYS, RUNNING_STAT_MARKER
 
 try:
@@ -156,7 +156,7 @@ def from_storable(obj: Any) -> Any:
     return obj
 
 
-def _deep_equal(a: Any, b: Any) -> bool:
+def deep_equal(a: Any, b: Any) -> bool:
     """Structural, bit-exact equality of two storable states (arrays compared by dtype, shape, bytes)."""
     if isinstance(a, (np.ndarray, np.generic)) or isinstance(b, (np.ndarray, np.generic)):
         a2, b2 = np.asarray(a), np.asarray(b)
@@ -165,9 +165,9 @@ def _deep_equal(a: Any, b: Any) -> bool:
     if torch is not None and isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
     if isinstance(a, dict):
-        return isinstance(b, dict) and list(a) == list(b) and all(_deep_equal(a[k], b[k]) for k in a)
+        return isinstance(b, dict) and list(a) == list(b) and all(deep_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_deep_equal(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(deep_equal(x, y) for x, y in zip(a, b))
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
     return type(a) is type(b) and a == b

@@ -60,7 +60,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ...ray_internals import assigned_in_source, missing_among
+from ....ray_internals import assigned_in_source, missing_among
 from .learner_params import set_outside_params
 from .names import log
 

@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
-from ...errors import RestoreError
+from ....errors import RestoreError
 
 __all__ = ["OUTSIDE_MODULE", "registered_optimizers", "with_outside_params", "set_outside_params"]
 
