@@ -20,10 +20,10 @@ import ray
 import torch
 
 
-def qwen2_config(hidden: int = 64, layers: int = 2):
+def qwen2_config(hidden: int = 64, layers: int = 2, vocab: int = 256):
     from transformers import Qwen2Config
 
-    return Qwen2Config(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+    return Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                        tie_word_embeddings=False, attn_implementation="eager")
 
@@ -70,9 +70,9 @@ class SkyRLRank:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def build(self, ray_ckpt: Optional[dict] = None, seed: int = 0) -> str:
+    def build(self, ray_ckpt: Optional[dict] = None, seed: int = 0, size: tuple = (64, 2, 256)) -> str:
         """SkyRL's strategy (ours with ``ray_ckpt`` settings, else the stock one) and a Qwen2 prepared
-        by it: the same initial weights on every rank (seeded)."""
+        by it (``size``: hidden, layers, vocabulary): the same initial weights on every rank (seeded)."""
         from skyrl.backends.skyrl_train.distributed.fsdp_strategy import FSDPStrategy
         from transformers import AutoModelForCausalLM
 
@@ -83,7 +83,7 @@ class SkyRLRank:
             FSDPStrategy(seed=seed, **kw)
         self.strategy.setup_distributed()
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(qwen2_config())
+        model = AutoModelForCausalLM.from_config(qwen2_config(*size))
         self.model, self.opt, self.sched = self.strategy.prepare((model, None, None))
         return type(self.strategy).__name__
 
