@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/skyrl_bench")
     args = ap.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     n = max(args.ranks, args.other)
     actors = [skyrl_rank.SkyRLRank.remote() for _ in range(n)]

@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 from skyrl.backends.skyrl_train.distributed.fsdp_strategy import FSDPStrategy
+from skyrl.backends.skyrl_train.workers.model_wrapper import HFModelWrapper
 
 import ray_ckpt as rc
 from ray_ckpt import InvalidArgumentError, RestoreError, SaveError
@@ -131,8 +132,9 @@ class RayCkptFSDPStrategy(FSDPStrategy):
 
     @staticmethod
     def _module(model: Any) -> torch.nn.Module:
-        """The FSDP2 module inside SkyRL's ``HFModelWrapper`` (or the module itself)."""
-        return model.model if hasattr(model, "model") and isinstance(model.model, torch.nn.Module) else model
+        """The FSDP2 module inside SkyRL's ``HFModelWrapper`` (or the module itself), as SkyRL's own
+        save and load take it."""
+        return model.model if isinstance(model, HFModelWrapper) else model
 
     # ------------------------------------------------------------------ save
     def save_checkpoint(self, model, ckpt_dir, node_local_rank, optimizer=None, scheduler=None, client_state={},
