@@ -198,9 +198,10 @@ def _trainer_save(self, ckpt_path, step, both):
 
     cfg = SkyRLTrainConfig()
     cfg.trainer.ckpt_path, cfg.trainer.max_ckpts_to_keep = ckpt_path, -1
-    trainer = Trainer.__new__(Trainer)
+    cfg.trainer.critic.model.path = "critic"  # has_critic: the step needs a policy and a critic
+    trainer = Trainer.__new__(Trainer)  # SkyRL's __init__ builds datasets and worker groups: set what the method reads
     trainer.cfg, trainer.global_step, trainer.dispatch, trainer.train_dataloader = cfg, step, Models(), Loader()
-    trainer.has_critic, trainer.tokenizer, trainer.all_timings, trainer._node_ids = True, None, {}, None
+    trainer.tokenizer, trainer.all_timings, trainer._node_ids = None, {}, None
     trainer.save_checkpoints()
     path = os.path.join(ckpt_path, "latest_ckpt_global_step.txt")
     return open(path).read().strip() if os.path.exists(path) else None
