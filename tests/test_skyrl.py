@@ -43,7 +43,7 @@ if importlib.util.find_spec("skyrl") is None:
     pytest.skip("SkyRL is not installed: make install-skyrl, then make test-skyrl (docs/skyrl.md)",
                 allow_module_level=True)
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]  # SkyRL's import and the ranks' start: minutes on 2 cores
 
 for _m in (sys.modules[__name__], gloo_util, skyrl_rank):
     ray.cloudpickle.register_pickle_by_value(_m)
