@@ -31,7 +31,17 @@ OLDEST_TESTS ?= tests/test_ray_internals.py tests/test_rllib_internals.py tests/
   tests/test_rllib.py::test_ppo_saved_by_callback_restores_into_fresh_algorithm \
   tests/test_rllib.py::test_a_local_learners_state_is_saved_as_it_was_at_save
 
-.PHONY: test-slow test-all install install-oldest demo test bench clean
+# `make test-skyrl`: tests/test_skyrl.py against SkyRL itself, in a venv of its own: skyrl 0.4.0 needs
+# Python >= 3.12 and pins ray==2.57.0 (inside ray_ckpt's 2.55-2.60). Its requirements come from
+# requirements-skyrl.txt (skyrl's own, less flash-attn, which has no CPU build), then the skyrl wheel
+# with --no-deps, then this package (editable) with its test extra, torch and ray held where they are.
+SKYRL_PYTHON ?= python3.12
+SKYRL_VENV ?= .venv-skyrl
+SKYRL_PY := $(SKYRL_VENV)/bin/python
+SKYRL_VERSION ?= 0.4.0
+SKYRL_RAY ?= 2.57.0
+
+.PHONY: test-slow test-all install install-oldest install-skyrl test-skyrl demo test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
@@ -62,6 +72,24 @@ $(OLDEST_VENV)/.installed: pyproject.toml
 
 install-oldest: $(OLDEST_VENV)/.installed
 
+$(SKYRL_VENV)/.installed: pyproject.toml requirements-skyrl.txt
+	@$(SKYRL_PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 12))' || \
+	  { echo "SkyRL needs Python >= 3.12; $(SKYRL_PYTHON) is $$($(SKYRL_PYTHON) -V 2>&1). Use: make SKYRL_PYTHON=/path/to/python3.12 ..." >&2; exit 1; }
+	$(SKYRL_PYTHON) -m venv $(SKYRL_VENV)
+	$(SKYRL_PY) -m pip install -q --upgrade pip
+	$(SKYRL_PY) -m pip install -q torch==$(TORCH_VERSION) $(TORCH_SOURCE)
+	printf 'torch==$(TORCH_VERSION)\nray==$(SKYRL_RAY)\n' > $(SKYRL_VENV)/constraints.txt
+	$(SKYRL_PY) -m pip install -q -r requirements-skyrl.txt -c $(SKYRL_VENV)/constraints.txt
+	$(SKYRL_PY) -m pip install -q --no-deps skyrl==$(SKYRL_VERSION)
+	$(SKYRL_PY) -m pip install -q -e ".[test]" -c $(SKYRL_VENV)/constraints.txt
+	$(SKYRL_PY) -c "import torch, ray, skyrl, ray_ckpt; print('SkyRL venv: torch', torch.__version__, 'ray', ray.__version__)"
+	touch $@
+
+install-skyrl: $(SKYRL_VENV)/.installed
+
+test-skyrl: install-skyrl
+	$(SKYRL_PY) -m pytest -q tests/test_skyrl.py --durations=10
+
 demo: install
 	$(VENV)/bin/ray-ckpt demo
 
@@ -73,11 +101,11 @@ test: install install-oldest
 test-slow: install
 	$(PY) -m pytest -q -m slow --durations=10
 
-# what CI runs (.ci/run): both
-test-all: test test-slow
+# what CI runs (.ci/run): all three
+test-all: test test-slow test-skyrl
 
 bench: install
 	$(PY) benchmarks/save_stall.py
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(OLDEST_VENV) $(SKYRL_VENV) *.egg-info .pytest_cache

@@ -1,0 +1,80 @@
+"""What SkyRL's resume reads, written when a step's versions commit (never before).
+
+SkyRL's trainer saves each model into ``<ckpt_path>/global_step_N/<role>`` (``policy``, ``critic``)
+and resumes from ``<ckpt_path>/latest_ckpt_global_step.txt`` (``RayPPOTrainer.load_checkpoints``).
+Rank 0 of each role's :class:`RayCkptFSDPStrategy` writes, once its version of step N commits:
+
+* ``global_step_N/<role>/ray_ckpt.json``: the pointer (run, step, world size) that
+  ``load_checkpoint`` reads; a role folder without one holds no committed ray_ckpt version;
+* the tracker, when step N is complete (:func:`complete`), atomically and only forward.
+
+Step N is complete when every role listed in ``global_step_N/ray_ckpt_roles.json`` (written by
+:class:`~ray_ckpt.integrations.skyrl.trainer.RayCkptTrainerMixin` before the trainer's saves, with
+its own ``trainer_state.pt`` named there too) holds a pointer of step N and every file listed
+exists; without that file (the strategy used on its own), when every role folder in
+``global_step_N`` holds a pointer of step N. Whoever sees the last piece (a role's commit, or the
+trainer once its files are written) advances the tracker. No SkyRL import here."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Optional
+
+from ..committed import LOCK, atomic_write, read_pointer
+
+TRACKER = "latest_ckpt_global_step.txt"  # skyrl.train.trainer.RayPPOTrainer.save_checkpoints
+ROLES = "ray_ckpt_roles.json"
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+def step_of_path(ckpt_dir: str) -> Optional[int]:
+    """N of ``.../global_step_N/<role>``, else None."""
+    m = _STEP_DIR.match(os.path.basename(os.path.dirname(os.path.abspath(ckpt_dir))))
+    return int(m.group(1)) if m else None
+
+
+def write_roles(step_dir: str, roles: list, files: list) -> None:
+    """Before a step's saves: the roles (and the trainer's files) step N needs to be complete."""
+    os.makedirs(step_dir, exist_ok=True)
+    for role in roles:
+        os.makedirs(os.path.join(step_dir, role), exist_ok=True)
+    atomic_write(os.path.join(step_dir, ROLES), json.dumps({"roles": list(roles), "files": list(files)}))
+
+
+def complete(step_dir: str, step: int) -> bool:
+    """Whether every part of step ``step`` in ``step_dir`` is committed (see the module)."""
+    try:
+        with open(os.path.join(step_dir, ROLES)) as f:
+            listed = json.load(f)
+        roles, files = list(listed["roles"]), list(listed["files"])
+    except FileNotFoundError:
+        roles = [d for d in sorted(os.listdir(step_dir)) if os.path.isdir(os.path.join(step_dir, d))]
+        files = []
+    if not roles or not all(os.path.isfile(os.path.join(step_dir, f)) for f in files):
+        return False
+    for role in roles:
+        pointer = read_pointer(os.path.join(step_dir, role))
+        if pointer is None or int(pointer.get("step", -1)) != step:
+            return False
+    return True
+
+
+def read_tracker(ckpt_path: str) -> Optional[int]:
+    try:
+        with open(os.path.join(ckpt_path, TRACKER), "rb") as f:
+            return int(f.read().decode().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def advance_if_complete(step_dir: str, step: int) -> Optional[int]:
+    """Write ``step`` into the tracker above ``step_dir`` when the step is complete and the tracker
+    names no newer step; returns the step the tracker names afterwards."""
+    ckpt_path = os.path.dirname(os.path.abspath(step_dir))
+    with LOCK:
+        current = read_tracker(ckpt_path)
+        if (current is not None and current >= step) or not complete(step_dir, step):
+            return current
+        atomic_write(os.path.join(ckpt_path, TRACKER), str(step))
+        return step
