@@ -81,6 +81,39 @@ CHECKS: dict[str, tuple[str | None, list[str], int, int]] = {
 }
 
 
+# guides whose install block is a Makefile target's recipe, which CI runs (``make test-all``) instead of
+# this test: the block must install what the target installs, in the same order (_make_installs)
+MAKE_RECIPES = {"docs/skyrl.md": "$(SKYRL_VENV)/.installed"}
+
+
+def _pip_args(line: str) -> list[str]:
+    """What one ``pip install`` line installs: its arguments less quiet flags, constraints, index
+    options and ``-U pip`` (the venv's own pip upgrade)."""
+    words = re.sub(r"-c\s+(<\([^)]*\)|\S+)", " ", line.split("pip install", 1)[1]).split()
+    out, skip = [], False
+    for w in words:
+        if skip:
+            skip = False
+        elif w in ("--index-url", "--extra-index-url", "--retries", "--timeout"):
+            skip = True
+        elif w not in ("-q", "-U", "--upgrade"):
+            out.append(w.strip("'\""))
+    return [] if out == ["pip"] else out
+
+
+def _make_installs(target: str) -> list[list[str]]:
+    """The ``pip install`` steps of a Makefile target's recipe, its variables expanded."""
+    text = (ROOT / "Makefile").read_text(encoding="utf-8")
+    values = dict(re.findall(r"^(\w+) \??:?= *([^\n$]*)$", text, re.M))
+    body = text.split(f"\n{target}:", 1)[1].split("\n\n", 1)[0]
+    steps = []
+    for line in body.splitlines():
+        line = re.sub(r"\$\((\w+)\)", lambda m: values.get(m.group(1), ""), line)
+        if "pip install" in line and _pip_args(line):
+            steps.append(_pip_args(line))
+    return steps
+
+
 def _guides() -> list[Path]:
     return [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 
@@ -112,7 +145,11 @@ def test_every_install_command_in_the_guides_is_a_tested_recipe():
         recipes = _recipes(guide)
         assert len(recipes) <= 1, f"{name} has {len(recipes)} install recipes; one per guide"
         for block in FENCE.findall(text):
-            if "pip install" in block:
+            if "pip install" in block and name in MAKE_RECIPES:
+                steps = [_pip_args(ln) for ln in block.splitlines() if "pip install" in ln and _pip_args(ln)]
+                assert steps == _make_installs(MAKE_RECIPES[name]), \
+                    f"{name}: its install block and `make` {MAKE_RECIPES[name]} install different things"
+            elif "pip install" in block:
                 assert block in recipes, f"{name}: a code block installs with pip without {MARK}:\n{block}"
         for extra_list in re.findall(r"""\.\[([\w,-]+)\]""", text):
             unknown = set(extra_list.split(",")) - extras
