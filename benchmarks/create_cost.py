@@ -43,7 +43,8 @@ import ray_ckpt as rc  # noqa: E402
 from ray_ckpt.client import run_lifetime  # noqa: E402
 from ray_ckpt.config import EngineConfig  # noqa: E402
 from ray_ckpt.client.coordinator_client import ask_coordinator  # noqa: E402
-from ray_ckpt.coordinator.lease import OwnerLease, job_alive, ray_identity, read_owner, write_owner  # noqa: E402
+from ray_ckpt.coordinator.lease import OwnerLease, ray_identity, read_owner, write_owner  # noqa: E402
+from ray_ckpt.ray_internals import job_alive  # noqa: E402
 from ray_ckpt.storage.ownership import claim  # noqa: E402
 
 _TICK = os.sysconf("SC_CLK_TCK")
