@@ -35,7 +35,10 @@ OLDEST_TESTS ?= tests/test_ray_internals.py tests/test_rllib_internals.py tests/
 # Python >= 3.12 and pins ray==2.57.0 (inside ray_ckpt's 2.55-2.60). Its requirements come from
 # requirements-skyrl.txt (skyrl's own, less flash-attn, which has no CPU build), then the skyrl wheel
 # with --no-deps, then this package (editable) with its test extra, torch and ray held where they are.
-SKYRL_PYTHON ?= python3.12
+# the first of python3.12, python3.13 or pyenv's 3.12.x / 3.13.x that runs (a pyenv shim answers to the name
+# python3.12 where that version is installed but not selected, and fails when run)
+SKYRL_PYTHON ?= $(shell for p in python3.12 python3.13 $$(pyenv root 2>/dev/null)/versions/3.1[23]*/bin/python3; do \
+  $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1 && { echo $$p; break; }; done)
 SKYRL_VENV ?= .venv-skyrl
 SKYRL_PY := $(SKYRL_VENV)/bin/python
 SKYRL_VERSION ?= 0.4.0
@@ -73,7 +76,7 @@ $(OLDEST_VENV)/.installed: pyproject.toml
 install-oldest: $(OLDEST_VENV)/.installed
 
 $(SKYRL_VENV)/.installed: pyproject.toml requirements-skyrl.txt
-	@$(SKYRL_PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 12))' || \
+	@test -n "$(SKYRL_PYTHON)" && $(SKYRL_PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 12))' || \
 	  { echo "SkyRL needs Python >= 3.12; $(SKYRL_PYTHON) is $$($(SKYRL_PYTHON) -V 2>&1). Use: make SKYRL_PYTHON=/path/to/python3.12 ..." >&2; exit 1; }
 	$(SKYRL_PYTHON) -m venv $(SKYRL_VENV)
 	$(SKYRL_PY) -m pip install -q --upgrade pip
