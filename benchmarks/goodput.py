@@ -1,0 +1,690 @@
+"""Goodput under seeded preemptions, measured on a multi-node Ray cluster on this machine (issue 45).
+
+    python benchmarks/goodput.py --quick          # 64 MB state, 2 schedules x 90 s   (< ~5 min)
+    python benchmarks/goodput.py                  # 128 MB state, 3 schedules x 240 s (< ~20 min)
+        [--mb N] [--phase-s S] [--every N] [--step-s S] [--notice-s S] [--replace-delay-s S]
+        [--events N] [--seed N] [--costs benchmarks/goodput_costs.json] [--md FILE]
+
+Goodput = steps of progress kept at the end of a phase ÷ the steps the same job makes in the same
+wall time with no faults and no checkpoints (the ``baseline`` learner, run at the same time on a
+node that is never preempted, so that it shares the machine's load with the arms).
+
+The job: one learner actor per arm holding ``--mb`` MB of float32 state; a step updates the whole
+state in place (``w.mul_(0.999).add_(0.001)``) and then sleeps ``--step-s`` seconds, which stands
+for the accelerator's compute (a sleep, so that five learners on two cores do not measure each
+other's CPU use; the checkpointers' own CPU use still slows every arm alike). Progress is a counter
+inside the state: a restored state brings back the progress it was saved at.
+
+Arms, side by side in one run, each learner on its own Ray node (``slot_<arm>``, 2 CPUs):
+
+* ``none``       no checkpoints: a lost learner starts again from step 0;
+* ``framework``  what a user does without ray_ckpt: every ``--every`` steps the loop calls
+                 ``torch.save`` of the state to a shared directory (the "remote": the same disk for
+                 every node here), blocking; a restarted learner ``torch.load``s it;
+* ``ray_ckpt``   ``engine.save()`` at the same cadence, local tier per node and the remote tier (a
+                 real S3-compatible server on 127.0.0.1, tests/s3server.py) every save
+                 (``remote_every=1``), ``on_preemption="evacuate"`` (the coordinator copies a drained
+                 node's only copies away; the loop makes no extra save);
+* ``rc_every``   ``engine.save()`` every step with ``peer_replicas=1`` (holders on the spare node),
+                 the remote tier every ``--every`` saves, and ``engine.save_if_preempted()`` each step.
+
+Fault schedules (one phase of ``--phase-s`` seconds each, fresh learners and runs per phase), with
+``--events`` preemptions at seeded times; each one takes every arm's node at once:
+
+* ``no-notice``  the node is removed at once (processes killed, not gracefully) and its disk deleted;
+* ``notice``     ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds
+                 N`` first, the node removed at the deadline;
+* ``mixed``      (default run only) each event is one or the other, seeded.
+
+A replacement node with the same resources joins ``--replace-delay-s`` after the removal; the
+learner (``max_restarts=-1``) restarts there and the arm restores. Measured costs go to
+``benchmarks/goodput_costs.json`` for ``benchmarks/goodput_sim.py``.
+
+Every wait is bounded; a bound that expires prints what was waited on and the arm stops for the
+rest of its phase (reported as ``stuck``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+import ray
+import torch
+from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+import ray_ckpt as rc  # noqa: E402
+from s3server import S3Server  # noqa: E402
+
+ARMS = ("none", "framework", "ray_ckpt", "rc_every")
+T0 = time.monotonic()
+MB = 1 << 20
+
+
+def say(msg: str) -> None:
+    print(f"[{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------- the job
+@ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0.5)
+class Learner:
+    def __init__(self, mb: int, step_s: float, seed: int):
+        torch.set_num_threads(1)
+        g = torch.Generator().manual_seed(seed)
+        self.w = torch.rand(mb * MB // 4, generator=g)
+        self.steps = 0
+        self.step_s = step_s
+
+    def train(self) -> int:
+        self.w.mul_(0.999).add_(0.001)
+        time.sleep(self.step_s)  # the accelerator's compute
+        self.steps += 1
+        return self.steps
+
+    def progress(self) -> int:
+        return self.steps
+
+    def ckpt_get_state(self, name):
+        return {"w": self.w, "steps": self.steps}
+
+    def ckpt_set_state(self, name, state):
+        self.w, self.steps = state["w"], int(state["steps"])
+
+    # the framework's own checkpointing: torch.save to shared storage, blocking
+    def torch_save(self, path: str) -> float:
+        t = time.perf_counter()
+        tmp = path + ".tmp"
+        torch.save({"w": self.w, "steps": self.steps}, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return time.perf_counter() - t
+
+    def torch_load(self, path: str):
+        t = time.perf_counter()
+        if not os.path.exists(path):
+            return 0, None
+        st = torch.load(path)
+        self.w, self.steps = st["w"], int(st["steps"])
+        return self.steps, time.perf_counter() - t
+
+    def where(self):
+        return os.getpid(), ray.get_runtime_context().get_node_id()
+
+
+def bounded(what: str, fn, timeout: float):
+    """Run ``fn`` in a thread; its result, or TimeoutError naming ``what`` after ``timeout`` s."""
+    box = {}
+
+    def run():
+        try:
+            box["ok"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["err"] = exc
+
+    th = threading.Thread(target=run, daemon=True, name=f"bounded:{what}")
+    th.start()
+    th.join(timeout)
+    if th.is_alive():
+        raise TimeoutError(f"{what}: not within {timeout:.0f}s")
+    if "err" in box:
+        raise box["err"]
+    return box["ok"]
+
+
+def drain(address: str, node: str, seconds: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "ray.scripts.scripts", "drain-node", "--address", address, "--node-id", node,
+           "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot preemption (goodput.py)",
+           "--deadline-remaining-seconds", str(seconds)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+# ----------------------------------------------------------------------------- the cluster
+class Nodes:
+    """The arms' nodes: ``slot_<arm>`` resources, label zone=learners (peer holders go elsewhere)."""
+
+    def __init__(self, cluster: Cluster, store: int, root: str):
+        self.cluster, self.store, self.root = cluster, store, root
+        self.node = {}
+        self.replace_s = []
+        self.lock = threading.Lock()
+
+    def add(self, arm: str):
+        t = time.perf_counter()
+        n = self.cluster.add_node(num_cpus=2, resources={f"slot_{arm}": 1}, labels={"zone": "learners"},
+                                  object_store_memory=self.store)
+        dt = time.perf_counter() - t
+        with self.lock:
+            self.node[arm] = n
+        return n, dt
+
+    def remove(self, arm: str, graceful: bool) -> str:
+        with self.lock:
+            n = self.node.pop(arm)
+        self.cluster.remove_node(n, allow_graceful=graceful)
+        shutil.rmtree(os.path.join(self.root, "local", n.node_id[:12]), ignore_errors=True)  # its disk goes too
+        return n.node_id
+
+
+# ----------------------------------------------------------------------------- one arm's loop
+class Arm(threading.Thread):
+    def __init__(self, arm: str, phase: str, args, learner, engine, shared: str, stop: threading.Event,
+                 notices: dict):
+        super().__init__(daemon=True, name=f"arm-{arm}")
+        self.arm, self.phase, self.args, self.learner, self.engine = arm, phase, args, learner, engine
+        self.shared, self.stop_ev, self.notices = shared, stop, notices
+        self.path = os.path.join(shared, f"{arm}.pt")
+        self.progress = 0
+        self.made = 0  # train() calls that returned
+        self.restarts = 0
+        self.restore_s = []  # (tier, seconds)
+        self.down_s = []  # node lost -> training again
+        self.detect_s = []
+        self.save_pause = []
+        self.save_errors = 0
+        self.ver = 0
+        self.ver_progress = {}
+        self.framework_saved = 0
+        self.stuck = None
+        self.restore_failed = 0
+        self.notice_seen = {}  # noticed_at -> seconds from the drain to the loop seeing it
+        self.notice_saved = []  # seconds from the drain to the last save committed
+        self.pid = None
+
+    # the learner's answers, bounded
+    def _get(self, ref, what, timeout):
+        return ray.get(ref, timeout=timeout)
+
+    def run(self):
+        try:
+            self.pid = self._get(self.learner.where.remote(), "where", 120)[0]
+            while not self.stop_ev.is_set():
+                try:
+                    p = self._get(self.learner.train.remote(), "train", self.args.step_s + 60)
+                except Exception as exc:  # noqa: BLE001 - a lost learner, or one that stopped answering
+                    self._recover(exc)
+                    continue
+                self.progress, self.made = p, self.made + 1
+                try:
+                    self._checkpoint(p)
+                except Exception as exc:  # noqa: BLE001
+                    if self._alive():
+                        self.save_errors += 1
+                        say(f"{self.phase}/{self.arm}: save error (learner alive): {type(exc).__name__}: "
+                            f"{str(exc)[:300]}")
+                    else:
+                        self._recover(exc)
+        except StopArm as exc:
+            self.stuck = str(exc)
+            say(f"{self.phase}/{self.arm}: STUCK for the rest of the phase: {exc}")
+        except Exception:  # noqa: BLE001
+            self.stuck = traceback.format_exc(limit=3)
+            say(f"{self.phase}/{self.arm}: FAILED: {self.stuck}")
+
+    def _alive(self) -> bool:
+        try:
+            return self._get(self.learner.where.remote(), "where", 10)[0] == self.pid
+        except Exception:  # noqa: BLE001
+            return False
+
+    def _checkpoint(self, p: int) -> None:
+        every = self.args.every
+        if self.arm == "framework" and p % every == 0:
+            dt = self._get(self.learner.torch_save.remote(self.path), "torch.save", 300)
+            self.save_pause.append(dt)
+            self.framework_saved = p
+        elif self.arm == "ray_ckpt" and p % every == 0:
+            self._save(p)
+        elif self.arm == "rc_every":
+            self._notice()
+            t = time.perf_counter()
+            h = self.engine.save_if_preempted(self.ver + 1)
+            if h is not None:
+                self.ver += 1
+                self.ver_progress[self.ver] = p
+                self.save_pause.append(time.perf_counter() - t)
+                self._watch_last_save(h)
+            else:
+                self._save(p)
+
+    def _save(self, p: int) -> None:
+        t = time.perf_counter()
+        self.engine.save(self.ver + 1)
+        self.ver += 1
+        self.ver_progress[self.ver] = p
+        self.save_pause.append(time.perf_counter() - t)
+
+    def _notice(self) -> None:
+        n = self.engine.preemption()
+        if n is not None and n.noticed_at not in self.notice_seen:
+            drained = self.notices.get("drained_at")
+            self.notice_seen[n.noticed_at] = (time.time() - drained) if drained else None
+
+    def _watch_last_save(self, h) -> None:
+        drained = self.notices.get("drained_at")
+        n = self.engine.preemption()
+        left = max(1.0, n.seconds_left()) if n is not None else self.args.notice_s
+
+        def wait():
+            try:
+                h.wait(timeout=left)
+                if drained:
+                    self.notice_saved.append(time.time() - drained)
+                say(f"{self.phase}/{self.arm}: last save at the notice committed (version {h.step}, progress "
+                    f"{self.ver_progress.get(h.step)}) {time.time() - drained:.1f}s after the drain")
+            except Exception as exc:  # noqa: BLE001
+                say(f"{self.phase}/{self.arm}: the last save at the notice did not commit in {left:.0f}s: "
+                    f"{type(exc).__name__}: {str(exc)[:200]}")
+        threading.Thread(target=wait, daemon=True).start()
+
+    def _recover(self, exc: Exception) -> None:
+        t_lost = time.time()
+        removed = self.notices.get("removed_at")
+        if removed and t_lost - removed < 120:
+            self.detect_s.append(t_lost - removed)
+        say(f"{self.phase}/{self.arm}: learner lost at progress {self.progress} ({type(exc).__name__}); "
+            f"waiting for its restart")
+        self.restarts += 1
+        bound = self.args.replace_delay_s + 240
+        deadline = time.monotonic() + bound
+        last = None
+        while True:
+            if time.monotonic() > deadline:
+                raise StopArm(f"the learner's restart on a replacement node: not within {bound:.0f}s "
+                              f"(last answer: {last!r})")
+            try:
+                pid, node = self._get(self.learner.where.remote(), "where", 10)
+                if pid != self.pid:
+                    self.pid = pid
+                    break
+                last = f"still the old process {pid} on {node[:12]}"
+            except Exception as e:  # noqa: BLE001
+                last = f"{type(e).__name__}: {str(e)[:160]}"
+            time.sleep(0.5)
+        t_back = time.time()
+        self.progress = 0
+        if self.arm == "framework":
+            p, dt = self._get(self.learner.torch_load.remote(self.path), "torch.load", 300)
+            self.progress = p
+            if dt is not None:
+                self.restore_s.append(("remote", dt))
+        elif self.arm in ("ray_ckpt", "rc_every"):
+            t = time.perf_counter()
+            try:
+                report = bounded(f"{self.arm}: engine.restore()", lambda: self.engine.restore(), 300)
+                st = report.states["policy"]
+                self.restore_s.append((str(st.tier), time.perf_counter() - t))
+                self.progress = self._get(self.learner.progress.remote(), "progress", 30)
+                say(f"{self.phase}/{self.arm}: restored version {report.version} (progress {self.progress}) from "
+                    f"{st.tier} in {time.perf_counter() - t:.2f}s")
+            except TimeoutError as e:
+                raise StopArm(str(e)) from None
+            except Exception as e:  # noqa: BLE001 - nothing restorable: the fresh learner starts at 0
+                self.restore_failed += 1
+                say(f"{self.phase}/{self.arm}: restore failed, starting from 0: {type(e).__name__}: {str(e)[:300]}")
+        self.down_s.append(time.time() - t_lost)
+        say(f"{self.phase}/{self.arm}: training again at progress {self.progress}, "
+            f"{time.time() - t_back:.1f}s after the restart, {time.time() - t_lost:.1f}s after the loss")
+
+    def kept(self) -> int:
+        """Progress kept at the end: the live learner's, else the newest restorable checkpoint's."""
+        try:
+            return int(self._get(self.learner.progress.remote(), "progress", 15))
+        except Exception:  # noqa: BLE001
+            pass
+        if self.arm == "framework":
+            return self.framework_saved
+        if self.engine is not None:
+            try:
+                listed = bounded("list_checkpoints", self.engine.list_checkpoints, 30)
+                vs = [m.version for m in listed]
+                return self.ver_progress.get(max(vs), 0) if vs else 0
+            except Exception:  # noqa: BLE001
+                return 0
+        return 0
+
+
+class StopArm(Exception):
+    pass
+
+
+class Baseline(threading.Thread):
+    def __init__(self, learner, stop):
+        super().__init__(daemon=True, name="baseline")
+        self.learner, self.stop_ev, self.steps, self.err = learner, stop, 0, None
+        self.step_times = []
+
+    def run(self):
+        try:
+            while not self.stop_ev.is_set():
+                t = time.perf_counter()
+                self.steps = ray.get(self.learner.train.remote(), timeout=120)
+                self.step_times.append(time.perf_counter() - t)
+        except Exception as exc:  # noqa: BLE001
+            self.err = repr(exc)
+            say(f"baseline failed: {exc!r}")
+
+
+# ----------------------------------------------------------------------------- schedules
+def schedule(kind: str, phase_s: float, events: int, seed: int, notice_s: int, tail_s: float):
+    """Seeded event times: one per slot of the phase, none in the last ``tail_s`` seconds."""
+    rng = random.Random(f"{seed}:{kind}")
+    span = max(10.0, phase_s - tail_s)
+    slot = span / events
+    out = []
+    for i in range(events):
+        t = 8.0 + i * slot + rng.uniform(0.2, 0.7) * slot
+        with_notice = kind == "notice" or (kind == "mixed" and rng.random() < 0.5)
+        out.append((round(t, 1), with_notice))
+    return out
+
+
+def chaos(cluster_address, nodes: Nodes, events, args, t_start, notices: dict, log: list, done: threading.Event):
+    order = list(ARMS)
+    try:
+        for i, (at, with_notice) in enumerate(events):
+            wait = t_start + at - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            order = order[1:] + order[:1]  # who is removed and replaced first rotates
+            ids = {a: nodes.node[a].node_id for a in order}
+            if with_notice:
+                t = time.time()
+                procs = {a: drain(cluster_address, ids[a], args.notice_s) for a in order}
+                for a, p in procs.items():
+                    try:
+                        out, _ = p.communicate(timeout=60)
+                        if p.returncode != 0:
+                            say(f"chaos: drain of {a}'s node failed: {out[-400:]}")
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+                        say(f"chaos: drain of {a}'s node: ray drain-node did not return within 60s")
+                notices["drained_at"] = t
+                say(f"chaos: event {i + 1}: every arm's node drained for preemption, deadline {args.notice_s}s "
+                    f"(the drain calls took {time.time() - t:.1f}s)")
+                left = t + args.notice_s - time.time()
+                if left > 0:
+                    time.sleep(left)
+            else:
+                notices["drained_at"] = None
+            t = time.time()
+            notices["removed_at"] = t
+            for a in order:
+                nodes.remove(a, graceful=with_notice)
+            say(f"chaos: event {i + 1}: every arm's node removed ({'at the deadline' if with_notice else 'no notice'}"
+                f"; {time.time() - t:.1f}s)")
+            time.sleep(args.replace_delay_s)
+            for a in order:
+                _, dt = nodes.add(a)
+                nodes.replace_s.append(dt)
+            say(f"chaos: event {i + 1}: replacement nodes joined (add_node {', '.join(f'{x:.1f}' for x in nodes.replace_s[-len(order):])}s)")
+            log.append({"at": at, "notice": with_notice, "removed_at": t})
+    except Exception:  # noqa: BLE001
+        say(f"chaos FAILED: {traceback.format_exc(limit=4)}")
+    finally:
+        done.set()
+
+
+# ----------------------------------------------------------------------------- costs measured apart
+def calibrate(args, root, srv, spare_id) -> dict:
+    """Local and remote restore times and the save pause on a quiet cluster (no faults)."""
+    out = {}
+    learner = Learner.options(resources={"slot_base": 1},
+                              scheduling_strategy=NodeAffinitySchedulingStrategy(spare_id, soft=False)
+                              ).remote(args.mb, 0.0, 7)
+    ray.get(learner.train.remote(), timeout=120)
+    eng = rc.CheckpointEngine.create("cal", local_dir=os.path.join(root, "local", "{node_id}"),
+                                     remote_uri=srv.uri("runs"), remote_options=srv.options, critical_writers=1,
+                                     best_effort_writers=0, remote_every=1)
+    try:
+        eng.register("policy", learner)
+        pauses = []
+        for step in range(1, 4):
+            ray.get(learner.train.remote(), timeout=120)
+            t = time.perf_counter()
+            h = eng.save(step)
+            pauses.append(time.perf_counter() - t)
+            h.wait(timeout=300, durability="remote")
+        out["save_pause_s"] = statistics.median(pauses)
+        t = time.perf_counter()
+        rep = bounded("calibration restore (local)", eng.restore, 300)
+        out["local"] = (str(rep.states["policy"].tier), time.perf_counter() - t)
+        # the local copy gone: the same version from the remote tier
+        shutil.rmtree(os.path.join(root, "local", spare_id[:12], "cal"), ignore_errors=True)
+        t = time.perf_counter()
+        rep = bounded("calibration restore (remote)", eng.restore, 300)
+        out["remote"] = (str(rep.states["policy"].tier), time.perf_counter() - t)
+        p = os.path.join(root, "cal.pt")
+        saves = [ray.get(learner.torch_save.remote(p), timeout=300) for _ in range(3)]
+        out["framework_save_pause_s"] = statistics.median(saves)
+        out["framework_load_s"] = ray.get(learner.torch_load.remote(p), timeout=300)[1]
+    finally:
+        try:
+            bounded("cal shutdown", lambda: eng.shutdown(timeout=30), 60)
+        except Exception as exc:  # noqa: BLE001
+            say(f"calibration: shutdown: {exc!r}")
+        ray.kill(learner)
+    say(f"calibration: {out}")
+    return out
+
+
+# ----------------------------------------------------------------------------- one phase
+def run_phase(kind, args, root, srv, cluster, nodes: Nodes, spare_id, results, costs):
+    say(f"=== phase {kind}: {args.phase_s:.0f}s")
+    shared = os.path.join(root, "shared", kind)
+    os.makedirs(shared, exist_ok=True)
+    local = os.path.join(root, "local", "{node_id}")
+    learners, engines = {}, {}
+    for i, arm in enumerate(ARMS):
+        learners[arm] = Learner.options(resources={f"slot_{arm}": 1}).remote(args.mb, args.step_s, i)
+    base = Learner.options(resources={"slot_base": 1},
+                           scheduling_strategy=NodeAffinitySchedulingStrategy(spare_id, soft=False)
+                           ).remote(args.mb, args.step_s, 99)
+    ray.get([a.where.remote() for a in learners.values()] + [base.where.remote()], timeout=180)
+    common = dict(local_dir=local, remote_uri=srv.uri("runs"), remote_options=srv.options, critical_writers=1,
+                  best_effort_writers=0, keep_last=3, remote_keep_last=2)
+    engines["ray_ckpt"] = rc.CheckpointEngine.create(f"gp-{kind}-c", remote_every=1, on_preemption="evacuate",
+                                                     **common)
+    engines["rc_every"] = rc.CheckpointEngine.create(f"gp-{kind}-d", remote_every=args.every, peer_replicas=1,
+                                                     peer_domain_label="zone", peer_memory_mb=4 * args.mb,
+                                                     on_preemption="save", **common)
+    for arm, e in engines.items():
+        e.register("policy", learners[arm])
+    stop, done, notices, log = threading.Event(), threading.Event(), {}, []
+    threads = {arm: Arm(arm, kind, args, learners[arm], engines.get(arm), shared, stop, notices) for arm in ARMS}
+    bl = Baseline(base, stop)
+    events = schedule(kind, args.phase_s, args.events, args.seed, args.notice_s,
+                      tail_s=args.notice_s + args.replace_delay_s + 35)
+    say(f"schedule {kind}: " + ", ".join(f"t={t}s{' notice' if n else ' no notice'}" for t, n in events))
+    t_start = time.monotonic()
+    for th in (*threads.values(), bl):
+        th.start()
+    ch = threading.Thread(target=chaos, args=(cluster.address, nodes, events, args, t_start, notices, log, done),
+                          daemon=True)
+    ch.start()
+    while time.monotonic() - t_start < args.phase_s:
+        time.sleep(1.0)
+    stop.set()
+    wall = time.monotonic() - t_start
+    for th in (*threads.values(), bl):
+        th.join(args.step_s + 70)
+        if th.is_alive():
+            say(f"{kind}: thread {th.name} still in a call {args.step_s + 70:.0f}s after the stop; counted as it stands")
+    done.wait(timeout=max(0.0, 120.0))
+    if not done.is_set():
+        say(f"{kind}: the chaos thread had not finished its events 120s after the stop")
+    baseline = max(1, bl.steps)
+    for arm, th in threads.items():
+        kept = th.kept()
+        rs = th.restore_s
+        results.append({
+            "arm": arm, "schedule": kind, "wall_s": wall, "baseline_steps": bl.steps, "kept": kept,
+            "made": th.made, "lost": max(0, th.made - kept), "goodput": kept / baseline,
+            "restarts": th.restarts, "restore_s": sum(s for _, s in rs), "restore_tiers": [t for t, _ in rs],
+            "down_s": th.down_s, "save_pause_med_s": statistics.median(th.save_pause) if th.save_pause else None,
+            "saves": len(th.save_pause), "save_errors": th.save_errors, "restore_failed": th.restore_failed,
+            "stuck": th.stuck, "events": len(log)})
+        costs["pauses"].setdefault(arm, []).extend(th.save_pause)
+        costs["restores"].extend(rs)
+        costs["detect"].extend(th.detect_s)
+        costs["notice_seen"].extend(v for v in th.notice_seen.values() if v is not None)
+        costs["notice_saved"].extend(th.notice_saved)
+        if arm == "rc_every":
+            say(f"{kind}/rc_every status: preemption={_status(engines['rc_every']).get('preemption')}")
+    costs["step"].extend(bl.step_times)
+    say(f"phase {kind}: baseline {bl.steps} steps; " + "; ".join(
+        f"{r['arm']} kept {r['kept']} ({100 * r['goodput']:.0f}%)" for r in results if r["schedule"] == kind))
+    for arm, e in engines.items():
+        try:
+            bounded(f"{arm} shutdown", lambda e=e: e.shutdown(timeout=30), 60)
+        except Exception as exc:  # noqa: BLE001
+            say(f"{kind}/{arm}: shutdown: {type(exc).__name__}: {str(exc)[:200]}")
+    for a in (*learners.values(), base):
+        try:
+            ray.kill(a)
+        except Exception:  # noqa: BLE001
+            pass
+    time.sleep(2.0)
+
+
+def _status(engine):
+    try:
+        return bounded("status", engine.status, 20)
+    except Exception as exc:  # noqa: BLE001
+        return {"error": repr(exc)}
+
+
+def med(xs):
+    return round(statistics.median(xs), 3) if xs else None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--mb", type=int, default=None)
+    ap.add_argument("--phase-s", type=float, default=None)
+    ap.add_argument("--events", type=int, default=None)
+    ap.add_argument("--every", type=int, default=10)
+    ap.add_argument("--step-s", type=float, default=0.5)
+    ap.add_argument("--notice-s", type=int, default=15)
+    ap.add_argument("--replace-delay-s", type=float, default=5.0)
+    ap.add_argument("--schedules", default=None, help="comma-separated: no-notice,notice,mixed")
+    ap.add_argument("--seed", type=int, default=45)
+    ap.add_argument("--costs", default=os.path.join(HERE, "goodput_costs.json"))
+    ap.add_argument("--md", default=None, help="also write the table (markdown) here")
+    args = ap.parse_args(argv)
+    args.mb = args.mb or (64 if args.quick else 128)
+    args.phase_s = args.phase_s or (90.0 if args.quick else 240.0)
+    args.events = args.events or (2 if args.quick else 3)
+    kinds = (args.schedules or ("no-notice,notice" if args.quick else "no-notice,notice,mixed")).split(",")
+    cmd = "python benchmarks/goodput.py " + " ".join(argv if argv is not None else sys.argv[1:])
+
+    root = tempfile.mkdtemp(prefix="rc_goodput_")
+    srv = S3Server(os.path.join(root, "s3")).start()
+    store = max(512 * MB, 6 * args.mb * MB)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False,
+                                                            "object_store_memory": 512 * MB})
+    spare = cluster.add_node(num_cpus=2, resources={"slot_base": 1}, labels={"zone": "spare"},
+                             object_store_memory=max(store, 8 * args.mb * MB))
+    nodes = Nodes(cluster, store, root)
+    results, costs = [], {"pauses": {}, "restores": [], "detect": [], "notice_seen": [], "notice_saved": [],
+                          "step": []}
+    cal = {}
+    try:
+        for arm in ARMS:
+            nodes.add(arm)
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+        say(f"cluster up: head + spare + {len(ARMS)} arm nodes (2 CPUs each); state {args.mb} MB; "
+            f"step {args.step_s}s; cadence {args.every}; notice {args.notice_s}s; replacement after "
+            f"{args.replace_delay_s}s; S3 at {srv.endpoint_url if hasattr(srv, 'endpoint_url') else ''}")
+        try:
+            cal = calibrate(args, root, srv, spare.node_id)
+        except Exception:  # noqa: BLE001
+            say(f"calibration failed: {traceback.format_exc(limit=3)}")
+        for kind in kinds:
+            run_phase(kind, args, root, srv, cluster, nodes, spare.node_id, results, costs)
+            write_outputs(args, cmd, results, costs, cal, nodes)  # partial figures survive a later failure
+    finally:
+        try:
+            ray.shutdown()
+        finally:
+            cluster.shutdown()
+            srv.stop()
+            shutil.rmtree(root, ignore_errors=True)
+    write_outputs(args, cmd, results, costs, cal, nodes, final=True)
+    return 0
+
+
+def write_outputs(args, cmd, results, costs, cal, nodes, final=False):
+    by_tier = {}
+    for tier, s in costs["restores"]:
+        by_tier.setdefault(tier, []).append(s)
+    for tier in ("local", "remote"):
+        if tier in cal and cal[tier][0] == tier:
+            by_tier.setdefault(tier, []).append(cal[tier][1])
+    rc_pauses = costs["pauses"].get("ray_ckpt", []) + costs["pauses"].get("rc_every", [])
+    out = {
+        "save_pause_s": med(rc_pauses) or cal.get("save_pause_s"),
+        "restore_s": {t: med(by_tier.get(t, [])) for t in ("local", "peer", "remote")},
+        "notice_to_saved_s": med(costs["notice_saved"]),
+        "replace_node_s": med(nodes.replace_s),
+        "step_s": med(costs["step"]),
+        "framework_save_pause_s": med(costs["pauses"].get("framework", [])) or cal.get("framework_save_pause_s"),
+        "measured_on": (f"{platform.node()}: {os.cpu_count()} cores, "
+                        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, shared with "
+                        f"other work; ray.cluster_utils.Cluster on one machine (loopback S3, one disk); state "
+                        f"{args.mb} MB float32; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cmd}"),
+        "notes": {
+            "save_pause_s": "median engine.save() call in the loop (ray_ckpt and rc_every arms, under faults)",
+            "restore_s": "median engine.restore() per tier it read from; local and remote include a quiet "
+                         "calibration restore; framework torch.load not included",
+            "notice_to_saved_s": "from `ray drain-node` returning to the save made by save_if_preempted() "
+                                 "committed (rc_every arm)",
+            "time_to_notice_s": med(costs["notice_seen"]),
+            "detect_s": med(costs["detect"]),
+            "replace_node_s": "Cluster.add_node() of a replacement (2 CPUs) until it is registered alive",
+            "framework_save_pause_s": "median blocking torch.save + fsync to the shared dir",
+            "calibration": {k: v for k, v in cal.items()},
+        },
+    }
+    with open(args.costs, "w") as f:
+        json.dump(out, f, indent=2)
+        f.write("\n")
+    lines = ["| schedule | arm | goodput % | steps kept | baseline steps | steps lost | restarts | time restoring s "
+             "| restore tiers | down s (each loss) | save pause med s (saves) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        pause = "—" if r["save_pause_med_s"] is None else f"{r['save_pause_med_s']:.3f} ({r['saves']})"
+        note = " STUCK" if r["stuck"] else ""
+        note += f" restore failed x{r['restore_failed']}" if r["restore_failed"] else ""
+        note += f" save errors x{r['save_errors']}" if r["save_errors"] else ""
+        lines.append(f"| {r['schedule']} | {r['arm']}{note} | {100 * r['goodput']:.1f} | {r['kept']} | "
+                     f"{r['baseline_steps']} | {r['lost']} | {r['restarts']} | {r['restore_s']:.2f} | "
+                     f"{','.join(r['restore_tiers']) or '—'} | {', '.join(f'{d:.0f}' for d in r['down_s']) or '—'} | "
+                     f"{pause} |")
+    table = "\n".join(lines)
+    if final:
+        print("\n" + table + "\n", flush=True)
+        print("costs -> " + args.costs + ":\n" + json.dumps(out, indent=2), flush=True)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(table + "\n\n```json\n" + json.dumps(out, indent=2) + "\n```\n")
+            f.write("\n<!-- raw -->\n```json\n" + json.dumps(results, indent=1, default=str) + "\n```\n")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
