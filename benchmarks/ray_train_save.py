@@ -142,6 +142,7 @@ def train_func(config):
             "async": ray.train.CheckpointUploadMode.ASYNC}.get(arm)
     g = torch.Generator().manual_seed(rank)
     for step in range((start or 0) + 1, config["steps"] + 1):
+        t_step = time.perf_counter()
         x, y = torch.randn(16, h, generator=g), torch.randn(16, h, generator=g)
         loss = ((model(x) - y) ** 2).mean()
         opt.zero_grad()
@@ -149,6 +150,8 @@ def train_func(config):
         opt.step()
         if rec.get("t_first") is None:
             rec["t_first"] = time.time()
+        # the rest of the step: an accelerator's compute, the CPU left free (see --step-s)
+        time.sleep(max(0.0, config["step_s"] - (time.perf_counter() - t_step)))
         save = step % config["every"] == 0
         metrics = {"loss": loss.item(), "step": step}
         entry = {"step": step, "save": save}
@@ -231,7 +234,7 @@ def fit(args, arm: str, kill_at) -> dict:
     os.makedirs(os.path.join(args.dir, "staging"), exist_ok=True)
     cfg = {"arm": arm, "run": f"rtb-{name}", "out": out, "staging": os.path.join(args.dir, "staging"),
            "local": os.path.join(args.dir, "rc_local"), "remote": "file://" + os.path.join(args.dir, "rc_remote"),
-           "steps": args.steps, "every": args.every, "kill_at": kill_at, "hidden": args.hidden,
+           "steps": args.steps, "every": args.every, "kill_at": kill_at, "hidden": args.hidden, "step_s": args.step_s,
            "layers": layers_for(args.mb, args.hidden)}
     trainer = TorchTrainer(train_func, train_loop_config=cfg,
                            scaling_config=ScalingConfig(num_workers=2, use_gpu=False,
@@ -318,6 +321,10 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=None, help="steps per Train run (default 10; quick 6)")
     ap.add_argument("--every", type=int, default=2, help="a checkpoint every N steps")
+    ap.add_argument("--step-s", type=float, default=2.5,
+                    help="each training step padded to this many seconds with a sleep (an accelerator's compute, "
+                         "the CPU free); above Ray Train's 2 s poll of the workers' results, whose queue holds one "
+                         "report: steps closer together make every report wait for that poll, whatever it carries")
     ap.add_argument("--kill-at", type=int, default=None, help="rank 1 raises after this step (default 7; quick 5)")
     ap.add_argument("--arms", default="ray_ckpt,sync,async")
     ap.add_argument("--dir", default="/tmp/ray_train_bench")
@@ -384,7 +391,7 @@ def main() -> int:
     ok_r = rc_r <= sy_r
     print(f"| restart to first step (raise -> first step after restore) | {fmt(rc_r)} | {fmt(sy_r)} | (same as SYNC) | "
           f"{ratio(rc_r, sy_r)} | | no slower than Ray Train's: {'met' if ok_r else 'NOT met'} |")
-    for key, label in (("group", "group restart (raise -> train_func again)"), ("build", "model build"),
+    for key, label in (("group", "group restart (raise -> train_func again)"), ("build", "model build (ray_ckpt: + its Checkpointer)"),
                        ("restore", "restore (ray_ckpt.restore / get_checkpoint + dcp.load)"),
                        ("step", "the first step")):
         print(f"| of which {label} | {fmt(restart('ray_ckpt', key))} | {fmt(restart('sync', key))} | | "
