@@ -1,7 +1,7 @@
 """Goodput under seeded preemptions, measured on a multi-node Ray cluster on this machine (issue 45).
 
-    python benchmarks/goodput.py --quick          # 64 MB state, 2 schedules x 90 s   (< ~5 min)
-    python benchmarks/goodput.py                  # 128 MB state, 3 schedules x 240 s (< ~20 min)
+    python benchmarks/goodput.py --quick          # 64 MB state, 2 schedules x 100 s, 1 event each (< ~5 min)
+    python benchmarks/goodput.py                  # 128 MB state, 3 schedules x 300 s, 3 events each (< ~20 min)
         [--mb N] [--phase-s S] [--every N] [--step-s S] [--notice-s S] [--replace-delay-s S]
         [--events N] [--seed N] [--costs benchmarks/goodput_costs.json] [--md FILE]
 
@@ -282,11 +282,11 @@ class Arm(threading.Thread):
     def _notice(self) -> None:
         n = self.engine.preemption()
         if n is not None and n.noticed_at not in self.notice_seen:
-            drained = self.notices.get("drained_at")
+            drained = (self.notices.get("drained_at") or {}).get(self.arm)
             self.notice_seen[n.noticed_at] = (time.time() - drained) if drained else None
 
     def _watch_last_save(self, h) -> None:
-        drained = self.notices.get("drained_at")
+        drained = (self.notices.get("drained_at") or {}).get(self.arm)
         n = self.engine.preemption()
         left = max(1.0, n.seconds_left()) if n is not None else self.args.notice_s
 
@@ -296,7 +296,8 @@ class Arm(threading.Thread):
                 if drained:
                     self.notice_saved.append(time.time() - drained)
                 say(f"{self.phase}/{self.arm}: last save at the notice committed (version {h.step}, progress "
-                    f"{self.ver_progress.get(h.step)}) {time.time() - drained:.1f}s after the drain")
+                    f"{self.ver_progress.get(h.step)})"
+                    + (f" {time.time() - drained:.1f}s after the drain" if drained else ""))
             except Exception as exc:  # noqa: BLE001
                 say(f"{self.phase}/{self.arm}: the last save at the notice did not commit in {left:.0f}s: "
                     f"{type(exc).__name__}: {str(exc)[:200]}")
@@ -304,7 +305,7 @@ class Arm(threading.Thread):
 
     def _recover(self, exc: Exception) -> None:
         t_lost = time.time()
-        removed = self.notices.get("removed_at")
+        removed = (self.notices.get("removed_at") or {}).get(self.arm)
         if removed and t_lost - removed < 120:
             self.detect_s.append(t_lost - removed)
         say(f"{self.phase}/{self.arm}: learner lost at progress {self.progress} ({type(exc).__name__}); "
@@ -398,11 +399,13 @@ class Baseline(threading.Thread):
 def schedule(kind: str, phase_s: float, events: int, seed: int, notice_s: int, tail_s: float):
     """Seeded event times: one per slot of the phase, none in the last ``tail_s`` seconds."""
     rng = random.Random(f"{seed}:{kind}")
-    span = max(10.0, phase_s - tail_s)
+    span = max(10.0, phase_s - 8.0 - tail_s)
     slot = span / events
     out = []
     for i in range(events):
-        t = 8.0 + i * slot + rng.uniform(0.2, 0.7) * slot
+        # an event no sooner than ``tail_s`` after the one before (the time a loss takes to recover
+        # from here), at a seeded point of its slot
+        t = 8.0 + i * slot + rng.uniform(0.0, max(5.0, slot - tail_s))
         with_notice = kind == "notice" or (kind == "mixed" and rng.random() < 0.5)
         out.append((round(t, 1), with_notice))
     return out
@@ -417,30 +420,43 @@ def chaos(cluster_address, nodes: Nodes, events, args, t_start, notices: dict, l
                 time.sleep(wait)
             order = order[1:] + order[:1]  # who is removed and replaced first rotates
             ids = {a: nodes.node[a].node_id for a in order}
+            notices["drained_at"], notices["removed_at"] = {}, {}
             if with_notice:
                 t = time.time()
-                procs = {a: drain(cluster_address, ids[a], args.notice_s) for a in order}
-                for a, p in procs.items():
+                ends = {}
+
+                def one(a, p):
                     try:
                         out, _ = p.communicate(timeout=60)
+                        ends[a] = time.time()  # the drain is in force once the call returns
                         if p.returncode != 0:
                             say(f"chaos: drain of {a}'s node failed: {out[-400:]}")
                     except subprocess.TimeoutExpired:
                         p.kill()
                         say(f"chaos: drain of {a}'s node: ray drain-node did not return within 60s")
-                notices["drained_at"] = t
+                ths = [threading.Thread(target=one, args=(a, drain(cluster_address, ids[a], args.notice_s)))
+                       for a in order]
+                for th in ths:
+                    th.start()
+                for th in ths:
+                    th.join(70)
+                notices["drained_at"] = dict(ends)
                 say(f"chaos: event {i + 1}: every arm's node drained for preemption, deadline {args.notice_s}s "
-                    f"(the drain calls took {time.time() - t:.1f}s)")
-                left = t + args.notice_s - time.time()
-                if left > 0:
-                    time.sleep(left)
+                    f"(ray drain-node returned after " + ", ".join(f"{a} {ends[a] - t:.1f}s" for a in ends) + ")")
+                # each node goes at its own deadline (its drain call's return + the notice)
+                for a in sorted(order, key=lambda a: ends.get(a, t)):
+                    left = ends.get(a, t) + args.notice_s - time.time()
+                    if left > 0:
+                        time.sleep(left)
+                    notices["removed_at"][a] = time.time()
+                    nodes.remove(a, graceful=True)
+                t = min(notices["removed_at"].values())
             else:
-                notices["drained_at"] = None
-            t = time.time()
-            notices["removed_at"] = t
-            for a in order:
-                nodes.remove(a, graceful=with_notice)
-            say(f"chaos: event {i + 1}: every arm's node removed ({'at the deadline' if with_notice else 'no notice'}"
+                t = time.time()
+                for a in order:
+                    notices["removed_at"][a] = time.time()
+                    nodes.remove(a, graceful=False)
+            say(f"chaos: event {i + 1}: every arm's node removed ({'at its deadline' if with_notice else 'no notice'}"
                 f"; {time.time() - t:.1f}s)")
             time.sleep(args.replace_delay_s)
             for a in order:
@@ -528,7 +544,7 @@ def run_phase(kind, args, root, srv, cluster, nodes: Nodes, spare_id, results, c
     for th in threads.values():
         th.baseline = bl
     events = schedule(kind, args.phase_s, args.events, args.seed, args.notice_s,
-                      tail_s=args.notice_s + args.replace_delay_s + 35)
+                      tail_s=args.notice_s + args.replace_delay_s + 45)
     say(f"schedule {kind}: " + ", ".join(f"t={t}s{' notice' if n else ' no notice'}" for t, n in events))
     t_start = time.monotonic()
     for th in (*threads.values(), bl):
@@ -607,8 +623,8 @@ def main(argv=None) -> int:
     ap.add_argument("--md", default=None, help="also write the table (markdown) here")
     args = ap.parse_args(argv)
     args.mb = args.mb or (64 if args.quick else 128)
-    args.phase_s = args.phase_s or (90.0 if args.quick else 240.0)
-    args.events = args.events or (2 if args.quick else 3)
+    args.phase_s = args.phase_s or (100.0 if args.quick else 300.0)
+    args.events = args.events or (1 if args.quick else 3)
     kinds = (args.schedules or ("no-notice,notice" if args.quick else "no-notice,notice,mixed")).split(",")
     cmd = "python benchmarks/goodput.py " + " ".join(argv if argv is not None else sys.argv[1:])
 
