@@ -204,6 +204,7 @@ class Arm(threading.Thread):
         self.notice_saved = []  # seconds from the drain to the last save committed
         self.pid = None
         self._after_save = None
+        self.handles = []  # the newest saves' handles: what had committed when the node went
         self.baseline = None  # set by run_phase: the no-fault learner's step times
 
     # the learner's answers, bounded
@@ -274,7 +275,8 @@ class Arm(threading.Thread):
 
     def _save(self, p: int) -> None:
         t = time.perf_counter()
-        self.engine.save(self.ver + 1)
+        h = self.engine.save(self.ver + 1)
+        self.handles = (self.handles + [h])[-40:]
         self.ver += 1
         self.ver_progress[self.ver] = p
         self._after_save = time.perf_counter() - t
@@ -328,6 +330,21 @@ class Arm(threading.Thread):
                 last = f"{type(e).__name__}: {str(e)[:160]}"
             time.sleep(0.5)
         t_back = time.time()
+        if self.handles:
+            committed, failed, pending = [], [], []
+            for h in self.handles:
+                try:
+                    if not h.done():
+                        pending.append(h.step)
+                    elif h.exception(timeout=1) is None:
+                        committed.append(h.step)
+                    else:
+                        failed.append(h.step)
+                except Exception:  # noqa: BLE001
+                    failed.append(h.step)
+            say(f"{self.phase}/{self.arm}: the last {len(self.handles)} saves when the learner came back: committed "
+                f"{_ranges(committed)}; failed {_ranges(failed)}; pending {_ranges(pending)}")
+            self.handles = []
         self.progress = 0
         if self.arm == "framework":
             p, dt = self._get(self.learner.torch_load.remote(self.path), "torch.load", 300)
@@ -368,6 +385,21 @@ class Arm(threading.Thread):
             except Exception:  # noqa: BLE001
                 return 0
         return 0
+
+
+def _ranges(xs) -> str:
+    xs = sorted(xs)
+    if not xs:
+        return "—"
+    out, start, prev = [], xs[0], xs[0]
+    for x in xs[1:] + [None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if x is not None:
+            start = prev = x
+    return ",".join(out)
 
 
 class StopArm(Exception):
