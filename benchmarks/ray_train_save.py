@@ -21,14 +21,23 @@ Three arms, one after the other in one run, each a ``ray.train.torch.TorchTraine
   thread while the loop goes on.
 
 On the steps between checkpoints every arm calls ``ray.train.report(metrics)`` (Ray Train wants a
-report from every worker; ray_ckpt's ``report`` does that itself).
+report from every worker; ray_ckpt's ``report`` does that itself). Each step is padded to
+``--step-s`` (2.5 s) with a sleep, an accelerator's compute with the CPU free: Ray Train's controller
+takes the workers' results every 2 s and a worker's result queue holds one, so with steps closer
+together every report waits for that poll, whatever it carries, and the arms cannot be told apart.
+
+``--s3``: Ray Train's ``storage_path`` (a ``pyarrow.fs.S3FileSystem``) and ray_ckpt's remote tier
+on the same real S3 server (SeaweedFS, ``tests/s3server.py``, on this machine) instead of local
+directories; the staging directories and ray_ckpt's local tier stay on the local disk. Ray Train's
+restore then downloads the checkpoint (``Checkpoint.as_directory``) before ``dcp.load``.
 
 Measured inside the train loop (``time.perf_counter`` around the call, per rank; a step's figure is
 the slower rank's, the loop being collective):
 
 * **report blocks**: for ``sync`` / ``async`` the ``dcp.save`` into the staging directory plus the
   ``ray.train.report`` call (the save has to happen before the report can name it; both parts are
-  shown); for ray_ckpt the ``ckpt.report`` call on a step it pushes.
+  shown); for ray_ckpt the ``ckpt.report`` call on a step it pushes (split, by timing wrappers, into
+  its pushes, ``engine.submit``: the copy into the object store, and the ``ray.train.report`` it makes).
 * **time to durable**, from the start of the save: ``sync``: when ``report`` returned on every rank;
   ``async``: when Ray Train's upload thread has copied the rank's files and deleted its staging
   directory (a watcher thread polls for that, every 5 ms), the later rank; ray_ckpt: a watcher
@@ -42,15 +51,19 @@ the slower rank's, the loop being collective):
   (the raise to ``train_func`` entered again), model build, restore (ray_ckpt: ``ckpt.restore()``
   from the local tier; Ray Train: ``ray.train.get_checkpoint()`` + ``dcp.load`` from
   ``storage_path`` + ``set_state_dict``) and the step itself. The restored step is shown: ray_ckpt
-  restores its newest committed version, Ray Train the last checkpoint it registered.
+  restores its newest committed version, Ray Train the last checkpoint it registered. The group's
+  restart (Ray Train noticing the failure, then starting two worker processes that import torch) is
+  the same work in both arms and, on a shared 2-core machine, by far the noisiest part: the table
+  also gives the checkpoint layer's own part (Checkpointer connect + restore + first step).
 
 Goals (issue 46): report blocks <= 0.1x Ray Train's SYNC and <= 0.5x its ASYNC; restart to first
 step no slower than Ray Train's own.
 
-    python benchmarks/ray_train_save.py [--quick] [--mb 150 --steps 10 --every 2 --kill-at 7 --dir /tmp/ray_train_bench]
+    python benchmarks/ray_train_save.py [--quick] [--s3] [--mb 150 --steps 10 --every 2 --kill-at 7 --step-s 2.5]
+                                        [--arms ray_ckpt,sync,async] [--dir /tmp/ray_train_bench] [--json FILE]
 
-``--quick``: 100 MB, 6 steps, a checkpoint every 2, the kill after step 5 (about 3-5 min on the
-2-core VM); the default about 6-12 min.
+``--quick``: 100 MB, 6 steps, a checkpoint every 2, the kill after step 5 (about 4-5 min on the
+2-core VM); the default (150 MB, 10 steps, the kill after step 7) about 7-12 min.
 """
 from __future__ import annotations
 
