@@ -307,15 +307,14 @@ def summarise(run: dict) -> dict:
     """Per arm: the save steps' blocks (slower rank), the other steps' report, durability, restart."""
     recs = run["recs"]
     saves, others, parts = {}, [], {}
-    for (attempt, _rank), r in recs.items():
+    for (attempt, rank), r in recs.items():
         for e in r["steps"]:
             key = (attempt, e["step"])
             if e["save"]:
                 saves[key] = max(saves.get(key, 0.0), e["block"])
-                if "dcp_save" in e or "push" in e:
-                    a, b = ("dcp_save", "report") if "dcp_save" in e else ("push", "train_report")
-                    p = parts.setdefault(key, [0.0, 0.0])
-                    p[0], p[1] = max(p[0], e[a]), max(p[1], e[b])
+                if rank == 0 and ("dcp_save" in e or "push" in e):  # rank 0's split (ray_ckpt: the rank
+                    a, b = ("dcp_save", "report") if "dcp_save" in e else ("push", "train_report")  # that pushes;
+                    parts[key] = [e[a], e[b], e["block"] - e[a] - e[b]]  # rank 1 waits at Ray Train's report)
             else:
                 others.append(e["block"])
     durable_remote, durable_local, errors = {}, {}, []
@@ -330,6 +329,7 @@ def summarise(run: dict) -> dict:
                 durable_local[key] = max(durable_local.get(key, 0.0), d["local"])
     out = {"blocks": [saves[k] for k in sorted(saves)], "others": others,
            "dcp": [parts[k][0] for k in sorted(parts)], "report": [parts[k][1] for k in sorted(parts)],
+           "rest": [parts[k][2] for k in sorted(parts)],
            "durable": [durable_remote[k] for k in sorted(durable_remote)],
            "durable_local": [durable_local[k] for k in sorted(durable_local)], "errors": errors, "restart": None}
     fail = [r["t_fail"] for r in recs.values() if "t_fail" in r]
@@ -435,9 +435,11 @@ def main() -> int:
     ok_b = rc_b <= 0.1 * sy_b and rc_b <= 0.5 * as_b
     print(f"| report blocks the loop (save step) | {fmt(rc_b)} | {fmt(sy_b)} | {fmt(as_b)} | {ratio(rc_b, sy_b)} | "
           f"{ratio(rc_b, as_b)} | <= 0.1x SYNC, <= 0.5x ASYNC: {'met' if ok_b else 'NOT met'} |")
-    print(f"| of which dcp.save / report (ray_ckpt: its pushes / the ray.train.report inside) | "
+    print(f"| of which, rank 0: dcp.save / report (ray_ckpt: its pushes / the ray.train.report inside) | "
           f"{fmt(get('ray_ckpt', 'dcp'))} / {fmt(get('ray_ckpt', 'report'))} | {fmt(get('sync', 'dcp'))} / {fmt(get('sync', 'report'))} | "
           f"{fmt(get('async', 'dcp'))} / {fmt(get('async', 'report'))} | | | |")
+    print(f"| of which, rank 0, ray_ckpt: the rest of its report (rank 0's decision sent to every rank, "
+          f"Ray Train's preemption check, the commit lookup) | {fmt(get('ray_ckpt', 'rest'))} | | | | | |")
     print(f"| report, a step without a checkpoint | {fmt(get('ray_ckpt', 'others'))} | {fmt(get('sync', 'others'))} | "
           f"{fmt(get('async', 'others'))} | | | |")
     print(f"| to durable off the node-local tier (ray_ckpt: remote tier committed; Ray Train: in storage_path) | "
