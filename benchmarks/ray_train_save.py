@@ -306,10 +306,11 @@ def fit(args, arm: str, kill_at) -> dict:
 def summarise(run: dict) -> dict:
     """Per arm: the save steps' blocks (slower rank), the other steps' report, durability, restart."""
     recs = run["recs"]
-    saves, others, parts = {}, [], {}
+    saves, others, parts, every_step = {}, [], {}, {}
     for (attempt, rank), r in recs.items():
         for e in r["steps"]:
             key = (attempt, e["step"])
+            every_step[key] = max(every_step.get(key, 0.0), e["block"])
             if e["save"]:
                 saves[key] = max(saves.get(key, 0.0), e["block"])
                 if rank == 0 and ("dcp_save" in e or "push" in e):  # rank 0's split (ray_ckpt: the rank
@@ -330,6 +331,7 @@ def summarise(run: dict) -> dict:
     out = {"blocks": [saves[k] for k in sorted(saves)], "others": others,
            "dcp": [parts[k][0] for k in sorted(parts)], "report": [parts[k][1] for k in sorted(parts)],
            "rest": [parts[k][2] for k in sorted(parts)],
+           "per_ckpt": [sum(every_step.values()) / max(1, len(saves))],
            "durable": [durable_remote[k] for k in sorted(durable_remote)],
            "durable_local": [durable_local[k] for k in sorted(durable_local)], "errors": errors, "restart": None}
     fail = [r["t_fail"] for r in recs.values() if "t_fail" in r]
@@ -442,6 +444,10 @@ def main() -> int:
           f"Ray Train's preemption check, the commit lookup) | {fmt(get('ray_ckpt', 'rest'))} | | | | | |")
     print(f"| report, a step without a checkpoint | {fmt(get('ray_ckpt', 'others'))} | {fmt(get('sync', 'others'))} | "
           f"{fmt(get('async', 'others'))} | | | |")
+    pc = {a: get(a, "per_ckpt") for a in ("ray_ckpt", "sync", "async")}
+    print(f"| time in report calls per checkpoint (every step's report, slower rank, summed, / checkpoints: "
+          f"counts the waits a checkpoint puts on later reports) | {fmt(pc['ray_ckpt'])} | {fmt(pc['sync'])} | "
+          f"{fmt(pc['async'])} | {ratio(pc['ray_ckpt'], pc['sync'])} | {ratio(pc['ray_ckpt'], pc['async'])} | |")
     print(f"| to durable off the node-local tier (ray_ckpt: remote tier committed; Ray Train: in storage_path) | "
           f"{fmt(rc_d)} | {fmt(sy_d)} | {fmt(as_d)} | {ratio(rc_d, sy_d)} | {ratio(rc_d, as_d)} | |")
     print(f"| ray_ckpt: committed on the local tier | {fmt(get('ray_ckpt', 'durable_local'))} | | | | | |")
