@@ -62,8 +62,9 @@ step no slower than Ray Train's own.
     python benchmarks/ray_train_save.py [--quick] [--s3] [--mb 150 --steps 10 --every 2 --kill-at 7 --step-s 2.5]
                                         [--arms ray_ckpt,sync,async] [--dir /tmp/ray_train_bench] [--json FILE]
 
-``--quick``: 100 MB, 6 steps, a checkpoint every 2, the kill after step 5 (about 4-5 min on the
-2-core VM); the default (150 MB, 10 steps, the kill after step 7) about 7-12 min.
+``--quick``: 100 MB, 6 steps, a checkpoint every 2, the kill after step 5 (4.5-5.5 min on the
+2-core VM shared with other work); the default (150 MB, 10 steps, the kill after step 7) 6 min,
+7 min with ``--s3``. Results: benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 
