@@ -358,65 +358,10 @@ def ratio(a: float, b: float) -> str:
     return "n/a" if (a != a or b != b or b < 1e-3) else f"{a / b:.2f}x"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="100 MB, 6 steps, every 2, the kill after step 5")
-    ap.add_argument("--mb", type=float, default=None, help="model + AdamW state in MB (default 150; quick 100)")
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=None, help="steps per Train run (default 10; quick 6)")
-    ap.add_argument("--every", type=int, default=2, help="a checkpoint every N steps")
-    ap.add_argument("--step-s", type=float, default=2.5,
-                    help="each training step padded to this many seconds with a sleep (an accelerator's compute, "
-                         "the CPU free); above Ray Train's 2 s poll of the workers' results, whose queue holds one "
-                         "report: steps closer together make every report wait for that poll, whatever it carries")
-    ap.add_argument("--kill-at", type=int, default=None, help="rank 1 raises after this step (default 7; quick 5)")
-    ap.add_argument("--arms", default="ray_ckpt,sync,async")
-    ap.add_argument("--dir", default="/tmp/ray_train_bench")
-    ap.add_argument("--store-gb", type=float, default=2.0, help="Ray's object store size")
-    ap.add_argument("--json", default=None, help="also write the figures here")
-    ap.add_argument("--s3", action="store_true",
-                    help="Ray Train's storage_path and ray_ckpt's remote tier on a real S3 server (SeaweedFS, "
-                         "tests/s3server.py, on this machine) instead of local directories")
-    args = ap.parse_args()
-    q = args.quick
-    args.mb = args.mb if args.mb is not None else (100.0 if q else 150.0)
-    args.steps = args.steps if args.steps is not None else (6 if q else 10)
-    args.kill_at = args.kill_at if args.kill_at is not None else (5 if q else 7)
-    if not 0 < args.kill_at < args.steps:
-        ap.error("--kill-at must be between 1 and --steps - 1")
-    arms = [a for a in args.arms.split(",") if a]
-    shutil.rmtree(args.dir, ignore_errors=True)
-    os.makedirs(args.dir)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+def table(res: dict, args, load: float) -> None:
+    """The side-by-side table of the arms' summaries (``summarise``)."""
     layers = layers_for(args.mb, args.hidden)
     numel = layers * (args.hidden * args.hidden + args.hidden)
-    say(f"model: {layers} x Linear({args.hidden}, {args.hidden}) = {numel / 1e6:.1f} M parameters: "
-        f"{numel * 4 / 1e6:.0f} MB weights + {numel * 8 / 1e6:.0f} MB AdamW moments; "
-        f"{args.steps} steps, a checkpoint every {args.every}, rank 1 fails after step {args.kill_at} "
-        f"(ray_ckpt, sync)")
-    args.s3_server = None
-    if args.s3:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-        from s3server import S3Server
-
-        args.s3_server = S3Server(os.path.join(args.dir, "s3")).start()
-        say(f"S3 server at {args.s3_server.endpoint_url}: Ray Train's storage_path s3://{args.s3_server.bucket}/train, "
-            f"ray_ckpt's remote tier {args.s3_server.uri('rc_remote')}")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             object_store_memory=int(args.store_gb * (1 << 30)))
-    res = {}
-    try:
-        for arm in arms:
-            say(f"arm {arm} ...")
-            run = fit(args, arm, args.kill_at if arm in ("ray_ckpt", "sync") else None)
-            res[arm] = summarise(run)
-            s = res[arm]
-            say(f"arm {arm}: blocks {[round(b, 3) for b in s['blocks']]}; durable {[round(b, 3) for b in s['durable']]}; "
-                f"restart {s['restart']}; errors {s['errors']}")
-    finally:
-        ray.shutdown()
-        if args.s3_server is not None:
-            args.s3_server.stop()
 
     def get(arm, key):
         return med(res[arm][key]) if arm in res else float("nan")
@@ -431,7 +376,7 @@ def main() -> int:
     n = {a: len(res[a]["blocks"]) for a in res}
     print(f"\n{layers} x Linear({args.hidden}, {args.hidden}), DDP on 2 Ray Train workers (gloo, CPU): "
           f"{numel * 12 / 1e6:.0f} MB of model + AdamW state; {args.steps} steps, a checkpoint every "
-          f"{args.every} (saves per arm: {n}); medians; load average {os.getloadavg()[0]:.1f} at the end\n")
+          f"{args.every} (saves per arm: {n}); medians; load average {load:.1f} at the end\n")
     print("| | ray_ckpt `Checkpointer.report` | Ray Train SYNC (dcp.save + report) | Ray Train ASYNC (dcp.save + report) "
           "| ray_ckpt / SYNC | ray_ckpt / ASYNC | goal |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -470,10 +415,87 @@ def main() -> int:
     errs = {a: res[a]["errors"] for a in res if res[a]["errors"]}
     if errs:
         print(f"\nerrors: {errs}")
+    print(f"\nreport-blocks goal {'met' if ok_b else 'NOT met'}; restart goal {'met' if ok_r else 'NOT met'}")
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="100 MB, 6 steps, every 2, the kill after step 5")
+    ap.add_argument("--mb", type=float, default=None, help="model + AdamW state in MB (default 150; quick 100)")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=None, help="steps per Train run (default 10; quick 6)")
+    ap.add_argument("--every", type=int, default=2, help="a checkpoint every N steps")
+    ap.add_argument("--step-s", type=float, default=2.5,
+                    help="each training step padded to this many seconds with a sleep (an accelerator's compute, "
+                         "the CPU free); above Ray Train's 2 s poll of the workers' results, whose queue holds one "
+                         "report: steps closer together make every report wait for that poll, whatever it carries")
+    ap.add_argument("--kill-at", type=int, default=None, help="rank 1 raises after this step (default 7; quick 5)")
+    ap.add_argument("--arms", default="ray_ckpt,sync,async")
+    ap.add_argument("--dir", default="/tmp/ray_train_bench")
+    ap.add_argument("--store-gb", type=float, default=2.0, help="Ray's object store size")
+    ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument("--reprint", default=None, metavar="DIR",
+                    help="print the table again from the records a run left in its --dir DIR (nothing is run)")
+    ap.add_argument("--s3", action="store_true",
+                    help="Ray Train's storage_path and ray_ckpt's remote tier on a real S3 server (SeaweedFS, "
+                         "tests/s3server.py, on this machine) instead of local directories")
+    args = ap.parse_args()
+    q = args.quick
+    args.mb = args.mb if args.mb is not None else (100.0 if q else 150.0)
+    args.steps = args.steps if args.steps is not None else (6 if q else 10)
+    args.kill_at = args.kill_at if args.kill_at is not None else (5 if q else 7)
+    if not 0 < args.kill_at < args.steps:
+        ap.error("--kill-at must be between 1 and --steps - 1")
+    if args.reprint:  # the table again from a finished run's per-rank records (give the run's own flags)
+        res = {}
+        base = os.path.join(args.reprint, "out")
+        for d in sorted(os.listdir(base)):
+            recs = {}
+            for f in os.listdir(os.path.join(base, d)):
+                if f.endswith(".json"):
+                    with open(os.path.join(base, d, f)) as fh:
+                        r = json.load(fh)
+                    recs[(r["attempt"], r["rank"])] = r
+            res[d.rsplit("-", 1)[0]] = summarise({"recs": recs})
+        table(res, args, float("nan"))
+        return 0
+    arms = [a for a in args.arms.split(",") if a]
+    shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    layers = layers_for(args.mb, args.hidden)
+    numel = layers * (args.hidden * args.hidden + args.hidden)
+    say(f"model: {layers} x Linear({args.hidden}, {args.hidden}) = {numel / 1e6:.1f} M parameters: "
+        f"{numel * 4 / 1e6:.0f} MB weights + {numel * 8 / 1e6:.0f} MB AdamW moments; "
+        f"{args.steps} steps, a checkpoint every {args.every}, rank 1 fails after step {args.kill_at} "
+        f"(ray_ckpt, sync)")
+    args.s3_server = None
+    if args.s3:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+        from s3server import S3Server
+
+        args.s3_server = S3Server(os.path.join(args.dir, "s3")).start()
+        say(f"S3 server at {args.s3_server.endpoint_url}: Ray Train's storage_path s3://{args.s3_server.bucket}/train, "
+            f"ray_ckpt's remote tier {args.s3_server.uri('rc_remote')}")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+             object_store_memory=int(args.store_gb * (1 << 30)))
+    res = {}
+    try:
+        for arm in arms:
+            say(f"arm {arm} ...")
+            run = fit(args, arm, args.kill_at if arm in ("ray_ckpt", "sync") else None)
+            res[arm] = summarise(run)
+            s = res[arm]
+            say(f"arm {arm}: blocks {[round(b, 3) for b in s['blocks']]}; durable {[round(b, 3) for b in s['durable']]}; "
+                f"restart {s['restart']}; errors {s['errors']}")
+    finally:
+        ray.shutdown()
+        if args.s3_server is not None:
+            args.s3_server.stop()
+
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k != "s3_server"}, "results": res}, f, indent=1)
-    print(f"\nreport-blocks goal {'met' if ok_b else 'NOT met'}; restart goal {'met' if ok_r else 'NOT met'}")
+    table(res, args, os.getloadavg()[0])
     return 0
 
 
