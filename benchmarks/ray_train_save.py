@@ -135,7 +135,8 @@ def train_func(config):
         from ray_ckpt.integrations.ray_train import Checkpointer
 
         ckpt = Checkpointer(config["run"], local_dir=config["local"], remote_uri=config["remote"],
-                            every=config["every"], **({"remote_options": s3} if s3 else {}))
+                            every=config["every"], **({"remote_options": s3} if s3 else {}),
+                            **config["rc_options"])
         ckpt.register("model", model, replicated=True)
         ckpt.register("optimizer", opt, replicated=True)
         # where a report's time goes: the pushes (engine.submit: the copy into the object store) and
@@ -269,7 +270,7 @@ def fit(args, arm: str, kill_at) -> dict:
            "local": os.path.join(args.dir, "rc_local"),
            "remote": srv.uri("rc_remote") if srv else "file://" + os.path.join(args.dir, "rc_remote"),
            "s3": srv.options if srv else None,
-           "steps": args.steps, "every": args.every, "kill_at": kill_at, "hidden": args.hidden, "step_s": args.step_s,
+           "steps": args.steps, "every": args.every, "kill_at": kill_at, "hidden": args.hidden, "step_s": args.step_s, "rc_options": args.rc_options,
            "layers": layers_for(args.mb, args.hidden)}
     if srv:  # Ray Train's storage_path on the same S3 server, through a pyarrow S3FileSystem
         import pyarrow.fs as pafs
@@ -433,6 +434,9 @@ def main() -> int:
     ap.add_argument("--dir", default="/tmp/ray_train_bench")
     ap.add_argument("--store-gb", type=float, default=2.0, help="Ray's object store size")
     ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument("--rc-option", action="append", default=[], metavar="KEY=JSON",
+                    help="an extra CheckpointEngine.create option for the Checkpointer, e.g. "
+                         "prefault_object_store=true (repeatable)")
     ap.add_argument("--reprint", default=None, metavar="DIR",
                     help="print the table again from the records a run left in its --dir DIR (nothing is run)")
     ap.add_argument("--s3", action="store_true",
@@ -445,6 +449,7 @@ def main() -> int:
     args.kill_at = args.kill_at if args.kill_at is not None else (5 if q else 7)
     if not 0 < args.kill_at < args.steps:
         ap.error("--kill-at must be between 1 and --steps - 1")
+    args.rc_options = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.rc_option)}
     if args.reprint:  # the table again from a finished run's per-rank records (give the run's own flags)
         res = {}
         base = os.path.join(args.reprint, "out")
