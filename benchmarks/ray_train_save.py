@@ -381,9 +381,12 @@ def table(res: dict, args, load: float) -> None:
     print("| | ray_ckpt `Checkpointer.report` | Ray Train SYNC (dcp.save + report) | Ray Train ASYNC (dcp.save + report) "
           "| ray_ckpt / SYNC | ray_ckpt / ASYNC | goal |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
+    def verdict(ok: bool, *xs: float) -> str:
+        return "n/a" if any(x != x for x in xs) else ("met" if ok else "NOT met")
+
     ok_b = rc_b <= 0.1 * sy_b and rc_b <= 0.5 * as_b
     print(f"| report blocks the loop (save step) | {fmt(rc_b)} | {fmt(sy_b)} | {fmt(as_b)} | {ratio(rc_b, sy_b)} | "
-          f"{ratio(rc_b, as_b)} | <= 0.1x SYNC, <= 0.5x ASYNC: {'met' if ok_b else 'NOT met'} |")
+          f"{ratio(rc_b, as_b)} | <= 0.1x SYNC, <= 0.5x ASYNC: {verdict(ok_b, rc_b, sy_b, as_b)} |")
     print(f"| of which, rank 0: dcp.save / report (ray_ckpt: its pushes / the ray.train.report inside) | "
           f"{fmt(get('ray_ckpt', 'dcp'))} / {fmt(get('ray_ckpt', 'report'))} | {fmt(get('sync', 'dcp'))} / {fmt(get('sync', 'report'))} | "
           f"{fmt(get('async', 'dcp'))} / {fmt(get('async', 'report'))} | | | |")
@@ -400,11 +403,11 @@ def table(res: dict, args, load: float) -> None:
     print(f"| ray_ckpt: committed on the local tier | {fmt(get('ray_ckpt', 'durable_local'))} | | | | | |")
     ok_r = rc_r <= sy_r
     print(f"| restart to first step (raise -> first step after restore) | {fmt(rc_r)} | {fmt(sy_r)} | (same as SYNC) | "
-          f"{ratio(rc_r, sy_r)} | | no slower than Ray Train's: {'met' if ok_r else 'NOT met'} |")
+          f"{ratio(rc_r, sy_r)} | | no slower than Ray Train's: {verdict(ok_r, rc_r, sy_r)} |")
     part = {a: sum(restart(a, k) for k in ("connect", "restore", "step")) for a in ("ray_ckpt", "sync")}
     print(f"| the checkpoint layer's part: connect + restore + first step | {fmt(part['ray_ckpt'])} | "
           f"{fmt(part['sync'])} | | {ratio(part['ray_ckpt'], part['sync'])} | | no slower: "
-          f"{'met' if part['ray_ckpt'] <= part['sync'] else 'NOT met'} |")
+          f"{verdict(part['ray_ckpt'] <= part['sync'], part['ray_ckpt'], part['sync'])} |")
     for key, label in (("group", "group restart (raise -> train_func again)"), ("build", "model + optimizer build"),
                        ("connect", "ray_ckpt: Checkpointer (connect to the run) + register"),
                        ("restore", "restore (ray_ckpt.restore / get_checkpoint + dcp.load)"),
@@ -416,7 +419,7 @@ def table(res: dict, args, load: float) -> None:
     errs = {a: res[a]["errors"] for a in res if res[a]["errors"]}
     if errs:
         print(f"\nerrors: {errs}")
-    print(f"\nreport-blocks goal {'met' if ok_b else 'NOT met'}; restart goal {'met' if ok_r else 'NOT met'}")
+    print(f"\nreport-blocks goal {verdict(ok_b, rc_b, sy_b, as_b)}; restart goal {verdict(ok_r, rc_r, sy_r)}")
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
