@@ -41,7 +41,7 @@ the slower rank's, the loop being collective):
 * **time to durable**, from the start of the save: ``sync``: when ``report`` returned on every rank;
   ``async``: when Ray Train's upload thread has copied the rank's files and deleted its staging
   directory (a watcher thread polls for that, every 5 ms), the later rank; ray_ckpt: a watcher
-  thread on rank 0 waits on the step's save handles, ``durability="local"`` (committed on the local
+  thread on rank 0 waits on the step's save handles (the Checkpointer's ``_handles`` new since the call), ``durability="local"`` (committed on the local
   tier: written, checksummed, fsync'ed) and ``"remote"`` (committed on the remote tier too: the
   counterpart of Ray Train's copy under ``storage_path``).
 * **restart to first step** (``ray_ckpt`` and ``sync`` arms): worker rank 1 raises right after its
