@@ -41,7 +41,8 @@ the slower rank's, the loop being collective):
 * **time to durable**, from the start of the save: ``sync``: when ``report`` returned on every rank;
   ``async``: when Ray Train's upload thread has copied the rank's files and deleted its staging
   directory (a watcher thread polls for that, every 5 ms), the later rank; ray_ckpt: a watcher
-  thread on rank 0 waits on the step's save handles (the Checkpointer's ``_handles`` new since the call), ``durability="local"`` (committed on the local
+  thread on rank 0 waits on the step's save handles (the Checkpointer's ``_handles`` new since the
+  call), ``durability="local"`` (committed on the local
   tier: written, checksummed, fsync'ed) and ``"remote"`` (committed on the remote tier too: the
   counterpart of Ray Train's copy under ``storage_path``).
 * **restart to first step** (``ray_ckpt`` and ``sync`` arms): worker rank 1 raises right after its
@@ -270,7 +271,8 @@ def fit(args, arm: str, kill_at) -> dict:
            "local": os.path.join(args.dir, "rc_local"),
            "remote": srv.uri("rc_remote") if srv else "file://" + os.path.join(args.dir, "rc_remote"),
            "s3": srv.options if srv else None,
-           "steps": args.steps, "every": args.every, "kill_at": kill_at, "hidden": args.hidden, "step_s": args.step_s, "rc_options": args.rc_options,
+           "steps": args.steps, "every": args.every, "kill_at": kill_at, "hidden": args.hidden,
+           "step_s": args.step_s, "rc_options": args.rc_options,
            "layers": layers_for(args.mb, args.hidden)}
     if srv:  # Ray Train's storage_path on the same S3 server, through a pyarrow S3FileSystem
         import pyarrow.fs as pafs
@@ -341,7 +343,8 @@ def summarise(run: dict) -> dict:
     if fail and r2 is not None and r2.get("t_first") is not None:
         tf = fail[0]
         out["restart"] = {"total": r2["t_first"] - tf, "group": r2["t_enter"] - tf,
-                          "build": r2["t_built"] - r2["t_enter"], "connect": r2["t_restore0"] - r2["t_built"], "restore": r2["t_restored"] - r2["t_restore0"],
+                          "build": r2["t_built"] - r2["t_enter"], "connect": r2["t_restore0"] - r2["t_built"],
+                          "restore": r2["t_restored"] - r2["t_restore0"],
                           "step": r2["t_first"] - r2["t_restored"], "restored": r2["restored"],
                           "killed_after": max(e["step"] for r in recs.values() if "t_fail" in r for e in r["steps"])}
     return out
@@ -378,7 +381,8 @@ def table(res: dict, args, load: float) -> None:
     print(f"\n{layers} x Linear({args.hidden}, {args.hidden}), DDP on 2 Ray Train workers (gloo, CPU): "
           f"{numel * 12 / 1e6:.0f} MB of model + AdamW state; {args.steps} steps, a checkpoint every "
           f"{args.every} (saves per arm: {n}); medians; load average {load:.1f} at the end\n")
-    print("| | ray_ckpt `Checkpointer.report` | Ray Train SYNC (dcp.save + report) | Ray Train ASYNC (dcp.save + report) "
+    print("| | ray_ckpt `Checkpointer.report` | Ray Train SYNC (dcp.save + report) "
+          "| Ray Train ASYNC (dcp.save + report) "
           "| ray_ckpt / SYNC | ray_ckpt / ASYNC | goal |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     def verdict(ok: bool, *xs: float) -> str:
@@ -388,7 +392,8 @@ def table(res: dict, args, load: float) -> None:
     print(f"| report blocks the loop (save step) | {fmt(rc_b)} | {fmt(sy_b)} | {fmt(as_b)} | {ratio(rc_b, sy_b)} | "
           f"{ratio(rc_b, as_b)} | <= 0.1x SYNC, <= 0.5x ASYNC: {verdict(ok_b, rc_b, sy_b, as_b)} |")
     print(f"| of which, rank 0: dcp.save / report (ray_ckpt: its pushes / the ray.train.report inside) | "
-          f"{fmt(get('ray_ckpt', 'dcp'))} / {fmt(get('ray_ckpt', 'report'))} | {fmt(get('sync', 'dcp'))} / {fmt(get('sync', 'report'))} | "
+          f"{fmt(get('ray_ckpt', 'dcp'))} / {fmt(get('ray_ckpt', 'report'))} | "
+          f"{fmt(get('sync', 'dcp'))} / {fmt(get('sync', 'report'))} | "
           f"{fmt(get('async', 'dcp'))} / {fmt(get('async', 'report'))} | | | |")
     print(f"| of which, rank 0, ray_ckpt: the rest of its report (rank 0's decision sent to every rank, "
           f"Ray Train's preemption check, the commit lookup) | {fmt(get('ray_ckpt', 'rest'))} | | | | | |")
@@ -493,7 +498,8 @@ def main() -> int:
             run = fit(args, arm, args.kill_at if arm in ("ray_ckpt", "sync") else None)
             res[arm] = summarise(run)
             s = res[arm]
-            say(f"arm {arm}: blocks {[round(b, 3) for b in s['blocks']]}; durable {[round(b, 3) for b in s['durable']]}; "
+            say(f"arm {arm}: blocks {[round(b, 3) for b in s['blocks']]}; "
+                f"durable {[round(b, 3) for b in s['durable']]}; "
                 f"restart {s['restart']}; errors {s['errors']}")
     finally:
         ray.shutdown()
