@@ -197,6 +197,8 @@ def load_costs(path: str | None, overrides: dict) -> tuple[Costs, dict]:
             raw = json.load(f)
         measured = {k: raw[k] for k in ("step_s", "save_pause_s", "framework_save_pause_s",
                                         "notice_to_saved_s", "replace_node_s") if k in raw}
+        if isinstance((raw.get("notes") or {}).get("detect_s"), (int, float)):
+            measured["detect_s"] = raw["notes"]["detect_s"]
         for tier, value in (raw.get("restore_s") or {}).items():
             measured[f"restore_{tier}_s"] = value
         measured = {k: float(v) for k, v in measured.items() if v is not None and k in COSTS}
