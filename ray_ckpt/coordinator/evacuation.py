@@ -50,6 +50,7 @@ log = logging.getLogger("ray_ckpt.coordinator")
 
 DRAIN_POLL_S = 1.0  # how often Ray's draining nodes are read (a notice is acted on within about this)
 RETRY_S = 1.0  # a version whose move failed is tried again after this, while the deadline allows
+MOVES_IN_FLIGHT = 4  # at most this many moves at once: a newer version never waits behind a stalled move
 
 
 def at_risk(committed: Mapping[int, Manifest], file_nodes: Mapping[str, str], default_node: str,
@@ -195,30 +196,45 @@ class Evacuation:
     # ------------------------------------------------------------------ moving
     async def _move_all(self) -> None:
         """Move at-risk versions one at a time, newest first, until none is left or the deadline
-        passes (what is left then is reported lost)."""
-        while self.draining:
-            self._lose_the_rest()
-            todo = self.pending()
-            if not todo:
-                return
-            v = todo[0]
-            self.moving.add(v)
-            try:
-                why_not = await self._move(v, self.deadline_of(v) - time.time())
-            finally:
+        passes (what is left then is reported lost). A version newer than every move in flight (one
+        committed during the notice) does not wait behind them: it starts at once, beside them (up
+        to ``MOVES_IN_FLIGHT``), so that a move that stalls (an upload stuck until the deadline)
+        never holds back a newer version. The list is read again every ``DRAIN_POLL_S``."""
+        running: Dict[asyncio.Task, int] = {}
+        try:
+            while self.draining or running:  # a move in flight ends (by its deadline) even if the drain did
+                self._lose_the_rest()
+                for v in self.pending() if self.draining else ():
+                    if len(running) >= MOVES_IN_FLIGHT or (running and v < max(running.values())):
+                        break
+                    self.moving.add(v)
+                    running[asyncio.ensure_future(self._move(v, self.deadline_of(v) - time.time()))] = v
+                if not running:
+                    return
+                done, _ = await asyncio.wait(set(running), timeout=DRAIN_POLL_S,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    v = running.pop(task)
+                    self.moving.discard(v)
+                    self._moved_or_not(v, task.result())
+        finally:
+            for task, v in running.items():
+                task.cancel()
                 self.moving.discard(v)
-            if why_not is None:
-                self.moved.add(v)
-                self.failed.pop(v, None)
-                self.metrics.evacuated("moved")
-                log.warning("preemption: step %d copied away from node(s) %s", v,
-                            ", ".join(n[:12] for n in sorted(self.draining)))
-            elif self.overdue(v):
-                self._lose(v, why_not)
-            else:  # e.g. a target node drained meanwhile: tried again, elsewhere, while time is left
-                self.failed[v] = (time.time(), why_not)
-                log.warning("preemption: copying step %d away failed, trying again: %s", v, why_not)
-    
+
+    def _moved_or_not(self, v: int, why_not: Optional[str]) -> None:
+        if why_not is None:
+            self.moved.add(v)
+            self.failed.pop(v, None)
+            self.metrics.evacuated("moved")
+            log.warning("preemption: step %d copied away from node(s) %s", v,
+                        ", ".join(n[:12] for n in sorted(self.draining)))
+        elif self.overdue(v):
+            self._lose(v, why_not)
+        else:  # e.g. a target node drained meanwhile: tried again, elsewhere, while time is left
+            self.failed[v] = (time.time(), why_not)
+            log.warning("preemption: copying step %d away failed, trying again: %s", v, why_not)
+
     def _lose_the_rest(self) -> None:
         """Every version still at risk, not moving, whose deadline passed is lost, with why."""
         for v in self.risky():
