@@ -61,7 +61,8 @@ def train_func(config):
     # with or without ray_ckpt: its own state_dict / load_state_dict in one process do the same)
     loader = StatefulDataLoader(TensorDataset(torch.randn(40, 16, generator=torch.Generator().manual_seed(7))),
                                 batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(rank))
-    ckpt = Checkpointer(config["run"], local_dir=config["local"], remote_uri=config["remote"], every=2)
+    ckpt = Checkpointer(config["run"], local_dir=config["local"], remote_uri=config["remote"], every=2,
+                        overlap=True)  # the copies overlap the next steps: still bit-exact
     ckpt.register("model", model, replicated=True)
     ckpt.register("optimizer", opt, replicated=True)
     ckpt.register("scheduler", sched, replicated=True)

@@ -233,15 +233,26 @@ class Checkpointer:
         numbers = _numbers(metrics) if self.rank == 0 else {}
         if not self._declared:
             self._declare()
+        fenced = self._fenced()
         with self.engine.push_group():
             for i, (name, (obj, replicated)) in enumerate(self.states.items()):
                 if replicated and self.rank != 0:
                     continue
-                self._handles.append(self.engine.submit(step, name, obj.state_dict(), rank=self.rank,
-                                                        metrics=numbers if i == 0 else None))
+                self._handles.append(self.engine.submit(
+                    step, name, obj.state_dict(), rank=self.rank, metrics=numbers if i == 0 else None,
+                    overlap_with=fenced if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)) else None))
         self._pushed.append(step)
         if self.rank == 0:
             self._step_metrics[step] = numbers
+
+    def _fenced(self) -> Optional[tuple]:
+        """With the run's ``overlap`` on: the registered modules and optimizers, whose tensors the
+        copy into the object store reads after ``report()`` returned (the next ``optimizer.step()``
+        waits for it before it changes one). None: the copy is made inside ``report()``."""
+        if not self.engine.config.overlap:
+            return None
+        objs = tuple(o for o, _ in self.states.values() if isinstance(o, (torch.nn.Module, torch.optim.Optimizer)))
+        return objs or None
 
     def _pointer_metrics(self, metrics: Dict[str, Any]) -> Dict[str, Any]:
         """The metrics of the report that carries the pointer to step ``_reported``: the report's
