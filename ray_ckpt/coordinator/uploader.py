@@ -67,6 +67,7 @@ class Uploader:
         why_not = self.plan.on_commit(version)
         if why_not is not None:
             fut.set_exception(SaveError(why_not))
+            fut.exception()  # marked seen: it is an answer for a handle that asks, not an error to log
             return
         self.start(version)
 
