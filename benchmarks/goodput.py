@@ -651,11 +651,14 @@ def main(argv=None) -> int:
     ap.add_argument("--replace-delay-s", type=float, default=5.0)
     ap.add_argument("--schedules", default=None, help="comma-separated: no-notice,notice,mixed")
     ap.add_argument("--seed", type=int, default=45)
-    ap.add_argument("--costs", default=os.path.join(HERE, "goodput_costs.json"))
+    ap.add_argument("--costs", default=None, help="where the measured costs go (default: "
+                    "benchmarks/goodput_costs.json, which goodput_sim.py reads; --quick writes none unless given)")
     ap.add_argument("--md", default=None, help="also write the table (markdown) here")
     args = ap.parse_args(argv)
     # 64 MB: at 128 MB every 0.5 s, this 2-core machine could not keep the every-step arm's
     # replicas and the uploads up with the saves (see RESULTS); the default run steps once a second
+    if args.costs is None and not args.quick:  # a smoke run never replaces the measured costs
+        args.costs = os.path.join(HERE, "goodput_costs.json")
     args.mb = args.mb or 64
     args.step_s = args.step_s or (0.5 if args.quick else 1.0)
     args.phase_s = args.phase_s or (100.0 if args.quick else 300.0)
@@ -735,9 +738,10 @@ def write_outputs(args, cmd, results, costs, cal, nodes, final=False):
             "calibration": {k: v for k, v in cal.items()},
         },
     }
-    with open(args.costs, "w") as f:
-        json.dump(out, f, indent=2)
-        f.write("\n")
+    if args.costs:
+        with open(args.costs, "w") as f:
+            json.dump(out, f, indent=2)
+            f.write("\n")
     lines = ["| schedule | arm | goodput % | steps kept | baseline steps | steps lost | restarts | time restoring s "
              "| restore tiers | down s (each loss) | save pause med s (saves) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -753,7 +757,7 @@ def write_outputs(args, cmd, results, costs, cal, nodes, final=False):
     table = "\n".join(lines)
     if final:
         print("\n" + table + "\n", flush=True)
-        print("costs -> " + args.costs + ":\n" + json.dumps(out, indent=2), flush=True)
+        print(f"costs -> {args.costs or '(not written: --quick)'}:\n" + json.dumps(out, indent=2), flush=True)
     if args.md:
         with open(args.md, "w") as f:
             f.write(table + "\n\n```json\n" + json.dumps(out, indent=2) + "\n```\n")

@@ -59,6 +59,8 @@ def _run_name(name: str) -> str:
 
 
 RETENTION_OPTIONS = ("keep_last", "keep_every", "keep_best")
+# what an overlapped copy can fence: an optimizer's step and a module's forward change their tensors in place
+_FENCEABLE = (torch.nn.Module, torch.optim.Optimizer)
 
 
 def retention_options(checkpoint_config: Any) -> Dict[str, Any]:
@@ -240,7 +242,7 @@ class Checkpointer:
                     continue
                 self._handles.append(self.engine.submit(
                     step, name, obj.state_dict(), rank=self.rank, metrics=numbers if i == 0 else None,
-                    overlap_with=fenced if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)) else None))
+                    overlap_with=fenced if fenced and isinstance(obj, _FENCEABLE) else None))
         self._pushed.append(step)
         if self.rank == 0:
             self._step_metrics[step] = numbers
@@ -251,7 +253,7 @@ class Checkpointer:
         waits for it before it changes one). None: the copy is made inside ``report()``."""
         if not self.engine.config.overlap:
             return None
-        objs = tuple(o for o, _ in self.states.values() if isinstance(o, (torch.nn.Module, torch.optim.Optimizer)))
+        objs = tuple(o for o, _ in self.states.values() if isinstance(o, _FENCEABLE))
         return objs or None
 
     def _pointer_metrics(self, metrics: Dict[str, Any]) -> Dict[str, Any]:
