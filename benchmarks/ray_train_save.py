@@ -350,6 +350,20 @@ def summarise(run: dict) -> dict:
     return out
 
 
+def merge_rounds(sums: list) -> dict:
+    """One arm's summaries of several rounds as one: every sample pooled; the restart's parts as
+    their median over the rounds, each round's total kept (``restart_totals``)."""
+    out = {k: [x for s in sums for x in s[k]] for k in sums[0] if isinstance(sums[0][k], list)}
+    restarts = [s["restart"] for s in sums if s["restart"]]
+    out["restart"] = None
+    out["restart_totals"] = [r["total"] for r in restarts]
+    out["restart_groups"] = [r["group"] for r in restarts]
+    if restarts:
+        out["restart"] = {k: (med([r[k] for r in restarts]) if k not in ("restored", "killed_after")
+                              else restarts[-1][k]) for k in restarts[0]}
+    return out
+
+
 def med(xs):
     return statistics.median(xs) if xs else float("nan")
 
@@ -378,9 +392,11 @@ def table(res: dict, args, load: float) -> None:
     rc_d, sy_d, as_d = get("ray_ckpt", "durable"), get("sync", "durable"), get("async", "durable")
     rc_r, sy_r = restart("ray_ckpt"), restart("sync")
     n = {a: len(res[a]["blocks"]) for a in res}
+    rounds = max((len(res[a].get("restart_totals", [])) for a in res), default=1)
     print(f"\n{layers} x Linear({args.hidden}, {args.hidden}), DDP on 2 Ray Train workers (gloo, CPU): "
           f"{numel * 12 / 1e6:.0f} MB of model + AdamW state; {args.steps} steps, a checkpoint every "
-          f"{args.every} (saves per arm: {n}); medians; load average {load:.1f} at the end\n")
+          f"{args.every} (saves per arm: {n}); {rounds} round(s), the arms' order reversed every other "
+          f"round; medians; load average {load:.1f} at the end\n")
     print("| | ray_ckpt `Checkpointer.report` | Ray Train SYNC (dcp.save + report) "
           "| Ray Train ASYNC (dcp.save + report) "
           "| ray_ckpt / SYNC | ray_ckpt / ASYNC | goal |")
@@ -419,6 +435,13 @@ def table(res: dict, args, load: float) -> None:
                        ("step", "the first step")):
         print(f"| of which {label} | {fmt(restart('ray_ckpt', key))} | {fmt(restart('sync', key))} | | "
               f"{ratio(restart('ray_ckpt', key), restart('sync', key))} | | |")
+    if any(len(res.get(a, {}).get("restart_totals", [])) > 1 for a in ("ray_ckpt", "sync")):
+        print("| restart to first step, each round | " + " | ".join(
+            ", ".join(f"{x:.1f}" for x in res.get(a, {}).get("restart_totals", [])) or "n/a"
+            for a in ("ray_ckpt", "sync")) + " | | | | |")
+        print("| group restart, each round | " + " | ".join(
+            ", ".join(f"{x:.1f}" for x in res.get(a, {}).get("restart_groups", [])) or "n/a"
+            for a in ("ray_ckpt", "sync")) + " | | | | |")
     print(f"| step restored (rank 1 failed after step {args.kill_at}) | {restart('ray_ckpt', 'restored')} | "
           f"{restart('sync', 'restored')} | | | | |")
     errs = {a: res[a]["errors"] for a in res if res[a]["errors"]}
@@ -439,6 +462,9 @@ def main() -> int:
                          "report: steps closer together make every report wait for that poll, whatever it carries")
     ap.add_argument("--kill-at", type=int, default=None, help="rank 1 raises after this step (default 7; quick 5)")
     ap.add_argument("--arms", default="ray_ckpt,sync,async")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the arms this many times, the order reversed every other round; blocks are "
+                         "pooled, the restart's parts are medians over the rounds")
     ap.add_argument("--dir", default="/tmp/ray_train_bench")
     ap.add_argument("--store-gb", type=float, default=2.0, help="Ray's object store size")
     ap.add_argument("--json", default=None, help="also write the figures here")
@@ -468,8 +494,8 @@ def main() -> int:
                     with open(os.path.join(base, d, f)) as fh:
                         r = json.load(fh)
                     recs[(r["attempt"], r["rank"])] = r
-            res[d.rsplit("-", 1)[0]] = summarise({"recs": recs})
-        table(res, args, float("nan"))
+            res.setdefault(d.rsplit("-", 1)[0], []).append(summarise({"recs": recs}))
+        table({arm: merge_rounds(sums) for arm, sums in res.items()}, args, float("nan"))
         return 0
     arms = [a for a in args.arms.split(",") if a]
     shutil.rmtree(args.dir, ignore_errors=True)
@@ -491,21 +517,25 @@ def main() -> int:
             f"ray_ckpt's remote tier {args.s3_server.uri('rc_remote')}")
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              object_store_memory=int(args.store_gb * (1 << 30)))
-    res = {}
+    rounds = {arm: [] for arm in arms}
     try:
-        for arm in arms:
-            say(f"arm {arm} ...")
-            run = fit(args, arm, args.kill_at if arm in ("ray_ckpt", "sync") else None)
-            res[arm] = summarise(run)
-            s = res[arm]
-            say(f"arm {arm}: blocks {[round(b, 3) for b in s['blocks']]}; "
-                f"durable {[round(b, 3) for b in s['durable']]}; "
-                f"restart {s['restart']}; errors {s['errors']}")
+        for i in range(args.rounds):
+            # the order flips every round: the first Train run of a Ray instance pays cold starts
+            # (worker processes, page cache) that later ones do not
+            for arm in (arms if i % 2 == 0 else arms[::-1]):
+                say(f"round {i + 1}/{args.rounds}: arm {arm} ...")
+                run = fit(args, arm, args.kill_at if arm in ("ray_ckpt", "sync") else None)
+                s = summarise(run)
+                rounds[arm].append(s)
+                say(f"arm {arm}: blocks {[round(b, 3) for b in s['blocks']]}; "
+                    f"durable {[round(b, 3) for b in s['durable']]}; "
+                    f"restart {s['restart']}; errors {s['errors']}")
     finally:
         ray.shutdown()
         if args.s3_server is not None:
             args.s3_server.stop()
 
+    res = {arm: merge_rounds(sums) for arm, sums in rounds.items() if sums}
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k != "s3_server"}, "results": res}, f, indent=1)

@@ -1,8 +1,10 @@
 """Preemption notices: Ray drains a node with a deadline; the run copies what only that node holds
 elsewhere first, and the trainer saves once more (coordinator/evacuation.py, client/preemption.py)."""
+import asyncio
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -51,6 +53,69 @@ def test_affected_names_the_states_and_ranks_written_on_the_drained_nodes():
     m = _manifest(9, {"policy": ("critical", {0: "A", 1: "B", 2: "A"}), "critic": ("critical", {0: "B"})})
     assert affected(m, _file_nodes({9: m}), "H", {"A"}) == (("policy",), {"policy": (0, 2)})
     assert affected(None, {}, "H", {"A"}) == ((), {})
+
+
+class _Holders:
+    """The replication's side that the evacuation reads (node table, replicas), with a copy away
+    that never ends: a move in flight when its node goes."""
+
+    def __init__(self, alive):
+        self.alive, self.dead, self.copies, self.holders, self.draining = {n: {} for n in alive}, set(), {}, {}, set()
+
+    async def copy_away(self, version, draining):
+        await asyncio.Event().wait()
+
+
+def _evacuation(committed):
+    from types import SimpleNamespace
+
+    from ray_ckpt.coordinator.catalogue import Catalogue
+    from ray_ckpt.coordinator.evacuation import Evacuation
+    from ray_ckpt.coordinator.upload_plan import UploadPlan
+    from ray_ckpt.metrics import Metrics
+    from ray_ckpt.types import OnPreemption
+
+    catalogue = Catalogue("r", committed)
+    return Evacuation(OnPreemption.EVACUATE, catalogue, UploadPlan(1, True), None, _Holders({"A", "H"}),
+                      _file_nodes(committed), "H", SimpleNamespace(critical_by_node={"A": 1}, draining=set()),
+                      Metrics("r"), asyncio.ensure_future, lambda msg: None)
+
+
+def test_a_node_that_goes_takes_what_was_not_moved_and_a_late_upload_is_kept():
+    """Unit (no Ray): node A, drained with 30 s left, goes early; what only it held and nothing moved
+    is reported lost (the move in flight, the one waiting its turn, the one committed during the
+    notice), not left out; one whose upload lands afterwards is reported kept."""
+    async def scenario():
+        committed = {v: _manifest(v, {"policy": ("critical", {0: "A"})}) for v in (1, 2)}
+        ev = _evacuation(committed)
+        await ev.poll({"A": time.time() + 30})
+        await asyncio.sleep(0.05)
+        assert ev.notice().moving == (2,)  # newest first; 1 waits behind it
+        ev.catalogue.committed[3] = _manifest(3, {"policy": ("critical", {0: "A"})})  # the last save
+        ev.file_nodes.update(_file_nodes(ev.catalogue.committed))
+        ev.replication.alive.pop("A")  # taken before its deadline: Ray lists it no more
+        await ev.poll({})
+        status = ev.status()
+        ev._mover.cancel()
+        assert status["active"] is False and sorted(status["lost"]) == [1, 2, 3], status
+        assert "in progress" in status["lost"][2] and "before its turn" in status["lost"][1]
+        ev.uploads.committed[3] = ev.catalogue.committed[3]  # its remote_every upload landed after all
+        assert sorted(ev.status()["lost"]) == [1, 2] and 3 in ev.status()["moved"]
+
+    asyncio.run(scenario())
+
+
+def test_a_cancelled_drain_loses_nothing():
+    async def scenario():
+        ev = _evacuation({1: _manifest(1, {"policy": ("critical", {0: "A"})})})
+        await ev.poll({"A": time.time() + 30})
+        await asyncio.sleep(0.05)
+        await ev.poll({})  # the drain ends long before its deadline, the node still listed: it stays
+        status = ev.status()
+        ev._mover.cancel()
+        assert status["active"] is False and status["lost"] == {} and status["nodes"] == ["A"], status
+
+    asyncio.run(scenario())
 
 
 def test_on_preemption_is_validated_at_create(ray_session, tmp_path):

@@ -35,7 +35,7 @@ from .push_batch import Pusher
 from .rank_push import RankPushes, FencedObjects
 from .reading import StateReader
 from .run_lifetime import start_run, stop_run
-from ..capture.mailbox import open_mailbox
+from ..capture.mailbox import open_mailbox, prepare_mailbox
 from ..capture.calls import announced, prefault, publish_calls, take_snapshots
 from ..capture.gc_pause import collections_paused
 from ..storage.layout import validate_name
@@ -118,6 +118,8 @@ class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes, PreemptionNot
         engine._token = record.token
         engine._call(lambda c: c.set_owner.remote(record.token), "the owner token")
         engine._lease = OwnerLease(started.tiers, record, run)
+        if config.overlap:  # ranks' overlapped pushes announce their copies there: started meanwhile
+            prepare_mailbox(started.coordinator, run)
         return engine
 
     @classmethod

@@ -136,10 +136,13 @@ class Evacuation:
         ours = {n: d for n, d in found.items() if self.holds(n)}
         ended = set(self.draining) - set(ours)
         if ended:
-            alive = set(self.replication.alive)
-            stayed = sorted(n[:12] for n in ended if n in alive and n not in self.replication.dead)
+            gone = self._gone(ended)
+            stayed = sorted(n[:12] for n in ended - gone)
             if stayed:
-                log.warning("the drain of node(s) %s ended and the node(s) stay; the notice ends", ", ".join(stayed))
+                log.warning("the drain of node(s) %s ended before its deadline and the node(s) stay (cancelled); "
+                            "the notice ends", ", ".join(stayed))
+            if gone:
+                self._node_went(gone)
         new = set(ours) - set(self.draining)
         if new:
             left = min(ours[n] for n in new) - time.time()
@@ -162,6 +165,26 @@ class Evacuation:
             self.last = self.notice()
         elif ended:
             self.last = self.notice(ended=True)
+
+    def _gone(self, ended: Set[str]) -> Set[str]:
+        """Of the nodes whose drain just ended, those that go: judged dead, no longer in Ray's node
+        table, or ended at their deadline (Ray removes a preempted node then; its node table shows
+        it dead only a moment later). The others were drained and stay (a cancelled drain)."""
+        now = time.time()
+        alive = set(self.replication.alive)
+        return {n for n in ended if n in self.replication.dead or n not in alive
+                or self.draining.get(n, float("inf")) <= now + DRAIN_POLL_S}
+
+    def _node_went(self, nodes: Set[str]) -> None:
+        """The drained ``nodes`` are gone: every version that only they held and that no move
+        copied away is lost, with why (a move still running when they went, or none begun)."""
+        for v in at_risk(self.catalogue.committed, self.file_nodes, self.node_id, nodes,
+                         set(self.uploads.committed), self.replication.copies):
+            if v in self.moved or v in self.lost:
+                continue
+            why = ("its node went with its copy still in progress" if v in self.moving else
+                   self.failed.get(v, (0.0, "its node went before its turn to be copied"))[1])
+            self._lose(v, why)
 
     def pending(self) -> List[int]:
         """The versions still at risk that no move has taken up yet, newest first. A version
@@ -224,11 +247,14 @@ class Evacuation:
 
     def _moved_or_not(self, v: int, why_not: Optional[str]) -> None:
         if why_not is None:
+            self.lost.pop(v, None)  # reported lost when its node went, copied as it went: kept
             self.moved.add(v)
             self.failed.pop(v, None)
             self.metrics.evacuated("moved")
             log.warning("preemption: step %d copied away from node(s) %s", v,
                         ", ".join(n[:12] for n in sorted(self.draining)))
+        elif v in self.lost:  # its node went meanwhile (reported then): nothing is left to try
+            self.lost[v] = why_not
         elif self.overdue(v):
             self._lose(v, why_not)
         else:  # e.g. a target node drained meanwhile: tried again, elsewhere, while time is left
@@ -286,9 +312,14 @@ class Evacuation:
         since = self.noticed_at or time.time()
         saved = [m.step for m in list(self.catalogue.committed.values()) if float(m.created_at) >= since]
         deadline = min(self.draining.values()) if self.draining else (self.last.deadline if self.last else 0.0)
+        # a version reported lost whose upload (the evacuation's, or the run's own remote_every one)
+        # landed after all is on the remote tier: kept, not lost
+        uploaded = set(self.uploads.committed)
+        lost = {v: why for v, why in sorted(self.lost.items()) if v not in uploaded}
+        moved = self.moved | (set(self.lost) & uploaded)
         return PreemptionNotice(nodes=tuple(sorted(nodes)), deadline=deadline, noticed_at=since, states=states,
-                                ranks=ranks, moved=tuple(sorted(self.moved)), moving=tuple(sorted(self.moving)),
-                                lost=dict(sorted(self.lost.items())), saved_step=max(saved, default=None))
+                                ranks=ranks, moved=tuple(sorted(moved)), moving=tuple(sorted(self.moving)),
+                                lost=lost, saved_step=max(saved, default=None))
 
     def active(self) -> Optional[PreemptionNotice]:
         """The notice in force (None when no node of the run is being drained). Asked from the
@@ -307,6 +338,6 @@ class Evacuation:
         n = self.active()
         if n is not None:
             return {**n.to_dict(), "active": True}
-        if self.last is not None:
-            return {**self.last.to_dict(), "active": False}
+        if self.last is not None:  # read again: a late upload turns a version reported lost into kept
+            return {**(self.notice(ended=True) or self.last).to_dict(), "active": False}
         return {"error": self.poll_error} if self.poll_error else None
