@@ -98,6 +98,9 @@ def train_func(config):
     import torch
     import torch.distributed.checkpoint as dcp
     import ray.train
+    # every arm imports its checkpoint layer here, before the clock of the restart's parts starts
+    # (a loop's imports sit at its top; an import inside the timed part would charge one arm only)
+    from ray_ckpt.integrations.ray_train import Checkpointer
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     t_enter = time.time()
@@ -133,8 +136,6 @@ def train_func(config):
     ckpt = None
     t_restore0 = time.time()
     if arm == "ray_ckpt":
-        from ray_ckpt.integrations.ray_train import Checkpointer
-
         ckpt = Checkpointer(config["run"], local_dir=config["local"], remote_uri=config["remote"],
                             every=config["every"], **({"remote_options": s3} if s3 else {}),
                             **config["rc_options"])

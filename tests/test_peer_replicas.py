@@ -90,6 +90,56 @@ def test_a_file_referenced_by_two_versions_is_stored_once_and_kept_while_one_hol
     assert store.get(f.path) is None
 
 
+def test_replication_sends_the_most_urgent_first_and_the_newest_version_first():
+    """The replication's lock (no Ray): with version 1's sends under way and versions 2, 3 and 4
+    waiting, a preemption's copy away of version 2 goes first, then 4, 3, 2 (not 2, 3, 4 as they
+    arrived); a waiter cancelled while queued is skipped, and one cancelled as the lock came to it
+    passes the lock on."""
+    import asyncio
+
+    from ray_ckpt.coordinator.priority_lock import PriorityLock
+
+    async def scenario():
+        lock, order = PriorityLock(), []
+        gate = asyncio.Event()
+
+        async def send(priority, name, hold=None):
+            async with lock.hold(priority):
+                order.append(name)
+                if hold is not None:
+                    await hold.wait()
+
+        first = asyncio.ensure_future(send((0, 1), "v1", gate))
+        await asyncio.sleep(0)
+        waiters = [asyncio.ensure_future(send(p, n)) for p, n in
+                   (((0, 2), "v2"), ((0, 3), "v3"), ((0, 5), "v5"), ((0, 4), "v4"), ((2, 2), "away v2"))]
+        await asyncio.sleep(0)
+        waiters[2].cancel()  # v5 gives up while queued
+        await asyncio.sleep(0)
+        gate.set()
+        await asyncio.gather(first, *waiters, return_exceptions=True)
+        assert order == ["v1", "away v2", "v4", "v3", "v2"] and not lock.locked
+
+        # cancelled after the lock was handed to it, before it ran: the next waiter still gets it
+        gate2, order2 = asyncio.Event(), []
+        holder = asyncio.ensure_future(send((0, 1), "a", gate2))
+        await asyncio.sleep(0)
+
+        async def record(priority, name):
+            async with lock.hold(priority):
+                order2.append(name)
+
+        x, y = asyncio.ensure_future(record((0, 9), "x")), asyncio.ensure_future(record((0, 8), "y"))
+        await asyncio.sleep(0)
+        gate2.set()
+        await asyncio.sleep(0)  # holder released: x is handed the lock, not yet resumed
+        x.cancel()
+        await asyncio.gather(holder, x, y, return_exceptions=True)
+        assert order2 == ["y"] and not lock.locked
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
 def test_peer_replicas_option_is_validated():
     with pytest.raises(ValueError, match="peer_replicas must be an integer >= 0"):
         EngineConfig("r", "/tmp/x", peer_replicas=-1)

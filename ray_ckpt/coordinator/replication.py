@@ -42,6 +42,7 @@ from ..writers.pools import WriterPools
 from ..capture.peer_reads import INDEX_TIMEOUT_S, holder_handles
 from ..writers.replicas import start_holder
 from .catalogue import Catalogue
+from .priority_lock import PriorityLock
 from .upload_plan import UploadPlan
 
 log = logging.getLogger("ray_ckpt.coordinator")
@@ -83,7 +84,9 @@ class Replication:
         self._task: Optional[asyncio.Future] = None
         self._started = False  # the first node table read is done (unjudged_losses judges nothing before)
         self._table_at, self._table_dead = float("-inf"), set()  # unjudged_losses' own node table read
-        self._lock = asyncio.Lock()  # one pass of sends at a time
+        # one pass of sends at a time, the most urgent first (priority_lock.py): taking over holders,
+        # then a preemption's copies away, then repairs and new versions, newest first
+        self._lock = PriorityLock()
 
     @property
     def enabled(self) -> bool:
@@ -104,7 +107,7 @@ class Replication:
         return self.futures[version]
 
     async def _replicate(self, version: int) -> None:
-        async with self._lock:
+        async with self._lock.hold((0, version)):
             if not self.alive:
                 await self._read_nodes()
             problems = await self._fill(version)
@@ -139,7 +142,7 @@ class Replication:
         """Give each of ``version``'s held files whose only copies are on ``draining`` nodes one copy
         on a holder of a node that stays (a preemption notice, without a remote tier); returns what
         could not be done."""
-        async with self._lock:
+        async with self._lock.hold((2, version)):
             if not self.alive:
                 await self._read_nodes()
             sends, problems = self._plan(version, away_from=set(draining))
@@ -258,7 +261,7 @@ class Replication:
         """A restarted coordinator: take over the holders its predecessor started (detached, they
         outlived it) and what they hold, file by file where the checksum is the one our manifest
         names; what they hold of versions no longer listed is dropped."""
-        async with self._lock:
+        async with self._lock.hold((3,)):
             await self._read_nodes()
             found = await asyncio.to_thread(holder_handles, self.cfg.run)
             by_key = {n[:12]: n for n in self.alive}
@@ -452,7 +455,7 @@ class Replication:
 
     async def repair(self) -> None:
         """Send again what the newest ``peer_keep`` committed versions lack (a node lost or joined)."""
-        async with self._lock:
+        async with self._lock.hold((1, max(self.catalogue.committed, default=0))):
             for v in sorted(self.catalogue.committed)[-self.cfg.peer_keep:]:
                 problems = await self._fill(v)
                 self._settle(v, problems)

@@ -43,6 +43,8 @@ import ray.train
 import torch
 
 import ray_ckpt as rc
+# with the module (which a train loop imports at its top): every Checkpointer needs the engine
+from ...client.engine import CheckpointEngine
 from ...errors import InvalidArgumentError
 from ...ray_internals import train_checkpoint_config
 from ..committed import broadcast_error, error_line, rank0_decides, read_pointer, write_pointer
@@ -142,13 +144,13 @@ class Checkpointer:
         engine, error = None, None
         if self.rank == 0:
             try:
-                engine = rc.CheckpointEngine.create(self.run, local_dir, remote_uri, **create_options) \
-                    if local_dir is not None else rc.CheckpointEngine.connect(self.run, timeout=connect_timeout_s)
+                engine = CheckpointEngine.create(self.run, local_dir, remote_uri, **create_options) \
+                    if local_dir is not None else CheckpointEngine.connect(self.run, timeout=connect_timeout_s)
             except Exception as exc:
                 error = f"ray_ckpt run {self.run!r} could not be {'created' if local_dir else 'connected'} " \
                         f"on rank 0: {error_line(exc)}"
         broadcast_error(error, self.world_size)
-        self.engine = engine if engine is not None else rc.CheckpointEngine.connect(self.run, timeout=connect_timeout_s)
+        self.engine = engine if engine is not None else CheckpointEngine.connect(self.run, timeout=connect_timeout_s)
 
     # ------------------------------------------------------------------ what is saved
     def register(self, name: str, obj: Any, *, replicated: bool = False) -> None:
