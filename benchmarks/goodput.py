@@ -428,16 +428,18 @@ class Baseline(threading.Thread):
 
 
 # ----------------------------------------------------------------------------- schedules
-def schedule(kind: str, phase_s: float, events: int, seed: int, notice_s: int, tail_s: float):
-    """Seeded event times: one per slot of the phase, none in the last ``tail_s`` seconds."""
+def schedule(kind: str, phase_s: float, events: int, seed: int, notice_s: int, tail_s: float,
+             start_s: float = 8.0):
+    """Seeded event times: one per slot of the phase, none in its first ``start_s`` seconds nor
+    in the last ``tail_s``."""
     rng = random.Random(f"{seed}:{kind}")
-    span = max(10.0, phase_s - 8.0 - tail_s)
+    span = max(10.0, phase_s - start_s - tail_s)
     slot = span / events
     out = []
     for i in range(events):
         # an event no sooner than ``tail_s`` after the one before (the time a loss takes to recover
         # from here), at a seeded point of its slot
-        t = 8.0 + i * slot + rng.uniform(0.0, max(5.0, slot - tail_s))
+        t = start_s + i * slot + rng.uniform(0.0, max(5.0, slot - tail_s))
         with_notice = kind == "notice" or (kind == "mixed" and rng.random() < 0.5)
         out.append((round(t, 1), with_notice))
     return out
@@ -576,7 +578,7 @@ def run_phase(kind, args, root, srv, cluster, nodes: Nodes, spare_id, results, c
     for th in threads.values():
         th.baseline = bl
     events = schedule(kind, args.phase_s, args.events, args.seed, args.notice_s,
-                      tail_s=args.notice_s + args.replace_delay_s + 45)
+                      tail_s=args.notice_s + args.replace_delay_s + 45, start_s=args.start_s)
     say(f"schedule {kind}: " + ", ".join(f"t={t}s{' notice' if n else ' no notice'}" for t, n in events))
     t_start = time.monotonic()
     for th in (*threads.values(), bl):
@@ -651,6 +653,10 @@ def main(argv=None) -> int:
     ap.add_argument("--replace-delay-s", type=float, default=5.0)
     ap.add_argument("--schedules", default=None, help="comma-separated: no-notice,notice,mixed")
     ap.add_argument("--seed", type=int, default=45)
+    ap.add_argument("--start-s", type=float, default=8.0,
+                    help="no event in a phase's first seconds. Each phase starts its arms' engines anew (on "
+                         "2 cores their writer processes take the first ~10 s starting); a long job meets a "
+                         "preemption in its first minute rarely. 8 s: the RESULTS table's runs")
     ap.add_argument("--costs", default=None, help="where the measured costs go (default: "
                     "benchmarks/goodput_costs.json, which goodput_sim.py reads; --quick writes none unless given)")
     ap.add_argument("--md", default=None, help="also write the table (markdown) here")

@@ -122,6 +122,8 @@ def main() -> int:
         # peer_keep=2 the holders keep): reported lost, no longer listed; 5 (remote), 6 and 7 (peers) are
         lost = status["skipped_versions"]
         assert sorted(lost) == [1, 2, 3, 4] and all("lost with node " + a[:12] in why for why in lost.values()), status
+        # its writers went with it: no later retention pass asks them to delete anything
+        assert a[:12] not in status["writer_nodes"], status["writer_nodes"]
         assert [m.version for m in engine.list_checkpoints()] == [5, 6, 7], engine.list_checkpoints()
         assert tiers_of(engine, 5) == ("local", "remote") and "peer" in tiers_of(engine, 6), engine.list_checkpoints()
         say(f"version 7 re-replicated: held by {status['replicas'][7]}; versions 1-4 reported lost")

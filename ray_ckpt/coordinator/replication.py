@@ -334,6 +334,7 @@ class Replication:
 
     async def nodes_lost(self, gone: Set[str]) -> None:
         self.dead |= gone
+        self.pools.forget_nodes(gone)
         for n in gone:
             self.holders.pop(n, None)
             self.held_bytes.pop(n, None)

@@ -274,6 +274,18 @@ class WriterPools:
     def queued_bytes(self, pool: list) -> int:
         return sum(self.queued.get(id(w), 0) for w in pool)
 
+    def forget_nodes(self, nodes: Set[str]) -> None:
+        """Nodes judged lost: their writers went with them. Nothing is asked of them again (each
+        retention pass asked every lost node's writer to delete, and logged Ray's refusal, node
+        after node); a replacement node is a new node and gets a new pool."""
+        for node in nodes:
+            if node == self.node_id:
+                continue
+            self.critical_by_node.pop(node, None)
+            self._placing.pop(node, None)
+            self.unplaced.pop(node, None)
+            self._retries.pop(node, None)
+
     def other_nodes(self) -> list:
         """One critical writer on every node but this one (for deletions on their local tiers)."""
         return [pool[0] for node, pool in self.critical_by_node.items() if node != self.node_id and pool]
