@@ -87,11 +87,14 @@ def main() -> int:
         assert ray.get(learner.node.remote(), timeout=120) == a
         for name in ("policy", "optimizer", "rng"):
             engine.register(name, learner)
+        handles = {}
         for step in range(1, 8):
             ray.get(learner.train.remote(1))
-            h = engine.save(step)
-        result = h.wait(timeout=120, durability="replicated")
-        assert result.version == 7 and result.durability == "replicated", result
+            handles[step] = engine.save(step)
+        # the newest peer_keep=2 versions held by a peer (sends go newest first: 7 may be held before 6)
+        for step in (7, 6):
+            result = handles[step].wait(timeout=120, durability="replicated")
+            assert result.version == step and result.durability == "replicated", result
         engine.wait_until_finished()
         assert tiers_of(engine, 7) == ("local", "peer"), engine.list_checkpoints()
         held = engine.status()["replicas"][7]

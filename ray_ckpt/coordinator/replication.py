@@ -334,7 +334,8 @@ class Replication:
 
     async def nodes_lost(self, gone: Set[str]) -> None:
         self.dead |= gone
-        self.pools.forget_nodes(gone)
+        if self.pools is not None:  # (None: the bookkeeping alone, in a unit test)
+            self.pools.forget_nodes(gone)
         for n in gone:
             self.holders.pop(n, None)
             self.held_bytes.pop(n, None)
