@@ -31,6 +31,19 @@ from ..writers.pools import WriterPools
 log = logging.getLogger("ray_ckpt.coordinator")
 UPLOAD_FILES_PER_CALL = 16  # files per writer upload call: the grain of progress()
 PROGRESS_VERSIONS = 64      # upload progress is kept for the waits of this many recent versions
+SLOW_COMMIT_S = 2.0         # a remote commit slower than this after its last byte is logged, with where the time went
+
+
+async def timed_thread(fn: Callable[..., Any], *args: Any) -> Tuple[Any, Tuple[float, float]]:
+    """``asyncio.to_thread(fn, *args)``, and (seconds it waited for a thread, seconds it ran)."""
+    called, started = time.perf_counter(), []
+
+    def run() -> Any:
+        started.append(time.perf_counter())
+        return fn(*args)
+
+    out = await asyncio.to_thread(run)
+    return out, (started[0] - called, time.perf_counter() - started[0])
 
 
 def root_cause(exc: BaseException) -> BaseException:
@@ -115,10 +128,11 @@ class Uploader:
                 try:
                     await self.copy_files(files, version)
                     self.plan.files_uploaded(files)
-                    taken_over = await asyncio.to_thread(self._fence, self.remote)
+                    taken_over, fence_t = await timed_thread(self._fence, self.remote)
                     if taken_over:
                         raise IntegrityError(taken_over)  # no retry helps: given up like a bad local copy
-                    await asyncio.to_thread(write_manifest, self.remote, manifest)
+                    _, manifest_t = await timed_thread(write_manifest, self.remote, manifest)
+                    self._slow_commit(version, fence_t, manifest_t)
                 except Exception as exc:
                     msg = one_line(getattr(exc, "cause", None) or exc)
                     permanent = isinstance(root_cause(exc), IntegrityError)  # the local copy is bad: no retry helps
@@ -141,6 +155,15 @@ class Uploader:
                     fut.set_result(self._outcome(manifest, "remote", self.plan.bytes.get(version, 0)))
                 break
         await self._retention()
+
+    def _slow_commit(self, version: int, fence_t: Tuple[float, float], manifest_t: Tuple[float, float]) -> None:
+        """Say where the time went when a version's remote commit (after its bytes are up) was slow:
+        a remote tier that answers slowly, or a coordinator whose threads are all busy."""
+        total = sum(fence_t) + sum(manifest_t)
+        if total >= SLOW_COMMIT_S:
+            log.warning("%s: its remote commit took %.1fs after the last byte was uploaded (waiting for a thread "
+                        "%.1fs + %.1fs; the owner check %.1fs; the manifest write %.1fs)", self.named(version), total,
+                        fence_t[0], manifest_t[0], fence_t[1], manifest_t[1])
 
     async def copy_files(self, files: List[Any], version: Optional[int] = None) -> None:
         """Each file is uploaded by a writer on the node whose local tier holds it, in calls of at
