@@ -98,8 +98,8 @@ def train_func(config):
     import torch
     import torch.distributed.checkpoint as dcp
     import ray.train
-    # every arm imports its checkpoint layer here, before the clock of the restart's parts starts
-    # (a loop's imports sit at its top; an import inside the timed part would charge one arm only)
+    # every arm imports ray_ckpt here, at the loop's top, before t_enter: in the group restart and
+    # alike for every arm (an import inside the checkpoint layer's timed part would charge one arm only)
     from ray_ckpt.integrations.ray_train import Checkpointer
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 

@@ -323,10 +323,15 @@ class Evacuation:
 
     def active(self) -> Optional[PreemptionNotice]:
         """The notice in force (None when no node of the run is being drained). Asked from the
-        queries' thread while the main loop may commit a version: read again if that happened."""
+        queries' thread while the main loop may commit a version."""
+        return self._read(lambda: self.notice() if self.draining else None)
+
+    def _read(self, notice: Callable[[], Optional[PreemptionNotice]]) -> Optional[PreemptionNotice]:
+        """``notice()`` from the queries' thread: read again if the main loop changed a dict meanwhile
+        (a commit, an upload landing)."""
         for attempt in range(5):
             try:
-                return self.notice() if self.draining else None
+                return notice()
             except RuntimeError:  # "dictionary changed size during iteration"
                 if attempt == 4:
                     raise
@@ -339,5 +344,5 @@ class Evacuation:
         if n is not None:
             return {**n.to_dict(), "active": True}
         if self.last is not None:  # read again: a late upload turns a version reported lost into kept
-            return {**(self.notice(ended=True) or self.last).to_dict(), "active": False}
+            return {**(self._read(lambda: self.notice(ended=True)) or self.last).to_dict(), "active": False}
         return {"error": self.poll_error} if self.poll_error else None
