@@ -1,8 +1,8 @@
-"""The replay capture's row caches (``integrations/rllib/replay/growth.py``): survivors of an
+"""The replay capture's row caches (``integrations/rllib/journal/growth.py``): survivors of an
 eviction as views, new rows appended into room kept after the cached ones. Plain numpy, no Ray."""
 import numpy as np
 
-from ray_ckpt.integrations.rllib.replay.growth import appended, count, evicted_rows, kept, positions, same_rows, survivors
+from ray_ckpt.integrations.rllib.journal.growth import appended, count, evicted_rows, kept, positions, same_rows, survivors
 
 
 def test_survivors_are_a_slice_when_the_evicted_rows_are_a_prefix_and_the_mask_otherwise():

@@ -128,6 +128,27 @@ _REPLAY_ATTRS = {
         "_last_step_time", "_custom_data"),
     "ray.rllib.env.utils.infinite_lookback_buffer:InfiniteLookbackBuffer": ("data", "lookback", "finalized"),
 }
+# what the replay journal (:mod:`..journal`) reads and writes of a prioritized buffer outside RLlib's
+# get_state()/set_state() (which copy the O(capacity) free-node deque), each behind an accessor below
+_PER = _RB + "prioritized_episode_buffer:PrioritizedEpisodeReplayBuffer"
+JOURNAL_INTERNALS = (
+    Internal(_PER, "_alpha", "instance", "the exponent add() and update_priorities() raise priorities to"),
+    Internal(_PER, "_max_priority", "instance", "the weight add() gives new timesteps (read before each add)"),
+    Internal(_PER, "_max_idx", "instance", "a get_state() key, read without get_state()'s O(capacity) copies"),
+    Internal(_PER, "_last_sampled_indices", "instance", "the leaves update_priorities() is about to change"),
+    Internal(_PER, "_free_nodes", "instance", "its order decides the leaves of future timesteps; set_state() "
+             "drops its maxlen, which the restore puts back"),
+)
+# RLlib's get_state()/set_state() keys the journal reads and writes (RLlib's checkpoint contract; the
+# single-agent episode's two without a public accessor are read directly)
+STATE_KEYS = (
+    ("ray.rllib.utils.replay_buffers.episode_replay_buffer:EpisodeReplayBuffer",
+     ("episodes", "episode_id_to_index", "_num_episodes_evicted", "_indices", "_num_timesteps",
+      "_num_timesteps_added", "sampled_timesteps")),
+    (_PER, ("_sum_segment", "_min_segment", "_free_nodes", "_max_priority", "_max_idx", "_tree_idx_to_sample_idx",
+            "_last_sampled_indices")),
+    ("ray.rllib.env.single_agent_episode:SingleAgentEpisode", ("_start_time", "_last_step_time")),
+)
 REPLAY_INTERNALS = tuple(Internal(owner, attr, "instance", "saving / restoring replay buffers (the replay package)")
                          for owner, attrs in _REPLAY_ATTRS.items() for attr in attrs)
 
@@ -144,7 +165,7 @@ def _present(obj: Any, item: Internal) -> bool:
 
 def missing_internals() -> List[str]:
     """One line per internal that the installed RLlib / gymnasium no longer has (empty: all there)."""
-    return missing_among(INTERNALS + REPLAY_INTERNALS, _present,
+    return missing_among(INTERNALS + REPLAY_INTERNALS + JOURNAL_INTERNALS, _present,
                          "ray_ckpt's RLlib integration uses it for {why}")
 
 
@@ -196,6 +217,31 @@ def scheduled_lr(learner: Any, optimizer: Any, timestep: int) -> Optional[float]
 def set_optimizer_lr(learner: Any, optimizer: Any, lr: float) -> None:
     """Set ``optimizer``'s learning rate the way the learner's framework does it in RLlib."""
     learner._set_optimizer_lr(optimizer, lr=lr)
+
+
+# ---------------------------------------------------------------------- the replay journal's accessors
+def replay_alpha(buf: Any) -> float:
+    return buf._alpha
+
+
+def per_max_priority(buf: Any) -> Any:
+    return buf._max_priority
+
+
+def per_last_sampled(buf: Any) -> List[int]:
+    return buf._last_sampled_indices
+
+
+def per_scalars(buf: Any) -> Dict[str, Any]:
+    """A prioritized buffer's get_state() keys that are not O(timesteps): the maximum priority and
+    leaf index, the free-node deque (itself: the caller copies what it keeps), the last sampled indices."""
+    return {"_max_priority": buf._max_priority, "_max_idx": buf._max_idx, "_free_nodes": buf._free_nodes,
+            "_last_sampled_indices": list(buf._last_sampled_indices)}
+
+
+def set_per_free_nodes(buf: Any, free_nodes: Any) -> None:
+    """The free-node deque as it was, maxlen included (RLlib's set_state() makes one without it)."""
+    buf._free_nodes = free_nodes
 
 
 # ---------------------------------------------------------------------- differences between RLlib releases

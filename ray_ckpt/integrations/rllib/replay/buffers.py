@@ -71,8 +71,9 @@ def replay_buffer_of(algorithm: Any) -> Optional[Any]:
 def _attributes(buffer: Any) -> Dict[str, Any]:
     """Every attribute set on the instance (``__dict__`` and the ``__slots__`` of its classes)."""
     out = dict(getattr(buffer, "__dict__", {}))
-    if getattr(out.get("update_priorities"), "_ray_ckpt_hook", False):
-        del out["update_priorities"]  # incremental_priorities' recorder of changed priorities, not buffer state
+    for name in ("add", "update_priorities"):  # recorders (incremental_priorities', the journal's): not state
+        if getattr(out.get(name), "_ray_ckpt_hook", False):
+            del out[name]
     for cls in type(buffer).__mro__:
         for name in getattr(cls, "__slots__", ()):
             if name not in out and hasattr(buffer, name):

@@ -14,7 +14,7 @@ from ....errors import UnsupportedTypeError
 from ..base.names import REPLAY, REPLAY_META, log
 from .buffers import _Kind, _attributes, buffer_kind, common_meta, extra_attrs, handled_attrs
 from .episode_parts import LAYOUT, _EpisodeParts, _int32, _split_episode, _table
-from .growth import count, kept, same_rows, survivors
+from ..journal.growth import count, kept, same_rows, survivors
 from .incremental_priorities import _hook, _priorities, _priority_record, _priority_scalars, touched_by_group
 from .incremental_state import (CHUNK, DICT, EPISODES, LOG_LAYOUT, META, META_FORMAT4, PRIORITIES, SAMPLE_LIMITS,
                                 STATIC, STATIC_KEYS, Incremental, _empty_log, _encode, _raw, pack_ids)

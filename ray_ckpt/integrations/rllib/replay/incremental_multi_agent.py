@@ -32,7 +32,7 @@ from .buffers import _Kind, _attributes, buffer_kind, common_meta, extra_attrs, 
 from .episode_parts import LAYOUT, _EpisodeParts, _int32, _split_episode, _table
 from .incremental_capture import (_Misaligned, _append_dict, _gather, changed_keys, _log_state, _static_of, append_records,
                                   forget_parts, live_spans, merge_cols, surviving, with_retry)
-from .growth import appended, count, evicted_rows, same_rows, survivors
+from ..journal.growth import appended, count, evicted_rows, same_rows, survivors
 from .incremental_priorities import _hook, _priorities, _priority_record, check_freed, touched_by_group
 from .incremental_state import ENV, META_FORMAT5, ORDER, Incremental, _leaf_codes, _raw, pack_ids
 from .key_order import key_order_record, s2t_state

@@ -15,7 +15,7 @@ import numpy as np
 
 from ....errors import UnsupportedTypeError
 from ..base.names import log
-from .growth import appended, evicted_rows, positions
+from ..journal.growth import appended, evicted_rows, positions
 from .incremental_state import Incremental, _leaf_codes, _raw
 from .priorities import tree_scalars
 from .segment_trees import _check_maps, _check_neutral

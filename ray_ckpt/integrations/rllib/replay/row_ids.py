@@ -11,7 +11,7 @@ import numpy as np
 from ....errors import UnsupportedTypeError
 from ..base.names import log
 from .episode_parts import _EpisodeParts
-from .growth import appended, count, kept, positions, survivors
+from ..journal.growth import appended, count, kept, positions, survivors
 from .values import _Spaces, _type_name
 
 

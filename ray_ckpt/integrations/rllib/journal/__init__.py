@@ -1,0 +1,35 @@
+"""RLlib's replay buffers saved as a journal of what their own entry points received (format
+``ray_ckpt.rllib.replay/6``; issue 47's replacement of :mod:`..replay`, built beside it).
+
+Why a journal: a buffer changes only through ``add()`` (episode chunks, and the evictions they
+cause) and, prioritized, ``update_priorities()``. Recording what those calls receive, and writing it
+at the next save, costs O(what arrived) per save, and reads none of the buffer's hundreds of
+thousands of stored timesteps; restoring replays it through RLlib's own API: each episode is
+``SingleAgentEpisode.from_state`` of its first chunk with the next ones ``concat_episode``-ed to it
+(what ``add()`` does with its copies), then the buffer's ``set_state()`` with the index list and the
+segment trees the journal derives, then its generator and metrics.
+
+One state, ``replay_journal``, registered ``append_only=True``: rows ``row_id`` (int64) and ``blob``
+(uint8[256]); a record is a run of consecutive rows (:mod:`.records`). Records:
+
+========== ===============================================================================
+``ADD``    one ``add()`` call: the chunks it kept (their states, :mod:`.episodes`), the buffer
+           episode index each went to, the entries the call appended to ``_indices`` (with
+           the segment-tree leaf of each, prioritized) and the weight their leaves got. Live
+           while any of its episodes is in the buffer.
+``PRIO``   the ``update_priorities()`` calls since the save before: the leaves each call
+           changed and the priorities it received. Live until a newer ``STATE``.
+``STATE``  a whole ``_indices`` and, prioritized, every live leaf's value: written by a full
+           capture (a buffer the journal did not see fill, or one changed behind ``add()``) and
+           when the ``PRIO`` records outgrow the buffer. Live while it is the newest and any of
+           its entries' episodes is in the buffer.
+========== ===============================================================================
+
+Scalars beside the rows: ``format`` and ``meta``, RLlib's ``get_state()`` without the episodes and
+without what the records give (``episode_id_to_index``, ``_indices``, the trees), plus what
+``get_state()`` leaves out: the sampling generator, the metrics, the capacity, the space table and,
+prioritized, the free-node deque, the maximum priority and leaf index, the last sampled indices.
+
+Exact except: nothing known for the single-agent buffers (tests compare every attribute and the
+next samples). The multi-agent buffers are not journaled yet.
+"""

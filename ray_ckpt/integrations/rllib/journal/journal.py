@@ -1,0 +1,308 @@
+"""A replay buffer's journal: recorders around ``add()`` and ``update_priorities()``, and the
+capture of a save (the records of what arrived since the save before, the live rows, the meta).
+
+Call sequence: :func:`journal_of` (at the algorithm's start, or at the first save: it installs the
+recorders), then :meth:`Journal.capture` at each save, on the training thread between two calls of
+the buffer (the RLlib callback's ``on_train_result``). A restore seeds a new journal
+(:func:`seed_journal`), so the next save writes only what arrived after it.
+"""
+from __future__ import annotations
+
+import base64
+import weakref
+import zlib
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from ....errors import UnsupportedTypeError
+from ..base import _rllib_internals as internals
+from ..base.conversion import to_storable
+from ..base.names import log
+from .episodes import chunk_state
+from .growth import kept, survivors
+from .records import ROW_BYTES, encode, state_bytes
+from .trees import free_nodes_state
+from .values import Spaces, pack_one, pack_scalars, type_name
+
+FORMAT = "ray_ckpt.rllib.replay/6"
+STATE_NAME = "replay_journal"
+ADD, PRIO, STATE = 1, 2, 3
+KIND_NAMES = {ADD: "ADD", PRIO: "PRIO", STATE: "STATE"}
+COMPACT_FACTOR = 2     # a STATE record is written when the live PRIO entries exceed this many per stored timestep
+COMPACT_MIN = 4096     # ... plus this many
+FULL_EPISODES = 32     # episodes per ADD record of a full capture (old data then leaves record by record)
+
+
+@dataclass
+class Record:
+    """One live record: its kind, its rows ``first .. first + rows - 1``, its place in the order of
+    events (``seq``), the highest buffer episode index it holds (-1: none) and, PRIO, how many
+    leaf updates it holds."""
+
+    kind: int
+    first: int
+    rows: int
+    seq: int
+    last_episode: int = -1
+    entries: int = 0
+
+
+def _supported(buf: Any) -> bool:
+    from ray.rllib.utils.replay_buffers import EpisodeReplayBuffer, MultiAgentEpisodeReplayBuffer
+    return isinstance(buf, EpisodeReplayBuffer) and not isinstance(buf, MultiAgentEpisodeReplayBuffer)
+
+
+def is_prioritized(buf: Any) -> bool:
+    from ray.rllib.utils.replay_buffers import PrioritizedEpisodeReplayBuffer
+    return isinstance(buf, PrioritizedEpisodeReplayBuffer)
+
+
+def base_state(buf: Any) -> Dict[str, Any]:
+    """``EpisodeReplayBuffer.get_state()`` of ``buf`` without its episodes: the counters, the index
+    list (RLlib's own list, not a copy) and ``episode_id_to_index`` -- O(episodes), not O(timesteps)."""
+    from ray.rllib.utils.replay_buffers import EpisodeReplayBuffer
+    episodes = buf.episodes
+    buf.episodes = ()
+    try:
+        return EpisodeReplayBuffer.get_state(buf)
+    finally:
+        buf.episodes = episodes
+
+
+class Journal:
+    """What a buffer received since its last save, and the live records of its saves."""
+
+    def __init__(self, buf: Any):
+        self.prioritized = is_prioritized(buf)
+        self.spaces = Spaces()
+        self.records: List[Record] = []
+        self.ids = np.empty(0, np.int64)
+        self.rows = np.empty((0, ROW_BYTES), np.uint8)
+        self.next_row_id = 0
+        self.seq = 0
+        self.adds: List[Dict[str, Any]] = []
+        self.prios: List[Dict[str, Any]] = []
+        self.full_because: Optional[str] = "the journal has not seen this buffer fill"
+        self.added = -1          # the buffer's timesteps-added counter after the last call recorded
+        self.indices_len = -1    # and the length of its index list
+        self.restored_from: Optional[tuple] = None  # (run, version) a restore seeded the journal from
+        self.checked_run: Optional[str] = None
+
+    # ------------------------------------------------------------------ the recorders
+    def record_add(self, buf: Any, chunks: List[Any], weight: Any) -> None:
+        if self.full_because is not None:
+            return  # a full capture comes anyway
+        st = base_state(buf)
+        where = st["episode_id_to_index"]
+        index = dict(where)
+        keep = [(c, index[c.id_]) for c in chunks if c.id_ in index and len(c)]
+        n = sum(len(c) for c, _ in keep)
+        indices = st["_indices"]
+        tail = np.array(indices[len(indices) - n:] if n else [], np.int64).reshape(n, 3 if self.prioritized else 2)
+        want = np.repeat(np.array([e for _, e in keep], np.int64), [len(c) for c, _ in keep])
+        if len(indices) < n or not np.array_equal(tail[:, 0], want):
+            self.full_because = "an add() call's index entries are not those of the chunks it kept"
+            return
+        self.seq += 1
+        self.adds.append({"seq": self.seq, "chunks": [chunk_state(c, self.spaces) for c, _ in keep],
+                          "eps": np.array([e for _, e in keep], np.int64), "tail": tail,
+                          "w": pack_one(weight, "add()'s weight") if self.prioritized else None})
+        self.added, self.indices_len = st["_num_timesteps_added"], len(indices)
+
+    def record_priorities(self, sampled: List[int], priorities: Any) -> None:
+        if self.full_because is not None:
+            return
+        if isinstance(priorities, np.ndarray) and priorities.ndim == 1 and priorities.dtype.kind == "f":
+            p: Any = {"array": priorities.copy()}
+        else:
+            p = pack_scalars(list(priorities), "update_priorities()'s priorities")
+        self.seq += 1
+        self.prios.append({"seq": self.seq, "idx": np.array(sampled, np.int64), "p": p})
+
+    # ------------------------------------------------------------------ a save
+    def capture(self, buf: Any, floor: Optional[int] = None) -> Dict[str, Any]:
+        """The ``replay_journal`` state of this save: every live row (the new records' rows after
+        the ones kept), ``format`` and ``meta``. ``floor``: the run's newest version was written by
+        another buffer (a restore from another run or an older version): every row gets a new id
+        from ``floor`` and this save writes the whole buffer once (a full capture)."""
+        st = base_state(buf)
+        if floor is not None:
+            self.next_row_id = max(self.next_row_id, int(floor))
+            self.full_because = f"its row ids start anew from {floor}"
+        elif self.full_because is None and (st["_num_timesteps_added"] != self.added
+                                            or len(st["_indices"]) != self.indices_len):
+            self.full_because = "the buffer changed other than through add()"
+        evicted = int(st["_num_episodes_evicted"])
+        if self.full_because is not None:
+            if self.records or self.added >= 0:
+                log.info("ray_ckpt: replay journal: this save writes the whole buffer (%s)", self.full_because)
+            new = self._full(buf, st, evicted)
+            keep = np.zeros(len(self.records), bool)
+        else:
+            new = self._since(buf, st, evicted)
+            newest_state = max((r.seq for r in self.records + [n for n, _ in new] if r.kind == STATE), default=-1)
+            keep = np.array([(r.last_episode >= evicted) if r.kind == ADD else
+                             (r.seq > newest_state) if r.kind == PRIO else
+                             (r.seq == newest_state and r.last_episode >= evicted) for r in self.records], bool)
+        self._keep(keep, new)
+        self.adds.clear()
+        self.prios.clear()
+        self.full_because = None
+        self.added, self.indices_len = st["_num_timesteps_added"], len(st["_indices"])
+        return {"row_id": self.ids, "blob": self.rows, "format": FORMAT, "meta": self._meta(buf, st)}
+
+    def _since(self, buf: Any, st: Dict[str, Any], evicted: int) -> List[tuple]:
+        new = []
+        for a in self.adds:
+            if len(a["eps"]) and int(a["eps"].max()) >= evicted:
+                new.append(self._record(ADD, a, last_episode=int(a["eps"].max())))
+        if self.prios:
+            calls = list(self.prios)
+            new.append(self._record(PRIO, {"calls": calls}, entries=sum(len(c["idx"]) for c in calls)))
+        live_prio = sum(r.entries for r in self.records if r.kind == PRIO) + sum(n.entries for n, _ in new)
+        if self.prioritized and live_prio > COMPACT_FACTOR * len(st["_indices"]) + COMPACT_MIN:
+            # every leaf anew: this save's PRIO record and the older ones are superseded
+            new = [n for n in new if n[0].kind != PRIO] + [self._state_record(buf, st)]
+        return new
+
+    def _full(self, buf: Any, st: Dict[str, Any], evicted: int) -> List[tuple]:
+        """Every stored episode (whole, as one chunk each) and a STATE record: all rows new."""
+        self.spaces = Spaces()
+        new = []
+        eps = list(buf.episodes)
+        for i in range(0, len(eps), FULL_EPISODES):
+            group = eps[i:i + FULL_EPISODES]
+            self.seq += 1
+            idx = np.arange(evicted + i, evicted + i + len(group), dtype=np.int64)
+            new.append(self._record(ADD, {"seq": self.seq, "chunks": [chunk_state(e, self.spaces) for e in group],
+                                          "eps": idx, "tail": None, "w": None}, last_episode=int(idx[-1])))
+        new.append(self._state_record(buf, st))
+        return new
+
+    def _state_record(self, buf: Any, st: Dict[str, Any]) -> tuple:
+        indices = np.array(st["_indices"], np.int64).reshape(-1, 3 if self.prioritized else 2)
+        self.seq += 1
+        rec: Dict[str, Any] = {"seq": self.seq, "indices": indices}
+        if self.prioritized:
+            per = _tree_values(buf)
+            tidx = indices[:, 2]
+            rec["sum"] = pack_scalars([per["_sum_segment"][t] for t in (tidx + len(per["_sum_segment"]) // 2).tolist()],
+                                      "the sum tree's leaves")
+            mins = pack_scalars([per["_min_segment"][t] for t in (tidx + len(per["_min_segment"]) // 2).tolist()],
+                                "the min tree's leaves")
+            if not _same(mins, rec["sum"]):
+                rec["min"] = mins
+        return self._record(STATE, rec, last_episode=int(indices[:, 0].max()) if len(indices) else -1)
+
+    def _record(self, kind: int, state: Dict[str, Any], last_episode: int = -1, entries: int = 0) -> tuple:
+        rows = encode(kind, state_bytes(state))
+        seq = state["seq"] if "seq" in state else state["calls"][-1]["seq"]
+        rec = Record(kind, self.next_row_id, len(rows), int(seq), last_episode, entries)
+        self.next_row_id += len(rows)
+        return rec, rows
+
+    def _keep(self, keep: np.ndarray, new: List[tuple]) -> None:
+        per_row = np.repeat(keep, [r.rows for r in self.records]) if self.records else np.zeros(0, bool)
+        sel = survivors(per_row)
+        rows = np.concatenate([r for _, r in new]) if new else np.empty((0, ROW_BYTES), np.uint8)
+        ids = np.concatenate([np.arange(n.first, n.first + n.rows, dtype=np.int64) for n, _ in new]) if new \
+            else np.empty(0, np.int64)
+        self.rows = kept(self.rows, sel, rows)
+        self.ids = kept(self.ids, sel, ids)
+        self.records = [r for r, k in zip(self.records, keep.tolist()) if k] + [n for n, _ in new]
+
+    def _meta(self, buf: Any, st: Dict[str, Any]) -> str:
+        meta: Dict[str, Any] = {
+            "format": FORMAT, "buffer_type": type_name(buf), "next_row_id": self.next_row_id, "seq": self.seq,
+            "config": {"capacity": buf.capacity, "batch_size_B": buf.batch_size_B,
+                       "batch_length_T": buf.batch_length_T},
+            "state": {k: v for k, v in st.items() if k not in ("episodes", "episode_id_to_index", "_indices")},
+            "rng": buf.rng.bit_generator.state, "spaces": self.spaces.table, "not_saved": {}}
+        if self.prioritized:
+            meta["config"]["alpha"] = internals.replay_alpha(buf)
+            meta["per"] = internals.per_scalars(buf)
+            meta["per"]["_max_priority"] = pack_one(meta["per"]["_max_priority"], "_max_priority")
+            meta["per"]["_free_nodes"] = free_nodes_state(meta["per"]["_free_nodes"])
+        try:  # not needed to sample: a metrics state that cannot be stored is reported, not fatal
+            meta["metrics"] = to_storable(buf.metrics.get_state(), "replay_journal.metrics")
+        except Exception as exc:  # e.g. RLlib's own get_state fails on int agent ids
+            meta["metrics"] = None
+            meta["not_saved"]["metrics"] = f"{type(exc).__name__}: {exc}"
+        return base64.b64encode(zlib.compress(state_bytes(meta), 6)).decode("ascii")
+
+
+def _tree_values(buf: Any) -> Dict[str, Any]:
+    """The prioritized buffer's tree value lists, through RLlib's ``get_state()`` (its own lists;
+    O(capacity) for the free nodes it copies: only a full capture or a compaction calls it)."""
+    episodes = buf.episodes
+    buf.episodes = ()
+    try:
+        return type(buf).get_state(buf)
+    finally:
+        buf.episodes = episodes
+
+
+def _same(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+    return (list(a["kinds"]) == list(b["kinds"]) and np.array_equal(a["v"], b["v"], equal_nan=True)
+            and ("k" in a) == ("k" in b) and ("k" not in a or np.array_equal(a["k"], b["k"])))
+
+
+# ---------------------------------------------------------------------- buffer -> journal
+_JOURNALS: "weakref.WeakKeyDictionary[Any, Journal]" = weakref.WeakKeyDictionary()
+
+
+def journal_of(buf: Any) -> Journal:
+    """The buffer's journal, created with its recorders on first use (the first save is then a
+    full capture of what the buffer already holds)."""
+    j = _JOURNALS.get(buf)
+    if j is None:
+        if not _supported(buf):
+            raise UnsupportedTypeError(f"replay buffer of type {type_name(buf)}: the replay journal keeps "
+                                       f"EpisodeReplayBuffer and PrioritizedEpisodeReplayBuffer (and subclasses)")
+        j = Journal(buf)
+        st = base_state(buf)
+        if st["_num_timesteps_added"] == 0 and not st["_indices"]:  # it sees the buffer fill from empty
+            j.full_because, j.added, j.indices_len = None, 0, 0
+        install(buf, j)
+    return j
+
+
+def install(buf: Any, j: Journal) -> None:
+    """Make ``j`` the buffer's journal, with recorders around the instance's ``add`` (and
+    ``update_priorities``): put there unless they are already (they find the journal at each call)."""
+    _JOURNALS[buf] = j
+    if getattr(buf.__dict__.get("add"), "_ray_ckpt_hook", False):
+        return
+    cls_add = type(buf).add.__get__(buf)
+    prioritized = j.prioritized
+
+    def add(episodes: Any, *args: Any, **kw: Any) -> Any:
+        chunks = list(episodes) if isinstance(episodes, (list, tuple)) else [episodes]
+        weight = None
+        if prioritized:
+            weight = kw.get("weight", args[0] if args else None)
+            if weight is None:
+                weight = internals.per_max_priority(buf)
+        out = cls_add(episodes, *args, **kw)
+        try:
+            _JOURNALS[buf].record_add(buf, chunks, weight)
+        except Exception as exc:  # never fail training: the next save writes the whole buffer
+            _JOURNALS[buf].full_because = f"recording an add() failed ({type(exc).__name__}: {exc})"
+        return out
+    add._ray_ckpt_hook = True
+    buf.add = add
+    if prioritized:
+        cls_update = type(buf).update_priorities.__get__(buf)
+
+        def update_priorities(priorities: Any, *args: Any, **kw: Any) -> Any:
+            sampled = list(internals.per_last_sampled(buf))
+            out = cls_update(priorities, *args, **kw)
+            try:
+                _JOURNALS[buf].record_priorities(sampled, priorities)
+            except Exception as exc:
+                _JOURNALS[buf].full_because = f"recording update_priorities() failed ({type(exc).__name__}: {exc})"
+            return out
+        update_priorities._ray_ckpt_hook = True
+        buf.update_priorities = update_priorities

@@ -1,0 +1,111 @@
+"""The replay journal (integrations/rllib/journal/, format /6): single-agent buffers saved as the
+records of what add() and update_priorities() received, written version after version through the
+engine's own append-only writer and reader, and restored through RLlib's own API into fresh buffers
+that equal the original attribute by attribute and sample the same. Real RLlib buffers and episodes;
+no Ray cluster needed."""
+import numpy as np
+import pytest
+
+pytest.importorskip("ray.rllib")
+
+from ray_ckpt.errors import RestoreError  # noqa: E402
+from ray_ckpt.integrations.rllib.journal import journal as jn  # noqa: E402
+from ray_ckpt.integrations.rllib.journal.restore import read_records, restore_journal  # noqa: E402
+from ray_ckpt.integrations.rllib.replay import compare  # noqa: E402
+from ray_ckpt.storage.tier import Tier  # noqa: E402
+
+from test_rllib_replay import _assert_same, _fill, _make, _sa_chunks, _sampled, _store_version  # noqa: E402
+
+SA = ("plain", "prioritized")
+
+
+def _restored(name, state, capacity, seed=99):
+    fresh = _make(name, capacity=capacity, seed=seed)
+    restore_journal(fresh, state)
+    return fresh
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,compact,nested", [("plain", False, False), ("prioritized", False, False),
+                                                 ("prioritized", True, False), ("prioritized", False, True)])
+def test_versions_written_append_only_restore_exactly_and_a_restored_buffer_goes_on_alike(
+        name, compact, nested, tmp_path, monkeypatch):
+    """Saved every few add() calls (evictions and priority updates in between), each version is
+    written as the engine's writers write an append-only state and read back verified; each restores
+    into a fresh buffer equal to the original in every attribute; a buffer restored from version 3
+    and fed the same chunks since captures the same rows as the uninterrupted one and samples alike.
+    ``compact``: a STATE record replaces the priority records at nearly every save."""
+    prioritized = name == "prioritized"
+    if compact:
+        monkeypatch.setattr(jn, "COMPACT_FACTOR", 0)
+        monkeypatch.setattr(jn, "COMPACT_MIN", 12)
+    tier = Tier(str(tmp_path / "tier"), "local")
+    chunks = _sa_chunks(0, steps=150, nested=nested)
+    buf = _make(name, capacity=150)
+    jn.journal_of(buf)  # the recorders from the start, as the callback puts them at the algorithm's start
+    base, restored, step = {}, None, 6
+    kinds = set()
+    for v, i in enumerate(range(0, len(chunks), step), 1):
+        for b in (buf, restored) if restored is not None else (buf,):
+            _fill(b, chunks, prioritized, False, i, i + step, seed=v)
+        state = jn.journal_of(buf).capture(buf)
+        assert np.all(np.diff(state["row_id"]) > 0)
+        files, back, _ = _store_version(tier, v, {jn.STATE_NAME: state}, base)
+        base = files
+        kinds |= {r.kind for r, _ in read_records(back[jn.STATE_NAME]["row_id"], back[jn.STATE_NAME]["blob"])}
+        if restored is not None:
+            again = jn.journal_of(restored).capture(restored)
+            assert np.array_equal(again["row_id"], state["row_id"]) and np.array_equal(again["blob"], state["blob"]), v
+        fresh = _restored(name, back[jn.STATE_NAME], 150)
+        assert compare.buffer_state_equal(buf, fresh) == [], v
+        if v == 3:
+            restored = fresh
+    assert buf.get_num_episodes_evicted() > 10
+    assert jn.ADD in kinds and (jn.PRIO in kinds) == (prioritized and not compact)
+    assert (jn.STATE in kinds) == compact  # a buffer journaled from its start needs no STATE record
+    for _ in range(2):
+        _assert_same(_sampled(buf, False), _sampled(restored, False), "sample")
+    assert compare.buffer_state_equal(buf, restored) == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", SA)
+def test_a_buffer_filled_before_its_journal_or_changed_behind_add_is_captured_whole(name, caplog):
+    prioritized = name == "prioritized"
+    chunks = _sa_chunks(1, steps=120)
+    buf = _make(name, capacity=100)
+    _fill(buf, chunks, prioritized, False, 0, 30)  # before the journal: the first save is a full capture
+    j = jn.journal_of(buf)
+    first = j.capture(buf)
+    assert {r.kind for r in j.records} == {jn.ADD, jn.STATE}
+    assert compare.buffer_state_equal(buf, _restored(name, first, 100)) == []
+    assert len(chunks) > 45
+    _fill(buf, chunks, prioritized, False, 30, len(chunks) - 3)
+    second = j.capture(buf)
+    assert second["row_id"][0] == first["row_id"][0] or buf.get_num_episodes_evicted() > 0
+    assert compare.buffer_state_equal(buf, _restored(name, second, 100)) == []
+    type(buf).add(buf, chunks[-3:])  # past the recorder: the journal notices and writes the buffer anew
+    with caplog.at_level("INFO", logger="ray_ckpt"):
+        third = j.capture(buf)
+    assert "the buffer changed other than through add()" in caplog.text
+    assert third["row_id"][0] > second["row_id"][-1]  # every row new: no id names two different rows
+    assert compare.buffer_state_equal(buf, _restored(name, third, 100)) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_journal_that_does_not_fit_the_buffer_is_refused_and_nothing_changes():
+    buf = _make("prioritized", capacity=100)
+    jn.journal_of(buf)
+    _fill(buf, _sa_chunks(2, steps=40), True, False)
+    state = jn.journal_of(buf).capture(buf)
+    for other, cap, why in (("plain", 100, "restoring into a"), ("prioritized", 80, "capacity is 80")):
+        fresh = _make(other, capacity=cap)
+        _fill(fresh, _sa_chunks(3, steps=10), other == "prioritized", False)
+        before = fresh.get_state()
+        with pytest.raises(RestoreError, match=why):
+            restore_journal(fresh, state)
+        _assert_same(fresh.get_state(), before, "untouched")
+    damaged = dict(state, blob=state["blob"].copy())
+    damaged["blob"][1, 40] ^= 0xFF
+    with pytest.raises(RestoreError, match="replay journal record at row"):
+        restore_journal(_make("prioritized", capacity=100), damaged)
