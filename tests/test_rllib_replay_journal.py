@@ -109,3 +109,60 @@ def test_a_journal_that_does_not_fit_the_buffer_is_refused_and_nothing_changes()
     damaged["blob"][1, 40] ^= 0xFF
     with pytest.raises(RestoreError, match="replay journal record at row"):
         restore_journal(_make("prioritized", capacity=100), damaged)
+
+
+# ---------------------------------------------------------------- saved by the RLlib callback
+@pytest.mark.timeout(300)
+def test_dqn_buffer_journaled_by_the_callback_resumes_exactly_and_goes_on_writing_only_new_rows(
+        engine_factory, run_name, monkeypatch):
+    """DQN (prioritized buffer, CartPole) saved every iteration by the callback as a journal: a
+    relaunched Algorithm resumes a buffer equal to the original in every attribute, draws the same
+    next batch, and its next version keeps the restored rows (same ids) and adds new ones; set back
+    to an older version, its rows get ids above every stored one."""
+    from ray_ckpt.integrations import rllib as rr
+    from ray_ckpt.integrations.rllib.replay import algorithm as replay_algorithm
+    from test_rllib_replay import _dqn_config, _episodes_state, _learner_state, _replay_sample
+    monkeypatch.setattr(replay_algorithm, "REPLAY_FORMAT", 6)
+    engine = engine_factory(critical_writers=1)
+    algo = _dqn_config(rr.make_callback(run_name, every=1, on_busy="wait")).build_algo()
+    try:
+        for _ in range(4):
+            algo.train()
+        assert sorted(rr.wait_for_saves(algo, timeout=120)) == [1, 2, 3, 4]
+        metas = engine.list_checkpoints()
+        assert all(jn.STATE_NAME in m.states and "replay" not in m.states for m in metas)
+        buf = algo.local_replay_buffer
+        assert buf.get_num_episodes_evicted() > 0
+        j3, j4 = (engine.load(name=jn.STATE_NAME, version=v) for v in (3, 4))
+        common, i3, i4 = np.intersect1d(j3["row_id"], j4["row_id"], return_indices=True)
+        assert len(common) > 0 and np.array_equal(j3["blob"][i3], j4["blob"][i4])  # a row id keeps its bytes
+        kinds = {r.kind for r, _ in read_records(j4["row_id"], j4["blob"])}
+        assert kinds == {jn.ADD, jn.PRIO}  # journaled from the algorithm's start: no whole-buffer record
+        want_learner = _learner_state(algo)
+    finally:
+        algo.stop()
+    fresh = _dqn_config(rr.make_callback(run_name, every=1, on_busy="wait", resume=True)).build_algo()
+    try:
+        report = rr.find_callback(fresh).resumed
+        assert report.version == 4 and report.states[jn.STATE_NAME] == "restored"
+        _assert_same(_learner_state(fresh), want_learner, "learner")
+        got = fresh.local_replay_buffer
+        assert compare.buffer_state_equal(buf, got) == []
+        _assert_same(_episodes_state(_replay_sample(algo)), _episodes_state(_replay_sample(fresh)), "batch")
+        fresh.train()
+        rr.wait_for_saves(fresh, timeout=120)
+        j5 = engine.load(name=jn.STATE_NAME, version=5)
+        common, i4, i5 = np.intersect1d(j4["row_id"], j5["row_id"], return_indices=True)
+        assert len(common) > 0 and np.array_equal(j4["blob"][i4], j5["blob"][i5])
+        assert np.setdiff1d(j5["row_id"], j4["row_id"]).min() > j4["row_id"].max()
+        rr.restore_algorithm(fresh, engine, version=3)  # set back: ids of version 3 may name other rows in 5
+        fresh.train()
+        rr.wait_for_saves(fresh, timeout=120)
+        j6 = engine.load(name=jn.STATE_NAME, version=6)
+        assert j6["row_id"].min() > j5["row_id"].max()
+        back = type(fresh.local_replay_buffer)(capacity=fresh.local_replay_buffer.capacity,
+                                               alpha=fresh.local_replay_buffer._alpha)
+        restore_journal(back, j6)
+        assert compare.buffer_state_equal(fresh.local_replay_buffer, back) == []
+    finally:
+        fresh.stop()

@@ -32,7 +32,7 @@ from .capture import OVERLAPPED, capture_algorithm_state
 from .env_runners import runner_snapshot_actors
 from .learners import LearnerCapture
 from .base.names import CONNECTORS, COUNTERS, METRICS, OPTIMIZER, POLICY, RNG, log
-from .replay.algorithm import replay_strategy, sync_replay_registrations
+from .replay.algorithm import prepare_replay, replay_strategy, sync_replay_registrations
 from .restore import AlgorithmRestoreReport, restore_algorithm
 from .settings import CheckpointSettings
 from .tune import coordinator_exists, install_hooks, open_run, trial_run_name, tune_trial_id
@@ -94,6 +94,8 @@ class RayCkptCallback(RLlibCallback):
         eng = self._ensure_engine()
         install_hooks(algorithm, self)
         s = self.settings
+        if s.replay_strategy != "off":
+            prepare_replay(algorithm)
         if s.resume and self._last_step >= 0:
             self.resumed = restore_algorithm(algorithm, eng, timeout_s=s.resume_timeout_s, restore_rng=s.rng,
                                              allow_pickle=s.allow_pickle)

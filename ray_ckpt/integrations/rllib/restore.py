@@ -27,7 +27,7 @@ from .base.conversion import from_storable
 from .env_runners import RunnerSync, push_to_env_runners, saved_runner_states
 from .learners import is_remote, restore_remote_learners
 from .base.names import (CONNECTORS, COUNTERS, CRITICAL_STATES, ENV_RUNNER_PREFIX, METRICS, OPTIMIZER, POLICY, REPLAY,
-                    REPLAY_META, RNG, TRAINING_ITERATION)
+                    REPLAY_JOURNAL, REPLAY_META, RNG, TRAINING_ITERATION)
 from .replay.algorithm import restore_algorithm_replay
 
 
@@ -83,7 +83,7 @@ def _load_states(engine: CheckpointEngine, meta: Any, restore_env_runners: bool,
     v = meta.version
     states: Dict[str, str] = {}
     loaded: Dict[str, Any] = {}
-    known = set(CRITICAL_STATES) | {METRICS, REPLAY, REPLAY_META}
+    known = set(CRITICAL_STATES) | {METRICS, REPLAY, REPLAY_META, REPLAY_JOURNAL}
     for name in meta.states:
         if name.startswith(ENV_RUNNER_PREFIX):
             if not restore_env_runners:

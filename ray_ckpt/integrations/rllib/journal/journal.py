@@ -49,7 +49,7 @@ class Record:
     entries: int = 0
 
 
-def _supported(buf: Any) -> bool:
+def supported(buf: Any) -> bool:
     from ray.rllib.utils.replay_buffers import EpisodeReplayBuffer, MultiAgentEpisodeReplayBuffer
     return isinstance(buf, EpisodeReplayBuffer) and not isinstance(buf, MultiAgentEpisodeReplayBuffer)
 
@@ -258,7 +258,7 @@ def journal_of(buf: Any) -> Journal:
     full capture of what the buffer already holds)."""
     j = _JOURNALS.get(buf)
     if j is None:
-        if not _supported(buf):
+        if not supported(buf):
             raise UnsupportedTypeError(f"replay buffer of type {type_name(buf)}: the replay journal keeps "
                                        f"EpisodeReplayBuffer and PrioritizedEpisodeReplayBuffer (and subclasses)")
         j = Journal(buf)

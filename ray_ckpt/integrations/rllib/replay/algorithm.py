@@ -9,7 +9,9 @@ from typing import Any, Callable, Dict, Optional
 from ....errors import InvalidArgumentError, RestoreError, SaveError
 from ....types import Strategy
 from ..base.conversion import from_storable
-from ..base.names import REPLAY, REPLAY_META, log
+from ..base.names import REPLAY, REPLAY_JOURNAL, REPLAY_META, log
+from ..journal.journal import journal_of, supported as journal_supported
+from ..journal.restore import read_meta, restore_journal
 from .buffers import META_FORMAT, replay_buffer_of
 from .row_ids import RowIds, row_ids_of
 from .incremental_ma_restore import log_to_v1, seed_log
@@ -67,12 +69,52 @@ def _row_floor(engine: Any, rid: RowIds) -> Optional[int]:
     return int(meta["rows"]["next_row_id"])
 
 
+# 6: single-agent buffers are saved as a journal (state ``replay_journal``, :mod:`..journal`); 5: as
+# ``replay`` + ``replay_meta`` (formats /4 and /5). Multi-agent buffers take /5 either way (for now).
+# A restore reads whichever the version holds.
+REPLAY_FORMAT = 5
+
+
+def _journaled(buf: Any) -> bool:
+    return REPLAY_FORMAT == 6 and buf is not None and journal_supported(buf)
+
+
+def prepare_replay(algorithm: Any) -> None:
+    """At the algorithm's start: a journaled buffer gets its recorders now, so the first save
+    writes what arrived since, not the whole buffer."""
+    buf = replay_buffer_of(algorithm)
+    if _journaled(buf):
+        journal_of(buf)
+
+
+def _journal_floor(engine: Any, journal: Any) -> Optional[int]:
+    """Where the journal's row ids must start so that no id of the run's newest journal (the base
+    the engine writes the next version over) names another row: None when that journal is the one
+    this buffer was restored from (or there is none)."""
+    metas = sorted((m for m in engine.list_checkpoints() if REPLAY_JOURNAL in m.states), key=lambda m: m.version)
+    if not metas or journal.restored_from == (engine.run, metas[-1].version):
+        return None
+    return int(read_meta(engine.load(name=REPLAY_JOURNAL, version=metas[-1].version))["next_row_id"])
+
+
 def capture_algorithm_replay(algorithm: Any, out: Dict[str, Any], strategy: Any, engine: Any = None,
                              errors: Optional[Dict[str, str]] = None) -> None:
-    """Put ``replay`` and ``replay_meta`` of the algorithm's buffer into ``out``. A BEST_EFFORT one
-    that cannot be captured is left out with its reason in ``errors``; a CRITICAL one raises."""
+    """Put the algorithm's buffer into ``out`` (``replay_journal``, or ``replay`` and
+    ``replay_meta``: :data:`REPLAY_FORMAT`). A BEST_EFFORT one that cannot be captured is left out
+    with its reason in ``errors``; a CRITICAL one raises."""
     buf = replay_buffer_of(algorithm)
     try:
+        if _journaled(buf):
+            j = journal_of(buf)
+            floor = None
+            if engine is not None and j.checked_run != engine.run:
+                floor = _journal_floor(engine, j)
+                if floor is not None:
+                    log.info("ray_ckpt: run %r: the replay buffer is not the one the run's newest journal holds: "
+                             "its rows get new ids from %d and this save writes all of them", engine.run, floor)
+                j.checked_run = engine.run
+            out[REPLAY_JOURNAL] = j.capture(buf, floor)
+            return
         rid = row_ids_of(buf)
         if engine is not None and rid.checked_run != engine.run:
             floor = _row_floor(engine, rid)
@@ -91,11 +133,11 @@ def capture_algorithm_replay(algorithm: Any, out: Dict[str, Any], strategy: Any,
 
 
 REPLAY_APPEND_ONLY = True  # ``replay`` (and the single-agent log) are registered append_only=True: a version writes what is new
-REPLAY_STATES = ("replay", "replay_meta")
+REPLAY_STATES = (REPLAY, REPLAY_META, REPLAY_JOURNAL)
 
 
 def _append_only(name: str, state: Any) -> bool:
-    """``replay`` always; ``replay_meta`` when it is a log (formats /3, /4, /5; format /1's meta, no
+    """``replay`` and ``replay_journal`` always; ``replay_meta`` when it is a log (formats /3, /4, /5; format /1's meta, no
     longer written, was a nested state written whole)."""
     return REPLAY_APPEND_ONLY and (name != REPLAY_META or (isinstance(state, dict)
                                                            and state.get("layout") == LOG_LAYOUT))
@@ -141,6 +183,9 @@ def restore_algorithm_replay(algorithm: Any, engine: Any, meta: Any, loaded: Dic
     version does not hold (saved with replay_strategy="off", or a best-effort one that failed) is
     reported in ``states`` and the buffer is left as it is."""
     buf = replay_buffer_of(algorithm)
+    if REPLAY_JOURNAL in meta.states:
+        _restore_journaled(buf, engine, meta, loaded, states, strict=strict, enabled=enabled)
+        return
     committed = [n for n in (REPLAY, REPLAY_META) if n in meta.states]
     if not enabled:
         for n in committed:
@@ -177,3 +222,22 @@ def restore_algorithm_replay(algorithm: Any, engine: Any, meta: Any, loaded: Dic
         restore_replay(buf, replay, meta_v1, agent_to_module_mapping_fn=fn)
         seed_log(row_ids_of(buf), seeds, buf)
     row_ids_of(buf).restored_from = (engine.run, int(meta.version))
+
+
+def _restore_journaled(buf: Any, engine: Any, meta: Any, loaded: Dict[str, Any], states: Dict[str, str], *,
+                       strict: bool, enabled: bool) -> None:
+    """:func:`restore_algorithm_replay` of a version that holds ``replay_journal``."""
+    name = REPLAY_JOURNAL
+    if not enabled or buf is None:
+        states[name] = ("not restored: restore_replay=False" if not enabled
+                        else "not restored: the algorithm has no local replay buffer")
+        return
+    if name not in loaded:
+        why = states.get(name, "not read")
+        if strict:
+            raise RestoreError(f"cannot restore version {meta.version} of run {engine.run!r}: its replay buffer "
+                               f"could not be read ({name}: {why}); nothing was changed")
+        states[name] = f"not restored: {why}"
+        return
+    restore_journal(buf, loaded[name])
+    journal_of(buf).restored_from = (engine.run, int(meta.version))
