@@ -128,26 +128,42 @@ _REPLAY_ATTRS = {
         "_last_step_time", "_custom_data"),
     "ray.rllib.env.utils.infinite_lookback_buffer:InfiniteLookbackBuffer": ("data", "lookback", "finalized"),
 }
-# what the replay journal (:mod:`..journal`) reads and writes of a prioritized buffer outside RLlib's
-# get_state()/set_state() (which copy the O(capacity) free-node deque), each behind an accessor below
+# what the replay journal (:mod:`..journal`) reads and writes of the prioritized buffers outside RLlib's
+# get_state()/set_state() (which copy the O(capacity) free-node deques), each behind an accessor below
 _PER = _RB + "prioritized_episode_buffer:PrioritizedEpisodeReplayBuffer"
+_MAPER = _RB + "multi_agent_prioritized_episode_buffer:MultiAgentPrioritizedEpisodeReplayBuffer"
 JOURNAL_INTERNALS = (
     Internal(_PER, "_alpha", "instance", "the exponent add() and update_priorities() raise priorities to"),
-    Internal(_PER, "_max_priority", "instance", "the weight add() gives new timesteps (read before each add)"),
-    Internal(_PER, "_max_idx", "instance", "a get_state() key, read without get_state()'s O(capacity) copies"),
+    Internal(_PER, "_max_priority", "instance", "the weight add() gives new env steps"),
     Internal(_PER, "_last_sampled_indices", "instance", "the leaves update_priorities() is about to change"),
-    Internal(_PER, "_free_nodes", "instance", "its order decides the leaves of future timesteps; set_state() "
-             "drops its maxlen, which the restore puts back"),
+    Internal(_PER, "_free_nodes", "instance", "its order decides the leaves of future steps; set_state() drops its "
+             "maxlen, which the restore puts back"),
+    Internal(_PER, "_max_idx", "instance", "a get_state() key, read without get_state()'s O(capacity) copies"),
+    Internal(_MAPER, "_module_to_max_priority", "instance", "the weight add() gives a module's new agent steps"),
+    Internal(_MAPER, "_module_to_last_sampled_indices", "instance", "the module leaves update_priorities() changes"),
+    Internal(_MAPER, "_module_to_free_nodes", "instance", "as _free_nodes, per module"),
+    Internal(_MAPER, "_module_to_min_segment", "instance", "set_state() gives it a sum-tree factory: put right"),
+    Internal(_MAPER, "_sample_idx_to_tree_idx", "instance", "not in get_state(), yet the next eviction pops from it"),
 )
 # RLlib's get_state()/set_state() keys the journal reads and writes (RLlib's checkpoint contract; the
-# single-agent episode's two without a public accessor are read directly)
+# episodes' ones without a public accessor are read directly); the prioritized ones that are not
+# O(timesteps) are read through the accessors below, and _module_to_max_idx with them
 STATE_KEYS = (
-    ("ray.rllib.utils.replay_buffers.episode_replay_buffer:EpisodeReplayBuffer",
+    (_RB + "episode_replay_buffer:EpisodeReplayBuffer",
      ("episodes", "episode_id_to_index", "_num_episodes_evicted", "_indices", "_num_timesteps",
       "_num_timesteps_added", "sampled_timesteps")),
     (_PER, ("_sum_segment", "_min_segment", "_free_nodes", "_max_priority", "_max_idx", "_tree_idx_to_sample_idx",
             "_last_sampled_indices")),
+    (_RB + "multi_agent_episode_buffer:MultiAgentEpisodeReplayBuffer",
+     ("_module_to_indices", "_num_agent_timesteps", "_num_agent_timesteps_added", "_num_module_timesteps",
+      "_num_module_timesteps_added", "_num_module_episodes", "_num_module_episodes_evicted",
+      "sampled_timesteps_per_module")),
+    (_MAPER, ("_module_to_max_priority", "_module_to_sum_segment", "_module_to_min_segment", "_module_to_free_nodes",
+              "_module_to_max_idx", "_module_to_tree_idx_to_sample_idx", "_module_to_last_sampled_indices")),
     ("ray.rllib.env.single_agent_episode:SingleAgentEpisode", ("_start_time", "_last_step_time")),
+    ("ray.rllib.env.multi_agent_episode:MultiAgentEpisode",
+     ("_agent_to_module_mapping", "_hanging_actions_end", "_hanging_extra_model_outputs_end", "_hanging_rewards_end",
+      "_hanging_rewards_begin", "_start_time", "_last_step_time")),
 )
 REPLAY_INTERNALS = tuple(Internal(owner, attr, "instance", "saving / restoring replay buffers (the replay package)")
                          for owner, attrs in _REPLAY_ATTRS.items() for attr in attrs)
@@ -220,28 +236,59 @@ def set_optimizer_lr(learner: Any, optimizer: Any, lr: float) -> None:
 
 
 # ---------------------------------------------------------------------- the replay journal's accessors
+_MODULE_PER = ("_module_to_max_priority", "_module_to_max_idx", "_module_to_free_nodes", "_module_to_last_sampled_indices")
+
+
 def replay_alpha(buf: Any) -> float:
     return buf._alpha
 
 
-def per_max_priority(buf: Any) -> Any:
-    return buf._max_priority
+def max_priority(buf: Any, module: Any = None) -> Any:
+    """The weight add() gives new steps of the env list (``module`` None) or of a module's list."""
+    return buf._max_priority if module is None else buf._module_to_max_priority[module]
 
 
-def per_last_sampled(buf: Any) -> List[int]:
-    return buf._last_sampled_indices
+def last_sampled(buf: Any, module: Any = None) -> List[int]:
+    return buf._last_sampled_indices if module is None else buf._module_to_last_sampled_indices[module]
 
 
 def per_scalars(buf: Any) -> Dict[str, Any]:
-    """A prioritized buffer's get_state() keys that are not O(timesteps): the maximum priority and
-    leaf index, the free-node deque (itself: the caller copies what it keeps), the last sampled indices."""
+    """A prioritized buffer's get_state() keys that are not O(timesteps) (the deque itself: the
+    caller copies what it keeps)."""
     return {"_max_priority": buf._max_priority, "_max_idx": buf._max_idx, "_free_nodes": buf._free_nodes,
-            "_last_sampled_indices": list(buf._last_sampled_indices)}
+            "_last_sampled_indices": buf._last_sampled_indices}
 
 
-def set_per_free_nodes(buf: Any, free_nodes: Any) -> None:
+def module_per_scalars(buf: Any) -> Dict[str, List[Tuple[Any, Any]]]:
+    """The same per module, each map's (module, value) pairs in its own order."""
+    return {k: list(getattr(buf, k).items()) for k in _MODULE_PER}
+
+
+def tree_values(state: Dict[str, Any], multi_agent: bool) -> Dict[Any, Tuple[list, list]]:
+    """list key (None: the env list; a module id) -> (sum tree values, min tree values), from a
+    prioritized class's get_state() (value lists; the multi-agent class gives its module trees as objects)."""
+    out = {None: (state["_sum_segment"], state["_min_segment"])}
+    if multi_agent:
+        mins = dict(state["_module_to_min_segment"])
+        out.update((m, (t.value, mins[m].value)) for m, t in state["_module_to_sum_segment"])
+    return out
+
+
+def set_free_nodes(buf: Any, free_nodes: Any) -> None:
     """The free-node deque as it was, maxlen included (RLlib's set_state() makes one without it)."""
     buf._free_nodes = free_nodes
+
+
+def module_min_tree_factory(buf: Any) -> Any:
+    return buf._module_to_min_segment.default_factory
+
+
+def fix_module_trees(buf: Any, min_tree: Any, sample_to_tree: Dict[int, int]) -> None:
+    """After MultiAgentPrioritizedEpisodeReplayBuffer.set_state(): a new module's min tree is a min
+    tree again (set_state's factory makes a sum tree), and ``_sample_idx_to_tree_idx`` (not in
+    get_state()) is the env list's sample index -> leaf, which the next eviction pops from."""
+    buf._module_to_min_segment.default_factory = min_tree
+    buf._sample_idx_to_tree_idx = sample_to_tree
 
 
 # ---------------------------------------------------------------------- differences between RLlib releases

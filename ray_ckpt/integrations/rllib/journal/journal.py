@@ -4,7 +4,12 @@ capture of a save (the records of what arrived since the save before, the live r
 Call sequence: :func:`journal_of` (at the algorithm's start, or at the first save: it installs the
 recorders), then :meth:`Journal.capture` at each save, on the training thread between two calls of
 the buffer (the RLlib callback's ``on_train_result``). A restore seeds a new journal
-(:func:`seed_journal`), so the next save writes only what arrived after it.
+(:func:`..restore.restore_journal`), so the next save writes only what arrived after it.
+
+The buffer's index lists are keyed: ``None`` is ``_indices`` (one entry per env step: ``(episode,
+t[, leaf])``), a module id is that module's list in ``_module_to_indices`` (multi-agent: one entry
+per agent step, ``(episode, agent, t[, leaf])``, stored with the agent as its code in the journal's
+agent table). Prioritized, each list has its own pair of trees, whose leaves the last entry holds.
 """
 from __future__ import annotations
 
@@ -49,24 +54,63 @@ class Record:
     entries: int = 0
 
 
+@dataclass(frozen=True)
+class Family:
+    """What a buffer class holds: multi-agent (module lists), prioritized (trees)."""
+
+    multi_agent: bool
+    prioritized: bool
+
+    def width(self, key: Any) -> int:
+        """Columns of a stored entry of list ``key``."""
+        return 2 + (key is not None) + self.prioritized
+
+
+def family_of(buf: Any) -> Optional[Family]:
+    from ray.rllib.utils.replay_buffers import (EpisodeReplayBuffer, MultiAgentEpisodeReplayBuffer,
+                                                MultiAgentPrioritizedEpisodeReplayBuffer,
+                                                PrioritizedEpisodeReplayBuffer)
+    if not isinstance(buf, EpisodeReplayBuffer):
+        return None
+    ma = isinstance(buf, MultiAgentEpisodeReplayBuffer)
+    per = isinstance(buf, MultiAgentPrioritizedEpisodeReplayBuffer if ma else PrioritizedEpisodeReplayBuffer)
+    if ma and not per and isinstance(buf, PrioritizedEpisodeReplayBuffer):
+        return None
+    return Family(ma, per)
+
+
 def supported(buf: Any) -> bool:
+    return family_of(buf) is not None
+
+
+def base_state(buf: Any, fam: Family) -> Dict[str, Any]:
+    """RLlib's ``get_state()`` of ``buf`` without its episodes and trees: the counters, the index
+    lists (RLlib's own lists, not copies), ``episode_id_to_index`` -- O(episodes + modules), not
+    O(timesteps). (The prioritized classes' own get_state() copies the free-node deques: O(capacity).)"""
     from ray.rllib.utils.replay_buffers import EpisodeReplayBuffer, MultiAgentEpisodeReplayBuffer
-    return isinstance(buf, EpisodeReplayBuffer) and not isinstance(buf, MultiAgentEpisodeReplayBuffer)
-
-
-def is_prioritized(buf: Any) -> bool:
-    from ray.rllib.utils.replay_buffers import PrioritizedEpisodeReplayBuffer
-    return isinstance(buf, PrioritizedEpisodeReplayBuffer)
-
-
-def base_state(buf: Any) -> Dict[str, Any]:
-    """``EpisodeReplayBuffer.get_state()`` of ``buf`` without its episodes: the counters, the index
-    list (RLlib's own list, not a copy) and ``episode_id_to_index`` -- O(episodes), not O(timesteps)."""
-    from ray.rllib.utils.replay_buffers import EpisodeReplayBuffer
     episodes = buf.episodes
     buf.episodes = ()
     try:
-        return EpisodeReplayBuffer.get_state(buf)
+        return (MultiAgentEpisodeReplayBuffer if fam.multi_agent else EpisodeReplayBuffer).get_state(buf)
+    finally:
+        buf.episodes = episodes
+
+
+def index_lists(st: Dict[str, Any], fam: Family) -> Dict[Any, list]:
+    """key -> RLlib's index list (see the module docstring)."""
+    out: Dict[Any, list] = {None: st["_indices"]}
+    if fam.multi_agent:
+        out.update(st["_module_to_indices"])
+    return out
+
+
+def full_state(buf: Any) -> Dict[str, Any]:
+    """The class's whole ``get_state()`` without episodes (the tree objects / value lists; O(capacity):
+    only a full capture or a compaction calls it)."""
+    episodes = buf.episodes
+    buf.episodes = ()
+    try:
+        return type(buf).get_state(buf)
     finally:
         buf.episodes = episodes
 
@@ -75,8 +119,10 @@ class Journal:
     """What a buffer received since its last save, and the live records of its saves."""
 
     def __init__(self, buf: Any):
-        self.prioritized = is_prioritized(buf)
+        self.fam = family_of(buf)
         self.spaces = Spaces()
+        self.agents: List[Any] = []    # agent ids by code (multi-agent entries store the code)
+        self._agent_code: Dict[Any, int] = {}
         self.records: List[Record] = []
         self.ids = np.empty(0, np.int64)
         self.rows = np.empty((0, ROW_BYTES), np.uint8)
@@ -86,32 +132,63 @@ class Journal:
         self.prios: List[Dict[str, Any]] = []
         self.full_because: Optional[str] = "the journal has not seen this buffer fill"
         self.added = -1          # the buffer's timesteps-added counter after the last call recorded
-        self.indices_len = -1    # and the length of its index list
+        self.lengths: Dict[Any, int] = {}  # and the length of each index list
         self.restored_from: Optional[tuple] = None  # (run, version) a restore seeded the journal from
         self.checked_run: Optional[str] = None
 
+    def agent_code(self, aid: Any) -> int:
+        c = self._agent_code.get(aid)
+        if c is None:
+            c = self._agent_code[aid] = len(self.agents)
+            self.agents.append(aid)
+        return c
+
+    def _encode(self, key: Any, entries: list) -> np.ndarray:
+        if key is None or not entries:
+            return np.array(entries, np.int64).reshape(len(entries), self.fam.width(key))
+        code = self.agent_code
+        return np.array([(e[0], code(e[1])) + tuple(e[2:]) for e in entries], np.int64)
+
+    def synced(self, st: Dict[str, Any]) -> None:
+        self.added = st["_num_timesteps_added"]
+        self.lengths = {k: len(v) for k, v in index_lists(st, self.fam).items()}
+
     # ------------------------------------------------------------------ the recorders
-    def record_add(self, buf: Any, chunks: List[Any], weight: Any) -> None:
+    def record_add(self, buf: Any, chunks: List[Any]) -> None:
         if self.full_because is not None:
             return  # a full capture comes anyway
-        st = base_state(buf)
-        where = st["episode_id_to_index"]
-        index = dict(where)
+        st = base_state(buf, self.fam)
+        index = dict(st["episode_id_to_index"])
         keep = [(c, index[c.id_]) for c in chunks if c.id_ in index and len(c)]
-        n = sum(len(c) for c, _ in keep)
-        indices = st["_indices"]
-        tail = np.array(indices[len(indices) - n:] if n else [], np.int64).reshape(n, 3 if self.prioritized else 2)
+        counts: Dict[Any, int] = {None: sum(len(c) for c, _ in keep)}
+        if self.fam.multi_agent:  # an agent's steps go to its module's list (RLlib's _add_new_module_indices)
+            for c, _ in keep:
+                for aid, a in c.agent_episodes.items():
+                    mid = c.module_for(aid)
+                    counts[mid] = counts.get(mid, 0) + len(a)
+        lists = index_lists(st, self.fam)
+        eps = {e for _, e in keep}
+        tails = {}
+        for key, n in counts.items():
+            lst = lists.get(key, [])
+            tail = self._encode(key, lst[len(lst) - n:] if n else [])
+            if len(lst) < n or not set(tail[:, 0].tolist()) <= eps:
+                self.full_because = "an add() call's index entries are not those of the chunks it kept"
+                return
+            tails[key] = tail
         want = np.repeat(np.array([e for _, e in keep], np.int64), [len(c) for c, _ in keep])
-        if len(indices) < n or not np.array_equal(tail[:, 0], want):
+        if not np.array_equal(tails[None][:, 0], want):
             self.full_because = "an add() call's index entries are not those of the chunks it kept"
             return
         self.seq += 1
-        self.adds.append({"seq": self.seq, "chunks": [chunk_state(c, self.spaces) for c, _ in keep],
-                          "eps": np.array([e for _, e in keep], np.int64), "tail": tail,
-                          "w": pack_one(weight, "add()'s weight") if self.prioritized else None})
-        self.added, self.indices_len = st["_num_timesteps_added"], len(indices)
+        add = {"seq": self.seq, "chunks": [chunk_state(c, self.spaces) for c, _ in keep],
+               "eps": np.array([e for _, e in keep], np.int64), "tails": list(tails.items())}
+        if self.fam.prioritized:  # the leaves' weight: add() never changes the maximum priorities it reads
+            add["w"] = [(k, pack_one(internals.max_priority(buf, k), "add()'s weight")) for k in tails]
+        self.adds.append(add)
+        self.synced(st)
 
-    def record_priorities(self, sampled: List[int], priorities: Any) -> None:
+    def record_priorities(self, key: Any, sampled: List[int], priorities: Any) -> None:
         if self.full_because is not None:
             return
         if isinstance(priorities, np.ndarray) and priorities.ndim == 1 and priorities.dtype.kind == "f":
@@ -119,7 +196,7 @@ class Journal:
         else:
             p = pack_scalars(list(priorities), "update_priorities()'s priorities")
         self.seq += 1
-        self.prios.append({"seq": self.seq, "idx": np.array(sampled, np.int64), "p": p})
+        self.prios.append({"seq": self.seq, "key": key, "idx": np.array(sampled, np.int64), "p": p})
 
     # ------------------------------------------------------------------ a save
     def capture(self, buf: Any, floor: Optional[int] = None) -> Dict[str, Any]:
@@ -127,17 +204,18 @@ class Journal:
         the ones kept), ``format`` and ``meta``. ``floor``: the run's newest version was written by
         another buffer (a restore from another run or an older version): every row gets a new id
         from ``floor`` and this save writes the whole buffer once (a full capture)."""
-        st = base_state(buf)
+        st = base_state(buf, self.fam)
         if floor is not None:
             self.next_row_id = max(self.next_row_id, int(floor))
             self.full_because = f"its row ids start anew from {floor}"
-        elif self.full_because is None and (st["_num_timesteps_added"] != self.added
-                                            or len(st["_indices"]) != self.indices_len):
+        elif self.full_because is None and (st["_num_timesteps_added"] != self.added or self.lengths != {
+                k: len(v) for k, v in index_lists(st, self.fam).items()}):
             self.full_because = "the buffer changed other than through add()"
         evicted = int(st["_num_episodes_evicted"])
         if self.full_because is not None:
             if self.records or self.added >= 0:
                 log.info("ray_ckpt: replay journal: this save writes the whole buffer (%s)", self.full_because)
+            self.spaces, self.agents, self._agent_code = Spaces(), [], {}
             new = self._full(buf, st, evicted)
             keep = np.zeros(len(self.records), bool)
         else:
@@ -150,7 +228,7 @@ class Journal:
         self.adds.clear()
         self.prios.clear()
         self.full_because = None
-        self.added, self.indices_len = st["_num_timesteps_added"], len(st["_indices"])
+        self.synced(st)
         return {"row_id": self.ids, "blob": self.rows, "format": FORMAT, "meta": self._meta(buf, st)}
 
     def _since(self, buf: Any, st: Dict[str, Any], evicted: int) -> List[tuple]:
@@ -162,14 +240,13 @@ class Journal:
             calls = list(self.prios)
             new.append(self._record(PRIO, {"calls": calls}, entries=sum(len(c["idx"]) for c in calls)))
         live_prio = sum(r.entries for r in self.records if r.kind == PRIO) + sum(n.entries for n, _ in new)
-        if self.prioritized and live_prio > COMPACT_FACTOR * len(st["_indices"]) + COMPACT_MIN:
+        if self.fam.prioritized and live_prio > COMPACT_FACTOR * st["_num_timesteps"] + COMPACT_MIN:
             # every leaf anew: this save's PRIO record and the older ones are superseded
             new = [n for n in new if n[0].kind != PRIO] + [self._state_record(buf, st)]
         return new
 
     def _full(self, buf: Any, st: Dict[str, Any], evicted: int) -> List[tuple]:
         """Every stored episode (whole, as one chunk each) and a STATE record: all rows new."""
-        self.spaces = Spaces()
         new = []
         eps = list(buf.episodes)
         for i in range(0, len(eps), FULL_EPISODES):
@@ -177,24 +254,30 @@ class Journal:
             self.seq += 1
             idx = np.arange(evicted + i, evicted + i + len(group), dtype=np.int64)
             new.append(self._record(ADD, {"seq": self.seq, "chunks": [chunk_state(e, self.spaces) for e in group],
-                                          "eps": idx, "tail": None, "w": None}, last_episode=int(idx[-1])))
+                                          "eps": idx, "tails": None}, last_episode=int(idx[-1])))
         new.append(self._state_record(buf, st))
         return new
 
     def _state_record(self, buf: Any, st: Dict[str, Any]) -> tuple:
-        indices = np.array(st["_indices"], np.int64).reshape(-1, 3 if self.prioritized else 2)
+        """Every index list whole and, prioritized, every live leaf of each list's trees."""
         self.seq += 1
-        rec: Dict[str, Any] = {"seq": self.seq, "indices": indices}
-        if self.prioritized:
-            per = _tree_values(buf)
-            tidx = indices[:, 2]
-            rec["sum"] = pack_scalars([per["_sum_segment"][t] for t in (tidx + len(per["_sum_segment"]) // 2).tolist()],
-                                      "the sum tree's leaves")
-            mins = pack_scalars([per["_min_segment"][t] for t in (tidx + len(per["_min_segment"]) // 2).tolist()],
-                                "the min tree's leaves")
-            if not _same(mins, rec["sum"]):
-                rec["min"] = mins
-        return self._record(STATE, rec, last_episode=int(indices[:, 0].max()) if len(indices) else -1)
+        lists = []
+        trees = internals.tree_values(full_state(buf), self.fam.multi_agent) if self.fam.prioritized else {}
+        last = -1
+        for key, lst in index_lists(st, self.fam).items():
+            arr = self._encode(key, lst)
+            entry: Dict[str, Any] = {"key": key, "indices": arr}
+            if len(arr):
+                last = max(last, int(arr[:, 0].max()))
+            if self.fam.prioritized:
+                sums, mins = trees[key]
+                at = (arr[:, -1] + len(sums) // 2).tolist()
+                entry["sum"] = pack_scalars([sums[t] for t in at], "the sum tree's leaves")
+                m = pack_scalars([mins[t] for t in at], "the min tree's leaves")
+                if not _same(m, entry["sum"]):
+                    entry["min"] = m
+            lists.append(entry)
+        return self._record(STATE, {"seq": self.seq, "lists": lists}, last_episode=last)
 
     def _record(self, kind: int, state: Dict[str, Any], last_episode: int = -1, entries: int = 0) -> tuple:
         rows = encode(kind, state_bytes(state))
@@ -218,13 +301,16 @@ class Journal:
             "format": FORMAT, "buffer_type": type_name(buf), "next_row_id": self.next_row_id, "seq": self.seq,
             "config": {"capacity": buf.capacity, "batch_size_B": buf.batch_size_B,
                        "batch_length_T": buf.batch_length_T},
-            "state": {k: v for k, v in st.items() if k not in ("episodes", "episode_id_to_index", "_indices")},
-            "rng": buf.rng.bit_generator.state, "spaces": self.spaces.table, "not_saved": {}}
-        if self.prioritized:
+            "state": {k: v for k, v in st.items() if k not in ("episodes", "episode_id_to_index", "_indices",
+                                                               "_module_to_indices")},
+            "modules": [k for k in index_lists(st, self.fam) if k is not None],
+            "rng": buf.rng.bit_generator.state, "spaces": self.spaces.table, "agents": self.agents, "not_saved": {}}
+        if self.fam.prioritized:
             meta["config"]["alpha"] = internals.replay_alpha(buf)
-            meta["per"] = internals.per_scalars(buf)
-            meta["per"]["_max_priority"] = pack_one(meta["per"]["_max_priority"], "_max_priority")
-            meta["per"]["_free_nodes"] = free_nodes_state(meta["per"]["_free_nodes"])
+            meta["per"] = _per_meta(internals.per_scalars(buf))
+            if self.fam.multi_agent:
+                meta["module_per"] = {k: [(m, _per_meta({k[len("_module_to"):]: v})) for m, v in items]
+                                      for k, items in internals.module_per_scalars(buf).items()}
         try:  # not needed to sample: a metrics state that cannot be stored is reported, not fatal
             meta["metrics"] = to_storable(buf.metrics.get_state(), "replay_journal.metrics")
         except Exception as exc:  # e.g. RLlib's own get_state fails on int agent ids
@@ -233,15 +319,17 @@ class Journal:
         return base64.b64encode(zlib.compress(state_bytes(meta), 6)).decode("ascii")
 
 
-def _tree_values(buf: Any) -> Dict[str, Any]:
-    """The prioritized buffer's tree value lists, through RLlib's ``get_state()`` (its own lists;
-    O(capacity) for the free nodes it copies: only a full capture or a compaction calls it)."""
-    episodes = buf.episodes
-    buf.episodes = ()
-    try:
-        return type(buf).get_state(buf)
-    finally:
-        buf.episodes = episodes
+def _per_meta(scalars: Dict[str, Any]) -> Dict[str, Any]:
+    """A prioritized list's scalars as stored: the maximum priority with its exact type, the free
+    nodes as ``prefix + range``."""
+    out = dict(scalars)
+    if "_max_priority" in out:
+        out["_max_priority"] = pack_one(out["_max_priority"], "_max_priority")
+    if "_free_nodes" in out:
+        out["_free_nodes"] = free_nodes_state(out["_free_nodes"])
+    if "_last_sampled_indices" in out:
+        out["_last_sampled_indices"] = list(out["_last_sampled_indices"])
+    return out
 
 
 def _same(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
@@ -255,16 +343,19 @@ _JOURNALS: "weakref.WeakKeyDictionary[Any, Journal]" = weakref.WeakKeyDictionary
 
 def journal_of(buf: Any) -> Journal:
     """The buffer's journal, created with its recorders on first use (the first save is then a
-    full capture of what the buffer already holds)."""
+    full capture of what the buffer already holds, unless it is still empty)."""
     j = _JOURNALS.get(buf)
     if j is None:
         if not supported(buf):
-            raise UnsupportedTypeError(f"replay buffer of type {type_name(buf)}: the replay journal keeps "
-                                       f"EpisodeReplayBuffer and PrioritizedEpisodeReplayBuffer (and subclasses)")
+            raise UnsupportedTypeError(f"replay buffer of type {type_name(buf)}: the replay journal keeps RLlib's "
+                                       f"EpisodeReplayBuffer, PrioritizedEpisodeReplayBuffer, "
+                                       f"MultiAgentEpisodeReplayBuffer and MultiAgentPrioritizedEpisodeReplayBuffer "
+                                       f"(and subclasses)")
         j = Journal(buf)
-        st = base_state(buf)
+        st = base_state(buf, j.fam)
         if st["_num_timesteps_added"] == 0 and not st["_indices"]:  # it sees the buffer fill from empty
-            j.full_because, j.added, j.indices_len = None, 0, 0
+            j.full_because = None
+            j.synced(st)
         install(buf, j)
     return j
 
@@ -276,33 +367,32 @@ def install(buf: Any, j: Journal) -> None:
     if getattr(buf.__dict__.get("add"), "_ray_ckpt_hook", False):
         return
     cls_add = type(buf).add.__get__(buf)
-    prioritized = j.prioritized
 
     def add(episodes: Any, *args: Any, **kw: Any) -> Any:
         chunks = list(episodes) if isinstance(episodes, (list, tuple)) else [episodes]
-        weight = None
-        if prioritized:
-            weight = kw.get("weight", args[0] if args else None)
-            if weight is None:
-                weight = internals.per_max_priority(buf)
+        if (args or kw.get("weight") is not None) and _JOURNALS[buf].fam.prioritized:
+            _JOURNALS[buf].full_because = "add() was given a weight"  # rare: the next save writes the buffer
         out = cls_add(episodes, *args, **kw)
         try:
-            _JOURNALS[buf].record_add(buf, chunks, weight)
+            _JOURNALS[buf].record_add(buf, chunks)
         except Exception as exc:  # never fail training: the next save writes the whole buffer
             _JOURNALS[buf].full_because = f"recording an add() failed ({type(exc).__name__}: {exc})"
         return out
     add._ray_ckpt_hook = True
     buf.add = add
-    if prioritized:
-        cls_update = type(buf).update_priorities.__get__(buf)
+    if not j.fam.prioritized:
+        return
+    cls_update = type(buf).update_priorities.__get__(buf)
+    multi_agent = j.fam.multi_agent
 
-        def update_priorities(priorities: Any, *args: Any, **kw: Any) -> Any:
-            sampled = list(internals.per_last_sampled(buf))
-            out = cls_update(priorities, *args, **kw)
-            try:
-                _JOURNALS[buf].record_priorities(sampled, priorities)
-            except Exception as exc:
-                _JOURNALS[buf].full_because = f"recording update_priorities() failed ({type(exc).__name__}: {exc})"
-            return out
-        update_priorities._ray_ckpt_hook = True
-        buf.update_priorities = update_priorities
+    def update_priorities(priorities: Any, *args: Any, **kw: Any) -> Any:
+        key = (kw["module_id"] if "module_id" in kw else args[0]) if multi_agent else None
+        sampled = list(internals.last_sampled(buf, key))
+        out = cls_update(priorities, *args, **kw)
+        try:
+            _JOURNALS[buf].record_priorities(key, sampled, priorities)
+        except Exception as exc:
+            _JOURNALS[buf].full_because = f"recording update_priorities() failed ({type(exc).__name__}: {exc})"
+        return out
+    update_priorities._ray_ckpt_hook = True
+    buf.update_priorities = update_priorities

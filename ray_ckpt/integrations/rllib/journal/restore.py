@@ -1,5 +1,5 @@
 """A ``replay_journal`` state -> a buffer, through RLlib's own API: the episodes rebuilt chunk by
-chunk (``from_state`` + ``concat_episode``), then ``set_state()`` with the index list and the tree
+chunk (``from_state`` + ``concat_episode``), then ``set_state()`` with the index lists and the tree
 values the records give, then the sampling generator and the metrics; the journal is seeded so the
 next save writes only what arrives after the restore.
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 import collections
 import zlib
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -19,7 +19,7 @@ from ....errors import RestoreError
 from ..base import _rllib_internals as internals
 from ..base.conversion import from_storable
 from .episodes import rebuild_episodes
-from .journal import ADD, FORMAT, KIND_NAMES, PRIO, STATE, Journal, Record, install, is_prioritized
+from .journal import ADD, FORMAT, KIND_NAMES, PRIO, STATE, Family, Journal, Record, base_state, family_of, install
 from .records import ROW_BYTES, bytes_state, decode, rows_of
 from .trees import free_nodes_from, rebuild_tree
 from .values import Spaces, pack_scalars, type_name, unpack_one, unpack_scalars
@@ -50,12 +50,12 @@ def read_records(ids: np.ndarray, blob: np.ndarray) -> List[Tuple[Record, Dict[s
         if kind not in KIND_NAMES:
             raise RestoreError(f"{where}: unknown kind {kind}")
         st = bytes_state(raw, where)
-        seq = st["seq"] if kind != PRIO else st["calls"][-1]["seq"]
-        rec = Record(kind, int(ids[i]), n, int(seq))
+        rec = Record(kind, int(ids[i]), n, int(st["seq"] if kind != PRIO else st["calls"][-1]["seq"]))
         if kind == ADD:
             rec.last_episode = int(np.max(st["eps"])) if len(st["eps"]) else -1
         elif kind == STATE:
-            rec.last_episode = int(np.max(st["indices"][:, 0])) if len(st["indices"]) else -1
+            rec.last_episode = max((int(x["indices"][:, 0].max()) for x in st["lists"] if len(x["indices"])),
+                                   default=-1)
         else:
             rec.entries = sum(len(c["idx"]) for c in st["calls"])
         out.append((rec, st))
@@ -63,127 +63,172 @@ def read_records(ids: np.ndarray, blob: np.ndarray) -> List[Tuple[Record, Dict[s
     return out
 
 
-def restore_journal(buf: Any, state: Dict[str, Any]) -> None:
+def restore_journal(buf: Any, state: Dict[str, Any], agent_to_module_mapping_fn: Optional[Callable] = None) -> None:
     """Restore ``buf`` (a fresh or used buffer of the saved type and capacity) from a
-    ``replay_journal`` state, and seed its journal."""
+    ``replay_journal`` state, and seed its journal. Multi-agent episodes get
+    ``agent_to_module_mapping_fn`` (the algorithm's ``policy_mapping_fn``)."""
     meta = read_meta(state)
-    want = meta["buffer_type"]
-    if type_name(buf) != want:
-        raise RestoreError(f"replay journal: saved from a {want}, restoring into a {type_name(buf)}; nothing was changed")
+    if type_name(buf) != meta["buffer_type"]:
+        raise RestoreError(f"replay journal: saved from a {meta['buffer_type']}, restoring into a {type_name(buf)}; "
+                           f"nothing was changed")
+    fam = family_of(buf)
     for k, v in meta["config"].items():
         have = internals.replay_alpha(buf) if k == "alpha" else getattr(buf, k)
         if have != v:
             raise RestoreError(f"replay journal: the buffer's {k} is {have!r}, the saved one's {v!r}; nothing was changed")
     records = read_records(state["row_id"], state["blob"])
-    counters = meta["state"]
-    first = int(counters["_num_episodes_evicted"])
+    first = int(meta["state"]["_num_episodes_evicted"])
     spaces = Spaces(meta["spaces"])
-    prioritized = is_prioritized(buf)
+    agents = list(meta["agents"])
+    keys = [None] + list(meta["modules"])
 
-    states = [r for r in records if r[0].kind == STATE]
-    base = states[-1] if states else None
+    base = next((r for r in reversed(records) if r[0].kind == STATE), None)
     base_seq = base[0].seq if base else -1
     chunks: Dict[int, List[Dict[str, Any]]] = collections.defaultdict(list)
-    tails = [base[1]["indices"]] if base else []
-    events: List[Tuple[int, Any]] = []  # (seq, ("add", tree indices, weight) | ("prio", indices, priorities))
+    parts: Dict[Any, List[np.ndarray]] = {k: [] for k in keys}
+    leaves: Dict[Any, Tuple[Dict[int, Any], Dict[int, Any]]] = {k: ({}, {}) for k in keys}
+    events: List[Tuple[int, Any, str, Any, Any]] = []  # (seq, key, "add" | "prio", leaf indices, weight | priorities)
+    if base is not None:
+        for x in base[1]["lists"]:
+            parts[x["key"]].append(x["indices"])
+            if fam.prioritized:
+                t0 = x["indices"][:, -1].tolist()
+                leaves[x["key"]][0].update(zip(t0, unpack_scalars(x["sum"])))
+                leaves[x["key"]][1].update(zip(t0, unpack_scalars(x.get("min", x["sum"]))))
     for rec, st in records:
         if rec.kind == ADD:
             for c, e in zip(st["chunks"], st["eps"].tolist()):
                 if e >= first:
                     chunks[e].append(c)
-            if rec.seq > base_seq:
-                if st["tail"] is None:
-                    raise RestoreError(f"replay journal: record at row {rec.first} holds whole episodes but no "
-                                       f"STATE record gives their index entries")
-                tails.append(st["tail"])
-                if prioritized:
-                    events.append((rec.seq, ("add", st["tail"][:, 2], unpack_one(st["w"]))))
+            if rec.seq <= base_seq:
+                continue
+            if st["tails"] is None:
+                raise RestoreError(f"replay journal: record at row {rec.first} holds whole episodes but no STATE "
+                                   f"record gives their index entries")
+            weights = dict(st.get("w") or ())
+            for key, tail in st["tails"]:
+                parts.setdefault(key, []).append(tail)
+                if fam.prioritized:
+                    events.append((rec.seq, key, "add", tail[:, -1], unpack_one(weights[key])))
         elif rec.kind == PRIO and rec.seq > base_seq:
-            for call in st["calls"]:
-                p = call["p"]
-                events.append((int(call["seq"]), ("prio", call["idx"], p["array"] if "array" in p
-                                                  else unpack_scalars(p))))
-    width = 3 if prioritized else 2
-    allidx = np.concatenate(tails) if tails else np.empty((0, width), np.int64)
-    indices = allidx[allidx[:, 0] >= first] if len(allidx) else allidx
+            for c in st["calls"]:
+                p = c["p"]
+                events.append((int(c["seq"]), c["key"], "prio", c["idx"], p["array"] if "array" in p
+                               else unpack_scalars(p)))
+    lists = {}
+    for key in keys:
+        arr = np.concatenate(parts[key]) if parts.get(key) else np.empty((0, fam.width(key)), np.int64)
+        lists[key] = arr[arr[:, 0] >= first]
     try:
-        episodes = rebuild_episodes(chunks, first, spaces)
+        episodes = rebuild_episodes(chunks, first, spaces, agent_to_module_mapping_fn)
     except RestoreError:
         raise
     except Exception as exc:  # RLlib's own checks (concat_episode's asserts, validate())
         raise RestoreError(f"replay journal: its episodes cannot be rebuilt ({type(exc).__name__}: {exc})") from None
     n_steps = sum(len(e) for e in episodes)
-    if n_steps != int(counters["_num_timesteps"]) or len(indices) != n_steps:
-        raise RestoreError(f"replay journal: {n_steps} timesteps in {len(episodes)} episodes and {len(indices)} index "
-                           f"entries, the buffer had {counters['_num_timesteps']}")
-    rl_state: Dict[str, Any] = dict(counters)
+    if n_steps != int(meta["state"]["_num_timesteps"]) or len(lists[None]) != n_steps:
+        raise RestoreError(f"replay journal: {n_steps} steps in {len(episodes)} episodes and {len(lists[None])} index "
+                           f"entries, the buffer had {meta['state']['_num_timesteps']}")
+
+    def entries(key: Any) -> list:
+        rows = lists[key].tolist()
+        return [tuple(r) for r in rows] if key is None else [(r[0], agents[r[1]], *r[2:]) for r in rows]
+
+    rl_state: Dict[str, Any] = dict(meta["state"])
     rl_state.update(episodes=[], episode_id_to_index=[(e.id_, first + i) for i, e in enumerate(episodes)],
-                    _indices=[tuple(x) for x in indices.tolist()])
-    if prioritized:
-        rl_state.update(_per_state(buf, meta, base, events, indices))
+                    _indices=entries(None))
+    if fam.multi_agent:
+        rl_state["_module_to_indices"] = [(m, entries(m)) for m in keys[1:]]
+    trees = _trees(meta, fam, keys, lists, leaves, events) if fam.prioritized else None
+    if trees is not None:
+        rl_state.update(trees)
+    # what RLlib's set_state() gets wrong, from the restoring buffer as RLlib built it
+    factories = _factories(buf, fam)
     buf.episodes = collections.deque(episodes)
     type(buf).set_state(buf, rl_state)
-    if prioritized:
-        internals.set_per_free_nodes(buf, free_nodes_from(meta["per"]["_free_nodes"]))
+    if fam.prioritized:
+        internals.set_free_nodes(buf, free_nodes_from(meta["per"]["_free_nodes"]))
+    if fam.multi_agent:
+        buf.sampled_timesteps_per_module = collections.defaultdict(factories[0], buf.sampled_timesteps_per_module)
+        if fam.prioritized:
+            internals.fix_module_trees(buf, factories[1], {i: t for i, t in enumerate(lists[None][:, -1].tolist())})
     buf.rng.bit_generator.state = meta["rng"]
     if meta.get("metrics") is not None:
         buf.metrics.set_state(from_storable(meta["metrics"]))
-    seed_journal(buf, meta, records, state, spaces)
+    _seed(buf, fam, meta, records, state, spaces, agents)
 
 
-def _per_state(buf: Any, meta: Dict[str, Any], base: Any, events: List[Tuple[int, Any]],
-               indices: np.ndarray) -> Dict[str, Any]:
-    """The prioritized get_state() keys: each live leaf as the last event left it (the newest
-    STATE record's value, then the add() weights and update_priorities() values after it, computed
-    as RLlib computes them), every other leaf neutral; the inner nodes recomputed."""
+def _factories(buf: Any, fam: Family) -> tuple:
+    if not fam.multi_agent:
+        return ()
+    return (buf.sampled_timesteps_per_module.default_factory,
+            internals.module_min_tree_factory(buf) if fam.prioritized else None)
+
+
+def _trees(meta: Dict[str, Any], fam: Family, keys: list, lists: Dict[Any, np.ndarray],
+           leaves: Dict[Any, Tuple[Dict[int, Any], Dict[int, Any]]], events: list) -> Dict[str, Any]:
+    """The prioritized get_state() keys: each live leaf as the last event left it (the newest STATE
+    record's value, then the add() weights and update_priorities() values after it, computed as
+    RLlib computes them), every other leaf neutral; the inner nodes recomputed."""
     from ray.rllib.execution.segment_tree import MinSegmentTree, SumSegmentTree
     alpha = meta["config"]["alpha"]
-    leaves: Dict[int, Any] = {}
-    mins: Dict[int, Any] = {}
-    if base is not None:
-        st = base[1]
-        t0 = st["indices"][:, 2].tolist()
-        leaves.update(zip(t0, unpack_scalars(st["sum"])))
-        mins.update(zip(t0, unpack_scalars(st["min"] if "min" in st else st["sum"])))
-    for _, (what, idx, x) in sorted(events, key=lambda e: e[0]):
+    for _, key, what, idx, x in sorted(events, key=lambda e: e[0]):
+        sums, mins = leaves[key]
         if what == "add":
             for t in idx.tolist():
-                leaves[t] = mins[t] = x ** alpha
+                sums[t] = mins[t] = x ** alpha
         else:
             for t, p in zip(idx.tolist(), x):
-                leaves[t] = mins[t] = max(p, 1e-12) ** alpha
-    tidx = indices[:, 2]
-    try:
-        live_sum = [leaves[t] for t in tidx.tolist()]
-        live_min = [mins[t] for t in tidx.tolist()]
-    except KeyError as exc:
-        raise RestoreError(f"replay journal: no record gives the priority of tree leaf {exc}") from None
+                sums[t] = mins[t] = max(p, 1e-12) ** alpha
     cap = 2 * int(2 ** np.ceil(np.log2(meta["config"]["capacity"])))
-    trees = []
-    for cls, values in ((SumSegmentTree, live_sum), (MinSegmentTree, live_min)):
-        tree = cls(cap)
-        rebuild_tree(tree, tidx, pack_scalars(values, "tree leaves"))
-        trees.append(tree.value)
+    built = {}
+    for key in keys:
+        tidx = lists[key][:, -1]
+        try:
+            live = [[d[t] for t in tidx.tolist()] for d in leaves[key]]
+        except KeyError as exc:
+            raise RestoreError(f"replay journal: no record gives the priority of tree leaf {exc}") from None
+        pair = []
+        for cls, values in zip((SumSegmentTree, MinSegmentTree), live):
+            tree = cls(cap)
+            rebuild_tree(tree, tidx, pack_scalars(values, "tree leaves"))
+            pair.append(tree)
+        built[key] = pair
     per = meta["per"]
-    return {"_sum_segment": trees[0], "_min_segment": trees[1],
-            "_free_nodes": list(free_nodes_from(per["_free_nodes"])),
-            "_max_priority": unpack_one(per["_max_priority"]), "_max_idx": per["_max_idx"],
-            "_tree_idx_to_sample_idx": [(t, i) for i, t in enumerate(tidx.tolist())],
-            "_last_sampled_indices": list(per["_last_sampled_indices"])}
+    env_tidx = lists[None][:, -1].tolist()
+    out = {"_sum_segment": built[None][0].value, "_min_segment": built[None][1].value,
+           "_free_nodes": list(free_nodes_from(per["_free_nodes"])), "_max_priority": unpack_one(per["_max_priority"]),
+           "_max_idx": per["_max_idx"], "_tree_idx_to_sample_idx": [(t, i) for i, t in enumerate(env_tidx)],
+           "_last_sampled_indices": list(per["_last_sampled_indices"])}
+    if fam.multi_agent:
+        mods = keys[1:]
+        mp = meta["module_per"]
+        out.update(
+            _module_to_sum_segment=[(m, built[m][0]) for m in mods],
+            _module_to_min_segment=[(m, built[m][1]) for m in mods],
+            _module_to_tree_idx_to_sample_idx=[(m, {t: i for i, t in enumerate(lists[m][:, -1].tolist())})
+                                               for m in mods],
+            _module_to_max_priority=[(m, unpack_one(v["_max_priority"])) for m, v in mp["_module_to_max_priority"]],
+            _module_to_max_idx=[(m, v["_max_idx"]) for m, v in mp["_module_to_max_idx"]],
+            _module_to_free_nodes=[(m, free_nodes_from(v["_free_nodes"])) for m, v in mp["_module_to_free_nodes"]],
+            _module_to_last_sampled_indices=[(m, list(v["_last_sampled_indices"]))
+                                             for m, v in mp["_module_to_last_sampled_indices"]])
+    return out
 
 
-def seed_journal(buf: Any, meta: Dict[str, Any], records: List[Tuple[Record, Any]], state: Dict[str, Any],
-                 spaces: Spaces) -> None:
+def _seed(buf: Any, fam: Family, meta: Dict[str, Any], records: List[Tuple[Record, Any]], state: Dict[str, Any],
+          spaces: Spaces, agents: List[Any]) -> None:
     """A journal for the restored buffer that holds the restored records: the next save keeps their
     rows (same ids) and adds only what arrives after the restore."""
     j = Journal(buf)
     j.spaces = spaces
+    for a in agents:
+        j.agent_code(a)
     j.records = [r for r, _ in records]
     j.ids = np.asarray(state["row_id"], np.int64)
     j.rows = np.asarray(state["blob"], np.uint8).reshape(-1, ROW_BYTES)
     j.next_row_id = int(meta["next_row_id"])
     j.seq = int(meta["seq"])
     j.full_because = None
-    j.added = int(meta["state"]["_num_timesteps_added"])
-    j.indices_len = int(meta["state"]["_num_timesteps"])
+    j.synced(base_state(buf, fam))
     install(buf, j)

@@ -184,7 +184,8 @@ def restore_algorithm_replay(algorithm: Any, engine: Any, meta: Any, loaded: Dic
     reported in ``states`` and the buffer is left as it is."""
     buf = replay_buffer_of(algorithm)
     if REPLAY_JOURNAL in meta.states:
-        _restore_journaled(buf, engine, meta, loaded, states, strict=strict, enabled=enabled)
+        _restore_journaled(buf, engine, meta, loaded, states, strict=strict, enabled=enabled,
+                           mapping_fn=getattr(algorithm.config, "policy_mapping_fn", None))
         return
     committed = [n for n in (REPLAY, REPLAY_META) if n in meta.states]
     if not enabled:
@@ -225,7 +226,7 @@ def restore_algorithm_replay(algorithm: Any, engine: Any, meta: Any, loaded: Dic
 
 
 def _restore_journaled(buf: Any, engine: Any, meta: Any, loaded: Dict[str, Any], states: Dict[str, str], *,
-                       strict: bool, enabled: bool) -> None:
+                       strict: bool, enabled: bool, mapping_fn: Any) -> None:
     """:func:`restore_algorithm_replay` of a version that holds ``replay_journal``."""
     name = REPLAY_JOURNAL
     if not enabled or buf is None:
@@ -239,5 +240,5 @@ def _restore_journaled(buf: Any, engine: Any, meta: Any, loaded: Dict[str, Any],
                                f"could not be read ({name}: {why}); nothing was changed")
         states[name] = f"not restored: {why}"
         return
-    restore_journal(buf, loaded[name])
+    restore_journal(buf, loaded[name], agent_to_module_mapping_fn=mapping_fn)
     journal_of(buf).restored_from = (engine.run, int(meta.version))
