@@ -22,7 +22,8 @@ TORCH_SOURCE := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url
 RAY_OLDEST ?= 2.55.0
 OLDEST_VENV ?= .venv-ray-oldest
 OLDEST_PY := $(OLDEST_VENV)/bin/python
-OLDEST_TESTS ?= tests/test_ray_internals.py tests/test_rllib_internals.py tests/test_architecture.py \
+OLDEST_TESTS ?= tests/test_ray_internals.py tests/test_rllib_internals.py tests/test_rllib_journal_internals.py \
+  tests/test_architecture.py \
   tests/test_engine.py::test_exact_resume_after_killed_learner \
   tests/test_engine.py::test_restore_with_rewind_continues_from_an_older_version \
   tests/test_engine.py::test_small_in_process_states_are_the_bytes_of_their_save \

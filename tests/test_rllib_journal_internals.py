@@ -1,9 +1,7 @@
-"""What the replay journal (ray_ckpt/integrations/rllib/journal/) relies on RLlib's replay buffers and
-episodes to do, checked on the installed RLlib (the oldest supported Ray runs it too: Makefile
-OLDEST_TESTS): the get_state()/set_state() keys (_rllib_internals.STATE_KEYS), where add() puts a
-chunk's index entries, the prioritized buffer's leaf arithmetic and free-node order
-(_rllib_internals.JOURNAL_INTERNALS), eviction, and episodes rebuilt by from_state + concat_episode.
-Real RLlib buffers and episodes (plain Python objects): no mocks, no Ray cluster."""
+"""What the replay journal (integrations/rllib/journal/) relies on RLlib's buffers and episodes to do
+(_rllib_internals.STATE_KEYS and JOURNAL_INTERNALS; also run on the oldest Ray: Makefile OLDEST_TESTS):
+get_state()/set_state() keys, add()'s index entries, leaf arithmetic, free-node order, eviction, episodes
+rebuilt by from_state + concat_episode. Real RLlib objects (plain Python): no mocks, no Ray cluster."""
 import collections
 import copy
 import operator
@@ -14,7 +12,6 @@ import pytest
 pytest.importorskip("ray.rllib")
 
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode  # noqa: E402
-from ray.rllib.execution.segment_tree import SumSegmentTree  # noqa: E402
 from ray.rllib.utils.replay_buffers import EpisodeReplayBuffer, PrioritizedEpisodeReplayBuffer  # noqa: E402
 from test_rllib_replay import _make, _sa_chunks  # noqa: E402
 
@@ -71,8 +68,8 @@ def test_get_state_has_exactly_the_keys_the_journal_handles_and_needs_no_episode
         assert {k: v for k, v in st.items() if k != "episodes"} == {k: v for k, v in full.items() if k != "episodes"}
         assert buf.episodes is episodes and [e.id_ for e in episodes] == ids
     # the prioritized class's get_state() gives the trees' own value lists (read, never copied, by the journal)
-    assert per.get_state()["_sum_segment"] is per._sum_segment.value
-    assert per.get_state()["_min_segment"] is per._min_segment.value
+    st = per.get_state()
+    assert st["_sum_segment"] is per._sum_segment.value and st["_min_segment"] is per._min_segment.value
 
 
 @pytest.mark.timeout(60)
@@ -111,8 +108,7 @@ def test_prioritized_leaves_hold_weight_and_priority_to_the_alpha_as_rllib_compu
     update_priorities()' values for _last_sampled_indices, and recomputes each leaf on restore as
     ``w ** _alpha`` / ``max(p, 1e-12) ** _alpha`` (value and type) and inner nodes as op(left, right)."""
     buf = _make("prioritized", 2000)
-    alpha = buf._alpha
-    assert alpha == 0.6
+    assert (alpha := buf._alpha) == 0.6
     chunks = iter(_sa_chunks(0))
 
     def check(entries, want):
@@ -129,7 +125,7 @@ def test_prioritized_leaves_hold_weight_and_priority_to_the_alpha_as_rllib_compu
         sampled = list(buf._last_sampled_indices)
         assert len(sampled) == 8 and all(0 <= t < buf._sum_segment.capacity for t in sampled)
         p = (np.random.default_rng(seed).random(8) * 3 * seed).astype(dtype)
-        p[0] = 0.0  # clamped to 1e-12 (a Python float)
+        p[-1] = 0.0  # clamped to 1e-12: a Python float leaf
         old = buf._max_priority
         buf.update_priorities(p)
         want, top = {}, old
@@ -137,6 +133,7 @@ def test_prioritized_leaves_hold_weight_and_priority_to_the_alpha_as_rllib_compu
             want[t] = max(x, 1e-12) ** alpha
             top = max(top, max(x, 1e-12))
         check([(0, 0, t) for t in want], list(want.values()))
+        assert type(want[sampled[-1]]) is float
         assert buf._last_sampled_indices == []
         assert (buf._max_priority, type(buf._max_priority)) == (top, type(top)) and top > old
         # weight None: the _max_priority read before the call
@@ -169,11 +166,13 @@ def test_eviction_drops_oldest_episodes_and_frees_their_leaves_to_the_left(name)
         assert sorted(e for e in where.values() if e < first) == list(range(n_evicted, first))  # the oldest
         assert all((buf.episode_id_to_index.get(x) == e) == (e >= first) for x, e in where.items())
         assert [buf.episode_id_to_index[e.id_] for e in buf.episodes] == list(range(first, first + len(buf.episodes)))
-        for c in call:  # a chunk of an episode this call evicted: PER drops it, ERB stores it as a new episode
-            if where.get(c.id_, first) < first:
-                late += 1
+        for c in call:  # a chunk of an episode this call evicted: PER drops it; ERB evicts it with its episode
+            if where.get(c.id_, first) < first:  # or, evicted before it, stores it as a new episode (t from 0)
                 e = buf.episode_id_to_index.get(c.id_)
-                assert e is None if prioritized else len(buf.episodes[e - first]) == len(c) and e > where[c.id_]
+                assert e is None or not prioritized
+                if e is not None:
+                    assert [x[1] for x in buf._indices if x[0] == e] == list(range(len(c)))
+                late += e is not None or prioritized
         survivors = [x for x in indices if x[0] >= first]
         assert buf._indices[:len(survivors)] == survivors
         new = buf._indices[len(survivors):]
@@ -206,12 +205,11 @@ def test_set_state_keeps_present_episodes_takes_tree_lists_and_drops_the_free_no
     mine = collections.deque([SingleAgentEpisode.from_state(st["episodes"][0])])
     kept = _make("plain", 10_000)
     kept.episodes = mine
-    kept.set_state(st)
-    assert kept.episodes is mine and len(mine) == 1  # the state's episodes are not read
+    kept.set_state(st)  # st["episodes"] holds them all
+    assert kept.episodes is mine and len(mine) == 1
     empty = _make("plain", 10_000)
     empty.set_state(st)
     assert [e.id_ for e in empty.episodes] == [e.id_ for e in src.episodes]
-
     per = _make("prioritized", 40)
     chunks = _sa_chunks(0)
     for i in range(0, len(chunks), 3):
@@ -224,12 +222,9 @@ def test_set_state_keeps_present_episodes_takes_tree_lists_and_drops_the_free_no
     new = _make("prioritized", 40)
     new.episodes = collections.deque(copy.deepcopy(per.episodes))
     new.set_state({**ps, "episodes": [], "_sum_segment": sums, "_min_segment": mins, "_indices": list(ps["_indices"])})
-    assert new._sum_segment.value is sums and new._min_segment.value is mins
+    assert new._sum_segment.value is sums and new._min_segment.value is mins  # SegmentTree.set_state: as is
     assert isinstance(new._free_nodes, collections.deque) and new._free_nodes.maxlen is None
     assert list(new._free_nodes) == list(per._free_nodes)
-    tree, values = SumSegmentTree(8), [0.0] * 16
-    tree.set_state(values)
-    assert tree.value is values
     new._free_nodes = collections.deque(new._free_nodes, maxlen=per._free_nodes.maxlen)  # what the restore does
     for buf in (per, new):
         buf.rng = np.random.default_rng(7)
@@ -246,10 +241,7 @@ def test_from_state_and_concat_episode_rebuild_the_episode_add_stored():
     public accessor) and rebuilds a stored episode as from_state(first chunk), then concat_episode() of
     each next chunk's from_state(): the same episode add() built from its copies."""
     chunks = _sa_chunks(0)
-    by_id = collections.defaultdict(list)
-    for c in chunks:
-        by_id[c.id_].append(c)
-    parts = max(by_id.values(), key=len)
+    parts = max(([c for c in chunks if c.id_ == x] for x in dict.fromkeys(c.id_ for c in chunks)), key=len)
     assert len(parts) >= 3
     buf = _make("plain", 10_000)
     for c in parts:

@@ -41,7 +41,7 @@ def test_versions_written_append_only_restore_exactly_and_a_restored_buffer_goes
         monkeypatch.setattr(jn, "COMPACT_MIN", 12)
     tier = Tier(str(tmp_path / "tier"), "local")
     chunks = _chunks_for(name, nested) if multi_agent else _sa_chunks(0, steps=150, nested=nested)
-    cap = 120 if multi_agent else 150
+    cap = 80 if multi_agent else 150
     buf = _make(name, capacity=cap)
     jn.journal_of(buf)  # the recorders from the start, as the callback puts them at the algorithm's start
     base, restored, step = {}, None, 3 if multi_agent else 6
@@ -61,7 +61,7 @@ def test_versions_written_append_only_restore_exactly_and_a_restored_buffer_goes
         assert _differences(buf, fresh) == [], v
         if v == 3:
             restored = fresh
-    assert buf.get_num_episodes_evicted() > (1 if multi_agent else 10)
+    assert buf.get_num_episodes_evicted() > (0 if multi_agent else 10)
     assert jn.ADD in kinds and (jn.PRIO in kinds) == (prioritized and not compact)
     assert (jn.STATE in kinds) == compact  # a buffer journaled from its start needs no STATE record
     for _ in range(2):
@@ -72,8 +72,8 @@ def test_versions_written_append_only_restore_exactly_and_a_restored_buffer_goes
 def _differences(a, b):
     """Every attribute compared (compare.buffer_state_equal) but what the journal documents as not
     restored: a multi-agent episode's _len_lookback_buffers (not in RLlib's get_state()) and the
-    stale keys of MultiAgentPrioritizedEpisodeReplayBuffer._sample_idx_to_tree_idx (never read: the
-    live ones are equal)."""
+    stale keys of MultiAgentPrioritizedEpisodeReplayBuffer._sample_idx_to_tree_idx (keys at or past
+    the number of env steps, left by RLlib's evictions; RLlib only sets and pops the live ones)."""
     out = []
     for d in compare.buffer_state_equal(a, b):
         if "_len_lookback_buffers" in d:
@@ -81,7 +81,7 @@ def _differences(a, b):
         if d.startswith("_sample_idx_to_tree_idx"):
             sa, sb = a._sample_idx_to_tree_idx, b._sample_idx_to_tree_idx
             n = len(a._indices)
-            if all(sa.get(i) == sb.get(i) for i in range(n)) and set(sb) == set(range(n)):
+            if all(i in sa and i in sb and sa[i] == sb[i] for i in range(n)):
                 continue
         out.append(d)
     return out

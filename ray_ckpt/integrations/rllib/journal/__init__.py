@@ -30,6 +30,14 @@ without what the records give (``episode_id_to_index``, ``_indices``, the trees)
 ``get_state()`` leaves out: the sampling generator, the metrics, the capacity, the space table and,
 prioritized, the free-node deque, the maximum priority and leaf index, the last sampled indices.
 
-Exact except: nothing known for the single-agent buffers (tests compare every attribute and the
-next samples). The multi-agent buffers are not journaled yet.
+Multi-agent buffers: ``_indices`` and each module's list of ``_module_to_indices`` are journaled
+alike (an agent's entries with the agent as a code into the meta's agent table), with per-module
+trees; episodes are ``MultiAgentEpisode`` states (the mapping function is the restoring algorithm's
+``policy_mapping_fn``).
+
+Exact (tests compare every attribute and the next samples) except two things no buffer method
+reads: a multi-agent episode's ``_len_lookback_buffers`` (not in RLlib's ``get_state()``; only
+``cut()`` and ``add_env_*`` use it) and the stale keys RLlib's evictions leave in
+``MultiAgentPrioritizedEpisodeReplayBuffer._sample_idx_to_tree_idx`` (keys at or past the number
+of env steps; RLlib only sets and pops live ones): the restore sets the live keys only.
 """
