@@ -15,6 +15,7 @@ from ....errors import RestoreError, UnsupportedTypeError
 from .values import Spaces, space_tree_from_storable, space_tree_to_storable, type_name
 
 SPACE = "space_code"  # the key that replaces a state's gym space dict
+SPARSE = "sparse_dicts"  # a list of dicts stored as its length and its non-empty dicts
 _KEYS = ("observations", "actions", "rewards", "infos")
 # MultiAgentEpisode.get_state() maps keyed by agent, stored as (agent, value) pairs (named in
 # _rllib_internals.STATE_KEYS: RLlib's episode has no public accessor for the hanging ones)
@@ -23,7 +24,13 @@ _MA_MAPS = ("agent_t_started", "_hanging_actions_end", "_hanging_extra_model_out
 
 
 def _lookback_state(buf: Any, spaces: Spaces) -> Dict[str, Any]:
-    return {"data": buf.data, "lookback": buf.lookback, "finalized": buf.finalized, SPACE: spaces.code(buf.space)}
+    data = buf.data
+    if type(data) is list and data and all(type(x) is dict for x in data):
+        # infos: one dict per step, nearly all empty; stored as the length and the non-empty ones
+        # (each step's dict would otherwise be a node of the record's structure JSON)
+        full = [(i, x) for i, x in enumerate(data) if x]
+        data = {SPARSE: len(data), "at": [i for i, _ in full], "dicts": [x for _, x in full]}
+    return {"data": data, "lookback": buf.lookback, "finalized": buf.finalized, SPACE: spaces.code(buf.space)}
 
 
 def chunk_state(ep: Any, spaces: Spaces) -> Dict[str, Any]:
@@ -119,7 +126,13 @@ def _from_state(st: Dict[str, Any], spaces: Spaces, mapping_fn: Any = None) -> A
 
 
 def _plain(lb: Dict[str, Any]) -> Dict[str, Any]:
-    return {"data": lb["data"], "lookback": lb["lookback"], "finalized": lb["finalized"], "space": None}
+    data = lb["data"]
+    if type(data) is dict and SPARSE in data:
+        dicts = [{} for _ in range(data[SPARSE])]
+        for i, x in zip(data["at"], data["dicts"]):
+            dicts[i] = x
+        data = dicts
+    return {"data": data, "lookback": lb["lookback"], "finalized": lb["finalized"], "space": None}
 
 
 def like(template: Any, values: Dict[Any, Any]) -> Any:

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 
 from ....errors import RestoreError, UnsupportedTypeError
-from ....formats.nodes import enc_key, float_node, structure_to_json
+from ....formats.nodes import dec_key, enc_key, float_node, float_of, structure_to_json
 
 ROW_BYTES = 256  # bytes of a record per row
 RAW_ABOVE = 1 << 20  # a record longer than this is compressed at zlib's fastest level
@@ -201,11 +201,42 @@ def bytes_state(data: bytes, where: str) -> Any:
         for x, (form, size, width) in zip(sizes, forms):
             views.append(bytearray(_unpack_array(int(form), int(size), int(width), data[at:at + x])))
             at += x
-        return unflatten(head["s"], views, [])
+        try:
+            return _unstructure(head["s"], views)
+        except _Other:
+            return unflatten(head["s"], views, [])
     except RestoreError:
         raise
     except Exception as exc:  # a damaged record: its verified file holds other bytes than written
         raise RestoreError(f"{where}: not a replay log record ({type(exc).__name__}: {exc})") from None
+
+
+def _unstructure(x: Any, arrays: List[Any]) -> Any:
+    """The inverse of :func:`_structure` (ray_ckpt's ``unflatten`` gives the same, at several times
+    the cost: it builds a key path per node for its messages; a restore decodes every record).
+    Raises _Other at a node :func:`_structure` does not write."""
+    t = type(x)
+    if x is None or t is bool or t is int or t is str:
+        return x
+    if t is list:
+        raise _Other
+    if "d" in x:
+        items = [(k if type(k) is not dict else dec_key(k), _unstructure(v, arrays)) for k, v in x["d"]]
+        return collections.OrderedDict(items) if x.get("o") else dict(items)
+    if "l" in x:
+        return [_unstructure(v, arrays) for v in x["l"]]
+    if "u" in x:
+        return tuple(_unstructure(v, arrays) for v in x["u"])
+    if "N" in x:
+        dt, buf = np.dtype(x["dt"]), arrays[x["N"]]
+        return np.frombuffer(buf, dtype=dt).reshape(x["sh"]) if len(buf) else np.empty(x["sh"], dt)
+    if "f" in x:
+        return float_of(x)
+    if "ns" in x:
+        return np.frombuffer(bytes.fromhex(x["h"]), dtype=np.dtype(x["ns"]))[0]
+    if "b" in x:
+        return base64.b64decode(x["b"])
+    raise _Other
 
 
 def encode(kind: int, raw: bytes) -> np.ndarray:

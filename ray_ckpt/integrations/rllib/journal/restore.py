@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ....capture.gc_pause import collections_paused
 from ....errors import RestoreError
 from ..base import _rllib_internals as internals
 from ..base.conversion import from_storable
@@ -67,6 +68,11 @@ def restore_journal(buf: Any, state: Dict[str, Any], agent_to_module_mapping_fn:
     """Restore ``buf`` (a fresh or used buffer of the saved type and capacity) from a
     ``replay_journal`` state, and seed its journal. Multi-agent episodes get
     ``agent_to_module_mapping_fn`` (the algorithm's ``policy_mapping_fn``)."""
+    with collections_paused():  # millions of new objects, none of them garbage
+        _restore(buf, state, agent_to_module_mapping_fn)
+
+
+def _restore(buf: Any, state: Dict[str, Any], agent_to_module_mapping_fn: Optional[Callable]) -> None:
     meta = read_meta(state)
     if type_name(buf) != meta["buffer_type"]:
         raise RestoreError(f"replay journal: saved from a {meta['buffer_type']}, restoring into a {type_name(buf)}; "
