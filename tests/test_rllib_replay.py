@@ -24,6 +24,14 @@ from ray_ckpt.integrations.rllib.replay import (compare, incremental_capture, in
                                                 two_state)
 from ray_ckpt.storage.tier import Tier  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def _format_5(monkeypatch):
+    """This module tests formats /1, /4 and /5 (``replay`` + ``replay_meta``), which the callback
+    writes only when asked to: the journal (format /6, the default) is tests/test_rllib_replay_journal.py's."""
+    from ray_ckpt.integrations.rllib.replay import algorithm as replay_algorithm
+    monkeypatch.setattr(replay_algorithm, "REPLAY_FORMAT", 5)
+
 ID_COLS = ("row_id", "episode", "t", "tree", "agent", "module")
 
 

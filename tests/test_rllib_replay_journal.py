@@ -185,3 +185,79 @@ def test_dqn_buffer_journaled_by_the_callback_resumes_exactly_and_goes_on_writin
         assert compare.buffer_state_equal(fresh.local_replay_buffer, back) == []
     finally:
         fresh.stop()
+
+
+@pytest.mark.timeout(300)
+def test_multi_agent_dqn_buffer_journaled_by_the_callback_resumes_exactly(engine_factory, run_name):
+    """Two policies, a multi-agent prioritized buffer that evicts, saved every iteration by the
+    callback (the default format): resumed into a fresh Algorithm, the buffer equals the original
+    (per-module trees, counters, generator) and the next version keeps the restored rows."""
+    from ray_ckpt.integrations import rllib as rr
+    from test_rllib_replay_multi_agent import _ma_dqn_config
+    engine = engine_factory(critical_writers=1)
+    algo = _ma_dqn_config(rr.make_callback(run_name, every=1, on_busy="wait")).build_algo()
+    try:
+        for _ in range(3):
+            algo.train()
+        assert sorted(rr.wait_for_saves(algo, timeout=120)) == [1, 2, 3]
+        buf = algo.local_replay_buffer
+        assert buf.get_num_episodes_evicted() > 0 and len(buf._module_to_indices) == 2
+        j3 = engine.load(name=jn.STATE_NAME, version=3)
+    finally:
+        algo.stop()
+    fresh = _ma_dqn_config(rr.make_callback(run_name, every=1, on_busy="wait", resume=True)).build_algo()
+    try:
+        assert rr.find_callback(fresh).resumed.states[jn.STATE_NAME] == "restored"
+        assert _differences(buf, fresh.local_replay_buffer) == []
+        fresh.train()
+        rr.wait_for_saves(fresh, timeout=120)
+        j4 = engine.load(name=jn.STATE_NAME, version=4)
+        common, i3, i4 = np.intersect1d(j3["row_id"], j4["row_id"], return_indices=True)
+        assert len(common) > 0 and np.array_equal(j3["blob"][i3], j4["blob"][i4])
+    finally:
+        fresh.stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_run_saved_in_format_5_goes_on_as_a_journal_and_both_kinds_of_version_restore(
+        engine_factory, run_name, monkeypatch):
+    """Versions written before the journal (``replay`` + ``replay_meta``) restore as before; a run
+    resumed from one saves its next versions as a journal (the first one whole), which restore too."""
+    from ray_ckpt.integrations import rllib as rr
+    from ray_ckpt.integrations.rllib.replay import algorithm as replay_algorithm
+    from test_rllib_replay import _dqn_config
+    engine = engine_factory(critical_writers=1)
+    monkeypatch.setattr(replay_algorithm, "REPLAY_FORMAT", 5)
+    algo = _dqn_config(rr.make_callback(run_name, every=1, on_busy="wait")).build_algo()
+    try:
+        for _ in range(2):
+            algo.train()
+        rr.wait_for_saves(algo, timeout=120)
+    finally:
+        algo.stop()
+    monkeypatch.setattr(replay_algorithm, "REPLAY_FORMAT", 6)
+    fresh = _dqn_config(rr.make_callback(run_name, every=1, on_busy="wait", resume=True)).build_algo()
+    try:
+        assert rr.find_callback(fresh).resumed.states["replay_meta"] == "restored"
+        for _ in range(2):
+            fresh.train()
+        rr.wait_for_saves(fresh, timeout=120)
+        states = {m.version: set(m.states) for m in engine.list_checkpoints()}
+        assert {"replay", "replay_meta"} <= states[2] and jn.STATE_NAME not in states[2]
+        assert jn.STATE_NAME in states[4] and "replay" not in states[4]
+        j3 = engine.load(name=jn.STATE_NAME, version=3)
+        assert jn.STATE in {r.kind for r, _ in read_records(j3["row_id"], j3["blob"])}  # the first one whole
+        want = fresh.local_replay_buffer
+        for v in (2, 4):
+            again = _dqn_config(rr.make_callback(run_name, every=1)).build_algo()
+            try:
+                rr.restore_algorithm(again, engine, version=v)
+                if v == 4:
+                    d = _differences(want, again.local_replay_buffer)
+                    assert d == []
+                else:
+                    assert again.local_replay_buffer.get_num_timesteps() > 0
+            finally:
+                again.stop()
+    finally:
+        fresh.stop()

@@ -20,6 +20,14 @@ from ray_ckpt.integrations.rllib.replay import (compare, incremental_ma_restore,
 from ray_ckpt.integrations.rllib.replay.buffers import buffer_kind  # noqa: E402
 from ray_ckpt.storage.tier import Tier  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def _format_5(monkeypatch):
+    """This module tests formats /1, /4 and /5 (``replay`` + ``replay_meta``), which the callback
+    writes only when asked to: the journal (format /6, the default) is tests/test_rllib_replay_journal.py's."""
+    from ray_ckpt.integrations.rllib.replay import algorithm as replay_algorithm
+    monkeypatch.setattr(replay_algorithm, "REPLAY_FORMAT", 5)
+
 _CHUNKS = {}
 
 

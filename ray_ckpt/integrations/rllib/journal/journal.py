@@ -84,16 +84,17 @@ def supported(buf: Any) -> bool:
 
 
 def base_state(buf: Any, fam: Family) -> Dict[str, Any]:
-    """RLlib's ``get_state()`` of ``buf`` without its episodes and trees: the counters, the index
-    lists (RLlib's own lists, not copies), ``episode_id_to_index`` -- O(episodes + modules), not
-    O(timesteps). (The prioritized classes' own get_state() copies the free-node deques: O(capacity).)"""
+    """RLlib's ``get_state()`` of ``buf`` without its episodes, ``episode_id_to_index`` and trees: the
+    counters and the index lists (RLlib's own lists, not copies) -- O(modules), not O(timesteps) or
+    O(episodes): it runs at every add() (the prioritized classes' own get_state() copies the
+    free-node deques: O(capacity))."""
     from ray.rllib.utils.replay_buffers import EpisodeReplayBuffer, MultiAgentEpisodeReplayBuffer
-    episodes = buf.episodes
-    buf.episodes = ()
+    episodes, where = buf.episodes, buf.episode_id_to_index
+    buf.episodes, buf.episode_id_to_index = (), {}
     try:
         return (MultiAgentEpisodeReplayBuffer if fam.multi_agent else EpisodeReplayBuffer).get_state(buf)
     finally:
-        buf.episodes = episodes
+        buf.episodes, buf.episode_id_to_index = episodes, where
 
 
 def index_lists(st: Dict[str, Any], fam: Family) -> Dict[Any, list]:
@@ -107,12 +108,12 @@ def index_lists(st: Dict[str, Any], fam: Family) -> Dict[Any, list]:
 def full_state(buf: Any) -> Dict[str, Any]:
     """The class's whole ``get_state()`` without episodes (the tree objects / value lists; O(capacity):
     only a full capture or a compaction calls it)."""
-    episodes = buf.episodes
-    buf.episodes = ()
+    episodes, where = buf.episodes, buf.episode_id_to_index
+    buf.episodes, buf.episode_id_to_index = (), {}
     try:
         return type(buf).get_state(buf)
     finally:
-        buf.episodes = episodes
+        buf.episodes, buf.episode_id_to_index = episodes, where
 
 
 class Journal:
@@ -154,11 +155,13 @@ class Journal:
         self.lengths = {k: len(v) for k, v in index_lists(st, self.fam).items()}
 
     # ------------------------------------------------------------------ the recorders
-    def record_add(self, buf: Any, chunks: List[Any]) -> None:
+    def record_add(self, buf: Any, chunks: List[Any], added_before: int) -> None:
+        if self.full_because is None and added_before != self.added:  # e.g. a restore not through the journal
+            self.full_because = "the buffer changed other than through add()"
         if self.full_because is not None:
             return  # a full capture comes anyway
         st = base_state(buf, self.fam)
-        index = dict(st["episode_id_to_index"])
+        index = buf.episode_id_to_index
         keep = [(c, index[c.id_]) for c in chunks if c.id_ in index and len(c)]
         counts: Dict[Any, int] = {None: sum(len(c) for c, _ in keep)}
         if self.fam.multi_agent:  # an agent's steps go to its module's list (RLlib's _add_new_module_indices)
@@ -205,6 +208,9 @@ class Journal:
         another buffer (a restore from another run or an older version): every row gets a new id
         from ``floor`` and this save writes the whole buffer once (a full capture)."""
         st = base_state(buf, self.fam)
+        if not hooked(buf, self):  # replaced behind the journal (e.g. by format /5's restore): put back
+            install(buf, self)
+            self.full_because = "its recorders had been replaced"
         if floor is not None:
             self.next_row_id = max(self.next_row_id, int(floor))
             self.full_because = f"its row ids start anew from {floor}"
@@ -360,11 +366,18 @@ def journal_of(buf: Any) -> Journal:
     return j
 
 
+def hooked(buf: Any, j: Journal) -> bool:
+    """Whether the journal's recorders are the instance's ``add`` (and ``update_priorities``)."""
+    names = ("add", "update_priorities") if j.fam.prioritized else ("add",)
+    return all(getattr(buf.__dict__.get(n), "_ray_ckpt_journal", False) for n in names)
+
+
 def install(buf: Any, j: Journal) -> None:
     """Make ``j`` the buffer's journal, with recorders around the instance's ``add`` (and
     ``update_priorities``): put there unless they are already (they find the journal at each call)."""
+    from ray.rllib.utils.replay_buffers import EpisodeReplayBuffer
     _JOURNALS[buf] = j
-    if getattr(buf.__dict__.get("add"), "_ray_ckpt_hook", False):
+    if hooked(buf, j):
         return
     cls_add = type(buf).add.__get__(buf)
 
@@ -372,13 +385,14 @@ def install(buf: Any, j: Journal) -> None:
         chunks = list(episodes) if isinstance(episodes, (list, tuple)) else [episodes]
         if (args or kw.get("weight") is not None) and _JOURNALS[buf].fam.prioritized:
             _JOURNALS[buf].full_because = "add() was given a weight"  # rare: the next save writes the buffer
+        added_before = EpisodeReplayBuffer.get_added_timesteps(buf)  # RLlib's _num_timesteps_added
         out = cls_add(episodes, *args, **kw)
         try:
-            _JOURNALS[buf].record_add(buf, chunks)
+            _JOURNALS[buf].record_add(buf, chunks, added_before)
         except Exception as exc:  # never fail training: the next save writes the whole buffer
             _JOURNALS[buf].full_because = f"recording an add() failed ({type(exc).__name__}: {exc})"
         return out
-    add._ray_ckpt_hook = True
+    add._ray_ckpt_hook = add._ray_ckpt_journal = True
     buf.add = add
     if not j.fam.prioritized:
         return
@@ -394,5 +408,5 @@ def install(buf: Any, j: Journal) -> None:
         except Exception as exc:
             _JOURNALS[buf].full_because = f"recording update_priorities() failed ({type(exc).__name__}: {exc})"
         return out
-    update_priorities._ray_ckpt_hook = True
+    update_priorities._ray_ckpt_hook = update_priorities._ray_ckpt_journal = True
     buf.update_priorities = update_priorities

@@ -69,10 +69,11 @@ def _row_floor(engine: Any, rid: RowIds) -> Optional[int]:
     return int(meta["rows"]["next_row_id"])
 
 
-# 6: single-agent buffers are saved as a journal (state ``replay_journal``, :mod:`..journal`); 5: as
-# ``replay`` + ``replay_meta`` (formats /4 and /5). Multi-agent buffers take /5 either way (for now).
-# A restore reads whichever the version holds.
-REPLAY_FORMAT = 5
+# 6: buffers are saved as a journal (state ``replay_journal``, :mod:`..journal`); 5: as ``replay`` +
+# ``replay_meta`` (formats /4 and /5: what versions written before the journal hold; kept writable
+# for the tests and benchmarks that compare the two until ``ray-ckpt migrate`` replaces them). A
+# restore reads whichever the version holds.
+REPLAY_FORMAT = 6
 
 
 def _journaled(buf: Any) -> bool:
