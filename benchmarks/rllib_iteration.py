@@ -247,7 +247,7 @@ def _new_segment_bytes(run_dir: str):
     return statistics.median(sizes) if sizes else None
 
 
-REPLAY_STATES = ("replay", "replay_meta", "replay_episodes", "replay_priorities")
+REPLAY_STATES = ("replay", "replay_meta", "replay_episodes", "replay_priorities", "replay_journal")
 
 
 def _replay_bytes(run_dir: str):

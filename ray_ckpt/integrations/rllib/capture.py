@@ -16,10 +16,11 @@ rng            CRITICAL     python / numpy / torch RNG states of the algorithm's
                             holds the learner when ``num_learners=0``)
 metrics        BEST_EFFORT  the algorithm's and the learner's MetricsLogger states (lifetime counters,
                             smoothing windows)
-replay         CRITICAL     off-policy algorithms' ``local_replay_buffer``: one row per stored timestep
-                            (registered append-only) ...
-replay_meta    CRITICAL     ... and everything else of the buffer (:mod:`.replay`); both take the
-                            callback's ``replay_strategy`` ("auto": CRITICAL when there is a buffer)
+replay_journal CRITICAL     off-policy algorithms' ``local_replay_buffer``, as a journal of what its
+                            add() and update_priorities() received (registered append-only:
+                            :mod:`.journal`); the callback's ``replay_strategy`` ("auto": CRITICAL
+                            when there is a buffer). Versions written before the journal hold
+                            ``replay`` + ``replay_meta`` (:mod:`.replay`) instead
 env_runner_<i> BEST_EFFORT  remote env runner i: its process RNG states and its environments'
                             ``np_random`` states (captured inside the runner: :mod:`.env_runners`)
 ============== ============ ==========================================================================

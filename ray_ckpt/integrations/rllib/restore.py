@@ -205,8 +205,9 @@ def restore_algorithm(algorithm: Any, run: Union[str, CheckpointEngine], version
     learner, connector states, its own saved RNG states), bounded by ``timeout_s``, whose answers
     are checked: a runner that does not answer in time or holds other weights / connector states
     raises RestoreError (the algorithm is then restored but its runners are not to be trusted).
-    The replay buffer (``replay`` + ``replay_meta``, off-policy algorithms) is restored first, into
-    ``algorithm.local_replay_buffer`` (``restore_replay=False``: left as it is): see :mod:`.replay`."""
+    The replay buffer (``replay_journal``, or ``replay`` + ``replay_meta`` in versions written before
+    the journal; off-policy algorithms) is restored first, into ``algorithm.local_replay_buffer``
+    (``restore_replay=False``: left as it is): see :mod:`.journal`."""
     t0 = time.perf_counter()
     engine = _resolve_engine(run, local_dir, remote_uri, engine_options)
     meta = _pick_version(engine, version)
