@@ -44,11 +44,16 @@ format                                                   ``np.save``) of ``Runni
 
 :func:`missing_internals` checks each against the installed RLlib / gymnasium (a test runs it), and
 names the one that moved. Only the accessors below read them; no other module of the package does --
-except :mod:`.replay`, which reads and writes the replay buffers' own attributes (and their episodes'
-and segment trees'): the buffer *is* the state to save and RLlib has no complete public accessor for
-it (``get_state()`` misses the sampling generator, among others). Those attributes are listed in
-``REPLAY_INTERNALS`` (checked by :func:`missing_internals` too); the replay package also refuses, by name, any
-attribute of a buffer that it does not know.
+except two. The replay journal (:mod:`..journal`, how buffers are saved) goes through RLlib's own
+``get_state()`` / ``set_state()`` and episode ``from_state`` / ``concat_episode``, and reads or
+writes the 10 prioritized-buffer attributes of ``JOURNAL_INTERNALS`` through the accessors at the
+end of this module (``get_state()`` copies the O(capacity) free-node deques; ``set_state()`` drops
+their maxlen and gives module min trees a sum-tree factory); the ``get_state()`` keys it relies on
+are ``STATE_KEYS`` (tests/test_rllib_journal_internals.py holds the behaviour it relies on, on the
+oldest and newest supported Ray). The format it replaces (:mod:`.replay`, read for versions written
+before it) reads and writes the buffers' attributes directly: those are ``REPLAY_INTERNALS``; it
+refuses, by name, any attribute of a buffer that it does not know. Both lists are checked by
+:func:`missing_internals`.
 
 Where RLlib's behaviour differs between the Ray releases the package supports, the fix is here too,
 chosen by what the installed RLlib does (never by its version string): :func:`load_learner_state`.
