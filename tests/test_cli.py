@@ -504,7 +504,7 @@ def test_permission_denied_is_one_line(run_copy, capsys):
 def test_help_lists_commands(capsys):
     code, out, _ = cli(capsys, "--help")
     assert code == 0
-    for c in ("ls", "show", "verify", "gc", "export", "demo"):
+    for c in ("ls", "show", "verify", "gc", "export", "migrate", "demo"):
         assert c in out
 
 

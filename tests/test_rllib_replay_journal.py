@@ -261,3 +261,29 @@ def test_a_run_saved_in_format_5_goes_on_as_a_journal_and_both_kinds_of_version_
                 again.stop()
     finally:
         fresh.stop()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["prioritized", "multi_agent_prioritized"])
+def test_between_rare_saves_the_journal_keeps_no_more_than_the_buffer_holds(name, monkeypatch):
+    """Saved rarely (here: once, after the whole run), the journal drops the recorded add() calls
+    whose episodes RLlib evicted meanwhile, and once the recorded priority updates outgrow the
+    buffer it drops them too and writes every leaf at the next save: what it keeps between saves is
+    bounded by the buffer, not by the time since the last save. The save restores exactly."""
+    monkeypatch.setattr(jn, "COMPACT_FACTOR", 0 if BUFFERS[name][2] else 2)
+    monkeypatch.setattr(jn, "COMPACT_MIN", 16)
+    multi_agent = BUFFERS[name][2]
+    chunks = _chunks_for(name) if multi_agent else _sa_chunks(4, steps=300)
+    cap = 60 if multi_agent else 80
+    buf = _make(name, capacity=cap)
+    j = jn.journal_of(buf)
+    held = []
+    for i in range(0, len(chunks), 3):
+        _fill(buf, chunks, True, multi_agent, i, i + 3, seed=i)
+        held.append(len(j.adds))
+    assert buf.get_num_episodes_evicted() > (1 if multi_agent else 3)
+    assert held[-1] < len(held)  # evicted calls left: the journal did not keep every call since the start
+    assert j.state_due and j.prio_entries <= jn.COMPACT_FACTOR * buf.get_num_timesteps() + jn.COMPACT_MIN
+    state = j.capture(buf)
+    assert jn.STATE in {r.kind for r in j.records} and jn.PRIO not in {r.kind for r in j.records}
+    assert _differences(buf, _restored(name, state, cap)) == []

@@ -7,6 +7,7 @@
                      [--progress | --no-progress] [--json]
     ray-ckpt export  URI VERSION --state NAME --to DIR|FILE.safetensors [--rank R] [--max-shard-size SIZE]
                      [--force] [--progress | --no-progress] [--json]
+    ray-ckpt migrate URI [--remote URI] [--dry-run] [--force] [--json]
     ray-ckpt demo    [ARGS...]
 
 URI is a run's root on either tier: the directory or prefix that directly holds the version
@@ -22,7 +23,7 @@ shown without credentials.
 
 Modules: ``main`` (parser, entry point, errors), ``run_view`` (a run root on any tier: versions,
 manifests, VERSION arguments), ``common`` (exit codes, safe text output), one module per command
-(``ls``, ``show``, ``verify``, ``gc``, ``export``, ``demo``; the demo itself: ``demo_run``). May import
+(``ls``, ``show``, ``verify``, ``gc``, ``export``, ``migrate``, ``demo``; the demo itself: ``demo_run``). May import
 every layer below it, but uses the Ray-free ones (``storage``, ``formats``, ``client.progress``);
 neither Ray nor torch is imported at start-up.
 """

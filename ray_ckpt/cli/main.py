@@ -8,10 +8,10 @@ from typing import Optional, Sequence
 
 from ..errors import CheckpointError, one_line
 from ..storage.filesystems import scrub
-from . import demo, export, gc, ls, show, verify
+from . import demo, export, gc, ls, migrate, show, verify
 from .common import EXIT_FAIL, EXIT_OK, PROG, CliError, UsageError, printable
 
-COMMANDS = (ls, show, verify, gc, export, demo)
+COMMANDS = (ls, show, verify, gc, export, migrate, demo)
 MAX_ERROR_CHARS = 600
 
 

@@ -134,6 +134,9 @@ class Journal:
         self.full_because: Optional[str] = "the journal has not seen this buffer fill"
         self.added = -1          # the buffer's timesteps-added counter after the last call recorded
         self.lengths: Dict[Any, int] = {}  # and the length of each index list
+        self.timesteps = 0       # the buffer's stored timesteps then
+        self.prio_entries = 0    # leaf updates in self.prios
+        self.state_due = False   # self.prios outgrew the buffer: the next save writes a STATE record
         self.restored_from: Optional[tuple] = None  # (run, version) a restore seeded the journal from
         self.checked_run: Optional[str] = None
 
@@ -152,6 +155,7 @@ class Journal:
 
     def synced(self, st: Dict[str, Any]) -> None:
         self.added = st["_num_timesteps_added"]
+        self.timesteps = st["_num_timesteps"]
         self.lengths = {k: len(v) for k, v in index_lists(st, self.fam).items()}
 
     # ------------------------------------------------------------------ the recorders
@@ -189,6 +193,9 @@ class Journal:
         if self.fam.prioritized:  # the leaves' weight: add() never changes the maximum priorities it reads
             add["w"] = [(k, pack_one(internals.max_priority(buf, k), "add()'s weight")) for k in tails]
         self.adds.append(add)
+        evicted = st["_num_episodes_evicted"]
+        if int(self.adds[0]["eps"].max(initial=-1)) < evicted:  # between rare saves: what RLlib evicted goes
+            self.adds = [a for a in self.adds if int(a["eps"].max(initial=-1)) >= evicted]
         self.synced(st)
 
     def record_priorities(self, key: Any, sampled: List[int], priorities: Any) -> None:
@@ -200,6 +207,12 @@ class Journal:
             p = pack_scalars(list(priorities), "update_priorities()'s priorities")
         self.seq += 1
         self.prios.append({"seq": self.seq, "key": key, "idx": np.array(sampled, np.int64), "p": p})
+        self.prio_entries += len(sampled)
+        if self.prio_entries > COMPACT_FACTOR * self.timesteps + COMPACT_MIN:
+            # between rare saves: the next save writes every leaf (a STATE record) instead of these
+            self.prios.clear()
+            self.prio_entries = 0
+            self.state_due = True
 
     # ------------------------------------------------------------------ a save
     def capture(self, buf: Any, floor: Optional[int] = None) -> Dict[str, Any]:
@@ -233,6 +246,7 @@ class Journal:
         self._keep(keep, new)
         self.adds.clear()
         self.prios.clear()
+        self.prio_entries, self.state_due = 0, False
         self.full_because = None
         self.synced(st)
         return {"row_id": self.ids, "blob": self.rows, "format": FORMAT, "meta": self._meta(buf, st)}
@@ -246,7 +260,7 @@ class Journal:
             calls = list(self.prios)
             new.append(self._record(PRIO, {"calls": calls}, entries=sum(len(c["idx"]) for c in calls)))
         live_prio = sum(r.entries for r in self.records if r.kind == PRIO) + sum(n.entries for n, _ in new)
-        if self.fam.prioritized and live_prio > COMPACT_FACTOR * st["_num_timesteps"] + COMPACT_MIN:
+        if self.fam.prioritized and (self.state_due or live_prio > COMPACT_FACTOR * st["_num_timesteps"] + COMPACT_MIN):
             # every leaf anew: this save's PRIO record and the older ones are superseded
             new = [n for n in new if n[0].kind != PRIO] + [self._state_record(buf, st)]
         return new
