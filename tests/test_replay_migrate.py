@@ -207,3 +207,47 @@ def test_migrate_refuses_format_2_and_unknown_buffer_types_by_name(meta, message
     code, _, err = cli(capsys, "migrate", tmp_path / "r")
     assert code == 1 and message in err and len(err.strip().splitlines()) == 1, err
     assert tree(tmp_path / "r") == before
+
+
+@pytest.mark.timeout(90)
+def test_a_migration_stopped_between_two_manifests_is_finished_by_the_next(engine_factory, run_name, tmp_path,
+                                                                           capsys, monkeypatch):
+    """The manifest swap stops after version 1's (a disk error, injected into the storage call the
+    command makes): version 1 is a journal, 2-4 are not, and version 2's manifest still names
+    version 1's old manifest: the one broken link the progress record explains. A new engine does
+    not trust version 1 meanwhile; the next migrate finishes: chain whole, verify OK, every version
+    restores as before."""
+    from ray_ckpt.cli import migrate
+    from ray_ckpt.formats.manifest import chain_suspects
+    name, cap = "prioritized", 150
+    _old_run(engine_factory, name, _sa_chunks(0, steps=150), cap).shutdown()
+    local = tmp_path / "local" / run_name
+    tier = Tier(str(local), "local")
+    versions = sorted(tier.version_dirs())
+    pre = {v: _old_restore(tier, v, name, cap) for v in versions}
+    calls = []
+    real = migrate.write_manifest
+
+    def failing(t, m):
+        calls.append(m.version)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(t, m)
+
+    monkeypatch.setattr(migrate, "write_manifest", failing)
+    code, _, err = cli(capsys, "migrate", local)
+    assert code == 1 and "1 manifest rewritten before it" in err and "again" in err, err
+    monkeypatch.setattr(migrate, "write_manifest", real)
+    manifests = {v: read_manifest(tier, v) for v in versions}
+    assert "replay_journal" in manifests[1].states and "replay" in manifests[2].states
+    assert list(chain_suspects(manifests)) == [1] and tier.exists("migrate_progress.json")
+
+    code, out, err = cli(capsys, "migrate", local)
+    assert code == 0 and "3 versions rewritten" in out, out + err
+    manifests = {v: read_manifest(tier, v) for v in versions}
+    assert chain_problems(manifests) == [] and not tier.exists("migrate_progress.json")
+    for v in versions:
+        assert _differences(pre[v], _journal_restore(tier, v, name, cap)) == [], v
+    code, out, err = cli(capsys, "verify", local, "--all")
+    assert code == 0 and "not named by the manifest" not in out, out + err
+    assert [p for p in tier.list_files("") if "/replay/" in p or "/replay_meta/" in p] == []

@@ -379,7 +379,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
     deleted: Dict[str, List[str]] = {}
     if not dry:
-        _swap(items, runs, changed)
+        _swap(runs, changed, progress)
         deleted = _delete_old(runs, todo)
         for r in runs:
             r.tier.delete_file(PROGRESS_FILE)
@@ -424,11 +424,12 @@ def _write_journals(items: List[Item], runs: List[Run], scratch: Optional[Tier])
         prev = it
 
 
-def _swap(items: List[Item], runs: List[Run], changed: List[Item]) -> None:
-    """Steps 2 and 3: the progress record, then each changed manifest, oldest first, on every
-    tier that holds it."""
-    record = {"format": PROGRESS_FORMAT, "digests": {str(it.version): [chain_digest(it.old), chain_digest(it.new)]
-                                                      for it in changed}}
+def _swap(runs: List[Run], changed: List[Item], progress: Dict[int, Tuple[str, str]]) -> None:
+    """Steps 2 and 3: the progress record (with what a stopped migration's record said), then each
+    changed manifest, oldest first, on every tier that holds it."""
+    digests = {str(v): list(d) for v, d in progress.items()}
+    digests.update({str(it.version): [chain_digest(it.old), chain_digest(it.new)] for it in changed})
+    record = {"format": PROGRESS_FORMAT, "digests": digests}
     for r in runs:
         try:
             r.tier.put_bytes(PROGRESS_FILE, json.dumps(record, indent=1, sort_keys=True).encode())
