@@ -143,7 +143,7 @@ def _migrate_and_check(engine_factory, run_name, tmp_path, capsys, name, chunks,
     return pre, versions
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(60)
 def test_migrate_a_prioritized_run_on_both_tiers(engine_factory, run_name, tmp_path, capsys):
     name, cap = "prioritized", 150
     pre, versions = _migrate_and_check(engine_factory, run_name, tmp_path, capsys, name,
@@ -157,7 +157,7 @@ def test_migrate_a_prioritized_run_on_both_tiers(engine_factory, run_name, tmp_p
     assert _differences(pre[versions[-1]], fresh) == []
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(60)
 def test_migrate_a_multi_agent_prioritized_run(engine_factory, run_name, tmp_path, capsys):
     _migrate_and_check(engine_factory, run_name, tmp_path, capsys, "multi_agent_prioritized", _ma_chunks(), 80)
 
@@ -209,13 +209,13 @@ def test_migrate_refuses_format_2_and_unknown_buffer_types_by_name(meta, message
     assert tree(tmp_path / "r") == before
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(60)
 def test_a_migration_stopped_between_two_manifests_is_finished_by_the_next(engine_factory, run_name, tmp_path,
                                                                            capsys, monkeypatch):
     """The manifest swap stops after version 1's (a disk error, injected into the storage call the
     command makes): version 1 is a journal, 2-4 are not, and version 2's manifest still names
-    version 1's old manifest: the one broken link the progress record explains. A new engine does
-    not trust version 1 meanwhile; the next migrate finishes: chain whole, verify OK, every version
+    version 1's old manifest: the one broken link (recovery would distrust version 1 meanwhile), which
+    the progress record explains; the next migrate finishes: chain whole, verify OK, every version
     restores as before."""
     from ray_ckpt.cli import migrate
     from ray_ckpt.formats.manifest import chain_suspects
