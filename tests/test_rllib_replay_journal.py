@@ -44,7 +44,10 @@ def test_versions_written_append_only_restore_exactly_and_a_restored_buffer_goes
     cap = 80 if multi_agent else 150
     buf = _make(name, capacity=cap)
     jn.journal_of(buf)  # the recorders from the start, as the callback puts them at the algorithm's start
-    base, restored, step = {}, None, 3 if multi_agent else 6
+    # multi-agent: one chunk per add(): RLlib's multi-agent add() mishandles two chunks of one episode
+    # that it evicts in the same call (it drops one; later samples can fail on the buffer it leaves), and
+    # the journal then writes the buffer whole (its index entries are not the chunks'): see the issue notes
+    base, restored, step = {}, None, 1 if multi_agent else 6
     kinds = set()
     for v, i in enumerate(range(0, len(chunks), step), 1):
         for b in (buf, restored) if restored is not None else (buf,):
@@ -278,8 +281,9 @@ def test_between_rare_saves_the_journal_keeps_no_more_than_the_buffer_holds(name
     buf = _make(name, capacity=cap)
     j = jn.journal_of(buf)
     held = []
-    for i in range(0, len(chunks), 3):
-        _fill(buf, chunks, True, multi_agent, i, i + 3, seed=i)
+    step = 1 if multi_agent else 3  # one chunk per multi-agent add(): see the versions test
+    for i in range(0, len(chunks), step):
+        _fill(buf, chunks, True, multi_agent, i, i + step, seed=i)
         held.append(len(j.adds))
     assert buf.get_num_episodes_evicted() > (1 if multi_agent else 3)
     assert held[-1] < len(held)  # evicted calls left: the journal did not keep every call since the start

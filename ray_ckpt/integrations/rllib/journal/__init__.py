@@ -40,4 +40,11 @@ reads: a multi-agent episode's ``_len_lookback_buffers`` (not in RLlib's ``get_s
 ``cut()`` and ``add_env_*`` use it) and the stale keys RLlib's evictions leave in
 ``MultiAgentPrioritizedEpisodeReplayBuffer._sample_idx_to_tree_idx`` (keys at or past the number
 of env steps; RLlib only sets and pops live ones): the restore sets the live keys only.
+
+Two states RLlib itself leaves inconsistent are not reproduced: a prioritized leaf that
+``update_priorities()`` writes after an ``add()`` freed it (sampled, then evicted before the update:
+RLlib's trees then hold a priority for a free leaf, which its next ``sample()`` can draw and fail
+on) comes back free; and where RLlib's multi-agent ``add()`` is given two chunks of an episode it
+evicts in the same call (it drops one of them), the journal finds the call's index entries are
+not the chunks' and the next save writes the buffer whole (exactly).
 """
