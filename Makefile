@@ -23,6 +23,8 @@ RAY_OLDEST ?= 2.55.0
 OLDEST_VENV ?= .venv-ray-oldest
 OLDEST_PY := $(OLDEST_VENV)/bin/python
 OLDEST_TESTS ?= tests/test_ray_internals.py tests/test_rllib_internals.py tests/test_rllib_journal_internals.py \
+  tests/test_rllib_replay_journal.py::test_versions_written_append_only_restore_exactly_and_a_restored_buffer_goes_on_alike \
+  tests/test_rllib_replay_journal.py::test_a_buffer_filled_before_its_journal_or_changed_behind_add_is_captured_whole \
   tests/test_architecture.py \
   tests/test_engine.py::test_exact_resume_after_killed_learner \
   tests/test_engine.py::test_restore_with_rewind_continues_from_an_older_version \
