@@ -198,7 +198,7 @@ def restore_algorithm_replay(algorithm: Any, engine: Any, meta: Any, loaded: Dic
             states[n] = "not restored: the algorithm has no local replay buffer"
         return
     if not committed:
-        missing = [n for n in (REPLAY, REPLAY_META) if n in (getattr(meta, "missing", ()) or ())
+        missing = [n for n in (REPLAY, REPLAY_META, REPLAY_JOURNAL) if n in (getattr(meta, "missing", ()) or ())
                    or n in (getattr(meta, "pending", ()) or ())]
         states[REPLAY] = (f"missing: version {meta.version} lists {missing} as not written (best-effort)" if missing
                           else f"missing: version {meta.version} has no replay buffer "
