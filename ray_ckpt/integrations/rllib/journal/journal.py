@@ -29,7 +29,7 @@ from .episodes import chunk_state
 from .growth import kept, survivors
 from .records import ROW_BYTES, encode, state_bytes
 from .trees import free_nodes_state
-from .values import Spaces, pack_one, pack_scalars, type_name
+from .values import Spaces, pack_one, pack_scalars, same_packed, type_name
 
 FORMAT = "ray_ckpt.rllib.replay/6"
 STATE_NAME = "replay_journal"
@@ -139,6 +139,7 @@ class Journal:
         self.state_due = False   # self.prios outgrew the buffer: the next save writes a STATE record
         self.restored_from: Optional[tuple] = None  # (run, version) a restore seeded the journal from
         self.checked_run: Optional[str] = None
+        self.metrics_warned = False
 
     def agent_code(self, aid: Any) -> int:
         c = self._agent_code.get(aid)
@@ -233,7 +234,8 @@ class Journal:
         evicted = int(st["_num_episodes_evicted"])
         if self.full_because is not None:
             if self.records or self.added >= 0:
-                log.info("ray_ckpt: replay journal: this save writes the whole buffer (%s)", self.full_because)
+                (log.warning if "failed" in self.full_because else log.info)(
+                    "ray_ckpt: replay journal: this save writes the whole buffer (%s)", self.full_because)
             self.spaces, self.agents, self._agent_code = Spaces(), [], {}
             new = self._full(buf, st, evicted)
             keep = np.zeros(len(self.records), bool)
@@ -294,7 +296,7 @@ class Journal:
                 at = (arr[:, -1] + len(sums) // 2).tolist()
                 entry["sum"] = pack_scalars([sums[t] for t in at], "the sum tree's leaves")
                 m = pack_scalars([mins[t] for t in at], "the min tree's leaves")
-                if not _same(m, entry["sum"]):
+                if not same_packed(m, entry["sum"]):
                     entry["min"] = m
             lists.append(entry)
         return self._record(STATE, {"seq": self.seq, "lists": lists}, last_episode=last)
@@ -336,6 +338,10 @@ class Journal:
         except Exception as exc:  # e.g. RLlib's own get_state fails on int agent ids
             meta["metrics"] = None
             meta["not_saved"]["metrics"] = f"{type(exc).__name__}: {exc}"
+            if not self.metrics_warned:
+                self.metrics_warned = True
+                log.warning("ray_ckpt: replay journal: the buffer's metrics are not saved (%s); a restore keeps "
+                            "the restoring buffer's own", meta["not_saved"]["metrics"])
         return base64.b64encode(zlib.compress(state_bytes(meta), 6)).decode("ascii")
 
 
@@ -350,11 +356,6 @@ def _per_meta(scalars: Dict[str, Any]) -> Dict[str, Any]:
     if "_last_sampled_indices" in out:
         out["_last_sampled_indices"] = list(out["_last_sampled_indices"])
     return out
-
-
-def _same(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
-    return (list(a["kinds"]) == list(b["kinds"]) and np.array_equal(a["v"], b["v"], equal_nan=True)
-            and ("k" in a) == ("k" in b) and ("k" not in a or np.array_equal(a["k"], b["k"])))
 
 
 # ---------------------------------------------------------------------- buffer -> journal

@@ -84,6 +84,13 @@ def unpack_scalars(p: Dict[str, Any]) -> List[Any]:
     return [lists[c][i] for i, c in enumerate(np.asarray(p["k"]).tolist())]
 
 
+def same_packed(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+    """Whether two :func:`pack_scalars` results hold the same values of the same types (a min
+    tree's leaves usually equal the sum tree's: RLlib sets both from one value)."""
+    return (list(a["kinds"]) == list(b["kinds"]) and np.array_equal(a["v"], b["v"], equal_nan=True)
+            and ("k" in a) == ("k" in b) and ("k" not in a or np.array_equal(a["k"], b["k"])))
+
+
 def pack_one(x: Any, what: str) -> Dict[str, Any]:
     return pack_scalars([x], what)
 

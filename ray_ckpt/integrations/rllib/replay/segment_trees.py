@@ -13,6 +13,7 @@ import numpy as np
 from ....errors import UnsupportedTypeError
 from ..journal.trees import (free_nodes_from as _free_nodes_from, free_nodes_state as _free_nodes_state,  # noqa: F401
                              rebuild_tree as _rebuild_tree)
+from ..journal.values import same_packed
 from .values import pack_scalars
 
 
@@ -39,9 +40,7 @@ def _check_neutral(tree: Any, used: np.ndarray, what: str) -> None:
 def _same_leaves(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
     """``b`` (a min tree's row leaves), or a marker where it equals ``a`` (the sum tree's): RLlib sets
     both trees' leaf of a row to the same value, so this halves the per-row meta."""
-    same = (list(a["kinds"]) == list(b["kinds"]) and np.array_equal(a["v"], b["v"], equal_nan=True)
-            and ("k" in a) == ("k" in b) and ("k" not in a or np.array_equal(a["k"], b["k"])))
-    return {"same_as_sum": True} if same else b
+    return {"same_as_sum": True} if same_packed(a, b) else b
 
 
 def _leaves_of(packed: Dict[str, Any], sum_packed: Dict[str, Any]) -> Dict[str, Any]:
