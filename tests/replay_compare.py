@@ -62,7 +62,9 @@ def fingerprint(buffer: Any) -> str:
     attrs = attributes(buffer)
     if "_sample_idx_to_tree_idx" in attrs:
         live = len(buffer._indices)
-        attrs["_sample_idx_to_tree_idx"] = {k: v for k, v in attrs["_sample_idx_to_tree_idx"].items() if k < live}
+        # the live keys, in key order (RLlib reads them by key; the restore sets them in order)
+        attrs["_sample_idx_to_tree_idx"] = {k: v for k, v in sorted(attrs["_sample_idx_to_tree_idx"].items())
+                                            if k < live}
     for name in sorted(attrs):
         _walk(attrs[name], name, h)
     return h.hexdigest()

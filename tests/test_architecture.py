@@ -50,64 +50,6 @@ Edge = Tuple[str, str, int]  # importer, imported module, line
 # the modules whose private names may be imported elsewhere: they name the private Ray / RLlib APIs
 INTERNALS = ("ray_ckpt.ray_internals", "ray_ckpt.integrations.rllib.base._rllib_internals")
 
-# private names imported across modules today inside integrations/rllib/replay/ (issue 47's part 1
-# rewrites that package): (importer, module imported from) -> the names, under replay/. The test
-# fails on any import not listed here, and on a listed one no longer made (delete it then): the list
-# only shrinks.
-REPLAY = "ray_ckpt.integrations.rllib.replay."
-KNOWN_PRIVATE_IMPORTS: Dict[Tuple[str, str], str] = {
-    ("buffers", "values"): "_scalar_state _type_name",
-    ("compare", "buffers"): "_attributes",
-    ("episode_parts", "values"): "_Spaces",
-    ("episode_rebuild", "buffers"): "_Kind",
-    ("episode_rebuild", "episode_parts"): "_EP_NUMBERS",
-    ("episode_rebuild", "values"): "_Spaces",
-    ("incremental_capture", "buffers"): "_Kind _attributes",
-    ("incremental_capture", "episode_parts"): "_EpisodeParts _int32 _split_episode _table",
-    ("incremental_capture", "incremental_priorities"): "_hook _priorities _priority_record _priority_scalars",
-    ("incremental_capture", "incremental_state"): "_empty_log _encode _raw",
-    ("incremental_capture", "records"): "_decode_raw",
-    ("incremental_capture", "row_ids"): "_update_ids",
-    ("incremental_capture", "values"): "_type_name",
-    ("incremental_ma_restore", "episode_parts"): "_EpisodeParts _parts_from_table _table",
-    ("incremental_ma_restore", "incremental_restore"): "_record",
-    ("incremental_ma_restore", "row_ids"): "_IndexList",
-    ("incremental_multi_agent", "buffers"): "_Kind _attributes",
-    ("incremental_multi_agent", "episode_parts"): "_EpisodeParts _int32 _split_episode _table",
-    ("incremental_multi_agent", "incremental_capture"): "_Misaligned _append_dict _gather _log_state _static_of",
-    ("incremental_multi_agent", "incremental_priorities"): "_hook _priorities _priority_record",
-    ("incremental_multi_agent", "incremental_state"): "_leaf_codes _raw",
-    ("incremental_multi_agent", "multi_agent"): "_ma_episode_state _ma_rows",
-    ("incremental_multi_agent", "segment_trees"): "_check_maps _check_neutral",
-    ("incremental_multi_agent", "values"): "_type_name",
-    ("incremental_priorities", "incremental_state"): "_leaf_codes _raw",
-    ("incremental_priorities", "segment_trees"): "_check_maps _check_neutral",
-    ("incremental_restore", "episode_parts"): "_EpisodeParts _parts_from_table _table",
-    ("incremental_restore", "incremental_priorities"): "_hook",
-    ("incremental_restore", "incremental_state"): "_raw",
-    ("incremental_restore", "records"): "_decode _decode_raw",
-    ("incremental_restore", "values"): "_Spaces",
-    ("incremental_state", "records"): "_encode _raw",
-    ("incremental_state", "values"): "_kind_of _type_name",
-    ("multi_agent", "buffers"): "_Kind _MA_MODULE_COUNTERS _attributes _like",
-    ("multi_agent", "episode_parts"): "_EpisodeParts _columns _episode_table _int32 _split_episode",
-    ("multi_agent", "priorities"): "_priority_state",
-    ("multi_agent", "row_ids"): "_update_ids",
-    ("multi_agent", "values"): "_Spaces _scalar_state _space_tree_from_storable _space_tree_to_storable _type_name",
-    ("priorities", "buffers"): "_Kind _like",
-    ("priorities", "segment_trees"): "_check_maps _check_neutral _free_nodes_from _free_nodes_state _leaves_of _rebuild_tree _same_leaves _tree_leaves",
-    ("priorities", "values"): "_pack_one _unpack_one",
-    ("row_ids", "episode_parts"): "_EpisodeParts",
-    ("row_ids", "values"): "_Spaces _type_name",
-    ("two_state", "buffers"): "_Kind _like",
-    ("two_state", "episode_rebuild"): "_rebuild_records",
-    ("two_state", "multi_agent"): "_rebuild_ma_episode",
-    ("two_state", "priorities"): "_restore_priority",
-    ("two_state", "row_ids"): "_IndexList _TRACKERS",
-    ("two_state", "values"): "_Spaces _type_name",
-}
-
-
 def _modules() -> Dict[str, pathlib.Path]:
     mods = {}
     for path in PACKAGE.rglob("*.py"):
@@ -287,24 +229,11 @@ def test_no_circle_between_a_package_and_its_subpackages():
 
 
 def test_no_private_name_imported_across_modules():
-    """``from .x import _y`` only from the internals modules; inside ``replay/`` only what
-    ``KNOWN_PRIVATE_IMPORTS`` lists, and the list only shrinks."""
-    found: Dict[Tuple[str, str], Set[str]] = {}
-    unlisted = []
-    for importer, module, name, line in _private_imports(MODULES):
-        if module in INTERNALS:
-            continue
-        key = (importer[len(REPLAY):], module[len(REPLAY):])
-        if importer.startswith(REPLAY) and module.startswith(REPLAY) \
-                and name in KNOWN_PRIVATE_IMPORTS.get(key, "").split():
-            found.setdefault(key, set()).add(name)
-        else:
-            unlisted.append(f"  {importer} (line {line}) imports {name} from {module}")
+    """``from .x import _y`` only from the internals modules."""
+    unlisted = [f"  {importer} (line {line}) imports {name} from {module}"
+                for importer, module, name, line in _private_imports(MODULES) if module not in INTERNALS]
     assert not unlisted, ("private names imported from another module (make them public where they are "
                           "used across modules):\n" + "\n".join(sorted(unlisted)))
-    stale = sorted(f"  {k}: {n}" for k, names in KNOWN_PRIVATE_IMPORTS.items()
-                   for n in sorted(set(names.split()) - found.get(k, set())))
-    assert not stale, "no longer imported: delete them from KNOWN_PRIVATE_IMPORTS:\n" + "\n".join(stale)
 
 
 def test_the_walk_sees_the_imports():
@@ -317,8 +246,8 @@ def test_the_walk_sees_the_imports():
                  ("ray_ckpt.client.handle", "ray_ckpt.client.push_batch")]:  # under TYPE_CHECKING
         assert edge in found, edge
     private = {(a, b, n) for a, b, n, _ in _private_imports(MODULES)}
-    assert ("ray_ckpt.integrations.rllib.replay.two_state", "ray_ckpt.integrations.rllib.replay.values",
-            "_Spaces") in private  # from .values import _Spaces
+    assert ("ray_ckpt.integrations.rllib.replay.journal", "ray_ckpt.integrations.rllib.base._rllib_internals",
+            "_rllib_internals") in private  # from ..base import _rllib_internals as internals
 
 
 def test_the_package_rule_sees_a_circle():

@@ -1,8 +1,8 @@
-"""The replay capture's row caches (``integrations/rllib/journal/growth.py``): survivors of an
+"""The replay journal's row cache (``integrations/rllib/replay/growth.py``): survivors of an
 eviction as views, new rows appended into room kept after the cached ones. Plain numpy, no Ray."""
 import numpy as np
 
-from ray_ckpt.integrations.rllib.journal.growth import appended, count, evicted_rows, kept, positions, same_rows, survivors
+from ray_ckpt.integrations.rllib.replay.growth import appended, kept, survivors
 
 
 def test_survivors_are_a_slice_when_the_evicted_rows_are_a_prefix_and_the_mask_otherwise():
@@ -17,8 +17,6 @@ def test_survivors_are_a_slice_when_the_evicted_rows_are_a_prefix_and_the_mask_o
     for keep in (np.array([False, False, True, True]), interleaved):
         sel = survivors(keep)
         assert np.array_equal(arr[sel], arr[keep])
-        assert np.array_equal(arr[evicted_rows(sel)], arr[~keep]) and count(sel) == keep.sum()
-        assert np.array_equal(arr[positions(sel, np.array([0, 1]))], arr[keep][[0, 1]])
 
 
 def test_appended_writes_only_the_new_rows_after_the_newest_view_and_never_changes_an_earlier_one():
@@ -45,12 +43,6 @@ def test_appended_grows_a_new_array_when_the_room_runs_out_and_keeps_dtype_seman
     assert not np.shares_memory(x, y) and np.array_equal(x, np.ones(3))
     z = appended(np.arange(3, dtype=np.int32), np.array([1.5]))  # another dtype: numpy's concatenation
     assert z.dtype == np.float64 and np.array_equal(z, [0, 1, 2, 1.5])
-
-
-def test_same_rows_compares_values_and_knows_one_view_at_once():
-    a = np.arange(10)
-    assert same_rows(a[2:], a[2:]) and same_rows(a[2:5], np.array([2, 3, 4]))
-    assert not same_rows(a[2:5], np.array([2, 3, 5])) and not same_rows(a[2:5], a[2:6])
 
 
 def test_kept_is_the_survivors_then_the_new_rows_with_room_to_append_after_them():

@@ -1,11 +1,13 @@
 """``ray-ckpt migrate``: runs whose RLlib replay buffers were saved in the old two-state form
-(``replay`` + ``replay_meta``, formats /4 and /5) by a real engine, with evictions and priority
-updates between versions, on both tiers; migrated through the CLI entry point into the journal
-(``replay_journal``, format /6). Every version then restores, through the journal, into a buffer
-equal to the one the same version restored into before; ``verify`` passes on both tiers; the
-manifest chain holds and a new engine lists every version; a second migrate and ``--dry-run``
-change nothing; the old files are gone. Real RLlib buffers and episodes, a real Ray cluster (the
-engine that writes the fixture runs), real files."""
+(``replay`` + ``replay_meta``: formats /1, /4 and /5), written by a real engine with the code of the
+time (tests/fixtures/replay_formats: evictions and priority updates between versions, both tiers for
+two of them), migrated through the CLI entry point into the journal (``replay_journal``, format /6).
+Every version then restores, through the journal, into the buffer the fixture names by its
+fingerprint (the buffer that version restored into before the journal); ``verify`` passes on both
+tiers; the manifest chain holds and a new engine lists every version; a second migrate and
+``--dry-run`` change nothing; the old files are gone. Real RLlib buffers and episodes, real files."""
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,20 +15,22 @@ import pytest
 pytest.importorskip("gymnasium")
 pytest.importorskip("ray.rllib")
 
-from test_rllib_replay import BUFFERS, _fill, _ma_chunks, _ma_mapping, _make, _sa_chunks  # noqa: E402
-from test_rllib_replay_journal import _differences  # noqa: E402
+from replay_compare import fingerprint  # noqa: E402
+from test_rllib_replay import _ma_mapping, _make  # noqa: E402
 
-import ray_ckpt as rc  # noqa: E402
 from ray_ckpt.cli import main  # noqa: E402
+from ray_ckpt.cli.migrate import restored_buffer  # noqa: E402
 from ray_ckpt.formats.manifest import chain_problems  # noqa: E402
-from ray_ckpt.integrations.rllib.journal.restore import read_meta, restore_journal  # noqa: E402
-from ray_ckpt.integrations.rllib.replay import (incremental_capture, incremental_multi_agent,  # noqa: E402
-                                                row_ids, two_state)
-from ray_ckpt.integrations.rllib.replay.incremental_ma_restore import log_to_v1  # noqa: E402
+from ray_ckpt.integrations.rllib.replay.restore import read_meta, restore_journal  # noqa: E402
 from ray_ckpt.storage.checkpoint_io import decode_files, read_files, read_manifest  # noqa: E402
 from ray_ckpt.storage.tier import Tier  # noqa: E402
 
 OLD = ("replay", "replay_meta")
+FIXTURES = Path(__file__).parent / "fixtures" / "replay_formats"
+EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
+# fixture -> (buffer class in test_rllib_replay.BUFFERS, capacity)
+CASES = {"prioritized": ("prioritized", 150), "plain": ("plain", 150),
+         "multi_agent_prioritized": ("multi_agent_prioritized", 80), "format_1": ("multi_agent_prioritized", 80)}
 
 
 def cli(capsys, *args):
@@ -46,12 +50,19 @@ def _load(tier, v, name):
     return decode_files(files, bufs, name=name)
 
 
-def _old_restore(tier, v, name, cap):
-    """The version's buffer as restore_algorithm_replay restores formats /3-/5."""
-    replay, meta, _ = log_to_v1({"replay": _load(tier, v, "replay"), "replay_meta": _load(tier, v, "replay_meta")})
-    fresh = _make(name, capacity=cap, seed=99)
-    two_state.restore_replay(fresh, replay, meta, agent_to_module_mapping_fn=_ma_mapping)
-    return fresh
+def _fixture(case, tmp_path):
+    """The fixture run copied under ``tmp_path/local`` (and ``tmp_path/remote`` where it has one):
+    (run name, local dir, remote dir or None, {version: expected})."""
+    run = EXPECTED[case]["run"]
+    dirs = []
+    for tier in ("local", "remote"):
+        src = FIXTURES / case / tier / run
+        if src.exists():
+            shutil.copytree(src, tmp_path / tier / run)
+            dirs.append(tmp_path / tier / run)
+        else:
+            dirs.append(None)
+    return run, dirs[0], dirs[1], {int(v): e for v, e in EXPECTED[case]["versions"].items()}
 
 
 def _journal_restore(tier, v, name, cap):
@@ -60,57 +71,41 @@ def _journal_restore(tier, v, name, cap):
     return fresh
 
 
-def _old_run(engine_factory, name, chunks, cap, versions=4):
-    """A run saved by a real engine as the RLlib callback saved it before the journal: ``replay``
-    and ``replay_meta`` registered append-only, captured in format /4 (/5 multi-agent); evictions
-    and priority updates between the versions; every version uploaded to the remote tier."""
-    prioritized, multi_agent = "prioritized" in name, BUFFERS[name][2]
-    eng = engine_factory(keep_last=10, critical_writers=1, best_effort_writers=0)
-    buf = _make(name, capacity=cap)
-    pending = {}
-    for n in OLD:
-        eng.register(n, (lambda n=n: pending[n]), strategy=rc.Strategy.CRITICAL, append_only=True,
-                     loader=lambda s: None)
-    rid = row_ids.row_ids_of(buf)
-    step = -(-len(chunks) // versions)
-    for v, i in enumerate(range(0, len(chunks), step), 1):
-        _fill(buf, chunks, prioritized, multi_agent, i, i + step, seed=v)
-        pending.update(incremental_multi_agent.capture_ma_states(buf, rid) if multi_agent
-                       else incremental_capture.capture_states(buf, rid))
-        h = eng.save(v)
-        h.wait(timeout=60)
-        h.wait(timeout=60, durability="remote")
-    assert buf.get_num_episodes_evicted() > 0
-    return eng
-
-
-def _migrate_and_check(engine_factory, run_name, tmp_path, capsys, name, chunks, cap):
-    eng = _old_run(engine_factory, name, chunks, cap)
-    local, remote = tmp_path / "local" / run_name, tmp_path / "remote" / run_name
-    tiers = [Tier(str(local), "local"), Tier(str(remote), "remote")]
+def _migrate_and_check(engine_factory, tmp_path, capsys, case):
+    name, cap = CASES[case]
+    run, local, remote, expected = _fixture(case, tmp_path)
+    tiers = [Tier(str(local), "local")] + ([Tier(str(remote), "remote")] if remote else [])
     versions = sorted(tiers[0].version_dirs())
-    assert len(versions) == 4 and sorted(tiers[1].version_dirs()) == versions
-    fmt = "ray_ckpt.rllib.replay/5" if BUFFERS[name][2] else "ray_ckpt.rllib.replay/4"
+    assert versions == sorted(expected) and all(sorted(t.version_dirs()) == versions for t in tiers)
+    remote_args = ["--remote", f"file://{remote}"] if remote else []
+
+    # the frozen reader restores each version into the buffer the fixture names
+    for v in versions:
+        buf, fmt = restored_buffer(_load(tiers[0], v, "replay"), _load(tiers[0], v, "replay_meta"), v)
+        assert (fmt, fingerprint(buf)) == (expected[v]["format"], expected[v]["fingerprint"]), v
 
     # a live engine owns the run: refused
-    code, _, err = cli(capsys, "migrate", local, "--remote", f"file://{remote}")
+    eng = engine_factory(run=run, keep_last=10, critical_writers=1, best_effort_writers=0)
+    code, _, err = cli(capsys, "migrate", local, *remote_args)
     assert code == 1 and "migrate refused" in err and "--force" in err, err
     eng.shutdown()
-    before = [tree(local), tree(remote)]
-
-    pre = {v: _old_restore(tiers[0], v, name, cap) for v in versions}  # before migrating
+    before = [tree(t.root) for t in tiers]
 
     # --dry-run: says what would change, changes nothing
-    code, out, err = cli(capsys, "migrate", local, "--remote", f"file://{remote}", "--dry-run")
+    code, out, err = cli(capsys, "migrate", local, *remote_args, "--dry-run")
     assert code == 0, err
-    assert [tree(local), tree(remote)] == before
-    assert out.count(f"{fmt} -> ray_ckpt.rllib.replay/6") == 4 and "to write" in out, out
+    assert [tree(t.root) for t in tiers] == before
+    for v in versions:
+        assert f"version {v} (step {v}): {expected[v]['format']} -> ray_ckpt.rllib.replay/6" in out, out
+    assert "to write" in out, out
 
-    code, out, err = cli(capsys, "migrate", local, "--remote", f"file://{remote}")
+    code, out, err = cli(capsys, "migrate", local, *remote_args)
     assert code == 0, err
     lines = out.strip().splitlines()
-    assert len(lines) == 5 and all(f"version {v} (step {v}): {fmt}" in lines[v - 1] for v in versions), out
-    assert "4 versions rewritten as replay journals" in lines[-1] and "on 2 tiers" in lines[-1], out
+    assert len(lines) == len(versions) + 1, out
+    assert all(f"version {v} (step {v}): {expected[v]['format']}" in lines[i] for i, v in enumerate(versions)), out
+    assert f"{len(versions)} versions rewritten as replay journals" in lines[-1], out
+    assert ("on 2 tiers" in lines[-1]) == bool(remote), out
 
     next_ids = []
     for tier in tiers:
@@ -120,46 +115,49 @@ def _migrate_and_check(engine_factory, run_name, tmp_path, capsys, name, chunks,
         for v, m in manifests.items():
             assert "replay_journal" in m.states and not set(OLD) & set(m.states), (v, sorted(m.states))
             assert m.states["replay_journal"].strategy == "critical"
-            assert _differences(pre[v], _journal_restore(tier, v, name, cap)) == [], (tier.name, v)
+            assert fingerprint(_journal_restore(tier, v, name, cap)) == expected[v]["fingerprint"], (tier.name, v)
         leftovers = [p for p in tier.list_files("") if "/replay/" in p or "/replay_meta/" in p]
         assert leftovers == [] and not tier.exists("migrate_progress.json")
         next_ids.append([read_meta(_load(tier, v, "replay_journal"))["next_row_id"] for v in versions])
-        for v in versions[1:]:  # ids never name two rows: each version's start above the one before
-            ids = _load(tier, v, "replay_journal")["row_id"]
-            assert ids[0] >= next_ids[-1][v - 2]
-    assert next_ids[0] == next_ids[1]
-    assert [read_manifest(tiers[0], v).to_json() for v in versions] == \
-           [read_manifest(tiers[1], v).to_json() for v in versions]
+        for i, v in enumerate(versions[1:]):  # ids never name two rows: each version's start above the one before
+            assert _load(tier, v, "replay_journal")["row_id"][0] >= next_ids[-1][i]
+    if remote:
+        assert next_ids[0] == next_ids[1]
+        assert [read_manifest(tiers[0], v).to_json() for v in versions] == \
+               [read_manifest(tiers[1], v).to_json() for v in versions]
 
-    for root in (local, f"file://{remote}"):
+    for root in [local] + ([f"file://{remote}"] if remote else []):
         code, out, err = cli(capsys, "verify", root, "--all")
-        assert code == 0 and "OK: 4 versions" in out and "not named by the manifest" not in out, out + err
+        assert code == 0 and f"OK: {len(versions)} versions" in out and "not named by the manifest" not in out, \
+            out + err
 
     # again: a no-op that says so
-    after = [tree(local), tree(remote)]
-    code, out, err = cli(capsys, "migrate", local, "--remote", f"file://{remote}")
-    assert code == 0 and "nothing to migrate" in out and "4 versions already hold 'replay_journal'" in out, out
-    assert [tree(local), tree(remote)] == after
-    return pre, versions
+    after = [tree(t.root) for t in tiers]
+    code, out, err = cli(capsys, "migrate", local, *remote_args)
+    assert code == 0 and "nothing to migrate" in out, out
+    assert f"{len(versions)} versions already hold 'replay_journal'" in out, out
+    assert [tree(t.root) for t in tiers] == after
+    return run, versions, expected
 
 
-@pytest.mark.timeout(60)
-def test_migrate_a_prioritized_run_on_both_tiers(engine_factory, run_name, tmp_path, capsys):
-    name, cap = "prioritized", 150
-    pre, versions = _migrate_and_check(engine_factory, run_name, tmp_path, capsys, name,
-                                       _sa_chunks(0, steps=150), cap)
+@pytest.mark.timeout(90)
+def test_migrate_a_prioritized_run_on_both_tiers(engine_factory, tmp_path, capsys):
+    run, versions, expected = _migrate_and_check(engine_factory, tmp_path, capsys, "prioritized")
     # a new engine on the migrated run trusts and lists every version, and loads the journal
-    eng = engine_factory(keep_last=10, critical_writers=1, best_effort_writers=0)
+    eng = engine_factory(run=run, keep_last=10, critical_writers=1, best_effort_writers=0)
     metas = eng.list_checkpoints()
     assert [m.version for m in metas] == versions and all("replay_journal" in m.states for m in metas)
-    fresh = _make(name, capacity=cap, seed=5)
+    fresh = _make("prioritized", capacity=150, seed=5)
     restore_journal(fresh, eng.load("replay_journal", step=versions[-1]))
-    assert _differences(pre[versions[-1]], fresh) == []
+    assert fingerprint(fresh) == expected[versions[-1]]["fingerprint"]
 
 
-@pytest.mark.timeout(60)
-def test_migrate_a_multi_agent_prioritized_run(engine_factory, run_name, tmp_path, capsys):
-    _migrate_and_check(engine_factory, run_name, tmp_path, capsys, "multi_agent_prioritized", _ma_chunks(), 80)
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case", ["multi_agent_prioritized", "plain", "format_1"])
+def test_migrate_other_buffers_and_formats(engine_factory, tmp_path, capsys, case):
+    """Format /5 (multi-agent prioritized, both tiers), /4 of a plain buffer, /1 (the whole-meta
+    multi-agent form)."""
+    _migrate_and_check(engine_factory, tmp_path, capsys, case)
 
 
 @pytest.mark.timeout(60)
@@ -210,8 +208,7 @@ def test_migrate_refuses_format_2_and_unknown_buffer_types_by_name(meta, message
 
 
 @pytest.mark.timeout(60)
-def test_a_migration_stopped_between_two_manifests_is_finished_by_the_next(engine_factory, run_name, tmp_path,
-                                                                           capsys, monkeypatch):
+def test_a_migration_stopped_between_two_manifests_is_finished_by_the_next(tmp_path, capsys, monkeypatch):
     """The manifest swap stops after version 1's (a disk error, injected into the storage call the
     command makes): version 1 is a journal, 2-4 are not, and version 2's manifest still names
     version 1's old manifest: the one broken link (recovery would distrust version 1 meanwhile), which
@@ -219,12 +216,10 @@ def test_a_migration_stopped_between_two_manifests_is_finished_by_the_next(engin
     restores as before."""
     from ray_ckpt.cli import migrate
     from ray_ckpt.formats.manifest import chain_suspects
-    name, cap = "prioritized", 150
-    _old_run(engine_factory, name, _sa_chunks(0, steps=150), cap).shutdown()
-    local = tmp_path / "local" / run_name
+    name, cap = CASES["prioritized"]
+    _, local, _, expected = _fixture("prioritized", tmp_path)
     tier = Tier(str(local), "local")
     versions = sorted(tier.version_dirs())
-    pre = {v: _old_restore(tier, v, name, cap) for v in versions}
     calls = []
     real = migrate.write_manifest
 
@@ -247,7 +242,7 @@ def test_a_migration_stopped_between_two_manifests_is_finished_by_the_next(engin
     manifests = {v: read_manifest(tier, v) for v in versions}
     assert chain_problems(manifests) == [] and not tier.exists("migrate_progress.json")
     for v in versions:
-        assert _differences(pre[v], _journal_restore(tier, v, name, cap)) == [], v
+        assert fingerprint(_journal_restore(tier, v, name, cap)) == expected[v]["fingerprint"], v
     code, out, err = cli(capsys, "verify", local, "--all")
     assert code == 0 and "not named by the manifest" not in out, out + err
     assert [p for p in tier.list_files("") if "/replay/" in p or "/replay_meta/" in p] == []

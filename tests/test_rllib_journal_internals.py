@@ -1,4 +1,4 @@
-"""What the replay journal (integrations/rllib/journal/) relies on RLlib's buffers and episodes to do
+"""What the replay journal (integrations/rllib/replay/) relies on RLlib's buffers and episodes to do
 (_rllib_internals.STATE_KEYS and JOURNAL_INTERNALS; also run on the oldest Ray: Makefile OLDEST_TESTS):
 get_state()/set_state() keys, add()'s index entries, leaf arithmetic, free-node order, eviction, episodes
 rebuilt by from_state + concat_episode. Real RLlib objects (plain Python): no mocks, no Ray cluster."""

@@ -1,4 +1,4 @@
-"""The replay journal (integrations/rllib/journal/, format /6): single-agent buffers saved as the
+"""The replay journal (integrations/rllib/replay/, format /6): single-agent buffers saved as the
 records of what add() and update_priorities() received, written version after version through the
 engine's own append-only writer and reader, and restored through RLlib's own API into fresh buffers
 that equal the original attribute by attribute and sample the same. Real RLlib buffers and episodes;
@@ -9,11 +9,11 @@ import pytest
 pytest.importorskip("ray.rllib")
 
 from ray_ckpt.errors import RestoreError  # noqa: E402
-from ray_ckpt.integrations.rllib.journal import journal as jn  # noqa: E402
-from ray_ckpt.integrations.rllib.journal.restore import read_records, restore_journal  # noqa: E402
-from ray_ckpt.integrations.rllib.replay import compare  # noqa: E402
+from ray_ckpt.integrations.rllib.replay import journal as jn  # noqa: E402
+from ray_ckpt.integrations.rllib.replay.restore import read_records, restore_journal  # noqa: E402
 from ray_ckpt.storage.tier import Tier  # noqa: E402
 
+from replay_compare import buffer_state_equal, differences as _differences  # noqa: E402
 from test_rllib_replay import (BUFFERS, _assert_same, _chunks_for, _fill, _ma_mapping, _make, _sa_chunks,  # noqa: E402
                                _sampled, _store_version)
 
@@ -72,24 +72,6 @@ def test_versions_written_append_only_restore_exactly_and_a_restored_buffer_goes
     assert _differences(buf, restored) == []
 
 
-def _differences(a, b):
-    """Every attribute compared (compare.buffer_state_equal) but what the journal documents as not
-    restored: a multi-agent episode's _len_lookback_buffers (not in RLlib's get_state()) and the
-    stale keys of MultiAgentPrioritizedEpisodeReplayBuffer._sample_idx_to_tree_idx (keys at or past
-    the number of env steps, left by RLlib's evictions; RLlib only sets and pops the live ones)."""
-    out = []
-    for d in compare.buffer_state_equal(a, b):
-        if "_len_lookback_buffers" in d:
-            continue
-        if d.startswith("_sample_idx_to_tree_idx"):
-            sa, sb = a._sample_idx_to_tree_idx, b._sample_idx_to_tree_idx
-            n = len(a._indices)
-            if all(i in sa and i in sb and sa[i] == sb[i] for i in range(n)):
-                continue
-        out.append(d)
-    return out
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", list(BUFFERS))
 def test_a_buffer_filled_before_its_journal_or_changed_behind_add_is_captured_whole(name, caplog):
@@ -142,9 +124,7 @@ def test_dqn_buffer_journaled_by_the_callback_resumes_exactly_and_goes_on_writin
     next batch, and its next version keeps the restored rows (same ids) and adds new ones; set back
     to an older version, its rows get ids above every stored one."""
     from ray_ckpt.integrations import rllib as rr
-    from ray_ckpt.integrations.rllib.replay import algorithm as replay_algorithm
     from test_rllib_replay import _dqn_config, _episodes_state, _learner_state, _replay_sample
-    monkeypatch.setattr(replay_algorithm, "REPLAY_FORMAT", 6)
     engine = engine_factory(critical_writers=1)
     algo = _dqn_config(rr.make_callback(run_name, every=1, on_busy="wait")).build_algo()
     try:
@@ -185,7 +165,7 @@ def test_dqn_buffer_journaled_by_the_callback_resumes_exactly_and_goes_on_writin
         back = type(fresh.local_replay_buffer)(capacity=fresh.local_replay_buffer.capacity,
                                                alpha=fresh.local_replay_buffer._alpha)
         restore_journal(back, j6)
-        assert compare.buffer_state_equal(fresh.local_replay_buffer, back) == []
+        assert buffer_state_equal(fresh.local_replay_buffer, back) == []
     finally:
         fresh.stop()
 
@@ -196,7 +176,7 @@ def test_multi_agent_dqn_buffer_journaled_by_the_callback_resumes_exactly(engine
     callback (the default format): resumed into a fresh Algorithm, the buffer equals the original
     (per-module trees, counters, generator) and the next version keeps the restored rows."""
     from ray_ckpt.integrations import rllib as rr
-    from test_rllib_replay_multi_agent import _ma_dqn_config
+    from test_rllib_replay import _ma_dqn_config
     engine = engine_factory(critical_writers=1)
     algo = _ma_dqn_config(rr.make_callback(run_name, every=1, on_busy="wait")).build_algo()
     try:
@@ -217,51 +197,6 @@ def test_multi_agent_dqn_buffer_journaled_by_the_callback_resumes_exactly(engine
         j4 = engine.load(name=jn.STATE_NAME, version=4)
         common, i3, i4 = np.intersect1d(j3["row_id"], j4["row_id"], return_indices=True)
         assert len(common) > 0 and np.array_equal(j3["blob"][i3], j4["blob"][i4])
-    finally:
-        fresh.stop()
-
-
-@pytest.mark.timeout(300)
-def test_a_run_saved_in_format_5_goes_on_as_a_journal_and_both_kinds_of_version_restore(
-        engine_factory, run_name, monkeypatch):
-    """Versions written before the journal (``replay`` + ``replay_meta``) restore as before; a run
-    resumed from one saves its next versions as a journal (the first one whole), which restore too."""
-    from ray_ckpt.integrations import rllib as rr
-    from ray_ckpt.integrations.rllib.replay import algorithm as replay_algorithm
-    from test_rllib_replay import _dqn_config
-    engine = engine_factory(critical_writers=1)
-    monkeypatch.setattr(replay_algorithm, "REPLAY_FORMAT", 5)
-    algo = _dqn_config(rr.make_callback(run_name, every=1, on_busy="wait")).build_algo()
-    try:
-        for _ in range(2):
-            algo.train()
-        rr.wait_for_saves(algo, timeout=120)
-    finally:
-        algo.stop()
-    monkeypatch.setattr(replay_algorithm, "REPLAY_FORMAT", 6)
-    fresh = _dqn_config(rr.make_callback(run_name, every=1, on_busy="wait", resume=True)).build_algo()
-    try:
-        assert rr.find_callback(fresh).resumed.states["replay_meta"] == "restored"
-        for _ in range(2):
-            fresh.train()
-        rr.wait_for_saves(fresh, timeout=120)
-        states = {m.version: set(m.states) for m in engine.list_checkpoints()}
-        assert {"replay", "replay_meta"} <= states[2] and jn.STATE_NAME not in states[2]
-        assert jn.STATE_NAME in states[4] and "replay" not in states[4]
-        j3 = engine.load(name=jn.STATE_NAME, version=3)
-        assert jn.STATE in {r.kind for r, _ in read_records(j3["row_id"], j3["blob"])}  # the first one whole
-        want = fresh.local_replay_buffer
-        for v in (2, 4):
-            again = _dqn_config(rr.make_callback(run_name, every=1)).build_algo()
-            try:
-                rr.restore_algorithm(again, engine, version=v)
-                if v == 4:
-                    d = _differences(want, again.local_replay_buffer)
-                    assert d == []
-                else:
-                    assert again.local_replay_buffer.get_num_timesteps() > 0
-            finally:
-                again.stop()
     finally:
         fresh.stop()
 

@@ -242,10 +242,7 @@ def restored_buffer(replay: Any, replay_meta: Any, version: int = -1) -> Tuple[A
     """A fresh buffer of the stored type restored from the two old states exactly as
     ``restore_algorithm_replay`` restores them, and the stored format."""
     from ..integrations.rllib.base.conversion import from_storable
-    from ..integrations.rllib.replay.buffers import META_FORMAT
-    from ..integrations.rllib.replay.incremental_ma_restore import log_to_v1
-    from ..integrations.rllib.replay.incremental_state import LOG_FORMATS
-    from ..integrations.rllib.replay.two_state import restore_replay
+    from .legacy_replay import LOG_FORMATS, META_FORMAT, log_to_v1, restore_replay
     fmt = _meta_format(replay_meta)
     if fmt == META_FORMAT:
         rows, meta_v1 = replay, replay_meta
@@ -262,8 +259,8 @@ def restored_buffer(replay: Any, replay_meta: Any, version: int = -1) -> Tuple[A
 def _migrate_version(item: Item, floor: Optional[int], base: List[FileEntry], target: Tier) -> Dict[str, Any]:
     """Read, restore, capture and write ``item``'s journal on ``target``; returns the captured state."""
     from ..formats.tree import flatten
-    from ..integrations.rllib.journal.journal import journal_of
-    from ..integrations.rllib.journal.restore import read_meta
+    from ..integrations.rllib.replay.journal import journal_of
+    from ..integrations.rllib.replay.restore import read_meta
     meta = _read_state(item, REPLAY_META)
     replay = _read_state(item, REPLAY)
     try:
@@ -407,7 +404,7 @@ def _write_journals(items: List[Item], runs: List[Run], scratch: Optional[Tier])
     for it in items:
         if it.kind == "journal":
             prev = it
-            from ..integrations.rllib.journal.restore import read_meta
+            from ..integrations.rllib.replay.restore import read_meta
             it.next_row_id = int(read_meta(_read_state(it, REPLAY_JOURNAL))["next_row_id"])
             it.journal_files = rank_files(it.old.states[REPLAY_JOURNAL], REPLAY_JOURNAL, 0)
             continue

@@ -44,16 +44,16 @@ format                                                   ``np.save``) of ``Runni
 
 :func:`missing_internals` checks each against the installed RLlib / gymnasium (a test runs it), and
 names the one that moved. Only the accessors below read them; no other module of the package does --
-except two. The replay journal (:mod:`..journal`, how buffers are saved) goes through RLlib's own
+except two. The replay journal (:mod:`..replay`, how buffers are saved) goes through RLlib's own
 ``get_state()`` / ``set_state()`` and episode ``from_state`` / ``concat_episode``, and reads or
 writes the 10 prioritized-buffer attributes of ``JOURNAL_INTERNALS`` through the accessors at the
 end of this module (``get_state()`` copies the O(capacity) free-node deques; ``set_state()`` drops
 their maxlen and gives module min trees a sum-tree factory); the ``get_state()`` keys it relies on
 are ``STATE_KEYS`` (tests/test_rllib_journal_internals.py holds the behaviour it relies on, on the
-oldest and newest supported Ray). The format it replaces (:mod:`.replay`, read for versions written
-before it) reads and writes the buffers' attributes directly: those are ``REPLAY_INTERNALS``; it
-refuses, by name, any attribute of a buffer that it does not know. Both lists are checked by
-:func:`missing_internals`.
+oldest and newest supported Ray); both lists are checked by :func:`missing_internals`. The second:
+the reader of the formats it replaced (``ray_ckpt/cli/legacy_replay.py``, used by ``ray-ckpt
+migrate`` only) reads and writes the buffers' attributes directly, as the package that wrote those
+formats did; it is frozen, and goes with ``migrate``.
 
 Where RLlib's behaviour differs between the Ray releases the package supports, the fix is here too,
 chosen by what the installed RLlib does (never by its version string): :func:`load_learner_state`.
@@ -109,31 +109,7 @@ INTERNALS = (
     for key in (RUNNING_STAT_MARKER,) + RUNNING_STAT_ARRAYS)
 
 _RB = "ray.rllib.utils.replay_buffers."
-_REPLAY_ATTRS = {
-    _RB + "episode_replay_buffer:EpisodeReplayBuffer": (
-        "episodes", "episode_id_to_index", "_num_episodes_evicted", "_indices", "_num_timesteps",
-        "_num_timesteps_added", "sampled_timesteps", "rng", "metrics", "capacity"),
-    _RB + "prioritized_episode_buffer:PrioritizedEpisodeReplayBuffer": (
-        "_alpha", "_max_priority", "_sum_segment", "_min_segment", "_free_nodes", "_max_idx",
-        "_tree_idx_to_sample_idx", "_last_sampled_indices"),
-    _RB + "multi_agent_episode_buffer:MultiAgentEpisodeReplayBuffer": (
-        "_module_to_indices", "_num_agent_timesteps", "_num_agent_timesteps_added", "_num_module_timesteps",
-        "_num_module_timesteps_added", "_num_module_episodes", "_num_module_episodes_evicted",
-        "sampled_timesteps_per_module"),
-    _RB + "multi_agent_prioritized_episode_buffer:MultiAgentPrioritizedEpisodeReplayBuffer": (
-        "_sample_idx_to_tree_idx", "_module_to_max_priority", "_module_to_sum_segment", "_module_to_min_segment",
-        "_module_to_free_nodes", "_module_to_max_idx", "_module_to_tree_idx_to_sample_idx",
-        "_module_to_last_sampled_indices"),
-    "ray.rllib.execution.segment_tree:SegmentTree": ("value", "capacity", "operation", "neutral_element"),
-    "ray.rllib.env.single_agent_episode:SingleAgentEpisode": (
-        "_observation_space", "_action_space", "_start_time", "_last_step_time", "_custom_data"),
-    "ray.rllib.env.multi_agent_episode:MultiAgentEpisode": (
-        "_agent_to_module_mapping", "_hanging_actions_end", "_hanging_extra_model_outputs_end",
-        "_hanging_rewards_end", "_hanging_rewards_begin", "_len_lookback_buffers", "_start_time",
-        "_last_step_time", "_custom_data"),
-    "ray.rllib.env.utils.infinite_lookback_buffer:InfiniteLookbackBuffer": ("data", "lookback", "finalized"),
-}
-# what the replay journal (:mod:`..journal`) reads and writes of the prioritized buffers outside RLlib's
+# what the replay journal (:mod:`..replay`) reads and writes of the prioritized buffers outside RLlib's
 # get_state()/set_state() (which copy the O(capacity) free-node deques), each behind an accessor below
 _PER = _RB + "prioritized_episode_buffer:PrioritizedEpisodeReplayBuffer"
 _MAPER = _RB + "multi_agent_prioritized_episode_buffer:MultiAgentPrioritizedEpisodeReplayBuffer"
@@ -170,9 +146,6 @@ STATE_KEYS = (
      ("_agent_to_module_mapping", "_hanging_actions_end", "_hanging_extra_model_outputs_end", "_hanging_rewards_end",
       "_hanging_rewards_begin", "_start_time", "_last_step_time")),
 )
-REPLAY_INTERNALS = tuple(Internal(owner, attr, "instance", "saving / restoring replay buffers (the replay package)")
-                         for owner, attrs in _REPLAY_ATTRS.items() for attr in attrs)
-
 
 def _present(obj: Any, item: Internal) -> bool:
     if item.kind == "instance":
@@ -186,7 +159,7 @@ def _present(obj: Any, item: Internal) -> bool:
 
 def missing_internals() -> List[str]:
     """One line per internal that the installed RLlib / gymnasium no longer has (empty: all there)."""
-    return missing_among(INTERNALS + REPLAY_INTERNALS + JOURNAL_INTERNALS, _present,
+    return missing_among(INTERNALS + JOURNAL_INTERNALS, _present,
                          "ray_ckpt's RLlib integration uses it for {why}")
 
 

@@ -83,6 +83,31 @@ def supported(buf: Any) -> bool:
     return family_of(buf) is not None
 
 
+_KNOWN_ATTRIBUTES: Dict[Family, frozenset] = {}
+
+
+def check_attributes(buf: Any, fam: Family) -> None:
+    """Refuse, naming it, an attribute that RLlib's own class of this family does not set (a
+    subclass's own state, or one added to the instance): the journal keeps what RLlib's classes hold,
+    and would otherwise lose it without a word."""
+    known = _KNOWN_ATTRIBUTES.get(fam)
+    if known is None:
+        from ray.rllib.utils.replay_buffers import (EpisodeReplayBuffer, MultiAgentEpisodeReplayBuffer,
+                                                    MultiAgentPrioritizedEpisodeReplayBuffer,
+                                                    PrioritizedEpisodeReplayBuffer)
+        cls = {(False, False): EpisodeReplayBuffer, (False, True): PrioritizedEpisodeReplayBuffer,
+               (True, False): MultiAgentEpisodeReplayBuffer,
+               (True, True): MultiAgentPrioritizedEpisodeReplayBuffer}[(fam.multi_agent, fam.prioritized)]
+        known = _KNOWN_ATTRIBUTES[fam] = frozenset(vars(cls(capacity=2))) | {"add", "update_priorities"}
+    extra = sorted(set(vars(buf)) - known)
+    if extra:
+        raise UnsupportedTypeError(f"replay buffer of type {type_name(buf)}: attribute {extra[0]!r} is not one RLlib's "
+                                   f"own buffer class sets, and the replay journal would not keep it (it keeps "
+                                   f"what RLlib's EpisodeReplayBuffer classes hold); save it in a state of its own "
+                                   f"(engine.register) and delete it from the buffer, or save with "
+                                   f"replay_strategy='off'")
+
+
 def base_state(buf: Any, fam: Family) -> Dict[str, Any]:
     """RLlib's ``get_state()`` of ``buf`` without its episodes, ``episode_id_to_index`` and trees: the
     counters and the index lists (RLlib's own lists, not copies) -- O(modules), not O(timesteps) or
@@ -221,6 +246,7 @@ class Journal:
         the ones kept), ``format`` and ``meta``. ``floor``: the run's newest version was written by
         another buffer (a restore from another run or an older version): every row gets a new id
         from ``floor`` and this save writes the whole buffer once (a full capture)."""
+        check_attributes(buf, self.fam)
         st = base_state(buf, self.fam)
         if not hooked(buf, self):  # replaced behind the journal (e.g. by format /5's restore): put back
             install(buf, self)
@@ -372,6 +398,7 @@ def journal_of(buf: Any) -> Journal:
                                        f"EpisodeReplayBuffer, PrioritizedEpisodeReplayBuffer, "
                                        f"MultiAgentEpisodeReplayBuffer and MultiAgentPrioritizedEpisodeReplayBuffer "
                                        f"(and subclasses)")
+        check_attributes(buf, family_of(buf))
         j = Journal(buf)
         st = base_state(buf, j.fam)
         if st["_num_timesteps_added"] == 0 and not st["_indices"]:  # it sees the buffer fill from empty

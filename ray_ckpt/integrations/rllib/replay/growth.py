@@ -1,5 +1,5 @@
-"""The per-row caches of an incremental capture (row ids, index-list keys, columns, tree leaves)
-kept in step with a buffer without copying every row each save.
+"""The journal's cache of its live rows (their ids and 256-byte blobs) kept in step with the
+buffer's evictions without copying every row each save.
 
 Why: a buffer at capacity evicts its oldest episodes and gains as many rows every iteration. Kept
 as masked copies and concatenations, each save copied every cached row several times: at a
@@ -58,30 +58,6 @@ def survivors(keep: np.ndarray) -> Union[slice, np.ndarray]:
     return slice(first, n) if keep[first:].all() else keep
 
 
-def evicted_rows(sel: Union[slice, np.ndarray]) -> Union[slice, np.ndarray]:
-    """The complement of :func:`survivors`' answer ``sel``."""
-    return slice(0, sel.start) if isinstance(sel, slice) else ~sel
-
-
-def count(sel: Union[slice, np.ndarray]) -> int:
-    """How many rows :func:`survivors`' answer ``sel`` keeps."""
-    return sel.stop - sel.start if isinstance(sel, slice) else int(np.count_nonzero(sel))
-
-
-def positions(sel: Union[slice, np.ndarray], idx: np.ndarray) -> np.ndarray:
-    """Where the survivors ``idx`` (positions among them) were among the cached rows."""
-    return sel.start + idx if isinstance(sel, slice) else np.flatnonzero(sel)[idx]
-
-
-def same_rows(a: np.ndarray, b: np.ndarray) -> bool:
-    """``np.array_equal(a, b)``, at once where both are the same view (the row ids a capture keeps
-    and those it derives from its index lists are usually one array)."""
-    ia, ib = a.__array_interface__, b.__array_interface__
-    if a.shape == b.shape and a.dtype == b.dtype and ia["data"] == ib["data"] and ia["strides"] == ib["strides"]:
-        return True
-    return bool(np.array_equal(a, b))
-
-
 def appended(old: np.ndarray, new: np.ndarray) -> np.ndarray:
     """``np.concatenate([old, new])``, copying only ``new`` where ``old`` ends where the rows in use
     of a backing array made here end and there is room after it; else a new backing array with room."""
@@ -115,7 +91,7 @@ def kept(old: np.ndarray, sel: Union[slice, np.ndarray], new: np.ndarray) -> np.
     new = np.asarray(new)
     if new.dtype != old.dtype or new.shape[1:] != old.shape[1:]:
         return np.concatenate([old[sel], new])
-    s = count(sel)
+    s = int(np.count_nonzero(sel))
     n = s + len(new)
     fresh = _fresh(n, old)
     np.compress(sel, old, axis=0, out=fresh[:s])
