@@ -226,3 +226,44 @@ def test_between_rare_saves_the_journal_keeps_no_more_than_the_buffer_holds(name
     state = j.capture(buf)
     assert jn.STATE in {r.kind for r in j.records} and jn.PRIO not in {r.kind for r in j.records}
     assert _differences(buf, _restored(name, state, cap)) == []
+
+
+def test_free_nodes_of_a_large_buffer_come_back_exactly():
+    """A 1M-row buffer's free-node deque (~2M nodes) is stored as its freed nodes plus a range and
+    comes back as it was, save after save as RLlib pops and frees nodes at the left; one whose end
+    is not the range any more is stored whole."""
+    import collections
+    from ray_ckpt.integrations.rllib.replay.trees import free_nodes_from, free_nodes_state
+    n = 2 * 2**20
+    dq = collections.deque(range(n), maxlen=n)
+    for step in range(5):
+        for _ in range(500):
+            dq.popleft()
+        if step % 2:
+            dq.appendleft(7 + step)
+        st = free_nodes_state(dq)
+        assert "all" not in st and st["stop"] == n
+        assert free_nodes_from(st) == dq
+    dq[-1] = 3
+    st = free_nodes_state(dq)
+    assert "all" in st and free_nodes_from(st) == dq
+
+
+def test_record_bytes_are_those_of_ray_ckpts_flatten():
+    """A record's bytes (its structure JSON, array forms and bytes) are those built through
+    ray_ckpt's flatten, which the fast walk stands in for; a leaf the walk does not know still goes
+    through flatten, which names what it cannot store."""
+    import collections
+    from ray_ckpt.errors import UnsupportedTypeError
+    from ray_ckpt.integrations.rllib.replay.records import bytes_state, state_bytes, state_bytes_generic
+    state = {"a": [1.5, float("nan"), float("-inf"), -0.0, True, None, "x\u00e9\"", b"\x00\x01", 2**70],
+             None: (1, 2), True: {3: np.float32(2.5), -4: np.bool_(True)}, False: np.int64(7),
+             "od": collections.OrderedDict([("z", 1)]), "be": np.arange(12, dtype=">i4").reshape(3, 4),
+             "strided": np.arange(20, dtype=np.int64).reshape(4, 5)[:, ::2], "empty": np.empty((0, 3), np.float32),
+             "scalar": np.array(3.5), "b": np.array([True, False]), "f16": np.ones(5, np.float16),
+             "u": np.array(["ab", "c"]), "big": np.array([-5, 3, 1 << 40]), "steps": np.arange(0, 3000, 3),
+             "episodes": _sa_chunks(0, steps=20)[0].get_state()["observations"]}
+    assert state_bytes(state) == state_bytes_generic(state)
+    _assert_same(bytes_state(state_bytes(state), "record"), bytes_state(state_bytes_generic(state), "r"), "record")
+    with pytest.raises(UnsupportedTypeError, match=r"\['s'\]"):
+        state_bytes({"s": {1, 2}})

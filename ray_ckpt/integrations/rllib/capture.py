@@ -18,9 +18,9 @@ metrics        BEST_EFFORT  the algorithm's and the learner's MetricsLogger stat
                             smoothing windows)
 replay_journal CRITICAL     off-policy algorithms' ``local_replay_buffer``, as a journal of what its
                             add() and update_priorities() received (registered append-only:
-                            :mod:`.journal`); the callback's ``replay_strategy`` ("auto": CRITICAL
+                            :mod:`.replay`); the callback's ``replay_strategy`` ("auto": CRITICAL
                             when there is a buffer). Versions written before the journal hold
-                            ``replay`` + ``replay_meta`` (:mod:`.replay`) instead
+                            ``replay`` + ``replay_meta`` instead: ``ray-ckpt migrate`` rewrites them
 env_runner_<i> BEST_EFFORT  remote env runner i: its process RNG states and its environments'
                             ``np_random`` states (captured inside the runner: :mod:`.env_runners`)
 ============== ============ ==========================================================================
@@ -118,6 +118,6 @@ def capture_algorithm_state(algorithm: Any, *, rng: bool = True, metrics: bool =
             if errors is None:
                 raise
             errors[METRICS] = f"{type(exc).__name__}: {exc}"
-    if replay is not None:  # a Strategy: the replay buffer's ``replay`` + ``replay_meta`` (the replay package)
+    if replay is not None:  # a Strategy: the replay buffer's journal (:mod:`.replay`)
         capture_algorithm_replay(algorithm, out, replay, engine, errors)
     return out

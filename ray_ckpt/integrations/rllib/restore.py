@@ -26,8 +26,8 @@ from .capture import algorithm_connectors
 from .base.conversion import from_storable
 from .env_runners import RunnerSync, push_to_env_runners, saved_runner_states
 from .learners import is_remote, restore_remote_learners
-from .base.names import (CONNECTORS, COUNTERS, CRITICAL_STATES, ENV_RUNNER_PREFIX, METRICS, OPTIMIZER, POLICY, REPLAY,
-                    REPLAY_JOURNAL, REPLAY_META, RNG, TRAINING_ITERATION)
+from .base.names import (CONNECTORS, COUNTERS, CRITICAL_STATES, ENV_RUNNER_PREFIX, METRICS, OPTIMIZER, POLICY,
+                    REPLAY_JOURNAL, RNG, TRAINING_ITERATION)
 from .replay.algorithm import restore_algorithm_replay
 
 
@@ -83,7 +83,7 @@ def _load_states(engine: CheckpointEngine, meta: Any, restore_env_runners: bool,
     v = meta.version
     states: Dict[str, str] = {}
     loaded: Dict[str, Any] = {}
-    known = set(CRITICAL_STATES) | {METRICS, REPLAY, REPLAY_META, REPLAY_JOURNAL}
+    known = set(CRITICAL_STATES) | {METRICS, REPLAY_JOURNAL}  # not replay + replay_meta: refused, not read
     for name in meta.states:
         if name.startswith(ENV_RUNNER_PREFIX):
             if not restore_env_runners:
@@ -205,9 +205,10 @@ def restore_algorithm(algorithm: Any, run: Union[str, CheckpointEngine], version
     learner, connector states, its own saved RNG states), bounded by ``timeout_s``, whose answers
     are checked: a runner that does not answer in time or holds other weights / connector states
     raises RestoreError (the algorithm is then restored but its runners are not to be trusted).
-    The replay buffer (``replay_journal``, or ``replay`` + ``replay_meta`` in versions written before
-    the journal; off-policy algorithms) is restored first, into ``algorithm.local_replay_buffer``
-    (``restore_replay=False``: left as it is): see :mod:`.journal`."""
+    The replay buffer (``replay_journal``; off-policy algorithms) is restored first, into
+    ``algorithm.local_replay_buffer`` (``restore_replay=False``: left as it is): see :mod:`.replay`;
+    a version written before the journal (``replay`` + ``replay_meta``) is refused, naming ``ray-ckpt
+    migrate``, which rewrites it."""
     t0 = time.perf_counter()
     engine = _resolve_engine(run, local_dir, remote_uri, engine_options)
     meta = _pick_version(engine, version)

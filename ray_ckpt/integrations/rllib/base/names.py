@@ -12,9 +12,9 @@ COUNTERS = "counters"
 RNG = "rng"
 METRICS = "metrics"
 ENV_RUNNER_PREFIX = "env_runner_"
-REPLAY = "replay"            # the replay buffer's rows (the replay package); CRITICAL for off-policy by default
-REPLAY_META = "replay_meta"  # everything else of it (priorities, counters, rng, episode metadata)
-REPLAY_JOURNAL = "replay_journal"  # the buffer as a journal of what it received (the journal package, format /6)
+REPLAY = "replay"            # before the journal: the buffer's rows (read by ray-ckpt migrate only)
+REPLAY_META = "replay_meta"  # before the journal: everything else of it (read by ray-ckpt migrate only)
+REPLAY_JOURNAL = "replay_journal"  # the buffer as a journal of what it received (:mod:`..replay`); CRITICAL by default
 
 CRITICAL_STATES = (POLICY, OPTIMIZER, CONNECTORS, COUNTERS, RNG)
 
