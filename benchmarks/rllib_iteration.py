@@ -16,8 +16,9 @@ overlapping training is ``rllib_rate.py``'s (arms in processes of their own, tak
   ray_ckpt     ray_ckpt's callback saves every iteration (make_callback(..., every=1)); train()
                includes the callback's capture and save() call, not the writers' work (they run
                beside it, on the same 2 cores)
-  ray_ckpt_full  DQN only (both): the same with the replay buffer written whole every version
-               (append_only off) -- what incremental segments save
+  ray_ckpt_full  DQN only (both): the same with the replay journal told to write the whole buffer
+               at every save (its ``full_because`` set before each capture: what the first save
+               after a restore from elsewhere writes) -- what the journal's incremental saves save
   rllib_save   RLlib's own ``algo.save_to_path()`` after every train() (synchronous)
   paired       ray_ckpt's callback saving at a seeded random half of the iterations of one
                Algorithm: its iterations with a save against its iterations without, the same
@@ -36,9 +37,8 @@ Printed: median and mean train() seconds per arm and the iteration rate relative
 each (the mean is the rate over the whole run: it carries the rare full garbage collections of
 the process, ~0.4 s each, which the median leaves out, on whichever arm set them off), and for ray_ckpt
 the callback's save() and, for DQN, the replay buffer's capture inside it (ms), the median bytes
-per save and the bytes the replay states (``replay`` and ``replay_meta``; ``replay_episodes`` and
-``replay_priorities`` too in versions of an earlier format) wrote per version against the rows
-added per iteration (the new segment of the ``replay`` state), with each replay file's median size.
+per save and the bytes the replay state (``replay_journal``, format /6) wrote per version against
+its new rows' segment (the records of what the iteration added), with each replay file's median size.
 ``--bytes-only`` runs without the ``none`` arm: bytes only, which do not depend on the load.
 """
 from __future__ import annotations
@@ -158,17 +158,19 @@ def run_arms(make_config, arms, iterations: int, root: str, prefill_steps: int, 
     so that a slow minute of the shared machine falls on every arm alike."""
     from ray_ckpt.integrations import rllib as rr
     from ray_ckpt.integrations.rllib import capture as rr_capture
-    from ray_ckpt.integrations.rllib.replay import algorithm as rr_replay
+    from ray_ckpt.integrations.rllib.replay.journal import journal_of
 
     built = {}
     capture_ms = {arm: [] for arm in arms}
     current = [None]
     original = rr_capture.capture_algorithm_replay
 
-    def timed(*a, **kw):  # the replay buffer's capture inside train() (the callback's save)
+    def timed(algorithm, *a, **kw):  # the replay buffer's capture inside train() (the callback's save)
+        if current[0] == "ray_ckpt_full":  # this save writes the whole buffer (a full capture, new row ids)
+            journal_of(algorithm.local_replay_buffer).full_because = "benchmark: the whole buffer every save"
         t0 = time.perf_counter()
         try:
-            return original(*a, **kw)
+            return original(algorithm, *a, **kw)
         finally:
             capture_ms[current[0]].append((time.perf_counter() - t0) * 1e3)
 
@@ -186,7 +188,6 @@ def run_arms(make_config, arms, iterations: int, root: str, prefill_steps: int, 
             for arm in order:
                 run, algo = built[arm]
                 current[0] = arm
-                rr_replay.REPLAY_APPEND_ONLY = arm != "ray_ckpt_full"  # read when the states are registered
                 cb = rr.find_callback(algo) if arm == "paired" else None
                 calls = len(cb.save_call_ms) if cb else 0
                 if cb is not None:  # this iteration saves or not: a seeded coin (the callback's own setting)
@@ -231,23 +232,22 @@ def run_arms(make_config, arms, iterations: int, root: str, prefill_steps: int, 
         return out
     finally:
         rr_capture.capture_algorithm_replay = original
-        rr_replay.REPLAY_APPEND_ONLY = True
         for run, algo in built.values():
             algo.stop()
 
 
 def _new_segment_bytes(run_dir: str):
-    """Median size of the replay segments written by the versions after the warm-up (the rows
-    each iteration added), or None when the run has no append-only replay."""
+    """Median size of the replay journal's segments written by the versions after the warm-up (the
+    records of what each iteration added), or None when the run has no replay journal."""
     sizes = []
     for v in sorted(os.listdir(run_dir)) if os.path.isdir(run_dir) else []:
-        p = os.path.join(run_dir, v, "replay", "rank0.segment.arrow")
+        p = os.path.join(run_dir, v, REPLAY_STATES[0], "rank0.segment.arrow")
         if v.startswith("v") and int(v[1:]) > 2 and os.path.exists(p):
             sizes.append(os.path.getsize(p))
     return statistics.median(sizes) if sizes else None
 
 
-REPLAY_STATES = ("replay", "replay_meta", "replay_episodes", "replay_priorities", "replay_journal")
+REPLAY_STATES = ("replay_journal",)  # format /6: the journal is the buffer's only state
 
 
 def _replay_bytes(run_dir: str):
@@ -255,7 +255,7 @@ def _replay_bytes(run_dir: str):
     replay states (segments it reuses lie in older versions' directories)."""
     sizes = []
     for v in sorted(os.listdir(run_dir)) if os.path.isdir(run_dir) else []:
-        if v.startswith("v") and int(v[1:]) > 2 and os.path.isdir(os.path.join(run_dir, v, "replay")):
+        if v.startswith("v") and int(v[1:]) > 2 and os.path.isdir(os.path.join(run_dir, v, REPLAY_STATES[0])):
             sizes.append(sum(_dir_bytes(os.path.join(run_dir, v, s)) for s in REPLAY_STATES))
     return statistics.median(sizes) if sizes else None
 

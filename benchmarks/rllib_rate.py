@@ -92,10 +92,6 @@ def _child(arm: str, config: str, prefill_steps: int, clone: bool = False) -> No
         options = {"critical_writers": 1, "best_effort_writers": 1}
         if arm == "ray_ckpt_nice0":  # the coordinator, mailbox and writers at training's priority
             options.update(critical_nice=0, best_effort_nice=0)
-        if arm == "ray_ckpt_format5":  # the buffer saved as before the journal (rows + log, format /4)
-            from ray_ckpt.integrations.rllib.replay import algorithm as replay_algorithm
-
-            replay_algorithm.REPLAY_FORMAT = 5
         if arm == "ray_ckpt_mailbox":  # the learner's small states copied in the background, as before
             from ray_ckpt.capture import calls
 
@@ -175,8 +171,7 @@ def main() -> None:
                     help="none, ray_ckpt, rllib_save (RLlib's own algo.save_to_path() after every train(), "
                          "synchronous), ray_ckpt_nice0 (the background processes at training's CPU priority), "
                          "ray_ckpt_mailbox (a local learner's states under 4 MiB copied on the copy thread and "
-                         "announced through the run's mailbox, not in save()), ray_ckpt_format5 (the replay buffer "
-                         "saved as before the journal: rows + log, format /4; the default is the journal)")
+                         "announced through the run's mailbox, not in save())")
     ap.add_argument("--clone", action="store_true",
                     help="DQN: prefill with copies of up to 20k sampled timesteps' episodes (a 1M-row buffer in "
                          "~2.5 min, not ~24: rllib_iteration.prefill)")
@@ -186,10 +181,8 @@ def main() -> None:
         _child(args.child, args.config, args.prefill, args.clone)
         return
     arms = tuple(a for a in args.arms.split(",") if a)
-    if arms[0] != "none" or not set(arms) <= {"none", "ray_ckpt", "rllib_save", "ray_ckpt_nice0", "ray_ckpt_mailbox",
-                                              "ray_ckpt_format5"}:
-        ap.error("--arms: 'none' first, then any of ray_ckpt, rllib_save, ray_ckpt_nice0, ray_ckpt_mailbox, "
-                 "ray_ckpt_format5")
+    if arms[0] != "none" or not set(arms) <= {"none", "ray_ckpt", "rllib_save", "ray_ckpt_nice0", "ray_ckpt_mailbox"}:
+        ap.error("--arms: 'none' first, then any of ray_ckpt, rllib_save, ray_ckpt_nice0, ray_ckpt_mailbox")
     procs, errs = {}, {}
     for arm in arms:  # built (and prefilled) at once: each is one busy thread, there are 2 cores
         procs[arm] = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", arm, "--config",
