@@ -72,6 +72,28 @@ def test_get_state_has_exactly_the_keys_the_journal_handles_and_needs_no_episode
     assert st["_sum_segment"] is per._sum_segment.value and st["_min_segment"] is per._min_segment.value
 
 
+@pytest.mark.timeout(120)
+def test_the_multi_agent_state_is_rllibs_without_the_env_trees():
+    """The journal reads the multi-agent keys itself (internals.multi_agent_state): what
+    MultiAgentEpisodeReplayBuffer.get_state() adds to EpisodeReplayBuffer's, equal key by key and
+    value by value, for both multi-agent classes -- its super() call would copy the prioritized
+    class's env trees and free nodes (O(capacity)) at every add()."""
+    from ray.rllib.utils.replay_buffers import MultiAgentEpisodeReplayBuffer
+    from test_rllib_replay import _fill, _ma_chunks
+    from ray_ckpt.integrations.rllib.replay.journal import base_state, family_of
+    for name in ("multi_agent", "multi_agent_prioritized"):
+        buf = _make(name, 200)
+        _fill(buf, _ma_chunks(), "prioritized" in name, True, 0, 12)
+        rllib = MultiAgentEpisodeReplayBuffer.get_state(buf)
+        ours = base_state(buf, family_of(buf))
+        assert set(rllib) - set(ours) == (_state_keys(PrioritizedEpisodeReplayBuffer) if "prioritized" in name
+                                          else set())
+        assert set(ours) <= set(rllib)
+        for k in set(ours) - {"episodes", "episode_id_to_index"}:  # base_state swaps those two out
+            assert ours[k] == rllib[k], k
+        assert ours["_module_to_indices"][0][1] is buf._module_to_indices[ours["_module_to_indices"][0][0]]
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", ["plain", "prioritized"])
 def test_add_keeps_copies_and_appends_each_kept_chunks_entries_in_call_order(name):

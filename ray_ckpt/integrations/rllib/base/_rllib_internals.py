@@ -217,6 +217,22 @@ def set_optimizer_lr(learner: Any, optimizer: Any, lr: float) -> None:
 _MODULE_PER = ("_module_to_max_priority", "_module_to_max_idx", "_module_to_free_nodes", "_module_to_last_sampled_indices")
 
 
+_MA_STATE = ("_module_to_indices", "_num_module_timesteps", "_num_module_timesteps_added", "_num_module_episodes",
+             "_num_module_episodes_evicted", "sampled_timesteps_per_module")
+
+
+def multi_agent_state(buf: Any) -> Dict[str, Any]:
+    """What ``MultiAgentEpisodeReplayBuffer.get_state()`` adds to ``EpisodeReplayBuffer``'s, in its
+    form (maps as item lists; the index lists RLlib's own), without calling it: in the prioritized
+    multi-agent class its ``super().get_state()`` reaches ``PrioritizedEpisodeReplayBuffer.get_state``
+    (the class's MRO), which copies the env trees and the free nodes -- O(capacity) at every add();
+    the journal derives those. tests/test_rllib_journal_internals.py holds the two equal."""
+    out: Dict[str, Any] = {k: list(getattr(buf, k).items()) for k in _MA_STATE}
+    out["_num_agent_timesteps"] = buf._num_agent_timesteps
+    out["_num_agent_timesteps_added"] = buf._num_agent_timesteps_added
+    return out
+
+
 def replay_alpha(buf: Any) -> float:
     return buf._alpha
 

@@ -113,11 +113,14 @@ def base_state(buf: Any, fam: Family) -> Dict[str, Any]:
     counters and the index lists (RLlib's own lists, not copies) -- O(modules), not O(timesteps) or
     O(episodes): it runs at every add() (the prioritized classes' own get_state() copies the
     free-node deques: O(capacity))."""
-    from ray.rllib.utils.replay_buffers import EpisodeReplayBuffer, MultiAgentEpisodeReplayBuffer
+    from ray.rllib.utils.replay_buffers import EpisodeReplayBuffer
     episodes, where = buf.episodes, buf.episode_id_to_index
     buf.episodes, buf.episode_id_to_index = (), {}
     try:
-        return (MultiAgentEpisodeReplayBuffer if fam.multi_agent else EpisodeReplayBuffer).get_state(buf)
+        st = EpisodeReplayBuffer.get_state(buf)
+        if fam.multi_agent:
+            st.update(internals.multi_agent_state(buf))
+        return st
     finally:
         buf.episodes, buf.episode_id_to_index = episodes, where
 
