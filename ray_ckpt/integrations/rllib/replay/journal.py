@@ -251,7 +251,7 @@ class Journal:
         from ``floor`` and this save writes the whole buffer once (a full capture)."""
         check_attributes(buf, self.fam)
         st = base_state(buf, self.fam)
-        if not hooked(buf, self):  # replaced behind the journal (e.g. by format /5's restore): put back
+        if not hooked(buf, self):  # replaced behind the journal (e.g. wrapped by other code): put back
             install(buf, self)
             self.full_because = "its recorders had been replaced"
         if floor is not None:

@@ -157,7 +157,7 @@ def state_bytes_generic(state: Any) -> bytes:
     """:func:`state_bytes` through ray_ckpt's own ``flatten`` (any state it can store)."""
     from ....formats.flat import pieces_of
     from ....formats.tree import flatten
-    flat = flatten(state, state_name="replay_meta")
+    flat = flatten(state, state_name="replay_journal")
     if flat.tables:
         raise UnsupportedTypeError("replay buffer: an Arrow table in the replay meta is not supported")
     dtypes: Dict[int, str] = {}
@@ -188,7 +188,7 @@ def _leaf_dtypes(node: Any, out: Dict[int, str]) -> None:
 
 def bytes_state(data: bytes, where: str) -> Any:
     """The state of :func:`state_bytes`'s bytes (RestoreError naming ``where`` for anything else). Bytes
-    without array forms (format /3's records) are read as stored as they are."""
+    without array forms (format /3's records: cli/legacy_replay reads them) are read as they are."""
     from ....formats.tree import unflatten
     try:
         n = int.from_bytes(data[:4], "little")
