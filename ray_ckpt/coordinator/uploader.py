@@ -14,9 +14,11 @@ The coordinator holds one :class:`Uploader`; ``futures[v]`` is what ``wait(v, "r
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import logging
 import time
-from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple
+from typing import Any, Awaitable, Callable, Dict, List, Optional, Set, Tuple
 
 from .catalogue import Catalogue
 from ..storage.checkpoint_io import delete_version, write_manifest
@@ -34,15 +36,17 @@ PROGRESS_VERSIONS = 64      # upload progress is kept for the waits of this many
 SLOW_COMMIT_S = 2.0         # a remote commit slower than this after its last byte is logged, with where the time went
 
 
-async def timed_thread(fn: Callable[..., Any], *args: Any) -> Tuple[Any, Tuple[float, float]]:
-    """``asyncio.to_thread(fn, *args)``, and (seconds it waited for a thread, seconds it ran)."""
+async def timed_thread(fn: Callable[..., Any], *args: Any,
+                       executor: Optional[concurrent.futures.Executor] = None) -> Tuple[Any, Tuple[float, float]]:
+    """``fn(*args)`` on a thread (``executor``'s; None: the loop's default pool), and (seconds it
+    waited for a thread, seconds it ran)."""
     called, started = time.perf_counter(), []
 
     def run() -> Any:
         started.append(time.perf_counter())
         return fn(*args)
 
-    out = await asyncio.to_thread(run)
+    out = await asyncio.get_running_loop().run_in_executor(executor, contextvars.copy_context().run, run)
     return out, (started[0] - called, time.perf_counter() - started[0])
 
 
@@ -68,6 +72,11 @@ class Uploader:
         self.futures: Dict[int, asyncio.Future] = {}
         self.locks: Dict[int, asyncio.Lock] = {}  # one upload sequence per version at a time
         self.bytes: Dict[int, Tuple[int, int]] = {}  # version -> (uploaded, to upload) of the current attempt
+        # versions a preemption notice copies away: their writer calls take the writers' urgent slot
+        # and their remote commit a thread of its own (the default pool also runs the drain poll,
+        # node reads and retention deletes), so routine work queued before them does not delay them
+        self.urgent: Set[int] = set()
+        self._urgent_threads: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
     def future(self, version: int) -> asyncio.Future:
         return self.futures.setdefault(version, asyncio.get_running_loop().create_future())
@@ -96,7 +105,15 @@ class Uploader:
             del self.futures[version]
         self.future(version)
         self.plan.uploading.add(version)
+        self.urgent.add(version)
         return self._in_background(self.upload(version))
+
+    def _commit_threads(self, version: int) -> Optional[concurrent.futures.Executor]:
+        if version not in self.urgent:
+            return None
+        if self._urgent_threads is None:
+            self._urgent_threads = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ray_ckpt-urgent-commit")
+        return self._urgent_threads
 
     def resume(self) -> None:
         """Start the uploads found undone at start-up (needs the event loop: first async call)."""
@@ -118,42 +135,49 @@ class Uploader:
         if untrusted is not None and version not in self.plan.committed:
             await self.refuse(version, untrusted)
             return
-        async with self.locks.setdefault(version, asyncio.Lock()):
-            while True:
-                manifest = self.catalogue.committed.get(version)
-                if self.plan.should_stop(version, manifest):  # e.g. a re-sync queued behind a failure
-                    return
-                files = self.plan.files_to_upload(manifest)
-                self.note(version, 0, sum(f.size for f in files))
-                try:
-                    await self.copy_files(files, version)
-                    self.plan.files_uploaded(files)
-                    taken_over, fence_t = await timed_thread(self._fence, self.remote)
-                    if taken_over:
-                        raise IntegrityError(taken_over)  # no retry helps: given up like a bad local copy
-                    _, manifest_t = await timed_thread(write_manifest, self.remote, manifest)
-                    self._slow_commit(version, fence_t, manifest_t)
-                except Exception as exc:
-                    msg = one_line(getattr(exc, "cause", None) or exc)
-                    permanent = isinstance(root_cause(exc), IntegrityError)  # the local copy is bad: no retry helps
-                    self.plan.failed(version, msg, permanent)
-                    self._on_error(f"{self.named(version)} upload: {msg}")
-                    self.metrics.failed("upload")
-                    if permanent:
-                        await self.give_up(version, msg)
-                        break
-                    log.warning("%s: remote upload failed, retrying in %.1fs: %s", self.named(version), backoff, msg)
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 30.0)
-                    continue
-                uploaded = self.plan.succeeded(version, manifest, files)
-                total = self.bytes[version][1]
-                self.note(version, total, total)
-                self.metrics.committed("remote", time.perf_counter() - self.accepted_at.get(version, 0.0), uploaded)
-                fut = self.future(version)
-                if not fut.done():
-                    fut.set_result(self._outcome(manifest, "remote", self.plan.bytes.get(version, 0)))
-                break
+        try:
+            async with self.locks.setdefault(version, asyncio.Lock()):
+                while True:
+                    manifest = self.catalogue.committed.get(version)
+                    if self.plan.should_stop(version, manifest):  # e.g. a re-sync queued behind a failure
+                        return
+                    files = self.plan.files_to_upload(manifest)
+                    self.note(version, 0, sum(f.size for f in files))
+                    try:
+                        await self.copy_files(files, version)
+                        self.plan.files_uploaded(files)
+                        threads = self._commit_threads(version)
+                        taken_over, fence_t = await timed_thread(self._fence, self.remote, executor=threads)
+                        if taken_over:
+                            raise IntegrityError(taken_over)  # no retry helps: given up like a bad local copy
+                        _, manifest_t = await timed_thread(write_manifest, self.remote, manifest, executor=threads)
+                        self._slow_commit(version, fence_t, manifest_t)
+                    except Exception as exc:
+                        msg = one_line(getattr(exc, "cause", None) or exc)
+                        permanent = isinstance(root_cause(exc), IntegrityError)  # the local copy is bad: no retry helps
+                        self.plan.failed(version, msg, permanent)
+                        self._on_error(f"{self.named(version)} upload: {msg}")
+                        self.metrics.failed("upload")
+                        if permanent:
+                            await self.give_up(version, msg)
+                            break
+                        log.warning("%s: remote upload failed, retrying in %.1fs: %s", self.named(version), backoff,
+                                    msg)
+                        await asyncio.sleep(backoff)
+                        backoff = min(backoff * 2, 30.0)
+                        continue
+                    uploaded = self.plan.succeeded(version, manifest, files)
+                    total = self.bytes[version][1]
+                    self.note(version, total, total)
+                    self.metrics.committed("remote", time.perf_counter() - self.accepted_at.get(version, 0.0), uploaded)
+                    fut = self.future(version)
+                    if not fut.done():
+                        fut.set_result(self._outcome(manifest, "remote", self.plan.bytes.get(version, 0)))
+                    break
+        finally:
+            fut = self.futures.get(version)
+            if fut is None or fut.done():  # uploaded or given up; not a routine attempt an urgent one waits behind
+                self.urgent.discard(version)
         await self._retention()
 
     def _slow_commit(self, version: int, fence_t: Tuple[float, float], manifest_t: Tuple[float, float]) -> None:
@@ -173,7 +197,8 @@ class Uploader:
             by_node.setdefault(self.file_nodes.get(f.path, self.pools.node_id), []).append(f)
 
         async def one(node: str, fs: List[Any]) -> None:
-            await self.pools.least_busy(self.pools.critical_on(node)).upload.remote(fs)
+            writer = self.pools.least_busy(self.pools.critical_on(node))
+            await (writer.upload_urgent if version in self.urgent else writer.upload).remote(fs)
             if version in self.bytes:
                 done, total = self.bytes[version]
                 self.note(version, done + sum(f.size for f in fs), total)

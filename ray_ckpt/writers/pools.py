@@ -30,13 +30,14 @@ from .replicas import send_files
 log = logging.getLogger("ray_ckpt.writers")
 
 
-@ray.remote(max_restarts=-1, max_task_retries=2, concurrency_groups={"upload": 2, "replicate": 1})
+@ray.remote(max_restarts=-1, max_task_retries=2, concurrency_groups={"upload": 2, "urgent": 1, "replicate": 1})
 class WriterActor:
     """Ray shell over PartWriter. Snapshot refs arrive inside a list so Ray does not resolve them in
     the coordinator; the writer fetches them from the object store (zero-copy on its node).
 
     Uploads run in their own concurrency group: a slow or unreachable remote store never delays
-    the local writes that commits wait for."""
+    the local writes that commits wait for. A preemption notice's uploads have a group of their own
+    (``upload_urgent``): they never queue behind the run's routine uploads on this writer."""
 
     def __init__(self, config: Any, pool: str, nice: int = 0):
         # tiers are resolved here, in the writer's own process: a local_dir with "{node_id}" is this node's
@@ -105,6 +106,14 @@ class WriterActor:
 
     @ray.method(concurrency_group="upload", max_task_retries=0)  # the coordinator retries uploads itself
     def upload(self, files: List[FileEntry]) -> int:
+        return self.writer.upload(files)
+
+    @ray.method(concurrency_group="urgent", max_task_retries=0)
+    def upload_urgent(self, files: List[FileEntry]) -> int:
+        """:meth:`upload` in its own slot, for a version a preemption notice copies away: with
+        uploads every version, the two routine slots can hold a queue of older versions' calls
+        (Ray runs a group's calls in arrival order), behind which the newest version's copy would
+        wait past the deadline."""
         return self.writer.upload(files)
 
     @ray.method(concurrency_group="replicate", max_task_retries=0)
