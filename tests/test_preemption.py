@@ -123,8 +123,10 @@ def test_a_notices_upload_takes_the_writers_urgent_slot_not_the_routine_queue(ra
     """A writer's two routine upload slots busy with older versions' files and more calls queued
     behind them (Ray runs a concurrency group's calls in arrival order): the upload of a version a
     notice copies away (``upload_urgent``, which the uploader uses for it) starts at once and lands
-    before them, where the same small file sent the routine way lands after the queue. Real writer
-    actor, real files, a file:// remote tier with the writer's upload rate limit."""
+    before them, and before an older version's urgent copy that began first (the last save, committed
+    during the notice, after the older copies started); the same small file sent the routine way lands
+    after the queue. Real writer actor, real files, a file:// remote tier with the writer's upload
+    rate limit."""
     import numpy as np
     import ray
     from ray_ckpt.config import EngineConfig
@@ -134,23 +136,25 @@ def test_a_notices_upload_takes_the_writers_urgent_slot_not_the_routine_queue(ra
     cfg = EngineConfig(run="urgent", local_dir=str(tmp_path / "local"), remote_uri=f"file://{tmp_path / 'remote'}",
                        upload_max_mb_s=16.0)
     local = cfg.local_tier()
-    sizes = {1: 40 << 20, 2: 40 << 20, 3: 40 << 20, 4: 64 << 10, 5: 64 << 10}
+    sizes = {1: 40 << 20, 2: 40 << 20, 3: 40 << 20, 4: 64 << 10, 5: 64 << 10, 6: 40 << 20}
     files = {v: write_flat(local, v, "s", 0, flatten({"x": np.full(n, v, np.uint8)}, state_name="s"))
              for v, n in sizes.items()}
     writer = WriterActor.options(num_cpus=0.05).remote(cfg, "critical")
     ray.get(writer.remove_temporaries.remote(0), timeout=60)  # started
     routine = {v: writer.upload.remote(files[v]) for v in (1, 2, 3, 5)}  # 5: small, queued behind 3
+    older = writer.upload_urgent.remote(files[6])  # an older version's copy away, begun first
     urgent = writer.upload_urgent.remote(files[4])
     order = []
-    pending = list(routine.values()) + [urgent]
+    pending = list(routine.values()) + [older, urgent]
     while pending:
         done, pending = ray.wait(pending, num_returns=1, timeout=60)
         assert done, "an upload did not end within 60 s"
         order.append(done[0])
     names = {ref: v for v, ref in routine.items()}
-    names[urgent] = "urgent"
+    names[urgent], names[older] = "urgent", "older"
     order = [names[r] for r in order]
     assert order.index("urgent") < order.index(1) and order.index("urgent") < order.index(5), order
+    assert order.index("urgent") < order.index("older"), order
     assert order.index(5) > order.index(1), order  # the routine small file waited for a slot
     assert ray.get(urgent) == sum(f.size for f in files[4])
     remote = cfg.remote_tier()

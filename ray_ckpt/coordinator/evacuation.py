@@ -45,12 +45,14 @@ from .catalogue import Catalogue
 from .replication import Replication, held_files
 from .upload_plan import UploadPlan
 from .uploader import Uploader
+from ..writers.pools import URGENT_UPLOADS
 
 log = logging.getLogger("ray_ckpt.coordinator")
 
 DRAIN_POLL_S = 1.0  # how often Ray's draining nodes are read (a notice is acted on within about this)
 RETRY_S = 1.0  # a version whose move failed is tried again after this, while the deadline allows
-MOVES_IN_FLIGHT = 4  # at most this many moves at once: a newer version never waits behind a stalled move
+MOVES_IN_FLIGHT = URGENT_UPLOADS  # moves at once: a newer version never waits behind a stalled move (nor, on a
+# writer, behind another move's upload: each writer has as many urgent upload slots)
 
 
 def at_risk(committed: Mapping[int, Manifest], file_nodes: Mapping[str, str], default_node: str,

@@ -28,7 +28,7 @@ from ..protocol import SaveOutcome
 from ..storage.tier import Tier
 from ..types import step_label
 from .upload_plan import UploadPlan
-from ..writers.pools import WriterPools
+from ..writers.pools import URGENT_UPLOADS, WriterPools
 
 log = logging.getLogger("ray_ckpt.coordinator")
 UPLOAD_FILES_PER_CALL = 16  # files per writer upload call: the grain of progress()
@@ -112,7 +112,8 @@ class Uploader:
         if version not in self.urgent:
             return None
         if self._urgent_threads is None:
-            self._urgent_threads = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ray_ckpt-urgent-commit")
+            self._urgent_threads = concurrent.futures.ThreadPoolExecutor(URGENT_UPLOADS,
+                                                                        thread_name_prefix="ray_ckpt-urgent-commit")
         return self._urgent_threads
 
     def resume(self) -> None:

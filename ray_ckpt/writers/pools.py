@@ -30,14 +30,21 @@ from .replicas import send_files
 log = logging.getLogger("ray_ckpt.writers")
 
 
-@ray.remote(max_restarts=-1, max_task_retries=2, concurrency_groups={"upload": 2, "urgent": 1, "replicate": 1})
+# a preemption notice's uploads at once on one writer: as many as the evacuation runs moves side by side,
+# so the newest version's copy (committed during the notice, after older ones began) starts at once too
+URGENT_UPLOADS = 4
+
+
+@ray.remote(max_restarts=-1, max_task_retries=2,
+            concurrency_groups={"upload": 2, "urgent": URGENT_UPLOADS, "replicate": 1})
 class WriterActor:
     """Ray shell over PartWriter. Snapshot refs arrive inside a list so Ray does not resolve them in
     the coordinator; the writer fetches them from the object store (zero-copy on its node).
 
     Uploads run in their own concurrency group: a slow or unreachable remote store never delays
     the local writes that commits wait for. A preemption notice's uploads have a group of their own
-    (``upload_urgent``): they never queue behind the run's routine uploads on this writer."""
+    (``upload_urgent``, ``URGENT_UPLOADS`` slots): they never queue behind the run's routine uploads
+    on this writer, nor the newest behind older ones."""
 
     def __init__(self, config: Any, pool: str, nice: int = 0):
         # tiers are resolved here, in the writer's own process: a local_dir with "{node_id}" is this node's
@@ -110,10 +117,11 @@ class WriterActor:
 
     @ray.method(concurrency_group="urgent", max_task_retries=0)
     def upload_urgent(self, files: List[FileEntry]) -> int:
-        """:meth:`upload` in its own slot, for a version a preemption notice copies away: with
+        """:meth:`upload` in a slot of its own, for a version a preemption notice copies away: with
         uploads every version, the two routine slots can hold a queue of older versions' calls
         (Ray runs a group's calls in arrival order), behind which the newest version's copy would
-        wait past the deadline."""
+        wait past the deadline; and the notice's own copies run side by side, so that the last save's
+        (committed during the notice, after older copies began) does not wait for them either."""
         return self.writer.upload(files)
 
     @ray.method(concurrency_group="replicate", max_task_retries=0)
