@@ -12,8 +12,8 @@ buffer attributes directly (``_indices``, ``_sum_segment``, ``_tree_idx_to_sampl
 that integration did: RLlib's ``set_state()`` cannot take these states.
 
 Extracted from the removed package ``integrations/rllib/replay/`` (before the journal took its
-name): its definitions that restoring reaches, unchanged, in one module (they used each other's
-private names). Tested on runs that package wrote (``tests/fixtures/replay_formats``); to be deleted
+name): its definitions that restoring reaches, in one module (they used each other's private names),
+unchanged but for the names of the helpers they take from the journal's modules (public there). Tested on runs that package wrote (``tests/fixtures/replay_formats``); to be deleted
 with ``migrate`` once no run in the old formats is left.
 """
 from __future__ import annotations
@@ -31,11 +31,10 @@ from ..errors import RestoreError, UnsupportedTypeError
 from ..integrations.rllib.base.conversion import from_storable, to_storable
 from ..integrations.rllib.base.names import REPLAY, REPLAY_META, log
 from ..integrations.rllib.replay.growth import kept, survivors
-from ..integrations.rllib.replay.records import bytes_state as _unraw, state_bytes as _raw
-from ..integrations.rllib.replay.trees import free_nodes_from as _free_nodes_from, rebuild_tree as _rebuild_tree
-from ..integrations.rllib.replay.values import (Spaces as _Spaces, pack_scalars,
-                                                space_tree_from_storable as _space_tree_from_storable,
-                                                type_name as _type_name, unpack_one as _unpack_one, unpack_scalars)
+from ..integrations.rllib.replay.records import bytes_state, state_bytes
+from ..integrations.rllib.replay.trees import free_nodes_from, rebuild_tree
+from ..integrations.rllib.replay.values import (Spaces, pack_scalars, space_tree_from_storable, type_name, unpack_one,
+                                                unpack_scalars)
 
 
 def count(sel):
@@ -63,7 +62,7 @@ def _compress(data: bytes, zdict: Optional[bytes]) -> bytes:
 
 def _encode(kind: int, raw: bytes, width: int = CHUNK, zdict: Optional[bytes] = None) -> np.ndarray:
     """A record as rows of ``width`` bytes: a 4-byte length, then the kind byte and ``raw`` (a state's
-    :func:`_raw` bytes), zlib-compressed, with ``zdict`` as the preset dictionary if given."""
+    :func:`state_bytes` bytes), zlib-compressed, with ``zdict`` as the preset dictionary if given."""
     packed = _compress(bytes([kind]) + raw, zdict)
     raw = len(packed).to_bytes(4, "little") + packed
     raw += b"\0" * (-len(raw) % width)
@@ -71,7 +70,7 @@ def _encode(kind: int, raw: bytes, width: int = CHUNK, zdict: Optional[bytes] = 
 
 
 def _decode_raw(rows: np.ndarray, kind: int, where: str, dicts: Optional[Mapping[int, bytes]] = None) -> bytes:
-    """The bytes :func:`_raw` made of a record (its rows, in order), checked to be of ``kind``; a
+    """The bytes :func:`state_bytes` made of a record (its rows, in order), checked to be of ``kind``; a
     record compressed with a dictionary takes it from ``dicts`` (id -> bytes, :func:`dict_id`)."""
     rows = np.asarray(rows, np.uint8)
     raw = np.ascontiguousarray(rows).reshape(-1).tobytes()
@@ -100,7 +99,7 @@ def _decode_raw(rows: np.ndarray, kind: int, where: str, dicts: Optional[Mapping
 
 def _decode(rows: np.ndarray, kind: int, where: str, dicts: Optional[Mapping[int, bytes]] = None) -> Any:
     """The state of a record (its rows, in order), checked to be of ``kind``."""
-    return _unraw(_decode_raw(rows, kind, where, dicts), where)
+    return bytes_state(_decode_raw(rows, kind, where, dicts), where)
 
 
 def _leaves_of(packed: Dict[str, Any], sum_packed: Dict[str, Any]) -> Dict[str, Any]:
@@ -349,7 +348,7 @@ class RowIds:
         self._agent_code: Dict[Any, int] = {}
         self._module_code: Dict[Any, int] = {}
         self.full_rewrites = 0
-        self.spaces = _Spaces()  # append-only table of the spaces met so far (codes stay valid)
+        self.spaces = Spaces()  # append-only table of the spaces met so far (codes stay valid)
         # (episode, agent) -> (episode object, its parts) of the last capture: a done episode never
         # changes (RLlib only concatenates to running ones), so its parts are reused, not re-split
         self.parts: Dict[Tuple[int, int], Tuple[Any, "_EpisodeParts"]] = {}
@@ -443,12 +442,12 @@ def _restore_priority(buffer: Any, kind: _Kind, replay: Dict[str, Any], pr: Dict
     else:
         tidx = np.asarray(replay["tree"], np.int64)
     s, m = SumSegmentTree(cap), MinSegmentTree(cap)
-    _rebuild_tree(s, tidx, pr["sum"])
-    _rebuild_tree(m, tidx, _leaves_of(pr["min"], pr["sum"]))
+    rebuild_tree(s, tidx, pr["sum"])
+    rebuild_tree(m, tidx, _leaves_of(pr["min"], pr["sum"]))
     new["_sum_segment"], new["_min_segment"] = s, m
     new["_tree_idx_to_sample_idx"] = {int(ti): i for i, ti in enumerate(tidx.tolist())}
-    new["_free_nodes"] = _free_nodes_from(pr["free_nodes"])
-    new["_max_priority"] = _unpack_one(pr["max_priority"])
+    new["_free_nodes"] = free_nodes_from(pr["free_nodes"])
+    new["_max_priority"] = unpack_one(pr["max_priority"])
     new["_max_idx"] = int(pr["max_idx"])
     new["_last_sampled_indices"] = list(pr["last_sampled"])
     if not kind.multi_agent:
@@ -464,16 +463,16 @@ def _restore_priority(buffer: Any, kind: _Kind, replay: Dict[str, Any], pr: Dict
         t_m = trees[rows]
         if "sum" in mm:
             tr = SumSegmentTree(cap)
-            _rebuild_tree(tr, t_m, mm["sum"])
+            rebuild_tree(tr, t_m, mm["sum"])
             maps["_module_to_sum_segment"][mid] = tr
         if "min" in mm:
             tr = SumSegmentTree(cap) if mm.get("min_is_sum_tree") else MinSegmentTree(cap)
-            _rebuild_tree(tr, t_m, _leaves_of(mm["min"], mm.get("sum", {})))
+            rebuild_tree(tr, t_m, _leaves_of(mm["min"], mm.get("sum", {})))
             maps["_module_to_min_segment"][mid] = tr
         if "free_nodes" in mm:
-            maps["_module_to_free_nodes"][mid] = _free_nodes_from(mm["free_nodes"])
+            maps["_module_to_free_nodes"][mid] = free_nodes_from(mm["free_nodes"])
         if "max_priority" in mm:
-            maps["_module_to_max_priority"][mid] = _unpack_one(mm["max_priority"])
+            maps["_module_to_max_priority"][mid] = unpack_one(mm["max_priority"])
         if "max_idx" in mm:
             maps["_module_to_max_idx"][mid] = int(mm["max_idx"])
         if "last_sampled" in mm:
@@ -489,7 +488,7 @@ def new_indices_tree(indices: List[tuple]) -> List[int]:
     return [int(x[2]) for x in indices]
 
 
-def _rebuild_records(replay: Dict[str, Any], table: Dict[str, Any], templates: Dict[str, Any], spaces: _Spaces,
+def _rebuild_records(replay: Dict[str, Any], table: Dict[str, Any], templates: Dict[str, Any], spaces: Spaces,
                      kind: _Kind, evicted: int, bname: str) -> Dict[Tuple[int, int], Any]:
     """(episode, agent code) -> rebuilt SingleAgentEpisode."""
     E = int(table["n"])
@@ -543,7 +542,7 @@ class _Records:
     """The episode table read once (per field: record -> position and edge offsets; the numbers,
     custom data and sparse infos per record), then one SingleAgentEpisode per record."""
 
-    def __init__(self, table: Dict[str, Any], templates: Dict[str, Any], spaces: _Spaces, lens: np.ndarray,
+    def __init__(self, table: Dict[str, Any], templates: Dict[str, Any], spaces: Spaces, lens: np.ndarray,
                  starts: np.ndarray, sorted_cols: Dict[str, np.ndarray]):
         self.table, self.templates, self.spaces = table, templates, spaces
         self.lens, self.starts, self.sorted_cols = lens, starts, sorted_cols
@@ -639,7 +638,7 @@ class _Records:
 _SKIP = -1  # MultiAgentEpisode.SKIP_ENV_TS_TAG ("S") in env_t_to_agent_t
 
 
-def _rebuild_ma_episode(st: Dict[str, Any], agent_eps: List[Tuple[Any, Any]], agents: List[Any], spaces: _Spaces,
+def _rebuild_ma_episode(st: Dict[str, Any], agent_eps: List[Tuple[Any, Any]], agents: List[Any], spaces: Spaces,
                         mapping_fn: Optional[Callable], cls: Any) -> Any:
     from ray.rllib.env.utils.infinite_lookback_buffer import InfiniteLookbackBuffer
     tmpl = cls()
@@ -647,8 +646,8 @@ def _rebuild_ma_episode(st: Dict[str, Any], agent_eps: List[Tuple[Any, Any]], ag
     if mapping_fn is not None:
         ep.agent_to_module_mapping_fn = mapping_fn
     ep._agent_to_module_mapping = {agents[a]: m for a, m in st["agent_to_module"]}
-    ep.observation_space = _space_tree_from_storable(st["observation_space"], spaces)
-    ep.action_space = _space_tree_from_storable(st["action_space"], spaces)
+    ep.observation_space = space_tree_from_storable(st["observation_space"], spaces)
+    ep.action_space = space_tree_from_storable(st["action_space"], spaces)
     if ep.observation_space is None:
         ep.observation_space = {}
     if ep.action_space is None:
@@ -758,7 +757,7 @@ class Incremental:
 
     def append(self, kind: int, state: Any) -> Tuple[int, int]:
         """Append a record to the log: (its first row id, its rows)."""
-        return self.append_raw(kind, _raw(state))
+        return self.append_raw(kind, state_bytes(state))
 
     def append_raw(self, kind: int, raw: bytes) -> Tuple[int, int]:
         """Append a record (compressed with the newest dictionary; a dictionary record without one)."""
@@ -872,7 +871,7 @@ def open_log(states: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any], Di
     meta, rows, dicts = read_log(log)
     static_at = [int(x) for x in meta.pop("static")]
     static = _record(rows, *static_at, STATIC, "replay_meta static record", dicts)
-    static_raw = _raw(static)  # what the next capture compares its own with (equal: no new record)
+    static_raw = state_bytes(static)  # what the next capture compares its own with (equal: no new record)
     meta["rows"]["templates"] = static.pop("templates")
     meta.update(static)
     return log, meta, rows, dicts, {"static": (static_at, static_raw)}
@@ -1021,7 +1020,7 @@ def seed(rid: RowIds, s: Dict[str, Any], buffer: Any) -> Incremental:
             inc.tree_to_row[g][cols["tree"][sel].astype(np.int64)] = ids[sel]
             inc.trees[g] = (st, mt, st.value, mt.value)
         _hook(buffer, inc, multi_agent)
-    rid.spaces = _Spaces(meta["spaces"])
+    rid.spaces = Spaces(meta["spaces"])
     rid.inc = inc
     return inc
 
@@ -1166,9 +1165,9 @@ def restore_replay(buffer: Any, replay: Dict[str, Any], meta: Dict[str, Any], *,
     then: the new state is built completely before it is assigned)."""
     kind = buffer_kind(buffer)
     meta = from_storable(meta)
-    bname = _type_name(buffer)
+    bname = type_name(buffer)
     ids = _checked_ids(buffer, replay, meta, bname)
-    spaces = _Spaces(meta["spaces"])
+    spaces = Spaces(meta["spaces"])
     agents = list(meta["rows"]["agent_ids"])
     modules = list(meta["rows"]["module_ids"])
     evicted = int(meta["counters"]["_num_episodes_evicted"])

@@ -100,7 +100,7 @@ def sync_replay_registrations(engine: Any, algorithm: Any, setting: str, pending
             engine.register(REPLAY_JOURNAL, get, strategy=strat, replace=True, append_only=True, overlap=True)
     elif REPLAY_JOURNAL in engine.registered:
         engine.unregister(REPLAY_JOURNAL)
-    for name in OLD_STATES:  # registered by a callback of an earlier ray_ckpt in this process: not saved any more
+    for name in OLD_STATES:  # the two states of the format before the journal: never saved any more
         if name in engine.registered:
             engine.unregister(name)
 
