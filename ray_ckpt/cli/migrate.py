@@ -1,12 +1,13 @@
 """``ray-ckpt migrate URI [--remote URI] [--dry-run] [--force] [--json]``: rewrite every version of a
 run whose RLlib replay buffer is stored in the old two-state form (``replay`` + ``replay_meta``,
 formats ``ray_ckpt.rllib.replay/1``, ``/3``, ``/4``, ``/5``) as one ``replay_journal`` state (format
-``/6``), so that the old reading code can go.
+``/6``); the RLlib integration reads only the journal, and this command alone reads the old forms
+(through the frozen :mod:`.legacy_replay`).
 
 For each committed version, oldest first, that holds both old states: the two states are read
 verified (``read_files`` + ``decode_files``, from the first tier holding a good copy), restored into
-a fresh buffer of the stored type exactly as ``restore_algorithm_replay`` does (``log_to_v1`` then
-``restore_replay``; format /1 straight), captured by a new journal whose row ids start at the
+a fresh buffer of the stored type exactly as the integration restored them before the journal
+(``log_to_v1`` then ``restore_replay``; format /1 straight), captured by a new journal whose row ids start at the
 previous journal's ``next_row_id`` (a version's append-only files are written over the previous
 version's: an id must never name two rows), and written with ``write_append_only`` over the
 previous journal version's files. The version's manifest then lists ``replay_journal`` (same
@@ -239,8 +240,8 @@ def _fresh_buffer(meta_v1: Dict[str, Any], version: int) -> Any:
 
 
 def restored_buffer(replay: Any, replay_meta: Any, version: int = -1) -> Tuple[Any, str]:
-    """A fresh buffer of the stored type restored from the two old states exactly as
-    ``restore_algorithm_replay`` restores them, and the stored format."""
+    """A fresh buffer of the stored type restored from the two old states exactly as the RLlib
+    integration restored them before the journal (:mod:`.legacy_replay`), and the stored format."""
     from ..integrations.rllib.base.conversion import from_storable
     from .legacy_replay import LOG_FORMATS, META_FORMAT, log_to_v1, restore_replay
     fmt = _meta_format(replay_meta)
