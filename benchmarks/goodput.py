@@ -2,31 +2,37 @@
 
     python benchmarks/goodput.py --quick          # 64 MB state, 0.5 s steps, 2 schedules x 100 s, 1 event each (< ~5 min)
     python benchmarks/goodput.py                  # 64 MB state, 1 s steps, 3 schedules x 300 s, 3 events each (< ~20 min)
+    python benchmarks/goodput.py --job rllib      # DQN on CartPole, a step is one train() (< ~20 min)
         [--mb N] [--phase-s S] [--every N] [--step-s S] [--notice-s S] [--replace-delay-s S]
-        [--events N] [--seed N] [--costs benchmarks/goodput_costs.json] [--md FILE]
+        [--replace-at-removal] [--events N] [--seed N] [--costs benchmarks/goodput_costs.json] [--md FILE]
 
 Goodput = steps of progress kept at the end of a phase ÷ the steps the same job makes in the same
 wall time with no faults and no checkpoints (the ``baseline`` learner, run at the same time on a
 node that is never preempted, so that it shares the machine's load with the arms).
 
-The job: one learner actor per arm holding ``--mb`` MB of float32 state; a step updates the whole
-state in place (``w.mul_(0.999).add_(0.001)``) and then sleeps ``--step-s`` seconds, which stands
-for the accelerator's compute (a sleep, so that five learners on two cores do not measure each
-other's CPU use; the checkpointers' own CPU use still slows every arm alike). Progress is a counter
-inside the state: a restored state brings back the progress it was saved at.
+The jobs (``--job``): ``toy`` (the default), one learner actor per arm holding ``--mb`` MB of float32
+state; a step updates the whole state in place (``w.mul_(0.999).add_(0.001)``) and then sleeps
+``--step-s`` seconds, which stands for the accelerator's compute (a sleep, so that five learners on
+two cores do not measure each other's CPU use; the checkpointers' own CPU use still slows every arm
+alike). Progress is a counter inside the state: a restored state brings back the progress it was
+saved at. ``rllib``: an RLlib DQN per arm (:class:`RLlibLearner`), a step is one ``train()`` and
+progress RLlib's iteration counter; the ray_ckpt arms save from ray_ckpt's RLlib callback, the
+framework arm with RLlib's own ``save_to_path``.
 
 Arms, side by side in one run, each learner on its own Ray node (``slot_<arm>``, 2 CPUs):
 
 * ``none``       no checkpoints: a lost learner starts again from step 0;
 * ``framework``  what a user does without ray_ckpt: every ``--every`` steps the loop calls
-                 ``torch.save`` of the state to a shared directory (the "remote": the same disk for
-                 every node here), blocking; a restarted learner ``torch.load``s it;
-* ``ray_ckpt``   ``engine.save()`` at the same cadence, local tier per node and the remote tier (a
-                 real S3-compatible server on 127.0.0.1, tests/s3server.py) every save
-                 (``remote_every=1``), ``on_preemption="evacuate"`` (the coordinator copies a drained
-                 node's only copies away; the loop makes no extra save);
+                 ``torch.save`` of the state (RLlib: ``save_to_path``) to a shared directory (the
+                 "remote": the same disk for every node here), blocking; a restarted learner loads it;
+* ``ray_ckpt``   ray_ckpt as its defaults give it at the same cadence: ``engine.save()`` every
+                 ``--every`` steps, local tier per node and the remote tier (a real S3-compatible
+                 server on 127.0.0.1, tests/s3server.py) every save (``remote_every=1``),
+                 ``on_preemption="save"``: the coordinator copies a drained node's only copies away,
+                 and the loop's ``engine.save_if_preempted()`` (RLlib: the callback) makes the last
+                 save at the next step after a notice;
 * ``rc_every``   ``engine.save()`` every step with ``peer_replicas=1`` (holders on the spare node),
-                 the remote tier every ``--every`` saves, and ``engine.save_if_preempted()`` each step.
+                 the remote tier every ``--every`` saves, the last save as ``ray_ckpt``'s.
 
 Fault schedules (one phase of ``--phase-s`` seconds each, fresh learners and runs per phase), with
 ``--events`` preemptions at seeded times; each one takes every arm's node at once:
@@ -36,8 +42,11 @@ Fault schedules (one phase of ``--phase-s`` seconds each, fresh learners and run
                  N`` first, the node removed at the deadline;
 * ``mixed``      (default run only) each event is one or the other, seeded.
 
-A replacement node with the same resources joins ``--replace-delay-s`` after the removal; the
-learner (``max_restarts=-1``) restarts there and the arm restores. Measured costs go to
+A replacement node with the same resources joins ``--replace-delay-s`` after the notice (asked for
+when the notice comes, as an autoscaler told of a spot interruption does; ``--replace-at-removal``:
+after the removal, as without notice) or after the removal; the learner (``max_restarts=-1``)
+restarts there once its node is gone, and the arm restores (the RLlib job's ray_ckpt arms resume
+inside ``build_algo()``: ``make_callback(..., resume=True)``). Measured costs go to
 ``benchmarks/goodput_costs.json`` for ``benchmarks/goodput_sim.py``.
 
 Every wait is bounded; a bound that expires prints what was waited on and the arm stops for the
@@ -104,7 +113,7 @@ class Learner:
         self.w, self.steps = state["w"], int(state["steps"])
 
     # the framework's own checkpointing: torch.save to shared storage, blocking
-    def torch_save(self, path: str) -> float:
+    def framework_save(self, path: str) -> float:
         t = time.perf_counter()
         tmp = path + ".tmp"
         torch.save({"w": self.w, "steps": self.steps}, tmp)
@@ -113,13 +122,83 @@ class Learner:
         os.replace(tmp, path)
         return time.perf_counter() - t
 
-    def torch_load(self, path: str):
+    def framework_load(self, path: str):
         t = time.perf_counter()
         if not os.path.exists(path):
             return 0, None
         st = torch.load(path)
         self.w, self.steps = st["w"], int(st["steps"])
         return self.steps, time.perf_counter() - t
+
+    def where(self):
+        return os.getpid(), ray.get_runtime_context().get_node_id()
+
+
+@ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0.5)
+class RLlibLearner:
+    """The RLlib job: DQN on CartPole-v1 (``benchmarks/rllib_iteration.py``'s config: a prioritized
+    buffer, no remote env runners, 500 sampled timesteps an iteration); one step is one ``train()``,
+    progress is RLlib's own iteration counter. The ray_ckpt arms save from ray_ckpt's RLlib callback
+    (``make_callback(run, every=..., resume=True)``, attached to the run the driver created), so a
+    restarted learner resumes from the run's newest version inside ``build_algo()``, as a user's
+    restarted job does; the framework arm saves with RLlib's ``save_to_path`` (blocking; RLlib's
+    checkpoint holds no replay buffer) and restores with ``restore_from_path``."""
+
+    def __init__(self, arm: str, run: str, every: int, seed: int):
+        sys.path.insert(0, HERE)
+        import rllib_iteration as bench
+        from ray_ckpt.integrations import rllib as rr
+        torch.set_num_threads(1)
+        cfg = bench.dqn_config(seed)
+        if arm in ("ray_ckpt", "rc_every"):
+            cfg = cfg.callbacks(rr.make_callback(run, every=every if arm == "ray_ckpt" else 1, resume=True,
+                                                 on_busy="queue"))
+        t = time.perf_counter()
+        self.algo = cfg.build_algo()
+        self.build_s = time.perf_counter() - t
+        self.cb = rr.find_callback(self.algo)
+        self.pauses = 0  # save_call_ms entries already reported
+
+    def train(self):
+        """(iteration, [ms of each save() call this train() made])."""
+        self.algo.train()
+        new = []
+        if self.cb is not None:
+            new = self.cb.save_call_ms[self.pauses:]
+            self.pauses = len(self.cb.save_call_ms)
+        return int(self.algo.iteration), new
+
+    def progress(self) -> int:
+        return int(self.algo.iteration)
+
+    def resumed(self):
+        """(version, iteration, seconds, tier of the policy) of the resume at build_algo(), or None."""
+        r = self.cb.resumed if self.cb is not None else None
+        if r is None:
+            return None
+        tier = r.states.get("policy", "")
+        tier = tier[tier.find("(") + 1:tier.find(")")] if "(" in tier else tier
+        return r.version, r.iteration, r.seconds, tier
+
+    def framework_save(self, path: str) -> float:
+        t = time.perf_counter()
+        tmp, old = path + ".tmp", path + ".old"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.algo.save_to_path(tmp)
+        if os.path.exists(path):
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+        return time.perf_counter() - t
+
+    def framework_load(self, path: str):
+        t = time.perf_counter()
+        if not os.path.exists(path) and os.path.exists(path + ".old"):  # lost between the two renames
+            path += ".old"
+        if not os.path.exists(path):
+            return 0, None
+        self.algo.restore_from_path(path)
+        return int(self.algo.iteration), time.perf_counter() - t
 
     def where(self):
         return os.getpid(), ray.get_runtime_context().get_node_id()
@@ -171,12 +250,13 @@ class Nodes:
             self.node[arm] = n
         return n, dt
 
-    def remove(self, arm: str, graceful: bool) -> str:
+    def remove(self, n) -> None:
+        """Take node ``n`` away: its processes killed at once (a preemption's end), its disk deleted."""
         with self.lock:
-            n = self.node.pop(arm)
-        self.cluster.remove_node(n, allow_graceful=graceful)
+            for arm in [a for a, x in self.node.items() if x is n]:
+                del self.node[arm]
+        self.cluster.remove_node(n, allow_graceful=False)
         shutil.rmtree(os.path.join(self.root, "local", n.node_id[:12]), ignore_errors=True)  # its disk goes too
-        return n.node_id
 
 
 # ----------------------------------------------------------------------------- one arm's loop
@@ -219,6 +299,9 @@ class Arm(threading.Thread):
                     t = time.perf_counter()
                     p = self._get(self.learner.train.remote(), "train", self.args.step_s + 60)
                     dur = time.perf_counter() - t
+                    if isinstance(p, tuple):  # the RLlib job: (iteration, the callback's save() calls in ms)
+                        p, save_ms = p
+                        self.save_pause.extend(ms / 1000 for ms in save_ms)
                 except Exception as exc:  # noqa: BLE001 - a lost learner, or one that stopped answering
                     self._after_save = None
                     self._recover(exc)
@@ -254,24 +337,27 @@ class Arm(threading.Thread):
 
     def _checkpoint(self, p: int) -> None:
         every = self.args.every
-        if self.arm == "framework" and p % every == 0:
-            t = time.perf_counter()
-            self._get(self.learner.torch_save.remote(self.path), "torch.save", 300)
-            self.save_pause.append(time.perf_counter() - t)
-            self.framework_saved = p
-        elif self.arm == "ray_ckpt" and p % every == 0:
+        if self.arm == "framework":
+            if p % every == 0:
+                t = time.perf_counter()
+                self._get(self.learner.framework_save.remote(self.path), "the framework's save", 300)
+                self.save_pause.append(time.perf_counter() - t)
+                self.framework_saved = p
+            return
+        if self.arm not in ("ray_ckpt", "rc_every") or self.args.job == "rllib":
+            return  # the RLlib job's arms save from ray_ckpt's callback, inside train()
+        # what a loop of the user's own does with ray_ckpt: the last save at a notice whatever the
+        # cadence (on_preemption="save", the default), then its own cadence
+        self._notice()
+        t = time.perf_counter()
+        h = self.engine.save_if_preempted(self.ver + 1)
+        if h is not None:
+            self.ver += 1
+            self.ver_progress[self.ver] = p
+            self._after_save = time.perf_counter() - t
+            self._watch_last_save(h)
+        elif self.arm == "rc_every" or p % every == 0:
             self._save(p)
-        elif self.arm == "rc_every":
-            self._notice()
-            t = time.perf_counter()
-            h = self.engine.save_if_preempted(self.ver + 1)
-            if h is not None:
-                self.ver += 1
-                self.ver_progress[self.ver] = p
-                self._after_save = time.perf_counter() - t
-                self._watch_last_save(h)
-            else:
-                self._save(p)
 
     def _save(self, p: int) -> None:
         t = time.perf_counter()
@@ -317,6 +403,8 @@ class Arm(threading.Thread):
         deadline = time.monotonic() + bound
         last = None
         while True:
+            if self.stop_ev.is_set():
+                raise StopArm(f"the phase ended while waiting for the learner's restart (last answer: {last!r})")
             if time.monotonic() > deadline:
                 raise StopArm(f"the learner's restart on a replacement node: not within {bound:.0f}s "
                               f"(last answer: {last!r})")
@@ -347,10 +435,21 @@ class Arm(threading.Thread):
             self.handles = []
         self.progress = 0
         if self.arm == "framework":
-            p, dt = self._get(self.learner.torch_load.remote(self.path), "torch.load", 300)
+            p, dt = self._get(self.learner.framework_load.remote(self.path), "the framework's load", 300)
             self.progress = p
             if dt is not None:
                 self.restore_s.append(("remote", dt))
+        elif self.arm in ("ray_ckpt", "rc_every") and self.args.job == "rllib":
+            # the callback (resume=True) restored the run's newest version inside build_algo()
+            r = self._get(self.learner.resumed.remote(), "resumed", 60)
+            if r is None:
+                self.restore_failed += 1
+                say(f"{self.phase}/{self.arm}: nothing resumed, starting from 0")
+            else:
+                version, self.progress, secs, tier = r
+                self.restore_s.append((tier, secs))
+                say(f"{self.phase}/{self.arm}: resumed version {version} (iteration {self.progress}) from {tier} "
+                    f"in {secs:.2f}s")
         elif self.arm in ("ray_ckpt", "rc_every"):
             t = time.perf_counter()
             try:
@@ -381,7 +480,10 @@ class Arm(threading.Thread):
             try:
                 listed = bounded("list_checkpoints", self.engine.list_checkpoints, 30)
                 vs = [m.version for m in listed]
-                return self.ver_progress.get(max(vs), 0) if vs else 0
+                if not vs:
+                    return 0
+                # the RLlib callback's versions are iterations
+                return max(vs) if self.args.job == "rllib" else self.ver_progress.get(max(vs), 0)
             except Exception:  # noqa: BLE001
                 return 0
         return 0
@@ -420,7 +522,8 @@ class Baseline(threading.Thread):
         try:
             while not self.stop_ev.is_set():
                 t = time.perf_counter()
-                self.steps = ray.get(self.learner.train.remote(), timeout=120)
+                p = ray.get(self.learner.train.remote(), timeout=120)
+                self.steps = p[0] if isinstance(p, tuple) else p
                 self.step_times.append(time.perf_counter() - t)
         except Exception as exc:  # noqa: BLE001
             self.err = repr(exc)
@@ -453,8 +556,10 @@ def chaos(cluster_address, nodes: Nodes, events, args, t_start, notices: dict, l
             if wait > 0:
                 time.sleep(wait)
             order = order[1:] + order[:1]  # who is removed and replaced first rotates
-            ids = {a: nodes.node[a].node_id for a in order}
+            old = {a: nodes.node[a] for a in order}
+            ids = {a: n.node_id for a, n in old.items()}
             notices["drained_at"], notices["removed_at"] = {}, {}
+            replaced = False
             if with_notice:
                 t = time.time()
                 ends = {}
@@ -477,31 +582,45 @@ def chaos(cluster_address, nodes: Nodes, events, args, t_start, notices: dict, l
                 notices["drained_at"] = dict(ends)
                 say(f"chaos: event {i + 1}: every arm's node drained for preemption, deadline {args.notice_s}s "
                     f"(ray drain-node returned after " + ", ".join(f"{a} {ends[a] - t:.1f}s" for a in ends) + ")")
+                if not args.replace_at_removal:
+                    # the replacements are asked for at the notice (what an autoscaler told of a spot
+                    # interruption does) and join --replace-delay-s after it, beside the draining nodes
+                    left = t + args.replace_delay_s - time.time()
+                    if left > 0:
+                        time.sleep(left)
+                    add_replacements(nodes, order, i)
+                    replaced = True
                 # each node goes at its own deadline (its drain call's return + the notice)
                 for a in sorted(order, key=lambda a: ends.get(a, t)):
                     left = ends.get(a, t) + args.notice_s - time.time()
                     if left > 0:
                         time.sleep(left)
                     notices["removed_at"][a] = time.time()
-                    nodes.remove(a, graceful=True)
+                    nodes.remove(old[a])
                 t = min(notices["removed_at"].values())
             else:
                 t = time.time()
                 for a in order:
                     notices["removed_at"][a] = time.time()
-                    nodes.remove(a, graceful=False)
+                    nodes.remove(old[a])
             say(f"chaos: event {i + 1}: every arm's node removed ({'at its deadline' if with_notice else 'no notice'}"
                 f"; {time.time() - t:.1f}s)")
-            time.sleep(args.replace_delay_s)
-            for a in order:
-                _, dt = nodes.add(a)
-                nodes.replace_s.append(dt)
-            say(f"chaos: event {i + 1}: replacement nodes joined (add_node {', '.join(f'{x:.1f}' for x in nodes.replace_s[-len(order):])}s)")
+            if not replaced:
+                time.sleep(args.replace_delay_s)
+                add_replacements(nodes, order, i)
             log.append({"at": at, "notice": with_notice, "removed_at": t})
     except Exception:  # noqa: BLE001
         say(f"chaos FAILED: {traceback.format_exc(limit=4)}")
     finally:
         done.set()
+
+
+def add_replacements(nodes: Nodes, order, i: int) -> None:
+    for a in order:
+        _, dt = nodes.add(a)
+        nodes.replace_s.append(dt)
+    say(f"chaos: event {i + 1}: replacement nodes joined (add_node "
+        f"{', '.join(f'{x:.1f}' for x in nodes.replace_s[-len(order):])}s)")
 
 
 # ----------------------------------------------------------------------------- costs measured apart
@@ -537,9 +656,9 @@ def calibrate(args, root, srv, spare_id) -> dict:
         rep = bounded("calibration restore (remote)", eng.restore, 300)
         out["remote"] = (str(rep.states["policy"].tier), time.perf_counter() - t)
         p = os.path.join(root, "cal.pt")
-        saves = [ray.get(learner.torch_save.remote(p), timeout=300) for _ in range(3)]
+        saves = [ray.get(learner.framework_save.remote(p), timeout=300) for _ in range(3)]
         out["framework_save_pause_s"] = statistics.median(saves)
-        out["framework_load_s"] = ray.get(learner.torch_load.remote(p), timeout=300)[1]
+        out["framework_load_s"] = ray.get(learner.framework_load.remote(p), timeout=300)[1]
     finally:
         try:
             bounded("cal shutdown", lambda: eng.shutdown(timeout=30), 60)
@@ -557,21 +676,28 @@ def run_phase(kind, args, root, srv, cluster, nodes: Nodes, spare_id, results, c
     os.makedirs(shared, exist_ok=True)
     local = os.path.join(root, "local", "{node_id}")
     learners, engines = {}, {}
-    for i, arm in enumerate(ARMS):
-        learners[arm] = Learner.options(resources={f"slot_{arm}": 1}).remote(args.mb, args.step_s, i)
-    base = Learner.options(resources={"slot_base": 1},
-                           scheduling_strategy=NodeAffinitySchedulingStrategy(spare_id, soft=False)
-                           ).remote(args.mb, args.step_s, 99)
-    ray.get([a.where.remote() for a in learners.values()] + [base.where.remote()], timeout=180)
+    rllib = args.job == "rllib"
+    # the RLlib callback registers its states itself (and its metrics best-effort: one writer for them)
     common = dict(local_dir=local, remote_uri=srv.uri("runs"), remote_options=srv.options, critical_writers=1,
-                  best_effort_writers=0, keep_last=3, remote_keep_last=2)
-    engines["ray_ckpt"] = rc.CheckpointEngine.create(f"gp-{kind}-c", remote_every=1, on_preemption="evacuate",
-                                                     **common)
-    engines["rc_every"] = rc.CheckpointEngine.create(f"gp-{kind}-d", remote_every=args.every, peer_replicas=1,
-                                                     peer_domain_label="zone", peer_memory_mb=4 * args.mb,
-                                                     on_preemption="save", **common)
-    for arm, e in engines.items():
-        e.register("policy", learners[arm])
+                  best_effort_writers=1 if rllib else 0, keep_last=3, remote_keep_last=2, on_preemption="save")
+    runs = {"ray_ckpt": f"gp-{args.job}-{kind}-c", "rc_every": f"gp-{args.job}-{kind}-d"}
+    # created by the driver, so that the run outlives any learner; the RLlib callback attaches to it
+    engines["ray_ckpt"] = rc.CheckpointEngine.create(runs["ray_ckpt"], remote_every=1, **common)
+    engines["rc_every"] = rc.CheckpointEngine.create(runs["rc_every"], remote_every=args.every, peer_replicas=1,
+                                                     peer_domain_label="zone",
+                                                     peer_memory_mb=256 if rllib else 4 * args.mb, **common)
+    for i, arm in enumerate(ARMS):
+        opts = {"resources": {f"slot_{arm}": 1}}
+        learners[arm] = (RLlibLearner.options(**opts).remote(arm, runs.get(arm, ""), args.every, i) if rllib
+                         else Learner.options(**opts).remote(args.mb, args.step_s, i))
+    base_opts = {"resources": {"slot_base": 1},
+                 "scheduling_strategy": NodeAffinitySchedulingStrategy(spare_id, soft=False)}
+    base = (RLlibLearner.options(**base_opts).remote("none", "", args.every, 99) if rllib
+            else Learner.options(**base_opts).remote(args.mb, args.step_s, 99))
+    ray.get([a.where.remote() for a in learners.values()] + [base.where.remote()], timeout=300)
+    if not rllib:
+        for arm, e in engines.items():
+            e.register("policy", learners[arm])
     stop, done, notices, log = threading.Event(), threading.Event(), {}, []
     threads = {arm: Arm(arm, kind, args, learners[arm], engines.get(arm), shared, stop, notices) for arm in ARMS}
     bl = Baseline(base, stop)
@@ -644,6 +770,11 @@ def med(xs):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--job", choices=("toy", "rllib"), default="toy",
+                    help="toy: the demo learner (--mb of state, --step-s a step); rllib: DQN on CartPole "
+                         "(RLlibLearner), a step is one train()")
+    ap.add_argument("--replace-at-removal", action="store_true",
+                    help="ask for a noticed node's replacement only when it is removed (default: at the notice)")
     ap.add_argument("--mb", type=int, default=None)
     ap.add_argument("--phase-s", type=float, default=None)
     ap.add_argument("--events", type=int, default=None)
@@ -663,7 +794,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     # 64 MB: at 128 MB every 0.5 s, this 2-core machine could not keep the every-step arm's
     # replicas and the uploads up with the saves (see RESULTS); the default run steps once a second
-    if args.costs is None and not args.quick:  # a smoke run never replaces the measured costs
+    if args.costs is None and not args.quick and args.job == "toy":  # a smoke run never replaces the measured costs
         args.costs = os.path.join(HERE, "goodput_costs.json")
     args.mb = args.mb or 64
     args.step_s = args.step_s or (0.5 if args.quick else 1.0)
@@ -692,7 +823,8 @@ def main(argv=None) -> int:
             f"step {args.step_s}s; cadence {args.every}; notice {args.notice_s}s; replacement after "
             f"{args.replace_delay_s}s")
         try:
-            cal = calibrate(args, root, srv, spare.node_id)
+            if args.job == "toy":  # the sim's costs: the toy job's
+                cal = calibrate(args, root, srv, spare.node_id)
         except Exception:  # noqa: BLE001
             say(f"calibration failed: {traceback.format_exc(limit=3)}")
         for kind in kinds:

@@ -195,3 +195,14 @@ def test_the_rllib_callback_saves_at_the_next_iteration_after_a_notice(tmp_path)
                           capture_output=True, text=True, timeout=400)
     out = proc.stdout + proc.stderr[-3000:]
     assert proc.returncode == 0 and "RLLIB PREEMPTION OK" in proc.stdout, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_mailbox_lost_with_its_node_is_replaced_beside_the_coordinator(tmp_path):
+    # benchmarks/goodput.py's RLlib job: a learner restarted after its node's preemption could not
+    # register its states, Ray handing out the run's dead mailbox by name
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "mailbox_scenario.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=280)
+    out = proc.stdout + proc.stderr[-3000:]
+    assert proc.returncode == 0 and "MAILBOX OK" in proc.stdout, out

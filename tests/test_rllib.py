@@ -188,7 +188,7 @@ def test_ppo_saved_by_callback_restores_into_fresh_algorithm(engine_factory, run
                                                r.num_env_steps_sampled_lifetime))
         assert report.version == 2 and report.iteration == 2 and fresh.iteration == 2
         assert report.env_runners == {1: "verified"} and report.verified
-        assert all(v == "restored" for v in report.states.values()), report.states
+        assert all(v == "restored (local)" for v in report.states.values()), report.states
 
         got = _learner(fresh)
         _assert_params_equal(got["rl_module"]["default_policy"], want["rl_module"]["default_policy"])

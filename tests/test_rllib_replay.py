@@ -267,7 +267,7 @@ def _resume_exactly(make_config, engine_factory, run_name, iterations, learner_c
     try:
         report = rr.find_callback(fresh).resumed
         assert report.version == iterations and fresh.iteration == iterations
-        assert report.states[jn.STATE_NAME] == "restored"
+        assert report.states[jn.STATE_NAME] == "restored (local)"
         _assert_same(_learner_state(fresh), want_learner, "learner")
         from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME
         sampled = fresh.metrics.peek((ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME))

@@ -146,7 +146,7 @@ def test_dqn_buffer_journaled_by_the_callback_resumes_exactly_and_goes_on_writin
     fresh = _dqn_config(rr.make_callback(run_name, every=1, on_busy="wait", resume=True)).build_algo()
     try:
         report = rr.find_callback(fresh).resumed
-        assert report.version == 4 and report.states[jn.STATE_NAME] == "restored"
+        assert report.version == 4 and report.states[jn.STATE_NAME] == "restored (local)"
         _assert_same(_learner_state(fresh), want_learner, "learner")
         got = fresh.local_replay_buffer
         assert _differences(buf, got) == []
@@ -190,7 +190,7 @@ def test_multi_agent_dqn_buffer_journaled_by_the_callback_resumes_exactly(engine
         algo.stop()
     fresh = _ma_dqn_config(rr.make_callback(run_name, every=1, on_busy="wait", resume=True)).build_algo()
     try:
-        assert rr.find_callback(fresh).resumed.states[jn.STATE_NAME] == "restored"
+        assert rr.find_callback(fresh).resumed.states[jn.STATE_NAME] == "restored (local)"
         assert _differences(buf, fresh.local_replay_buffer) == []
         fresh.train()
         rr.wait_for_saves(fresh, timeout=120)

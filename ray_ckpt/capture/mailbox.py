@@ -123,23 +123,37 @@ def _mailbox(name: str, wait_s: float = 10.0) -> Any:
     return mb
 
 
-def _spawn_mailbox(coordinator: Any, name: str) -> Any:
+def _spawn_mailbox(coordinator: Any, name: str, dead: Optional[str] = None) -> Any:
     """Runs in the run's coordinator (``__ray_call__``): the mailbox is created by, so owned by, the
     coordinator's process, and Ray stops it with that process (``engine.shutdown()``). The
     coordinator keeps the handle: Ray also stops an actor once no handle of it is left, and the one
     returned lives in the rank that asked first, so ranks that end (a job resumed on another number
     of GPUs) would take the mailbox with them while the writers still use it. Outside any
     placement group: called from a Tune trial's process (no coordinator), it must not take, or fail
-    to fit, the trial's bundles."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    to fit, the trial's bundles. On the coordinator's node where it can: placed by Ray anywhere, it
+    landed on a learner's node, went with that node's preemption, and the restarted learner found
+    it dead (tests/test_mailbox.py). ``dead``: the id of a mailbox a caller found dead by its name
+    (Ray can still hand out a dead named actor for a while): it is killed first, which frees the
+    name."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
     cfg = getattr(coordinator, "cfg", None)  # the run's EngineConfig, in its coordinator's process
     nice = (cfg or EngineConfig).critical_nice
+    held = coordinator.__dict__.setdefault("_held_mailboxes", {}) if coordinator is not None else {}
+    if dead is not None:
+        try:
+            stale = held[name] if name in held and actor_id_hex(held[name]) == dead else \
+                ray.get_actor(name, namespace=MAILBOX_NAMESPACE)
+            if actor_id_hex(stale) == dead:
+                ray.kill(stale, no_restart=True)
+        except (ValueError, ray.exceptions.RayError):
+            pass
+        held.pop(name, None)
+    where = (NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+             if coordinator is not None else PlacementGroupSchedulingStrategy(placement_group=None))
     mb = SnapshotMailbox.options(name=name, namespace=MAILBOX_NAMESPACE, get_if_exists=True, max_restarts=0,
-                                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None)
-                                 ).remote(nice=nice)
+                                 scheduling_strategy=where).remote(nice=nice)
     if coordinator is not None:
-        held = coordinator.__dict__.setdefault("_held_mailboxes", {})
         # keep the creating handle: the one get_if_exists gives for a mailbox that already runs
         # does not count as a reference, so replacing it would let Ray stop the mailbox
         if name not in held or actor_id_hex(held[name]) != actor_id_hex(mb):
@@ -171,17 +185,26 @@ def open_mailbox(run: str, timeout: float = 120.0) -> Any:
         coordinator = ray.get_actor(actor_name(run), namespace=NAMESPACE)
     except ValueError:
         coordinator = None
-    mb = None
-    if coordinator is not None:
+    dead = None
+    for attempt in range(3):  # a mailbox found dead (its node went) is replaced
+        mb = None
+        if coordinator is not None:
+            try:
+                mb = ray.get(coordinator.__ray_call__.remote(_spawn_mailbox, name, dead), timeout=timeout)
+            except ray.exceptions.RayError:  # the coordinator is going away: the caller owns the mailbox
+                mb = None
+        if mb is None:
+            mb = _spawn_mailbox(None, name, dead)
         try:
-            mb = ray.get(coordinator.__ray_call__.remote(_spawn_mailbox, name), timeout=timeout)
-        except ray.exceptions.RayError:  # the coordinator is going away: the caller owns the mailbox
-            mb = None
-    if mb is None:
-        mb = _spawn_mailbox(None, name)
-    ray.get(actor_ready(mb), timeout=timeout)
-    _MAILBOXES[name] = mb
-    return mb
+            ray.get(actor_ready(mb), timeout=timeout)
+        except ray.exceptions.RayActorError:
+            if attempt == 2:
+                raise
+            dead = actor_id_hex(mb)
+            continue
+        _MAILBOXES[name] = mb
+        return mb
+    raise AssertionError("unreachable")
 
 
 def close_mailbox(run: str) -> None:

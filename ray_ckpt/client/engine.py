@@ -321,21 +321,24 @@ class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes, PreemptionNot
         return self._reader.manifest(version, step)
 
     def load(self, name: Any = None, step: Any = -1, rank: Optional[int] = 0, *, version: Optional[int] = None,
-             allow_pickle: Optional[bool] = None) -> Any:
+             allow_pickle: Optional[bool] = None, with_report: bool = False) -> Any:
         """Read one state of a committed version into this process (verified against the
         manifest, local tier first, then remote), without touching any provider.
 
         ``step=-1``: the latest version (versions are steps). ``rank``: which rank's part of a
         pushed state; ``rank=None``: a sharded (DTensor) state with every DTensor leaf assembled
         into its full tensor from all ranks' chunks (ranged reads, each piece verified), or the
-        single part of a state that has one. The older form ``load(version, name, rank)`` still works."""
+        single part of a state that has one. ``with_report=True`` returns ``(state, StateReport)``:
+        the tier it was read from (a missing or corrupt local copy read from a peer or the remote tier
+        says so in ``detail``) and the bytes read. The older form ``load(version, name, rank)`` still
+        works."""
         if isinstance(name, int) and not isinstance(name, bool) and isinstance(step, str):
             warnings.warn("engine.load(version, name) is deprecated; call engine.load(name, step=version)",
                           DeprecationWarning, stacklevel=2)
             name, step = step, name
         if version is not None:
             step = version
-        return self._reader.load(name, step, rank, allow_pickle)
+        return self._reader.load(name, step, rank, allow_pickle, with_report)
 
     def load_into(self, name: str, state: Any, step: int = -1, rank: int = 0, *, strict: bool = True,
                   world_size: Optional[int] = None, allow_pickle: Optional[bool] = None) -> StateReport:

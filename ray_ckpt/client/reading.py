@@ -78,7 +78,8 @@ class StateReader:
         return of, entry, allow_pickle
 
     # ------------------------------------------------------------------ one state into this process
-    def load(self, name: Any, step: Any, rank: Optional[int], allow_pickle: Optional[bool]) -> Any:
+    def load(self, name: Any, step: Any, rank: Optional[int], allow_pickle: Optional[bool],
+             with_report: bool = False) -> Any:
         """``CheckpointEngine.load`` (its arguments already in the current form)."""
         if not isinstance(name, str) or not name:
             raise InvalidArgumentError(f"load: the state's name is required, e.g. engine.load('policy', step=-1); "
@@ -91,9 +92,10 @@ class StateReader:
         of, entry, allow_pickle = self.stored_state(name, step, allow_pickle)
         if rank is None and entry.shards is not None:  # the full tensors of a sharded state
             try:
-                return sharded_io.load_full(tiers_of(self.config), entry, name, bool(allow_pickle))[0]
+                state, reader = sharded_io.load_full(tiers_of(self.config), entry, name, bool(allow_pickle))
             except IntegrityError as exc:
                 raise RestoreError(f"state {name!r} of {of}: {exc}") from None
+            return (state, StateReport("restored", reader.tier, True, "", reader.bytes)) if with_report else state
         if rank is None:
             if len(entry.files) > 1 and not entry.replicated:
                 raise InvalidArgumentError(
@@ -101,10 +103,13 @@ class StateReader:
                     f"rank-local parts of plain tensors (no DTensors), which cannot be assembled into full "
                     f"tensors; load one rank's part with rank=r")
             rank = 0
+        files = rank_files(entry, name, rank)
         try:
-            state, _tier, _ = read_state(tiers_of(self.config), rank_files(entry, name, rank), name, allow_pickle)
+            state, tier, problems = read_state(tiers_of(self.config), files, name, allow_pickle)
         except (IntegrityError, OSError) as exc:
             raise RestoreError(f"state {name!r} of {of}: {one_line(exc)}") from None
+        if with_report:
+            return state, StateReport("restored", tier, True, "; ".join(problems), sum(f.size for f in files))
         return state
 
     def load_into(self, name: str, state: Any, step: int, rank: int, strict: bool, world_size: Optional[int],

@@ -92,8 +92,8 @@ def _load_states(engine: CheckpointEngine, meta: Any, restore_env_runners: bool,
         elif name not in known:
             continue  # not one of ours
         try:
-            loaded[name] = engine.load(name=name, version=v, allow_pickle=name in pickled)
-            states[name] = "restored"
+            loaded[name], report = engine.load(name=name, version=v, allow_pickle=name in pickled, with_report=True)
+            states[name] = f"restored ({report.source})"
         except (RestoreError, CheckpointError) as exc:
             states[name] = f"missing: {exc}"
     for name in (POLICY, OPTIMIZER, CONNECTORS, COUNTERS):
