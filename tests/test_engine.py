@@ -96,6 +96,11 @@ def test_corrupt_local_file_restored_from_remote(engine_factory, tmp_path, run_n
     path.write_bytes(bytes(data))
     os.remove(tmp_path / "local" / run_name / "v000000000002" / "optimizer" / "rank0.safetensors")
     ray.get(learner.train.remote(2))
+    # one state read into this process says where it came from, as a restore does
+    policy, rep = eng.load("policy", step=2, with_report=True)
+    assert equal_snapshots(policy, eng.load("policy", step=2))
+    assert rep.status == "restored" and rep.tier == "remote" and rep.verified and "checksum mismatch" in rep.detail
+    assert eng.load("rng", step=2, with_report=True)[1].tier == "local"
     report = eng.restore()
     assert report.states["policy"].tier == "remote" and "checksum mismatch" in report.states["policy"].detail
     assert report.states["optimizer"].tier == "remote" and "missing" in report.states["optimizer"].detail

@@ -196,7 +196,8 @@ def _trees(meta: Dict[str, Any], fam: Family, keys: list, lists: Dict[Any, np.nd
             raise RestoreError(f"replay journal: no record gives the priority of tree leaf {exc}") from None
         pair = []
         for cls, values in zip((SumSegmentTree, MinSegmentTree), live):
-            tree = cls(cap)
+            tree = cls(1)  # not cls(cap): its 2 * cap neutral values would be thrown away at once
+            tree.capacity = cap
             rebuild_tree(tree, tidx, pack_scalars(values, "tree leaves"))
             pair.append(tree)
         built[key] = pair

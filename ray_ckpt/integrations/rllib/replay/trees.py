@@ -61,9 +61,10 @@ def rebuild_tree_f64(tree: Any, idx: np.ndarray, v: np.ndarray, packed: Dict[str
             take_right = right < left
             vals[lo:hi] = np.where(take_right, right, left)
             is_np[lo:hi] = np.where(take_right, rnp, lnp)
-    as_float = vals.tolist()
-    as_np = list(vals)
-    out = [as_np[i] if f else as_float[i] for i, f in enumerate(is_np.tolist())]
+    out = vals.tolist()  # Python floats; then the nodes that are np.float64 (a live leaf's ancestors)
+    at = np.flatnonzero(is_np)
+    for i, x in zip(at.tolist(), list(vals[at])):
+        out[i] = x
     out[0] = tree.neutral_element  # index 0 is never written by RLlib
     return out
 
@@ -122,5 +123,5 @@ def free_nodes_from(st: Dict[str, Any]) -> collections.deque:
     maxlen = st["maxlen"]
     if "all" in st:
         return collections.deque(np.asarray(st["all"]).tolist(), maxlen=maxlen)
-    items = np.asarray(st["prefix"]).tolist() + list(range(int(st["start"]), int(st["stop"])))
+    items = itertools.chain(np.asarray(st["prefix"]).tolist(), range(int(st["start"]), int(st["stop"])))
     return collections.deque(items, maxlen=maxlen)
