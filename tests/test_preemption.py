@@ -178,23 +178,25 @@ def test_no_notice_no_extra_save(engine_factory, provider):
     assert [m.step for m in engine.list_checkpoints()] == [1]
 
 
+def run_scenario(script: str, tmp_path, ok: str, timeout: float) -> None:
+    """Run a multi-node scenario in its own process (a Cluster needs its own ray.init, apart from
+    the session's instance); it prints ``ok`` and exits 0 when every check holds."""
+    proc = subprocess.run([sys.executable, os.path.join(HERE, script), str(tmp_path)],
+                          capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr[-3000:]
+    assert proc.returncode == 0 and ok in proc.stdout, out
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_drained_nodes_versions_are_moved_before_the_deadline_and_the_last_save_taken(tmp_path):
-    # its own process: a multi-node Cluster needs its own ray.init, apart from the session's instance
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "preemption_scenario.py"), str(tmp_path)],
-                          capture_output=True, text=True, timeout=400)
-    out = proc.stdout + proc.stderr[-3000:]
-    assert proc.returncode == 0 and "PREEMPTION OK" in proc.stdout, out
+    run_scenario("preemption_scenario.py", tmp_path, "PREEMPTION OK", 400)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_the_rllib_callback_saves_at_the_next_iteration_after_a_notice(tmp_path):
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "rllib_preemption_scenario.py"), str(tmp_path)],
-                          capture_output=True, text=True, timeout=400)
-    out = proc.stdout + proc.stderr[-3000:]
-    assert proc.returncode == 0 and "RLLIB PREEMPTION OK" in proc.stdout, out
+    run_scenario("rllib_preemption_scenario.py", tmp_path, "RLLIB PREEMPTION OK", 400)
 
 
 @pytest.mark.slow
@@ -202,7 +204,4 @@ def test_the_rllib_callback_saves_at_the_next_iteration_after_a_notice(tmp_path)
 def test_a_mailbox_lost_with_its_node_is_replaced_beside_the_coordinator(tmp_path):
     # benchmarks/goodput.py's RLlib job: a learner restarted after its node's preemption could not
     # register its states, Ray handing out the run's dead mailbox by name
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "mailbox_scenario.py"), str(tmp_path)],
-                          capture_output=True, text=True, timeout=280)
-    out = proc.stdout + proc.stderr[-3000:]
-    assert proc.returncode == 0 and "MAILBOX OK" in proc.stdout, out
+    run_scenario("mailbox_scenario.py", tmp_path, "MAILBOX OK", 280)
