@@ -159,6 +159,46 @@ def test_a_notices_upload_takes_the_writers_urgent_slot_not_the_routine_queue(ra
     assert ray.get(urgent) == sum(f.size for f in files[4])
     remote = cfg.remote_tier()
     assert all(remote.exists(f.path) for v in sizes for f in files[v])
+    # a routine call for files an urgent one copied (queued before it) copies them no more, once
+    assert ray.get(writer.upload.remote(files[4]), timeout=60) == 0
+    assert ray.get(writer.upload.remote(files[4]), timeout=60) == sum(f.size for f in files[4])
+
+
+@pytest.mark.timeout(180)
+def test_a_routine_upload_queued_behind_older_ones_is_sent_urgently_at_a_notice(engine_factory, run_name):
+    """Every version uploaded (``remote_every=1``) through one writer whose two routine slots hold
+    two big older versions (rate-limited) with a third queued: version 4 (small), committed and its
+    routine upload call queued behind them, is asked for by a notice (``upload_now``, what the
+    evacuation calls). Its queued call is sent again through the urgent slots and the version is on
+    the remote tier while the older ones are still uploading (the routine call, when its turn comes,
+    skips what the urgent one copied: the writer test above); all four end up on the remote tier."""
+    import numpy as np
+    import ray
+    from ray_ckpt.protocol import NAMESPACE, actor_name
+    eng = engine_factory(critical_writers=1, best_effort_writers=0, remote_every=1, upload_max_mb_s=16.0)
+    sizes = {1: 40 << 20, 2: 40 << 20, 3: 40 << 20, 4: 64 << 10}
+    now = {}
+    eng.register("s", lambda: {"x": np.full(sizes[now["v"]], now["v"], np.uint8)}, loader=lambda st: None)
+    handles = {}
+    for v in sizes:
+        now["v"] = v
+        handles[v] = eng.save(v)
+        handles[v].wait(timeout=60)  # committed locally: its upload call is sent at once
+    coordinator = ray.get_actor(actor_name(run_name), namespace=NAMESPACE)
+
+    def notice(self):  # what the evacuation does for a drained node's newest version, on the actor's loop
+        async def now():
+            self.uploader.upload_now(4)
+        loop = self.uploader.futures[4].get_loop()  # made at version 4's commit
+        asyncio.run_coroutine_threadsafe(now(), loop).result(timeout=10)
+    ray.get(coordinator.__ray_call__.remote(notice), timeout=30)
+    handles[4].wait(timeout=60, durability="remote")
+    tiers = {m.version: set(m.tiers) for m in eng.list_checkpoints()}
+    assert "remote" not in tiers[1] and "remote" not in tiers[2] and "remote" not in tiers[3], tiers
+    for v in (1, 2, 3):
+        handles[v].wait(timeout=120, durability="remote")
+    assert all("remote" in set(m.tiers) for m in eng.list_checkpoints())
+    assert eng.load("s", step=4)["x"].tobytes() == np.full(64 << 10, 4, np.uint8).tobytes()
 
 
 def test_on_preemption_is_validated_at_create(ray_session, tmp_path):

@@ -50,6 +50,15 @@ async def timed_thread(fn: Callable[..., Any], *args: Any,
     return out, (started[0] - called, time.perf_counter() - started[0])
 
 
+async def _awaited(ref: Any) -> Any:
+    return await ref
+
+
+def _seen(task: "asyncio.Future") -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: a routine call overtaken by an urgent one may fail unheeded
+
+
 def root_cause(exc: BaseException) -> BaseException:
     """A provider's or writer's error comes wrapped once per Ray task it crossed."""
     while getattr(exc, "cause", None) is not None and exc.cause is not exc:
@@ -76,6 +85,7 @@ class Uploader:
         # and their remote commit a thread of its own (the default pool also runs the drain poll,
         # node reads and retention deletes), so routine work queued before them does not delay them
         self.urgent: Set[int] = set()
+        self._turned_urgent: Dict[int, asyncio.Event] = {}  # set when a version in copy turns urgent
         self._urgent_threads: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
     def future(self, version: int) -> asyncio.Future:
@@ -106,7 +116,11 @@ class Uploader:
         self.future(version)
         self.plan.uploading.add(version)
         self.urgent.add(version)
+        self._urgent_event(version).set()  # a routine attempt in copy sends its queued calls again, urgently
         return self._in_background(self.upload(version))
+
+    def _urgent_event(self, version: int) -> asyncio.Event:
+        return self._turned_urgent.setdefault(version, asyncio.Event())
 
     def _commit_threads(self, version: int) -> Optional[concurrent.futures.Executor]:
         if version not in self.urgent:
@@ -179,6 +193,7 @@ class Uploader:
             fut = self.futures.get(version)
             if fut is None or fut.done():  # uploaded or given up; not a routine attempt an urgent one waits behind
                 self.urgent.discard(version)
+                self._turned_urgent.pop(version, None)
         await self._retention()
 
     def _slow_commit(self, version: int, fence_t: Tuple[float, float], manifest_t: Tuple[float, float]) -> None:
@@ -199,13 +214,34 @@ class Uploader:
 
         async def one(node: str, fs: List[Any]) -> None:
             writer = self.pools.least_busy(self.pools.critical_on(node))
-            await (writer.upload_urgent if version in self.urgent else writer.upload).remote(fs)
+            if version is None or version in self.urgent:
+                await (writer.upload_urgent if version in self.urgent else writer.upload).remote(fs)
+            else:
+                await self._routine_or_urgent(writer, fs, version)
             if version in self.bytes:
                 done, total = self.bytes[version]
                 self.note(version, done + sum(f.size for f in fs), total)
 
         await asyncio.gather(*[one(node, fs[i:i + UPLOAD_FILES_PER_CALL]) for node, fs in by_node.items()
                                for i in range(0, len(fs), UPLOAD_FILES_PER_CALL)])
+
+    async def _routine_or_urgent(self, writer: Any, fs: List[Any], version: int) -> None:
+        """A routine call for ``fs``; should ``version`` turn urgent (a preemption notice) before it
+        ends, the same files go through the writer's urgent slots at once: Ray runs a concurrency
+        group's calls in arrival order, so a routine call queued behind older versions' uploads
+        could wait past the deadline. The routine call stays queued (Ray cannot take back an actor
+        call reliably) and skips, when it runs, what the urgent one copied (``PartWriter.upload``)."""
+        routine = asyncio.ensure_future(_awaited(writer.upload.remote(fs)))
+        turned = asyncio.ensure_future(self._urgent_event(version).wait())
+        try:
+            await asyncio.wait({routine, turned}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            turned.cancel()
+        if routine.done():
+            routine.result()
+            return
+        routine.add_done_callback(_seen)  # its answer no longer matters: the urgent call's does
+        await writer.upload_urgent.remote(fs)
 
     def named(self, version: int) -> str:
         """``version`` as messages name it: by its manifest's step (an upload resumed at start-up may
@@ -252,3 +288,4 @@ class Uploader:
         """Drop the future and lock of an old, finished version (see the coordinator's pruning)."""
         self.futures.pop(version, None)
         self.locks.pop(version, None)
+        self._turned_urgent.pop(version, None)

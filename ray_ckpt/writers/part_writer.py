@@ -3,7 +3,9 @@ upload committed files to the remote tier. A plain object (no Ray), unit-tested 
 ``pools.WriterActor`` is its Ray shell."""
 from __future__ import annotations
 
+import collections
 import dataclasses
+import threading
 import time
 from typing import Dict, Iterable, List, Optional, Tuple, Union
 
@@ -14,6 +16,9 @@ from ..protocol import ShardRecord, WrittenPart
 from ..storage.checkpoint_io import content_hash, shard_record, write_append_only, write_flat
 from ..storage.durable_batch import DurableBatch
 from ..storage.tier import RateLimit, Tier
+
+
+COPIED_URGENTLY_KEPT = 4096  # files an urgent upload copied, remembered for the routine calls behind it
 
 
 class PartWriter:
@@ -31,6 +36,9 @@ class PartWriter:
         self.remote = remote
         self.upload_retries = upload_retries
         self.retry_base_s = retry_base_s
+        # files an urgent upload copied, (path, checksum): a routine call for them queued earlier skips them
+        self._copied_urgently: "collections.OrderedDict[Tuple[str, str], None]" = collections.OrderedDict()
+        self._copied_lock = threading.Lock()
 
     def write_part(self, version: int, name: str, rank: int, flat: Flat, *,
                    reuse: Optional[Dict[str, List[dict]]] = None,
@@ -95,13 +103,23 @@ class PartWriter:
         write_s = time.perf_counter() - t0  # the batch's time: each part was durable only at its end
         return [r if isinstance(r, BaseException) else dataclasses.replace(r, write_s=write_s) for r in out]
 
-    def upload(self, files: Iterable[Union[FileEntry, dict]]) -> int:
+    def upload(self, files: Iterable[Union[FileEntry, dict]], urgent: bool = False) -> int:
         """Copy committed local files to the remote tier, verifying each against its manifest
-        checksum while streaming. Transient errors retry with exponential backoff."""
+        checksum while streaming; returns the bytes copied. Transient errors retry with exponential
+        backoff. ``urgent``: a preemption notice's copy (``WriterActor.upload_urgent``), sent beside
+        a routine call for the same files still queued: the routine call, when its turn comes, skips
+        what the urgent one copied (the version may be committed and even deleted by retention by
+        then: copying it again would leave files no manifest names)."""
         if self.remote is None:
             raise SaveError("no remote tier is configured")
         total = 0
         for f in map(_entry, files):
+            key = (f.path, f.checksum)
+            if not urgent:
+                with self._copied_lock:
+                    if key in self._copied_urgently:
+                        del self._copied_urgently[key]
+                        continue
             for attempt in range(self.upload_retries + 1):
                 try:
                     size, digest = self.local.copy_to(self.remote, f.path)
@@ -117,6 +135,11 @@ class PartWriter:
                 self.remote.delete_file(f.path)
                 raise IntegrityError(f"local copy of {f.path} does not match its manifest; not uploaded")
             total += size
+            if urgent:
+                with self._copied_lock:
+                    self._copied_urgently[key] = None
+                    while len(self._copied_urgently) > COPIED_URGENTLY_KEPT:
+                        self._copied_urgently.popitem(last=False)
         return total
 
 

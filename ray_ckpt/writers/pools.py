@@ -121,8 +121,9 @@ class WriterActor:
         uploads every version, the two routine slots can hold a queue of older versions' calls
         (Ray runs a group's calls in arrival order), behind which the newest version's copy would
         wait past the deadline; and the notice's own copies run side by side, so that the last save's
-        (committed during the notice, after older copies began) does not wait for them either."""
-        return self.writer.upload(files)
+        (committed during the notice, after older copies began) does not wait for them either. A
+        routine call for the same files queued before it skips what it copied."""
+        return self.writer.upload(files, urgent=True)
 
     @ray.method(concurrency_group="replicate", max_task_retries=0)
     def replicate(self, version: int, files: List[FileEntry], holder: Any) -> int:
