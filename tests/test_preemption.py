@@ -125,7 +125,8 @@ def test_a_notices_upload_takes_the_writers_urgent_slot_not_the_routine_queue(ra
     notice copies away (``upload_urgent``, which the uploader uses for it) starts at once and lands
     before them, and before an older version's urgent copy that began first (the last save, committed
     during the notice, after the older copies started); the same small file sent the routine way lands
-    after the queue. Real writer actor, real files, a file:// remote tier with the writer's upload
+    after the queue; the routine uploads already running give way to the urgent ones (the big urgent
+    copy, begun after them, ends first). Real writer actor, real files, a file:// remote tier with the writer's upload
     rate limit."""
     import numpy as np
     import ray
@@ -155,6 +156,7 @@ def test_a_notices_upload_takes_the_writers_urgent_slot_not_the_routine_queue(ra
     order = [names[r] for r in order]
     assert order.index("urgent") < order.index(1) and order.index("urgent") < order.index(5), order
     assert order.index("urgent") < order.index("older"), order
+    assert order.index("older") < order.index(1) and order.index("older") < order.index(2), order  # they gave way
     assert order.index(5) > order.index(1), order  # the routine small file waited for a slot
     assert ray.get(urgent) == sum(f.size for f in files[4])
     remote = cfg.remote_tier()

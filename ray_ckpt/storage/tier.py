@@ -18,7 +18,7 @@ import contextlib
 import os
 import stat
 import uuid
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pyarrow.fs as pafs
 
@@ -154,10 +154,13 @@ class Tier(StorageTier):
             sink.write(data)
         return sink.size, sink.digest()
 
-    def copy_to(self, dest: "Tier", rel: str) -> Tuple[int, str]:
-        """Stream ``rel`` from this tier to ``dest`` (same relative path); returns (size, checksum)."""
+    def copy_to(self, dest: "Tier", rel: str, between: Optional[Callable[[], None]] = None) -> Tuple[int, str]:
+        """Stream ``rel`` from this tier to ``dest`` (same relative path); returns (size, checksum).
+        ``between()`` is called before each chunk (a copy that should give way to others waits there)."""
         with self._open_input(rel) as src, dest.open_atomic(rel) as sink:
             while True:
+                if between is not None:
+                    between()
                 data = src.read(_COPY_BUFFER)
                 if not data:
                     break

@@ -19,6 +19,7 @@ from ..storage.tier import RateLimit, Tier
 
 
 COPIED_URGENTLY_KEPT = 4096  # files an urgent upload copied, remembered for the routine calls behind it
+YIELD_MAX_S = 30.0  # a routine upload gives way to urgent ones on its writer for at most this long at a time
 
 
 class PartWriter:
@@ -39,6 +40,8 @@ class PartWriter:
         # files an urgent upload copied, (path, checksum): a routine call for them queued earlier skips them
         self._copied_urgently: "collections.OrderedDict[Tuple[str, str], None]" = collections.OrderedDict()
         self._copied_lock = threading.Lock()
+        self._urgent_now = 0  # urgent uploads in progress on this writer: routine ones give way to them
+        self._urgent_done = threading.Condition(self._copied_lock)
 
     def write_part(self, version: int, name: str, rank: int, flat: Flat, *,
                    reuse: Optional[Dict[str, List[dict]]] = None,
@@ -109,9 +112,30 @@ class PartWriter:
         backoff. ``urgent``: a preemption notice's copy (``WriterActor.upload_urgent``), sent beside
         a routine call for the same files still queued: the routine call, when its turn comes, skips
         what the urgent one copied (the version may be committed and even deleted by retention by
-        then: copying it again would leave files no manifest names)."""
+        then: copying it again would leave files no manifest names), and routine uploads running on
+        this writer pause between chunks while urgent ones run (:meth:`_give_way`)."""
         if self.remote is None:
             raise SaveError("no remote tier is configured")
+        if urgent:
+            with self._copied_lock:
+                self._urgent_now += 1
+            try:
+                return self._upload(files, True)
+            finally:
+                with self._copied_lock:
+                    self._urgent_now -= 1
+                    self._urgent_done.notify_all()
+        return self._upload(files, False)
+
+    def _give_way(self) -> None:
+        """Between two chunks of a routine upload: wait while urgent uploads run on this writer (a
+        notice's copies then have the writer's bandwidth to themselves: shared, the newest version's
+        copy crawled with the older ones' and none ended by the deadline), at most ``YIELD_MAX_S``."""
+        with self._copied_lock:
+            if self._urgent_now:
+                self._urgent_done.wait_for(lambda: not self._urgent_now, timeout=YIELD_MAX_S)
+
+    def _upload(self, files: Iterable[Union[FileEntry, dict]], urgent: bool) -> int:
         total = 0
         for f in map(_entry, files):
             key = (f.path, f.checksum)
@@ -122,7 +146,7 @@ class PartWriter:
                         continue
             for attempt in range(self.upload_retries + 1):
                 try:
-                    size, digest = self.local.copy_to(self.remote, f.path)
+                    size, digest = self.local.copy_to(self.remote, f.path, None if urgent else self._give_way)
                     break
                 except FileNotFoundError:
                     raise IntegrityError(f"cannot upload {f.path}: the local copy is missing") from None
