@@ -105,6 +105,27 @@ def test_a_node_that_goes_takes_what_was_not_moved_and_a_late_upload_is_kept():
     asyncio.run(scenario())
 
 
+def test_a_drained_node_whose_trainer_asked_for_notices_is_the_runs_before_its_first_save():
+    """Unit (no Ray): node B holds no file, writer or replica of the run (its trainer has not saved
+    yet: goodput.py's RLlib job, a save every 10 iterations, drained at iteration 5); drained, it is
+    not the run's until a process there asks for the notice (``engine.preemption()`` sends its node),
+    then it is, so that the trainer's last save is taken; when B goes, it is forgotten."""
+    async def scenario():
+        ev = _evacuation({1: _manifest(1, {"policy": ("critical", {0: "A"})})})
+        deadline = time.time() + 30
+        await ev.poll({"B": deadline})
+        assert ev.active() is None
+        ev.asked_from("B")
+        await ev.poll({"B": deadline})
+        notice = ev.active()
+        assert notice is not None and notice.nodes == ("B",) and notice.lost == {}, notice
+        ev.replication.alive.pop("B", None)
+        await ev.poll({})
+        assert ev.active() is None and "B" not in ev.asking
+
+    asyncio.run(scenario())
+
+
 def test_a_cancelled_drain_loses_nothing():
     async def scenario():
         ev = _evacuation({1: _manifest(1, {"policy": ("critical", {0: "A"})})})

@@ -193,8 +193,10 @@ class CheckpointCoordinator:
                                    last_error=self.last_error, started_at=self.started_at, node=self.node_id)
 
     @ray.method(concurrency_group="queries")
-    def preemption(self) -> Optional[PreemptionNotice]:
-        """The preemption notice in force (a drained node of the run), or None (evacuation.py)."""
+    def preemption(self, node: Optional[str] = None) -> Optional[PreemptionNotice]:
+        """The preemption notice in force (a drained node of the run), or None (evacuation.py).
+        ``node``: the asking process's node, counted as the run's from the next poll on."""
+        self.evacuation.asked_from(node)
         return self.evacuation.active()
 
     @ray.method(concurrency_group="queries")

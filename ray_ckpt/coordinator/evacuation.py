@@ -101,6 +101,9 @@ class Evacuation:
         self.replication, self.file_nodes, self.node_id, self.pools = replication, file_nodes, node_id, pools
         self.metrics, self._in_background, self._set_error = metrics, in_background, set_error
         self.draining: Dict[str, float] = {}  # node -> deadline (unix time), nodes that hold part of the run
+        # nodes whose processes asked for the run's notice (engine.preemption(): a trainer that may save
+        # there): part of the run before its first save places a writer or a file there
+        self.asking: Set[str] = set()
         self.noticed_at: Optional[float] = None  # when the current notice began
         self.moved: Set[int] = set()
         self.moving: Set[int] = set()
@@ -128,9 +131,17 @@ class Evacuation:
             await asyncio.sleep(DRAIN_POLL_S)
 
     def holds(self, node: str) -> bool:
-        """Whether ``node`` holds anything of the run: files on its local tier, writers, a replica holder."""
+        """Whether ``node`` holds anything of the run: files on its local tier, writers, a replica holder,
+        or a process that asks for the run's notices (a trainer whose last save would be lost with it:
+        before its first save, nothing else of the run is there)."""
         return (node in self.pools.critical_by_node or node in self.replication.holders
-                or node in set(self.file_nodes.values()))
+                or node in set(self.file_nodes.values()) or node in self.asking)
+
+    def asked_from(self, node: Optional[str]) -> None:
+        """A process on ``node`` asked for the notice (``engine.preemption()``): the next poll
+        counts the node as the run's."""
+        if node:
+            self.asking.add(node)
 
     async def poll(self, found: Mapping[str, float]) -> None:
         """One reading of Ray's draining nodes (node -> deadline): begin, extend or end the notice,
@@ -145,6 +156,7 @@ class Evacuation:
                             "the notice ends", ", ".join(stayed))
             if gone:
                 self._node_went(gone)
+                self.asking -= gone
         new = set(ours) - set(self.draining)
         if new:
             left = min(ours[n] for n in new) - time.time()
