@@ -132,7 +132,7 @@ def _spawn_mailbox(coordinator: Any, name: str, dead: Optional[str] = None) -> A
     placement group: called from a Tune trial's process (no coordinator), it must not take, or fail
     to fit, the trial's bundles. On the coordinator's node where it can: placed by Ray anywhere, it
     landed on a learner's node, went with that node's preemption, and the restarted learner found
-    it dead (tests/test_mailbox.py). ``dead``: the id of a mailbox a caller found dead by its name
+    it dead (tests/mailbox_scenario.py). ``dead``: the id of a mailbox a caller found dead by its name
     (Ray can still hand out a dead named actor for a while): it is killed first, which frees the
     name."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy

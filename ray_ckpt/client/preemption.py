@@ -34,10 +34,11 @@ class PreemptionNotices:
     def preemption(self, max_age: float = NOTICE_MAX_AGE_S) -> Optional[PreemptionNotice]:
         """The preemption notice in force for this run, or None: Ray drains a node that holds part
         of it (its local tier's files, writers, replicas, or a process that asked this before: this
-        one's own node counts from the coordinator's next reading, within a second) with a deadline. The notice names the
-        nodes, the ``deadline`` (``seconds_left()``), the states and ranks whose newest parts were
-        written there, and what the run has ``moved`` away, is ``moving``, and ``lost`` (with why).
-        Read from the coordinator at most once per ``max_age`` seconds."""
+        one's own node counts from the coordinator's next reading, within a second) with a
+        deadline. The notice names the nodes, the ``deadline`` (``seconds_left()``), the states and
+        ranks whose newest parts were written there, and what the run has ``moved`` away, is
+        ``moving``, and ``lost`` (with why). Read from the coordinator at most once per ``max_age``
+        seconds."""
         read_at, notice = self._notice_read
         now = time.monotonic()
         if now - read_at >= max_age:
