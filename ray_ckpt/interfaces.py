@@ -192,7 +192,8 @@ class CheckpointSeam(Protocol):
         """The newest committed step, or None."""
 
     def load(self, name: Any = None, step: Any = -1, rank: Optional[int] = 0, **options: Any) -> Any:
-        """One state of a committed version, read and verified."""
+        """One state of a committed version, read and verified; ``with_report=True``: ``(state,
+        StateReport)``, the tier it came from."""
 
     def load_into(self, name: str, state: Any, step: int = -1, rank: int = 0, **options: Any) -> Any:
         """One state of a committed version, copied into ``state`` in place."""

@@ -55,7 +55,7 @@ from ...protocol import NAMESPACE, actor_name
 from ...errors import CheckpointError, IntegrityError, InvalidArgumentError, RestoreError, one_line
 from ...capture.restored import read_state, tiers_of
 from ...storage.layout import validate_name
-from ...types import CheckpointMeta
+from ...types import CheckpointMeta, StateReport
 from .base._rllib_internals import scheduled_lr, set_optimizer_lr
 from .base.learner_params import registered_optimizers
 from .base.names import log
@@ -185,7 +185,8 @@ class StoredRun:
         return [meta_of(self.manifest(v), tuple(t.name for t in self._tiers)) for v in self._versions]
 
     def load(self, name: str, step: int = -1, rank: Optional[int] = 0, *, version: Optional[int] = None,
-             allow_pickle: Optional[bool] = None) -> Any:
+             allow_pickle: Optional[bool] = None, with_report: bool = False) -> Any:
+        """``CheckpointEngine.load`` of the stored run (``with_report``: ``(state, StateReport)``)."""
         v = step if version is None else version
         if v is None or v < 0:
             raise InvalidArgumentError("StoredRun.load needs a version number")
@@ -194,10 +195,14 @@ class StoredRun:
         if entry is None or entry.status != "stored":
             why = "no such state" if entry is None else f"{entry.status}: {entry.detail}"
             raise RestoreError(f"state {name!r} of version {v} of run {self.run!r}: {why}")
+        files = rank_files(entry, name, rank or 0)
         try:
-            return read_state(self._tiers, rank_files(entry, name, rank or 0), name, bool(allow_pickle))[0]
+            state, tier, problems = read_state(self._tiers, files, name, bool(allow_pickle))
         except (IntegrityError, OSError) as exc:
             raise RestoreError(f"state {name!r} of version {v} of run {self.run!r}: {one_line(exc)}") from None
+        if with_report:
+            return state, StateReport("restored", tier, True, "; ".join(problems), sum(f.size for f in files))
+        return state
 
 
 # ====================================================================== the Algorithm's methods
