@@ -12,6 +12,7 @@ from typing import Any, List, Optional, Sequence
 from ..errors import IntegrityError, RestoreError, one_line
 from ..formats.manifest import FileEntry
 from ..protocol import StagedState
+from ..types import StateReport
 from ..storage.checkpoint_io import NoGoodCopy, decode_files, read_files
 from ..storage.tier import Tier
 from .object_store import start_prefault
@@ -30,6 +31,12 @@ def read_state(tiers: Sequence[Tier], files: List[FileEntry], name: str, allow_p
     """Read, verify and decode one part. Returns (state, tier used, problems seen)."""
     bufs, tier, problems = read_files(tiers, files)
     return decode_files(files, bufs, name=name, allow_pickle=allow_pickle), tier, problems
+
+
+def read_state_reported(tiers: Sequence[Tier], files: List[FileEntry], name: str, allow_pickle: bool = False):
+    """:func:`read_state` as (state, the StateReport a restore gives it: tier, problems, bytes)."""
+    state, tier, problems = read_state(tiers, files, name, allow_pickle)
+    return state, StateReport("restored", tier, True, "; ".join(problems), sum(f.size for f in files))
 
 
 def stage_in_actor(actor: Any, name: str, config: Any, files: List[FileEntry],

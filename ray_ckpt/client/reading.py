@@ -21,7 +21,7 @@ from ..errors import IntegrityError, InvalidArgumentError, RestoreError, one_lin
 from ..formats.manifest import Manifest, StateEntry
 from ..metrics import for_run as metrics_for_run
 from ..capture.providers import Registration
-from ..capture.restored import read_state, tiers_of
+from ..capture.restored import read_state_reported, tiers_of
 from ..storage.layout import validate_name
 from ..types import RestoreReport, StateReport, step_label
 
@@ -105,12 +105,10 @@ class StateReader:
             rank = 0
         files = rank_files(entry, name, rank)
         try:
-            state, tier, problems = read_state(tiers_of(self.config), files, name, allow_pickle)
+            state, report = read_state_reported(tiers_of(self.config), files, name, allow_pickle)
         except (IntegrityError, OSError) as exc:
             raise RestoreError(f"state {name!r} of {of}: {one_line(exc)}") from None
-        if with_report:
-            return state, StateReport("restored", tier, True, "; ".join(problems), sum(f.size for f in files))
-        return state
+        return (state, report) if with_report else state
 
     def load_into(self, name: str, state: Any, step: int, rank: int, strict: bool, world_size: Optional[int],
                   allow_pickle: Optional[bool]) -> StateReport:

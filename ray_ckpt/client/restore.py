@@ -30,7 +30,7 @@ from ..errors import IntegrityError, RestoreError, one_line
 from ..formats.manifest import FileEntry, Manifest, StateEntry
 from ..protocol import StagedState
 from ..capture.providers import Registration
-from ..capture.restored import (NothingStagedError, apply_in_actor, discard_in_actor, hold, read_state,
+from ..capture.restored import (NothingStagedError, apply_in_actor, discard_in_actor, hold, read_state_reported,
                                 stage_in_actor, tiers_of)
 from ..capture.snapshot import ActorProvider, actor_get
 from ..types import StateReport, Strategy, step_label
@@ -140,9 +140,7 @@ def stage(p: RestorePlan, config: Any) -> Staged:
         s.in_actors[(a.name, a.rank)] = _stage_call(a, config)
     for r in p.local_reads:
         try:
-            state, tier, problems = read_state(tiers_of(config), r.files, r.name, r.allow_pickle)
-            s.local[r.name] = state
-            s.reports[r.name] = StateReport("restored", tier, True, "; ".join(problems), sum(f.size for f in r.files))
+            s.local[r.name], s.reports[r.name] = read_state_reported(tiers_of(config), r.files, r.name, r.allow_pickle)
         except (IntegrityError, RestoreError, OSError) as exc:
             s.reports[r.name] = StateReport("missing", None, False, one_line(exc))
             if isinstance(exc, NoGoodCopy):

@@ -53,9 +53,9 @@ from ...storage.checkpoint_io import rank_files, read_manifest
 from ...config import EngineConfig
 from ...protocol import NAMESPACE, actor_name
 from ...errors import CheckpointError, IntegrityError, InvalidArgumentError, RestoreError, one_line
-from ...capture.restored import read_state, tiers_of
+from ...capture.restored import read_state_reported, tiers_of
 from ...storage.layout import validate_name
-from ...types import CheckpointMeta, StateReport
+from ...types import CheckpointMeta
 from .base._rllib_internals import scheduled_lr, set_optimizer_lr
 from .base.learner_params import registered_optimizers
 from .base.names import log
@@ -197,12 +197,10 @@ class StoredRun:
             raise RestoreError(f"state {name!r} of version {v} of run {self.run!r}: {why}")
         files = rank_files(entry, name, rank or 0)
         try:
-            state, tier, problems = read_state(self._tiers, files, name, bool(allow_pickle))
+            state, report = read_state_reported(self._tiers, files, name, bool(allow_pickle))
         except (IntegrityError, OSError) as exc:
             raise RestoreError(f"state {name!r} of version {v} of run {self.run!r}: {one_line(exc)}") from None
-        if with_report:
-            return state, StateReport("restored", tier, True, "; ".join(problems), sum(f.size for f in files))
-        return state
+        return (state, report) if with_report else state
 
 
 # ====================================================================== the Algorithm's methods
