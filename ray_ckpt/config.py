@@ -76,7 +76,8 @@ class EngineConfig:
     # a node label naming the failure domain (e.g. "zone"): replicas go to nodes whose value differs
     peer_domain_label: Optional[str] = None
     # what a preemption notice (Ray drains a node of the run with a deadline) does: "save" copies the
-    # node's only copies away and lets save_if_preempted() save once more; "evacuate" only copies;
+    # node's only copies away and lets save_if_preempted() save at the next step (and again once
+    # that save is off the node: client/preemption.py); "evacuate" only copies;
     # "ignore" does neither (see coordinator/evacuation.py)
     on_preemption: str = "save"
     extra: Dict[str, Any] = field(default_factory=dict)

@@ -183,7 +183,8 @@ class CheckpointSeam(Protocol):
         """Push this rank's part of ``name`` at ``step``; returns the version's ``SaveHandle``."""
 
     def preemption_save_due(self) -> Any:
-        """The preemption notice this process has not saved for yet, else None."""
+        """The preemption notice in force when a save is due for it (the first step after it, then
+        each step after the newest save got off the drained node), else None."""
 
     def all_steps(self) -> List[int]:
         """Every committed step, oldest first."""

@@ -208,7 +208,8 @@ class OnPreemption(_StrEnum):
     notice; ``create(..., on_preemption=...)``).
 
     SAVE: copy that node's only copies away before the deadline, and ``save_if_preempted()`` (the
-    integrations call it at each step boundary) saves once more whatever the cadence (the default).
+    integrations call it at each step boundary) saves at the next step whatever the cadence, and
+    again each time the newest save is off the drained node (the default).
     EVACUATE: copy away only; no extra save. IGNORE: do nothing (the node's copies go with it)."""
 
     SAVE = "save"
@@ -232,9 +233,11 @@ class PreemptionNotice:
     may take the first of them (``inf``: the drain named no deadline); ``states``: the states whose
     newest stored parts were written on those nodes, with their ``ranks`` (the learners that will
     go); ``moved``: steps that got a copy elsewhere (the remote tier, else a replica on another
-    node) since the notice; ``moving``: steps whose copy is under way; ``lost``: steps that could
-    not be moved in time, each with why (they are no longer listed once the node is gone);
-    ``saved_step``: the step of the last save taken for this notice (``save_if_preempted``)."""
+    node) since the notice; ``moving``: steps whose copy is under way; ``at_risk``: committed steps
+    whose only copies are still on those nodes (``moving`` ones and those waiting their turn: what
+    the node would take if it went now); ``lost``: steps that could not be moved in time, each with
+    why (they are no longer listed once the node is gone); ``saved_step``: the newest step committed
+    since the notice (``save_if_preempted`` saves again once it is no longer at risk)."""
 
     nodes: Tuple[str, ...]
     deadline: float
@@ -245,6 +248,7 @@ class PreemptionNotice:
     moving: Tuple[int, ...] = ()
     lost: Dict[int, str] = field(default_factory=dict)
     saved_step: Optional[int] = None
+    at_risk: Tuple[int, ...] = ()
 
     def seconds_left(self, now: Optional[float] = None) -> float:
         """Seconds until the deadline (negative once it passed; ``inf`` without one)."""
@@ -259,7 +263,8 @@ class PreemptionNotice:
         return {"nodes": [n[:12] for n in self.nodes], "deadline": self.deadline if timed else None,
                 "seconds_left": round(self.seconds_left(), 1) if timed else None, "states": list(self.states),
                 "ranks": {k: list(v) for k, v in self.ranks.items()}, "moved": list(self.moved),
-                "moving": list(self.moving), "lost": dict(self.lost), "saved_step": self.saved_step}
+                "moving": list(self.moving), "at_risk": list(self.at_risk), "lost": dict(self.lost),
+                "saved_step": self.saved_step}
 
     def __str__(self) -> str:
         left = self.seconds_left()
@@ -267,7 +272,8 @@ class PreemptionNotice:
         out = [f"preemption notice: node(s) {', '.join(n[:12] for n in self.nodes)} drained, {when}"]
         if self.states:
             out.append(f"  states there: {', '.join(self.states)}")
-        out.append(f"  moved: {list(self.moved) or '-'}; moving: {list(self.moving) or '-'}")
+        out.append(f"  moved: {list(self.moved) or '-'}; moving: {list(self.moving) or '-'}; "
+                   f"still only on the drained node(s): {list(self.at_risk) or '-'}")
         for step, why in sorted(self.lost.items()):
             out.append(f"  lost step {step}: {why}")
         return "\n".join(out)

@@ -8,9 +8,10 @@ Two runs, each with per-node local tiers and a remote tier it uploads to only ev
 (so without a notice, nothing of them is off their learner's node):
 
   run "evac": the learner on node A saves steps 1-7; A gets a 30 s notice. Every version is copied
-      to the remote tier before the deadline; the trainer's save_if_preempted() saves step 8 once;
-      A is removed at the end; the learner restarts on node B and restore() brings back step 8
-      bit-exact from the remote tier; step 7 is still listed and loads.
+      to the remote tier before the deadline; the trainer's save_if_preempted() saves step 8 at its
+      next step, and step 9 once step 8 is off node A; A is removed at the end; the learner restarts
+      on node B and restore() brings back step 9 bit-exact from the remote tier; step 7 is still
+      listed and loads.
   run "peer": no remote tier; the same learner's steps 1-3 on node A's disk only. A's notice copies
       them to a replica holder on a node that stays; after A is gone, step 3 loads from it.
   run "short": the learner on node C saves 6 large versions, uploads throttled; C gets a notice
@@ -123,23 +124,30 @@ def main() -> int:
         n = wait_for("evac's notice", lambda: evac.preemption(max_age=0), 15)
         assert n.nodes == (a,) and 20 < n.seconds_left() <= 30, n
         assert "policy" in n.states and n.ranks["policy"] == (0,), n
-        # the trainer's next step boundary: one more save, whatever the cadence, once per notice
+        # the trainer's next step boundary: one more save, whatever the cadence
         ray.get(learner.train.remote(1))
         handle = evac.save_if_preempted(8)
         assert handle is not None and handle.wait(timeout=n.seconds_left()).step == 8
-        assert evac.save_if_preempted(9) is None, "a second save for the same notice"
+        assert evac.save_if_preempted(8) is None, "a step saved already"
         wait_for("verl's expiry check sees the notice", lambda: should_save_ckpt_esi(max_steps_duration=5.0), 5)
         assert forwarder.notices == 1, forwarder.notices
         n = wait_for("evac: every version moved", lambda: (lambda x: x if x and set(x.moved) >= set(range(1, 9))
                                                            else None)(evac.preemption(max_age=0)), 25)
-        assert not n.lost and n.saved_step == 8, n
+        assert not n.lost and n.saved_step == 8 and not n.at_risk, n
+        # step 8 is off node A: the trainer's next step boundary saves again, and that step is moved too
+        ray.get(learner.train.remote(1))
+        handle = evac.save_if_preempted(9)
+        assert handle is not None and handle.wait(timeout=n.seconds_left()).step == 9, "no save after 8 was moved"
+        n = wait_for("evac: step 9 moved", lambda: (lambda x: x if x and 9 in x.moved else None)(
+            evac.preemption(max_age=0)), 25)
+        assert not n.lost and n.saved_step == 9, n
         say(f"evac: moved {list(n.moved)} in {time.time() - noticed:.1f}s of 30; status: {evac.status()['preemption']}")
         expected = ray.get(learner.snapshot.remote())
         # an operator's view: ray-ckpt ls of the remote tier, asking the live coordinator for the notice
         ls = subprocess.run([sys.executable, "-m", "ray_ckpt.cli", "ls", os.path.join(root, "remote", "evac"),
                              "--ray-address", cluster.address], capture_output=True, text=True, timeout=120)
         assert ls.returncode == 0 and "preemption notice: node(s) " + a[:12] in ls.stdout, ls.stdout + ls.stderr
-        assert "moved to safety: [1, 2, 3, 4, 5, 6, 7, 8]" in ls.stdout, ls.stdout
+        assert "moved to safety: [1, 2, 3, 4, 5, 6, 7, 8, 9]" in ls.stdout, ls.stdout
         say("ray-ckpt ls --ray-address shows the notice:\n" + ls.stdout.strip().split("preemption")[-1])
         np_ = wait_for("peer: steps 1-3 copied to a holder", lambda: (lambda x: x if x and set(x.moved) >= {1, 2, 3}
                                                                       else None)(peer.preemption(max_age=0)), 25,
@@ -171,7 +179,7 @@ def main() -> int:
         wait_for("learner restarted on node B", lambda: _node(learner) == b, 120)
         report = evac.restore()
         say(report)
-        assert report.step == 8, report
+        assert report.step == 9, report
         assert report.states["policy"].tier == "remote" and report.states["optimizer"].tier == "remote", report
         assert equal(ray.get(learner.snapshot.remote()), expected), "restored state differs from the saved one"
         assert all("remote" in m.tiers for m in evac.list_checkpoints()), evac.list_checkpoints()

@@ -6,7 +6,8 @@ Run by tests/test_preemption.py in its own process (a Cluster needs its own ray.
 PPO (the example's config) saves every 3 iterations into a run with peer_replicas=1 and no remote
 tier, so iteration 3's version is held in the memory of a replica holder on the worker node. That
 node is drained for preemption (Ray's own ``ray drain-node``): the callback saves at the very next
-iteration (4) although its cadence would wait for 6, once per notice (iteration 5 is not saved),
+iteration (4) although its cadence would wait for 6, and once only (iteration 5 is not saved: the
+notice is about a replica holder's node, not the learner's parts or node, which would keep saving),
 and the notice names the step saved for it.
 """
 import os
@@ -50,7 +51,7 @@ def main() -> int:
             drain(cluster.address, worker.node_id, 60)
             wait_for("the notice", lambda: engine.preemption(max_age=0), 20)
             algo.train()  # iteration 4: not on the cadence (every=3), saved for the notice
-            algo.train()  # iteration 5: the notice's save was taken already
+            algo.train()  # iteration 5: the notice's save was taken already (the learner's node stays)
             wait_for_saves(algo, timeout=120)
             steps = [m.step for m in engine.list_checkpoints()]
             assert steps == [3, 4], steps

@@ -5,10 +5,12 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
 import ray_ckpt as rc
+from ray_ckpt.client.preemption import PreemptionNotices
 from ray_ckpt.coordinator.evacuation import affected, at_risk
 from ray_ckpt.formats.manifest import FileEntry, Manifest, StateEntry
 
@@ -67,8 +69,6 @@ class _Holders:
 
 
 def _evacuation(committed):
-    from types import SimpleNamespace
-
     from ray_ckpt.coordinator.catalogue import Catalogue
     from ray_ckpt.coordinator.evacuation import Evacuation
     from ray_ckpt.coordinator.upload_plan import UploadPlan
@@ -91,8 +91,10 @@ def test_a_node_that_goes_takes_what_was_not_moved_and_a_late_upload_is_kept():
         await ev.poll({"A": time.time() + 30})
         await asyncio.sleep(0.05)
         assert ev.notice().moving == (2,)  # newest first; 1 waits behind it
+        assert ev.notice().at_risk == (1, 2)  # what A would take if it went now
         ev.catalogue.committed[3] = _manifest(3, {"policy": ("critical", {0: "A"})})  # the last save
         ev.file_nodes.update(_file_nodes(ev.catalogue.committed))
+        assert ev.notice().at_risk == (1, 2, 3)
         ev.replication.alive.pop("A")  # taken before its deadline: Ray lists it no more
         await ev.poll({})
         status = ev.status()
@@ -124,6 +126,67 @@ def test_a_drained_node_whose_trainer_asked_for_notices_is_the_runs_before_its_f
         assert ev.active() is None and "B" not in ev.asking
 
     asyncio.run(scenario())
+
+
+class _Loop(PreemptionNotices):
+    """A training loop's engine as ``save_if_preempted`` sees it (the mixin of CheckpointEngine),
+    with the notice the coordinator would answer set by the test."""
+
+    def __init__(self, on_preemption="save"):
+        self.config = SimpleNamespace(on_preemption=on_preemption)
+        self._last_saved, self._notice_node, self.notice, self.saved = 0, "T", None, []
+
+    def preemption(self, max_age=0):
+        return self.notice
+
+    def save(self, step, on_busy=None, metrics=None):
+        self._last_saved = step
+        self.saved.append(step)
+        return step
+
+
+def test_save_if_preempted_saves_at_the_notice_then_again_each_time_the_newest_save_is_safe():
+    """Unit (no Ray): a loop calls ``save_if_preempted`` each step. It saves at the first step after
+    the notice; then not while that save is uncommitted or still only on the drained node; again once
+    it has a copy elsewhere; never for a save that was lost, after the deadline, for a notice that
+    is not about the trainer's parts or node, nor with ``on_preemption="evacuate"``; a new notice
+    gets its first save."""
+    from dataclasses import replace
+
+    from ray_ckpt.types import PreemptionNotice
+
+    loop = _Loop()
+    assert loop.save_if_preempted(1) is None
+    n = PreemptionNotice(nodes=("A",), deadline=time.time() + 30, noticed_at=100.0, states=("policy",))
+    loop.notice = n
+    assert loop.save_if_preempted(5) == 5
+    assert loop.save_if_preempted(6) is None  # 5 not committed yet
+    loop.notice = replace(n, saved_step=5, at_risk=(5,), moving=(5,))
+    assert loop.save_if_preempted(6) is None  # committed, still only on A
+    loop.notice = replace(n, saved_step=5, moved=(5,))
+    assert loop.save_if_preempted(5) is None  # a step already saved
+    assert loop.save_if_preempted(7) == 7
+    loop.notice = replace(n, saved_step=7, lost={7: "the deadline passed"})
+    assert loop.save_if_preempted(8) is None
+    loop.notice = replace(n, saved_step=7, deadline=time.time() - 1)
+    assert loop.save_if_preempted(8) is None
+    loop.notice = replace(n, saved_step=7, moved=(7,))
+    assert loop.save_if_preempted(8) == 8
+    assert loop.saved == [5, 7, 8]
+
+    # a notice about a replica holder's node: one save, not more
+    other = PreemptionNotice(nodes=("B",), deadline=time.time() + 30, noticed_at=200.0)
+    loop.notice = other
+    assert loop.save_if_preempted(9) == 9
+    loop.notice = replace(other, saved_step=9, moved=(9,))
+    assert loop.save_if_preempted(10) is None
+    # ... unless it drains the trainer's own node
+    loop.notice = replace(other, nodes=("B", "T"), saved_step=9, moved=(9,))
+    assert loop.save_if_preempted(10) == 10
+
+    evacuate = _Loop(on_preemption="evacuate")
+    evacuate.notice = n
+    assert evacuate.save_if_preempted(5) is None and evacuate.saved == []
 
 
 def test_a_cancelled_drain_loses_nothing():

@@ -49,7 +49,8 @@ def _notice_lines(notice: Dict[str, Any]) -> List[str]:
     when = "no deadline" if left is None else f"{left:.0f}s left" if left >= 0 else "deadline passed"
     head = (f"preemption notice{'' if notice['active'] else ' (ended)'}: node(s) {', '.join(notice['nodes'])} "
             f"drained, {when}")
-    lines = [head, f"  moved to safety: {notice['moved'] or '-'}; moving: {notice['moving'] or '-'}"]
+    lines = [head, f"  moved to safety: {notice['moved'] or '-'}; moving: {notice['moving'] or '-'}; "
+                   f"still only on the drained node(s): {notice.get('at_risk') or '-'}"]
     lines += [f"  lost step {step}: {why}" for step, why in sorted(notice["lost"].items())]
     return lines
 

@@ -15,8 +15,9 @@ anything of the run (files of committed versions on its local tier, a replica ho
 * **reports** it: ``engine.preemption()`` / ``status()["preemption"]`` hold the notice (nodes,
   deadline, the states and ranks whose newest parts were written there, what was moved, what is
   moving, what could not be moved and why); the metrics count moved and lost versions;
-* lets the trainer **save once more**: ``engine.save_if_preempted(step)`` (client side) saves when a
-  notice is active and ``on_preemption="save"``.
+* lets the trainer **keep saving**: ``engine.save_if_preempted(step)`` (client side) saves when a
+  notice is active and ``on_preemption="save"``, and again each time its newest save is no longer
+  at risk (``PreemptionNotice.at_risk``, from :meth:`Evacuation.notice`).
 
 What the deadline leaves unmoved is reported lost; once the node is gone the node watch of
 ``replication.py`` stops listing such versions (their files are on its disk only), as for any node
@@ -331,9 +332,10 @@ class Evacuation:
         uploaded = set(self.uploads.committed)
         lost = {v: why for v, why in sorted(self.lost.items()) if v not in uploaded}
         moved = self.moved | (set(self.lost) & uploaded)
+        risky = [v for v in self.risky() if v not in lost] if self.draining and not ended else []
         return PreemptionNotice(nodes=tuple(sorted(nodes)), deadline=deadline, noticed_at=since, states=states,
                                 ranks=ranks, moved=tuple(sorted(moved)), moving=tuple(sorted(self.moving)),
-                                lost=lost, saved_step=max(saved, default=None))
+                                lost=lost, saved_step=max(saved, default=None), at_risk=tuple(sorted(risky)))
 
     def active(self) -> Optional[PreemptionNotice]:
         """The notice in force (None when no node of the run is being drained). Asked from the
