@@ -29,10 +29,10 @@ Arms, side by side in one run, each learner on its own Ray node (``slot_<arm>``,
                  ``--every`` steps, local tier per node and the remote tier (a real S3-compatible
                  server on 127.0.0.1, tests/s3server.py) every save (``remote_every=1``),
                  ``on_preemption="save"``: the coordinator copies a drained node's only copies away,
-                 and the loop's ``engine.save_if_preempted()`` (RLlib: the callback) makes the last
-                 save at the next step after a notice;
+                 and the loop's ``engine.save_if_preempted()`` (RLlib: the callback) saves at the
+                 next step after a notice, and again each time its newest save is off the node;
 * ``rc_every``   ``engine.save()`` every step with ``peer_replicas=1`` (holders on the spare node),
-                 the remote tier every ``--every`` saves, the last save as ``ray_ckpt``'s.
+                 the remote tier every ``--every`` saves, the notice's saves as ``ray_ckpt``'s.
 
 Fault schedules (one phase of ``--phase-s`` seconds each, fresh learners and runs per phase), with
 ``--events`` preemptions at seeded times; each one takes every arm's node at once:
@@ -281,7 +281,8 @@ class Arm(threading.Thread):
         self.stuck = None
         self.restore_failed = 0
         self.notice_seen = {}  # noticed_at -> seconds from the drain to the loop seeing it
-        self.notice_saved = []  # seconds from the drain to the last save committed
+        self.notice_saved = []  # seconds from the drain to the first save for the notice committed
+        self.notice_firsts = set()  # noticed_at of the notices saved for
         self.pid = None
         self._after_save = None
         self.handles = []  # the newest saves' handles: what had committed when the node went
@@ -346,7 +347,7 @@ class Arm(threading.Thread):
             return
         if self.arm not in ("ray_ckpt", "rc_every") or self.args.job == "rllib":
             return  # the RLlib job's arms save from ray_ckpt's callback, inside train()
-        # what a loop of the user's own does with ray_ckpt: the last save at a notice whatever the
+        # what a loop of the user's own does with ray_ckpt: the saves for a notice whatever the
         # cadence (on_preemption="save", the default), then its own cadence
         self._notice()
         t = time.perf_counter()
@@ -377,17 +378,22 @@ class Arm(threading.Thread):
         drained = (self.notices.get("drained_at") or {}).get(self.arm)
         n = self.engine.preemption()
         left = max(1.0, n.seconds_left()) if n is not None else self.args.notice_s
+        # the first save for a notice is the one notice_to_saved_s times; the next ones follow it
+        # each time the newest is off the drained node (save_if_preempted keeps saving)
+        first = n is None or n.noticed_at not in self.notice_firsts
+        if n is not None:
+            self.notice_firsts.add(n.noticed_at)
 
         def wait():
             try:
                 h.wait(timeout=left)
-                if drained:
+                if drained and first:
                     self.notice_saved.append(time.time() - drained)
-                say(f"{self.phase}/{self.arm}: last save at the notice committed (version {h.step}, progress "
-                    f"{self.ver_progress.get(h.step)})"
+                say(f"{self.phase}/{self.arm}: {'first' if first else 'next'} save for the notice committed "
+                    f"(version {h.step}, progress {self.ver_progress.get(h.step)})"
                     + (f" {time.time() - drained:.1f}s after the drain" if drained else ""))
             except Exception as exc:  # noqa: BLE001
-                say(f"{self.phase}/{self.arm}: the last save at the notice did not commit in {left:.0f}s: "
+                say(f"{self.phase}/{self.arm}: the save for the notice did not commit in {left:.0f}s: "
                     f"{type(exc).__name__}: {str(exc)[:200]}")
         threading.Thread(target=wait, daemon=True).start()
 

@@ -28,9 +28,12 @@ The model, and what it leaves out (printed beside the figures):
   save every ``every`` steps that costs ``framework_save_pause_s`` of the loop, restored from the
   remote tier; notices unused. ``ray_ckpt``: the same cadence at ray_ckpt's pause
   ``save_pause_s``, restored from the remote tier, notices unused. ``ray_ckpt+notice``: the same,
-  and a notice brings the last save at the next step boundary (when the notice is at least
-  ``notice_to_saved_s``) and asks for the replacement node at the notice. ``ray_ckpt every
-  step``: a save every step with a peer replica (restored from the peer) and notices used.
+  and a notice brings a save at the next step boundary (when the notice is at least
+  ``notice_to_saved_s``), then one again each time the newest is off the node
+  (``save_if_preempted``): what is kept is the step in progress ``notice_to_saved_s`` before the
+  node goes, or the first save's if that is more; and it asks for the replacement node at the
+  notice. ``ray_ckpt every step``: a save every step with a peer replica (restored from the peer)
+  and notices used.
 * After a learner loss the job is down for: without a notice ``detect_s + replace_node_s +
   rejoin_s + restore``; with a notice used, ``max(0, replace_node_s - notice_s) + rejoin_s +
   restore`` (the new node is asked for when the notice arrives). ``rejoin_s`` is restarting the
@@ -62,7 +65,8 @@ COSTS = {
     "restore_local_s": (0.4, "restore from the node-local tier"),
     "restore_peer_s": (3.1, "restore from a peer replica"),
     "restore_remote_s": (3.1, "restore from the remote tier"),
-    "notice_to_saved_s": (10.0, "from a preemption notice to the last save committed (a step + a save)"),
+    "notice_to_saved_s": (10.0, "from a preemption notice to its first save committed (a step + a save); "
+                                "the lag of the saves that follow it"),
     "replace_node_s": (16.0, "from asking for a node to the node joined"),
     "detect_s": (10.0, "until a node taken without notice is known dead"),
     "rejoin_s": (5.0, "restarting the learner processes and re-forming their group"),
@@ -159,11 +163,14 @@ def simulate(arm: Arm, cluster: Cluster, costs: Costs, hours: float, seed: int) 
         noticed = rng.random() < cluster.notice_share
         use_notice = noticed and arm.uses_notice
         if use_notice and cluster.notice_s >= costs.notice_to_saved_s and t - cluster.notice_s >= up_at:
-            # the last save: the step in progress at the notice, committed before the deadline
+            # the first save: the step in progress at the notice, committed before the deadline;
+            # the next ones follow it, each once the one before is off the node
             advance(t - cluster.notice_s)
-            last = min(progress + 1.0, progress + cluster.notice_s / step_time)
+            first = min(progress + 1.0, progress + cluster.notice_s / step_time)
+            advance(t - costs.notice_to_saved_s)
+            newest = progress
             advance(t)
-            committed = max(committed, math.floor(last))
+            committed = max(committed, math.floor(max(first, newest)))
         else:
             advance(t)
         down = node_down_s(use_notice) + costs.rejoin_s + restore
