@@ -107,6 +107,75 @@ def test_a_node_that_goes_takes_what_was_not_moved_and_a_late_upload_is_kept():
     asyncio.run(scenario())
 
 
+class _Uploads:
+    """The uploader's side the evacuation calls: uploads that land when the test says."""
+
+    def __init__(self, plan):
+        self.plan, self.calls = plan, {}
+
+    def upload_now(self, version):
+        self.calls[version] = asyncio.get_running_loop().create_future()
+        return self.calls[version]
+
+    def land(self, version, manifest):
+        self.plan.committed[version] = manifest
+        self.calls[version].set_result(None)
+
+    def progress(self, version):
+        return (0, 10)
+
+
+class _CopyingHolders(_Holders):
+    """Replica holders on node H that take a copy within 50 ms."""
+
+    def __init__(self, alive, committed):
+        super().__init__(alive)
+        self.committed, self.sent = committed, []
+
+    async def copy_away(self, version, draining):
+        self.sent.append(version)
+        await asyncio.sleep(0.05)
+        for f in self.committed[version].states["policy"].all_files():
+            self.copies.setdefault(version, {}).setdefault(f.path, set()).add("H")
+        return []
+
+
+def test_the_newest_version_whose_upload_lags_gets_a_replica_too(monkeypatch):
+    """Unit (no Ray): a remote tier whose uploads do not land (a slow or saturated store). Node A
+    drained: the newest version's upload has not landed within HEDGE_AFTER_S, so it also gets a
+    replica on a node that stays (H) and counts as moved -- the trainer's next save may follow; the
+    older one is not the newest and waits for its upload only (no replica: holders keep few
+    versions), moved once it lands."""
+    from ray_ckpt.coordinator import evacuation
+    monkeypatch.setattr(evacuation, "HEDGE_AFTER_S", 0.1)
+
+    async def scenario():
+        committed = {v: _manifest(v, {"policy": ("critical", {0: "A"})}) for v in (1, 2)}
+        ev = _evacuation(committed)
+        ev.uploader = _Uploads(ev.uploads)
+        ev.replication = _CopyingHolders({"A", "H"}, committed)
+        await ev.poll({"A": time.time() + 30})
+        for _ in range(100):
+            if 2 in ev.notice().moved and 1 in ev.moving:
+                break
+            await asyncio.sleep(0.05)
+        notice = ev.notice()
+        assert notice.moved == (2,) and notice.at_risk == (1,) and notice.moving == (1,), notice
+        assert ev.replication.sent == [2] and ev.hedged == {2}
+        await asyncio.sleep(0.3)  # longer than HEDGE_AFTER_S: still no replica of 1
+        assert ev.replication.sent == [2]
+        ev.uploader.land(1, committed[1])
+        for _ in range(100):
+            if 1 in ev.notice().moved:
+                break
+            await asyncio.sleep(0.05)
+        notice = ev.notice()
+        ev._mover.cancel()
+        assert notice.moved == (1, 2) and notice.at_risk == () and not notice.lost, notice
+
+    asyncio.run(scenario())
+
+
 def test_a_drained_node_whose_trainer_asked_for_notices_is_the_runs_before_its_first_save():
     """Unit (no Ray): node B holds no file, writer or replica of the run (its trainer has not saved
     yet: goodput.py's RLlib job, a save every 10 iterations, drained at iteration 5); drained, it is

@@ -11,7 +11,12 @@ anything of the run (files of committed versions on its local tier, a replica ho
   draining nodes (not uploaded, no replica on a node that stays) is copied away, newest first, one
   at a time so that the newest make it when time runs short: to the remote tier whatever
   ``remote_every`` says, else to a replica holder on a node that stays. Versions that commit during
-  the notice (the trainer's last save) are taken as they come, newest first again;
+  the notice (the trainer's saves) are taken as they come, newest first again. The run's newest
+  version, if its upload has not landed within ``HEDGE_AFTER_S``, also gets a replica on a node
+  that stays, and is safe when either lands (the upload goes on): a remote store slower than the
+  notice (a saturated link, a slow S3 endpoint, a state of many GB) then still keeps the newest
+  step, which is what a restore takes and what the trainer's next save waits for. Only the newest:
+  the holders keep the newest ``peer_keep`` versions in memory;
 * **reports** it: ``engine.preemption()`` / ``status()["preemption"]`` hold the notice (nodes,
   deadline, the states and ranks whose newest parts were written there, what was moved, what is
   moving, what could not be moved and why); the metrics count moved and lost versions;
@@ -52,6 +57,7 @@ log = logging.getLogger("ray_ckpt.coordinator")
 
 DRAIN_POLL_S = 1.0  # how often Ray's draining nodes are read (a notice is acted on within about this)
 RETRY_S = 1.0  # a version whose move failed is tried again after this, while the deadline allows
+HEDGE_AFTER_S = 2.0  # an upload of the newest version not landed by then: a replica on a node that stays too
 MOVES_IN_FLIGHT = URGENT_UPLOADS  # moves at once: a newer version never waits behind a stalled move (nor, on a
 # writer, behind another move's upload: each writer has as many urgent upload slots)
 
@@ -108,6 +114,7 @@ class Evacuation:
         self.noticed_at: Optional[float] = None  # when the current notice began
         self.moved: Set[int] = set()
         self.moving: Set[int] = set()
+        self.hedged: Set[int] = set()  # moved as a replica while their upload still ran (HEDGE_AFTER_S)
         self.lost: Dict[int, str] = {}
         self.failed: Dict[int, Tuple[float, str]] = {}  # version -> (when, why) its last move failed
         self.last: Optional[PreemptionNotice] = None  # the newest notice, kept for status() once it ended
@@ -166,6 +173,7 @@ class Evacuation:
                         f"{left:.0f}s left")
             if not self.draining:
                 self.noticed_at, self.moved, self.lost, self.failed = time.time(), set(), {}, {}
+                self.hedged = set()
         self.draining = dict(ours)
         self.replication.draining = set(found)  # any drained node, ours or not, takes no new copy
         self.pools.draining = set(found)  # nor a new writer pool (Ray would refuse its actors)
@@ -266,8 +274,9 @@ class Evacuation:
             self.moved.add(v)
             self.failed.pop(v, None)
             self.metrics.evacuated("moved")
-            log.warning("preemption: step %d copied away from node(s) %s", v,
-                        ", ".join(n[:12] for n in sorted(self.draining)))
+            log.warning("preemption: step %d copied away from node(s) %s%s", v,
+                        ", ".join(n[:12] for n in sorted(self.draining)),
+                        " (a replica on a node that stays; its upload goes on)" if v in self.hedged else "")
         elif v in self.lost:  # its node went meanwhile (reported then): nothing is left to try
             self.lost[v] = why_not
         elif self.overdue(v):
@@ -292,19 +301,56 @@ class Evacuation:
         log.error(msg)
 
     async def _move(self, version: int, left: float) -> Optional[str]:
-        """Copy ``version`` away within ``left`` seconds; None when done, else why not."""
-        if self.uploader is not None:
-            task = self.uploader.upload_now(version)
-            done, _ = await asyncio.wait({task}, timeout=left)
-            if version in self.uploads.committed:
+        """Copy ``version`` away within ``left`` seconds; None when done, else why not. With a remote
+        tier: its upload; if that has not landed within ``HEDGE_AFTER_S`` and the version is the
+        run's newest, a replica on a node that stays too, whichever lands first (the module says
+        why)."""
+        if self.uploader is None:
+            return await self._replicate(version, left)
+        task = self.uploader.upload_now(version)
+        end = time.monotonic() + left
+        done, _ = await asyncio.wait({task}, timeout=min(left, HEDGE_AFTER_S))
+        if not done and version == max(self.catalogue.committed, default=None):
+            why_not = await self._hedge(version, task, end)
+            if why_not is None:
                 return None
-            if not done:  # it goes on: if it ends before the node goes, the version is kept after all
-                task.add_done_callback(lambda _t, v=version: self._late(v))
-                got, total = self.uploader.progress(version) or (0, 0)
-                err = self.uploads.errors.get(version)
-                return (f"the deadline passed with its upload at {got} of {total} bytes"
-                        + (f" (last error: {err})" if err else ""))
-            return self.uploads.errors.get(version) or "its upload ended without a remote copy"
+        if not task.done():
+            await asyncio.wait({task}, timeout=max(0.0, end - time.monotonic()))
+        if version in self.uploads.committed:
+            return None
+        if not task.done():  # it goes on: if it ends before the node goes, the version is kept after all
+            task.add_done_callback(lambda _t, v=version: self._late(v))
+            got, total = self.uploader.progress(version) or (0, 0)
+            err = self.uploads.errors.get(version)
+            return (f"the deadline passed with its upload at {got} of {total} bytes"
+                    + (f" (last error: {err})" if err else ""))
+        return self.uploads.errors.get(version) or "its upload ended without a remote copy"
+
+    async def _hedge(self, version: int, upload: asyncio.Future, end: float) -> Optional[str]:
+        """A replica of ``version`` on a node that stays, sent beside its upload: None as soon as
+        either has landed (the upload goes on), else why the replica was not sent (the upload is
+        then all that is left)."""
+        log.warning("preemption: step %d not on the remote tier %.0fs after its upload began: sending a replica "
+                    "to a node that stays as well", version, HEDGE_AFTER_S)
+        replica = asyncio.ensure_future(self._replicate(version, max(0.0, end - time.monotonic())))
+        pending, why_not = {upload, replica}, "the deadline passed before its replica was sent"
+        while pending and time.monotonic() < end:
+            done, pending = await asyncio.wait(pending, timeout=max(0.0, end - time.monotonic()),
+                                               return_when=asyncio.FIRST_COMPLETED)
+            if version in self.uploads.committed:
+                break
+            if replica in done:
+                why_not = replica.result()
+                if why_not is None:
+                    self.hedged.add(version)
+                    return None
+            if not done:
+                break
+        if not replica.done():
+            replica.cancel()
+        return None if version in self.uploads.committed else why_not
+
+    async def _replicate(self, version: int, left: float) -> Optional[str]:
         try:
             problems = await asyncio.wait_for(self.replication.copy_away(version, set(self.draining)), left)
         except asyncio.TimeoutError:
