@@ -121,9 +121,10 @@ class EngineConfig:
     @property
     def may_hold_replicas(self) -> bool:
         """Whether replica holders may hold copies of this run's files: with ``peer_replicas``, and
-        without a remote tier where a preemption notice evacuates to a holder on a node that stays
-        (readers then ask the holders before giving up; ``shutdown()`` stops them)."""
-        return self.peer_replicas > 0 or (self.remote_uri is None and self.on_preemption != OnPreemption.IGNORE)
+        wherever a preemption notice may evacuate to a holder on a node that stays (without a remote
+        tier; with one, the newest version whose upload lags: ``coordinator/evacuation.py``). Readers
+        then ask the holders before the remote tier; ``shutdown()`` stops them."""
+        return self.peer_replicas > 0 or self.on_preemption != OnPreemption.IGNORE
 
     def local_policy(self) -> RetentionPolicy:
         return RetentionPolicy(self.keep_last, self.keep_every, self.keep_best)

@@ -14,10 +14,11 @@ Two runs, each with per-node local tiers and a remote tier it uploads to only ev
       listed and loads.
   run "peer": no remote tier; the same learner's steps 1-3 on node A's disk only. A's notice copies
       them to a replica holder on a node that stays; after A is gone, step 3 loads from it.
-  run "short": the learner on node C saves 6 large versions, uploads throttled; C gets a notice
-      whose deadline leaves time for some of them only, at the same time as A (two nodes drained at
-      once). The newest versions are moved first; the others are reported lost, and once C is gone
-      they are not listed; restore() brings back the newest moved one.
+  run "short": the learner on node C saves 6 large versions, uploads throttled to 1 MB/s (none
+      can land before the deadline); C gets a notice at the same time as A (two nodes drained at
+      once). The newest version goes first: its upload lags, so it gets a replica on a node that
+      stays as well and is kept; the others are reported lost, and once C is gone they are not
+      listed; the newest loads bit-exact from the replica holder.
 """
 import os
 import subprocess
@@ -87,7 +88,7 @@ def main() -> int:
                                           critical_writers=1, best_effort_writers=0, writer_placement_s=5)
         short = rc.CheckpointEngine.create("short", local_dir=local, remote_uri=remote_uri, remote_every=100,
                                            critical_writers=1, best_effort_writers=0, writer_placement_s=5,
-                                           upload_max_mb_s=8.0)
+                                           upload_max_mb_s=1.0)
         peer = rc.CheckpointEngine.create("peer", local_dir=local, critical_writers=1, best_effort_writers=0,
                                           writer_placement_s=5)
         assert ray.get([learner.node.remote(), big.node.remote()], timeout=120) == [a, c]
@@ -106,6 +107,7 @@ def main() -> int:
         for step in range(1, 7):
             ray.get(big.train.remote(1))
             short.save(step).wait(timeout=120)
+        short_6 = {k[2:]: v for k, v in ray.get(big.snapshot.remote()).items() if k.startswith("p.")}
         assert [m.tiers for m in evac.list_checkpoints()] == [("local",)] * 7, evac.list_checkpoints()
         assert evac.preemption() is None and evac.save_if_preempted(7) is None
         say("evac: steps 1-7 on node A's disk only; short: steps 1-6 (~22 MB each) on node C's disk only")
@@ -158,8 +160,7 @@ def main() -> int:
         wait_for("short: the deadline passed", lambda: time.time() > noticed + 9, 15)
         ns = wait_for("short's notice", lambda: short.preemption(max_age=0), 5)
         say(f"short at its deadline: {ns}")
-        assert ns.moved and ns.lost, f"the deadline should leave time for some versions, not all: {ns}"
-        assert min(ns.moved) > max(ns.lost), f"the newest versions go first: {ns}"
+        assert ns.moved == (6,) and sorted(ns.lost) == [1, 2, 3, 4, 5], f"the newest, as a replica, only: {ns}"
         cluster.remove_node(node_c)
         cluster.remove_node(node_a)
         say("nodes A and C removed at their deadlines")
@@ -173,6 +174,9 @@ def main() -> int:
             short.status()["preemption"]), 30, lambda: short.status()["preemption"])
         assert status["lost"], status
         say(f"short: listed {[m.step for m in short.list_checkpoints()]}; lost {sorted(ns.lost)} not listed")
+        got, rep = short.load("policy", step=6, with_report=True)
+        assert rep.tier == "peer" and equal(got, short_6), f"step 6 from {rep.tier}: not the saved bytes"
+        say(f"short: step 6 loads bit-exact from {rep.tier} (its upload never landed)")
 
         wait_for("the notice ended: verl's check is clear again", lambda: not should_save_ckpt_esi(5.0), 30)
         forwarder.stop()
@@ -180,7 +184,10 @@ def main() -> int:
         report = evac.restore()
         say(report)
         assert report.step == 9, report
-        assert report.states["policy"].tier == "remote" and report.states["optimizer"].tier == "remote", report
+        # from the remote tier, or from a replica holder where step 9's upload had not landed within
+        # HEDGE_AFTER_S on this busy machine (the holders are read first: the nearer tier)
+        assert all(report.states[n].tier == "remote" or report.states[n].tier == "peer"
+                   for n in ("policy", "optimizer")), report
         assert equal(ray.get(learner.snapshot.remote()), expected), "restored state differs from the saved one"
         assert all("remote" in m.tiers for m in evac.list_checkpoints()), evac.list_checkpoints()
         assert evac.load("policy", step=7).keys() == expected_keys(expected)
