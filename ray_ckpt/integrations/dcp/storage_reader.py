@@ -59,9 +59,8 @@ def find_version(tiers: Sequence[Tier], run: str, step: Optional[int], key: Any)
     does not verify (malformed, mis-signed with ``key``) is passed over and named if nothing is found."""
     problems: List[str] = []
     found: Dict[int, Manifest] = {}
+    tiers = [t for t in tiers if hasattr(t, "version_dirs")]  # peer replicas hold files, not manifests
     for tier in tiers:
-        if not hasattr(tier, "version_dirs"):  # peer replicas hold files, not manifests: read, never listed
-            continue
         try:
             dirs = tier.version_dirs()
         except OSError as exc:

@@ -182,7 +182,8 @@ class StoredRun:
     def list_checkpoints(self) -> List[CheckpointMeta]:
         if self._versions is None:
             raise InvalidArgumentError("StoredRun lists only the versions it was opened with")
-        return [meta_of(self.manifest(v), tuple(t.name for t in self._tiers)) for v in self._versions]
+        stored = tuple(t.name for t in self._tiers if hasattr(t, "version_dirs"))  # not the peer replicas
+        return [meta_of(self.manifest(v), stored) for v in self._versions]
 
     def load(self, name: str, step: int = -1, rank: Optional[int] = 0, *, version: Optional[int] = None,
              allow_pickle: Optional[bool] = None, with_report: bool = False) -> Any:
