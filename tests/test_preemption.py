@@ -204,6 +204,7 @@ class _Loop(PreemptionNotices):
     def __init__(self, on_preemption="save"):
         self.config = SimpleNamespace(on_preemption=on_preemption)
         self._last_saved, self._notice_node, self.notice, self.saved = 0, "T", None, []
+        self._last_pushed = {}  # submit(): (state, rank) -> step
 
     def preemption(self, max_age=0):
         return self.notice
@@ -256,6 +257,17 @@ def test_save_if_preempted_saves_at_the_notice_then_again_each_time_the_newest_s
     evacuate = _Loop(on_preemption="evacuate")
     evacuate.notice = n
     assert evacuate.save_if_preempted(5) is None and evacuate.saved == []
+
+    # a trainer that pushes its parts (submit(): Ray Train's checkpointer, OpenRLHF's strategy) asks
+    # preemption_save_due() and pushes: its newest push is what must be safe before the next one
+    pusher = _Loop()
+    pusher.notice = n
+    assert pusher.preemption_save_due() is n
+    pusher._last_pushed[("policy", 0)] = 5
+    pusher.notice = replace(n, saved_step=5, at_risk=(5,))
+    assert pusher.preemption_save_due() is None
+    pusher.notice = replace(n, saved_step=5, moved=(5,))
+    assert pusher.preemption_save_due() is not None
 
 
 def test_a_cancelled_drain_loses_nothing():

@@ -40,6 +40,44 @@ def test_a_checkpoint_config_becomes_the_runs_retention():
                                               checkpoint_score_order="min")) == {"keep_best": ("loss", "min", 1)}
 
 
+def test_a_notice_saves_at_the_next_report_then_again_once_the_newest_push_is_safe():
+    """Unit (no Ray Train context): rank 0's decision at each report. Ray Train's notice alone (a
+    worker's node that holds none of the run's files): the first report saves, the next ones not
+    until that push committed, then again. The run's own notice: the engine's rule decides
+    (``preemption_save_due``: off the drained node, not merely committed)."""
+    from ray_ckpt.integrations.ray_train import Checkpointer
+
+    class Engine:
+        notice, due, committed = None, None, []
+
+        def preemption(self):
+            return self.notice
+
+        def preemption_save_due(self):
+            return self.due
+
+        def all_steps(self):
+            return list(self.committed)
+
+    ckpt = Checkpointer.__new__(Checkpointer)
+    ckpt.rank, ckpt.engine, ckpt._notice_step = 0, Engine(), None
+    assert not ckpt._save_for_notice(preempted=False)
+    assert ckpt._save_for_notice(preempted=True)
+    ckpt._notice_step = 7  # report() pushed step 7 for it
+    assert not ckpt._save_for_notice(preempted=True)  # 7 not committed
+    ckpt.engine.committed = [7]
+    assert ckpt._save_for_notice(preempted=True)
+    ckpt._notice_step = 9
+    assert not ckpt._save_for_notice(preempted=True)
+    # the run's own notice (rank 0's node drained): committed is not enough, the engine says when
+    ckpt.engine.notice, ckpt.engine.committed = "notice", [7, 9]
+    assert not ckpt._save_for_notice(preempted=True)
+    ckpt.engine.due = "notice"
+    assert ckpt._save_for_notice(preempted=True)
+    ckpt.rank = 1  # only rank 0 decides
+    assert not ckpt._save_for_notice(preempted=True)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(700)
 def test_a_train_runs_retention_and_preemption_notice_are_honoured(tmp_path):

@@ -38,6 +38,7 @@ class PreemptionNotices:
     _call: Callable[..., Any]
     save: Callable[..., Any]
     _last_saved: int
+    _last_pushed: Dict[tuple, int]
     _notice_read: Tuple[float, Optional[PreemptionNotice]] = (float("-inf"), None)
     _notice_saved: Optional[float] = None  # noticed_at of the notice this engine saved for
     _notice_node: Optional[str] = None  # this process's node (hex id), read with the first notice
@@ -76,7 +77,7 @@ class PreemptionNotices:
     def preemption_save_due(self) -> Optional[PreemptionNotice]:
         """The notice in force if a save is due for it, else None (always None unless
         ``on_preemption="save"``): at the first call after the notice began, and again at each call
-        after this engine's newest save is committed and no longer at risk (it has a copy off the
+        after this engine's newest save (or push) is committed and no longer at risk (it has a copy off the
         drained nodes), while the notice names the run's states or this process's node (the module
         says why). The caller saves when it gets a notice: for integrations whose save is more than
         ``engine.save()`` (the RLlib callback captures the algorithm first)."""
@@ -92,8 +93,10 @@ class PreemptionNotices:
 
     def _save_again(self, notice: PreemptionNotice) -> bool:
         """Whether the trainer saves once more for a notice it already saved for: the notice is
-        about its parts or its node, time is left, and its newest save is safe."""
-        newest = self._last_saved
+        about its parts or its node, time is left, and its newest save is safe. Its newest save is
+        the newest step this engine saved or pushed a part of (``submit``: Ray Train's checkpointer
+        and OpenRLHF's strategy push from rank 0's engine)."""
+        newest = max([self._last_saved, *self._last_pushed.values()])
         ours = bool(notice.states) or (self._notice_node is not None and self._notice_node in notice.nodes)
         return (ours and notice.seconds_left() > 0 and notice.saved_step == newest
                 and newest not in notice.at_risk and newest not in notice.lost)

@@ -146,8 +146,10 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
 
     def preemption_save_due(self, save_dir: str) -> bool:
         """Whether to save this step for a preemption notice (Ray drains a node of the run with a
-        deadline; the run copies that node's only copies away meanwhile): rank 0 asks the run, once
-        per notice, and every rank gets its answer, so all of them save the same step. Collective:
+        deadline; the run copies that node's only copies away meanwhile): rank 0 asks the run (the
+        first step after the notice, then each step after rank 0's newest push is off the drained
+        nodes: ``CheckpointEngine.preemption_save_due``), and every rank gets its answer, so all of
+        them save the same step. Collective:
         call it on every rank at each step boundary, e.g.
         ``if step % args.save_steps == 0 or strategy.preemption_save_due(args.ckpt_path): strategy.save_ckpt(...)``.
         The first call sets the run up (as the first ``save_ckpt`` does)."""

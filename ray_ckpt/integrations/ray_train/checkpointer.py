@@ -17,14 +17,16 @@ Call sequence, in every worker of the group (the calls are collective where Ray 
     start = ckpt.restore()                    # the step restored, or None on a fresh start
     for step in range((start or 0) + 1, total + 1):
         train_one_step()
-        ckpt.report({"loss": loss}, step)     # every N steps (and on a preemption notice) a push
+        ckpt.report({"loss": loss}, step)     # every N steps (and during a preemption notice) a push
     ckpt.close()                              # waits for the pushes; reports the last commit
 
 Rank 0 creates the run (named after the Train run unless ``run`` is given); the other ranks connect.
 The Train run's ``CheckpointConfig`` becomes the run's retention (:func:`retention_options`): Ray
 Train then keeps pointers and the run keeps versions by the same rule and the same metric values.
 A preemption (``ray.train.get_preemption_info()``, or the run's own notice: a drained node that holds
-its files) makes the next ``report`` push whatever the cadence, once per worker group.
+its files) makes the next ``report`` push whatever the cadence, and the reports after it push again
+each time the newest push is safe (off the drained nodes), until the deadline
+(:meth:`Checkpointer._save_for_notice`).
 """
 from __future__ import annotations
 
@@ -139,7 +141,7 @@ class Checkpointer:
         self._handles: List[Any] = []  # this rank's pushes not yet seen committed
         self._pushed: List[int] = []  # steps this group pushed, oldest first (rank 0 reports their commits)
         self._reported = -1  # the newest step handed to Ray Train as a checkpoint
-        self._preempted_saved = False
+        self._notice_step: Optional[int] = None  # rank 0: the newest push during Ray Train's notice
         self.last_report_s: Optional[float] = None  # how long the last report() blocked this rank
         engine, error = None, None
         if self.rank == 0:
@@ -194,13 +196,16 @@ class Checkpointer:
         preempted = _train_preemption_notice()
         if not isinstance(metrics, dict):
             raise InvalidArgumentError(f"metrics must be a dict, got {type(metrics).__name__}")
-        due = self.rank == 0 and (step % self.every == 0 or self._last_save_for_notice(preempted))
+        notice = self._save_for_notice(preempted)
+        due = self.rank == 0 and (step % self.every == 0 or notice)
         # rank 0 decides whether this step is saved, or why its report is refused (every rank raises)
         push = rank0_decides(self._missing_score(step, metrics) or due if due else False, self.world_size)
         if isinstance(push, str):
             raise InvalidArgumentError(push)
         if push:
             self._push(step, metrics)
+            if preempted and self.rank == 0:
+                self._notice_step = step  # Ray Train's notice: the next save waits for this one's commit
         checkpoint, folder = self._pointer() if self.rank == 0 else (None, None)
         try:
             if checkpoint is not None:
@@ -213,16 +218,23 @@ class Checkpointer:
                 shutil.rmtree(os.path.dirname(folder), ignore_errors=True)
         self.last_report_s = time.perf_counter() - t0
 
-    def _last_save_for_notice(self, preempted: bool) -> bool:
-        """Rank 0: a preemption (Ray Train's notice for a worker's node, or the run's own for a node
-        that holds its files) not yet answered with a push."""
+    def _save_for_notice(self, preempted: bool) -> bool:
+        """Rank 0: whether this report saves for a preemption notice. The run's own notice (a drained
+        node holds its files, or rank 0's node is drained) follows the engine's rule
+        (``preemption_save_due``): the first report after it, then again each time the newest push
+        has a copy off the drained nodes. Ray Train's notice alone (a worker's node that holds none
+        of the run's files): the first report after it, then again each time the newest push for it
+        has committed (its copies are on nodes that stay). Saving on through the deadline keeps the
+        steps made after the first save; one save moves at a time."""
         if self.rank != 0:
             return False
-        run_notice = self.engine.preemption_save_due() is not None  # (marks the run's notice as answered)
-        due = (run_notice or preempted) and not self._preempted_saved
-        if due:  # one last save per worker group (it restarts after the preemption): both notices are
-            self._preempted_saved = True  # usually of the same drain, seen a few steps apart
-        return due
+        if self.engine.preemption() is not None:
+            self._notice_step = None
+            return self.engine.preemption_save_due() is not None
+        if not preempted:
+            self._notice_step = None
+            return False
+        return self._notice_step is None or self._notice_step in set(self.engine.all_steps())
 
     def _missing_score(self, step: int, metrics: Dict[str, Any]) -> Optional[str]:
         """Why a report that saves is refused: the run keeps its best versions by a metric that the
