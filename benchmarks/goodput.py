@@ -47,7 +47,8 @@ when the notice comes, as an autoscaler told of a spot interruption does; ``--re
 after the removal, as without notice) or after the removal; the learner (``max_restarts=-1``)
 restarts there once its node is gone, and the arm restores (the RLlib job's ray_ckpt arms resume
 inside ``build_algo()``: ``make_callback(..., resume=True)``). Measured costs go to
-``benchmarks/goodput_costs.json`` for ``benchmarks/goodput_sim.py``.
+``benchmarks/goodput_costs.json`` (the RLlib job: ``goodput_costs_rllib.json``) for
+``benchmarks/goodput_sim.py --costs``.
 
 Every wait is bounded; a bound that expires prints what was waited on and the arm stops for the
 rest of its phase (reported as ``stuck``).
@@ -773,6 +774,9 @@ def med(xs):
     return round(statistics.median(xs), 3) if xs else None
 
 
+COSTS = {"toy": "goodput_costs.json", "rllib": "goodput_costs_rllib.json"}  # each job's measured costs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -795,13 +799,14 @@ def main(argv=None) -> int:
                          "2 cores their writer processes take the first ~10 s starting); a long job meets a "
                          "preemption in its first minute rarely. 8 s: the RESULTS table's runs")
     ap.add_argument("--costs", default=None, help="where the measured costs go (default: "
-                    "benchmarks/goodput_costs.json, which goodput_sim.py reads; --quick writes none unless given)")
+                    "benchmarks/goodput_costs.json for the toy job, which goodput_sim.py reads by default, and "
+                    "benchmarks/goodput_costs_rllib.json for the RLlib job; --quick writes none unless given)")
     ap.add_argument("--md", default=None, help="also write the table (markdown) here")
     args = ap.parse_args(argv)
     # 64 MB: at 128 MB every 0.5 s, this 2-core machine could not keep the every-step arm's
     # replicas and the uploads up with the saves (see RESULTS); the default run steps once a second
-    if args.costs is None and not args.quick and args.job == "toy":  # a smoke run never replaces the measured costs
-        args.costs = os.path.join(HERE, "goodput_costs.json")
+    if args.costs is None and not args.quick:  # a smoke run never replaces the measured costs
+        args.costs = os.path.join(HERE, COSTS[args.job])
     args.mb = args.mb or 64
     args.step_s = args.step_s or (0.5 if args.quick else 1.0)
     args.phase_s = args.phase_s or (100.0 if args.quick else 300.0)
@@ -847,6 +852,13 @@ def main(argv=None) -> int:
     return 0
 
 
+def job_line(args) -> str:
+    """What a step of the measured job is, for the costs' ``measured_on``."""
+    if args.job == "rllib":
+        return "RLlib DQN on CartPole, a step is one train(), its replay buffer saved by ray_ckpt's arms"
+    return f"state {args.mb} MB float32, a step {args.step_s:g} s"
+
+
 def write_outputs(args, cmd, results, costs, cal, nodes, final=False):
     by_tier = {}
     for tier, s in costs["restores"]:
@@ -864,8 +876,8 @@ def write_outputs(args, cmd, results, costs, cal, nodes, final=False):
         "framework_save_pause_s": med(costs["pauses"].get("framework", [])) or cal.get("framework_save_pause_s"),
         "measured_on": (f"{platform.node()}: {os.cpu_count()} cores, "
                         f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, shared with "
-                        f"other work; ray.cluster_utils.Cluster on one machine (loopback S3, one disk); state "
-                        f"{args.mb} MB float32; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cmd}"),
+                        f"other work; ray.cluster_utils.Cluster on one machine (loopback S3, one disk); "
+                        f"{job_line(args)}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cmd}"),
         "notes": {
             "save_pause_s": "ray_ckpt arm, median over its saves under faults: the engine.save() call plus what "
                             "the next step took beyond the baseline's median step (the learner serves the "
