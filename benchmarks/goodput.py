@@ -450,8 +450,14 @@ class Arm(threading.Thread):
             # the callback (resume=True) restored the run's newest version inside build_algo()
             r = self._get(self.learner.resumed.remote(), "resumed", 60)
             if r is None:
-                self.restore_failed += 1
-                say(f"{self.phase}/{self.arm}: nothing resumed, starting from 0")
+                try:
+                    newest = self.engine.latest_step() if self.engine is not None else None
+                except Exception as e:  # noqa: BLE001 - not known: counted as a failure
+                    newest = f"not known ({type(e).__name__})"
+                if newest is not None:  # a committed version it should have resumed: a failure
+                    self.restore_failed += 1
+                say(f"{self.phase}/{self.arm}: nothing resumed, starting from 0 (the run's newest committed "
+                    f"version: {newest})")
             else:
                 version, self.progress, secs, tier = r
                 self.restore_s.append((tier, secs))

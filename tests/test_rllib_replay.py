@@ -149,26 +149,28 @@ def _assert_same(a, b, what):
 @pytest.mark.parametrize("tree_cls", ["SumSegmentTree", "MinSegmentTree"])
 def test_trees_rebuilt_from_row_leaves_equal_rllibs_incremental_ones(tree_cls):
     """Inner nodes recomputed from the leaves (numpy, level by level, for float64 leaves; Python
-    otherwise) equal those RLlib's __setitem__ left, value and type, after sets and frees."""
+    otherwise) equal those RLlib's __setitem__ left, value and type, after sets and frees: a tree
+    mostly full, and one far below its capacity (built as the neutral list and its few live nodes)."""
     from ray.rllib.execution import segment_tree
     cls = getattr(segment_tree, tree_cls)
     rng = np.random.default_rng(0)
-    for leaf_types in ((float, np.float64), (float, np.float64, np.float32)):
-        tree = cls(64)
-        used = {}
-        for _ in range(300):
-            i = int(rng.integers(64))
-            if i in used and rng.random() < 0.3:  # freed, as RLlib frees an evicted row's node
-                tree[i] = tree.neutral_element
-                del used[i]
-            else:
-                used[i] = leaf_types[int(rng.integers(len(leaf_types)))](rng.random() * 3)
-                tree[i] = used[i]
-        idx = np.array(sorted(used), np.int64)
-        again = cls(64)
-        rebuild_tree(again, idx, pack_scalars([tree.value[64 + i] for i in idx.tolist()], "t"))
-        assert again.value[1:] == tree.value[1:]
-        assert [type(x) for x in again.value[1:]] == [type(x) for x in tree.value[1:]]
+    for cap, leaves in ((64, 64), (4096, 40)):
+        for leaf_types in ((float, np.float64), (float, np.float64, np.float32)):
+            tree = cls(cap)
+            used = {}
+            for _ in range(300):
+                i = int(rng.integers(leaves))
+                if i in used and rng.random() < 0.3:  # freed, as RLlib frees an evicted row's node
+                    tree[i] = tree.neutral_element
+                    del used[i]
+                else:
+                    used[i] = leaf_types[int(rng.integers(len(leaf_types)))](rng.random() * 3)
+                    tree[i] = used[i]
+            idx = np.array(sorted(used), np.int64)
+            again = cls(cap)
+            rebuild_tree(again, idx, pack_scalars([tree.value[cap + i] for i in idx.tolist()], "t"))
+            assert again.value[1:] == tree.value[1:]
+            assert [type(x) for x in again.value[1:]] == [type(x) for x in tree.value[1:]]
 
 
 # ---------------------------------------------------------------- real algorithms

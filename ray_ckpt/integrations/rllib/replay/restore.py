@@ -203,8 +203,9 @@ def _trees(meta: Dict[str, Any], fam: Family, keys: list, lists: Dict[Any, np.nd
         built[key] = pair
     per = meta["per"]
     env_tidx = lists[None][:, -1].tolist()
+    # "_free_nodes": set after set_state() as it was (RLlib's own drops the deque's maxlen)
     out = {"_sum_segment": built[None][0].value, "_min_segment": built[None][1].value,
-           "_free_nodes": list(free_nodes_from(per["_free_nodes"])), "_max_priority": unpack_one(per["_max_priority"]),
+           "_free_nodes": (), "_max_priority": unpack_one(per["_max_priority"]),
            "_max_idx": per["_max_idx"], "_tree_idx_to_sample_idx": [(t, i) for i, t in enumerate(env_tidx)],
            "_last_sampled_indices": list(per["_last_sampled_indices"])}
     if fam.multi_agent:

@@ -14,6 +14,11 @@ import numpy as np
 
 from .values import unpack_scalars
 
+# a tree with fewer nodes off the neutral value than one in this many is built as the neutral list
+# and those nodes (a 1M-capacity tree is 4M nodes: its tolist() cost ~0.1 s at each restore of a
+# buffer holding a few thousand rows)
+SPARSE_BELOW = 4
+
 
 def rebuild_tree(tree: Any, idx: np.ndarray, packed: Dict[str, Any]) -> None:
     """The tree's values from its row leaves: the leaves, then every inner node as ``op(left, right)``
@@ -61,11 +66,21 @@ def rebuild_tree_f64(tree: Any, idx: np.ndarray, v: np.ndarray, packed: Dict[str
             take_right = right < left
             vals[lo:hi] = np.where(take_right, right, left)
             is_np[lo:hi] = np.where(take_right, rnp, lnp)
-    out = vals.tolist()  # Python floats; then the nodes that are np.float64 (a live leaf's ancestors)
-    at = np.flatnonzero(is_np)
+    neutral = tree.neutral_element
+    # the nodes that are not the neutral value, bit for bit (-0.0 is not 0.0): a live leaf's ancestors
+    differs = vals.view(np.int64) != np.array(neutral, np.float64).view(np.int64)
+    differs[0] = False  # index 0 is never written by RLlib
+    at = np.flatnonzero(differs & ~is_np)
+    if len(at) * SPARSE_BELOW < len(vals):  # a buffer far below its capacity: the neutral list, then its nodes
+        out = [neutral] * len(vals)
+        for i, x in zip(at.tolist(), vals[at].tolist()):
+            out[i] = x
+    else:
+        out = vals.tolist()  # Python floats
+        out[0] = neutral
+    at = np.flatnonzero(is_np)  # then the nodes that are np.float64
     for i, x in zip(at.tolist(), list(vals[at])):
         out[i] = x
-    out[0] = tree.neutral_element  # index 0 is never written by RLlib
     return out
 
 
@@ -120,6 +135,7 @@ def _long_tail_ok(dq: Any, k: int, n: int, start: int, stop: int) -> bool:
 
 
 def free_nodes_from(st: Dict[str, Any]) -> collections.deque:
+    """The free-node deque :func:`free_nodes_state` stored."""
     maxlen = st["maxlen"]
     if "all" in st:
         return collections.deque(np.asarray(st["all"]).tolist(), maxlen=maxlen)
