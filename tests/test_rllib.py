@@ -235,6 +235,42 @@ def test_ppo_saved_by_callback_restores_into_fresh_algorithm(engine_factory, run
 
 
 @pytest.mark.timeout(240)
+def test_a_learner_resumed_after_its_newest_version_was_lost_saves_past_it(engine_factory, run_name, tmp_path):
+    """A version lost with its node (or rolled back behind the run's back) is no longer listed and
+    its step is never used again. A learner that resumes from the version before it redoes that
+    iteration and saves it as the next free version: before, the callback saved it under the lost
+    step, which the engine refuses, and ``train()`` raised InvalidSaveError (goodput.py's RLlib
+    job, a notice whose last version was lost with its node)."""
+    import glob
+    import shutil
+
+    engine = engine_factory(remote_uri=None, critical_writers=1)
+    algo = _ppo_config(rr.make_callback(run_name, every=1)).build_algo()
+    try:
+        for _ in range(3):
+            algo.train()
+        engine.wait_until_finished(timeout=120)
+    finally:
+        algo.stop()
+    assert engine.all_steps() == [1, 2, 3]
+    engine.shutdown(stop_coordinator=True)
+    for d in glob.glob(str(tmp_path / "local" / "**" / "v000000000003"), recursive=True):
+        shutil.rmtree(d)  # gone with its node's disk
+    engine = engine_factory(remote_uri=None, critical_writers=1)
+    assert engine.all_steps() == [1, 2] and engine.last_saved_step == 3
+
+    algo = _ppo_config(rr.make_callback(run_name, every=1, resume=True)).build_algo()
+    try:
+        cb = rr.find_callback(algo)
+        assert cb.resumed.version == 2 and algo.iteration == 2
+        algo.train()  # iteration 3 again: saved as version 4
+        engine.wait_until_finished(timeout=120)
+    finally:
+        algo.stop()
+    assert engine.all_steps() == [1, 2, 4]
+    assert engine.load("counters", step=4)["training_iteration"] == 3  # the iteration redone, as version 4
+
+
 def test_a_local_learners_state_is_saved_as_it_was_at_save(engine_factory, run_name, tmp_path):
     """The callback puts a local learner's weights and optimizer into the object store on a
     background thread (train() does not wait for that copy), with no fence: what is stored is still

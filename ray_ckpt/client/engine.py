@@ -238,6 +238,13 @@ class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes, PreemptionNot
         """The step ``save()`` uses when called without one: the newest saved or advanced step."""
         return self._step
 
+    @property
+    def last_saved_step(self) -> int:
+        """The newest step the run has used (committed, in flight, or lost with a node: a step is
+        never used twice), -1 if none: the step of a save must be above it. After a restore from an
+        older version it can be above the newest listed one (the versions after it were lost)."""
+        return self._last_saved
+
     def advance_step(self, n: int = 1) -> int:
         """Move ``current_step`` on by ``n`` and return it."""
         self._step += n

@@ -80,7 +80,8 @@ class RayCkptCallback(RLlibCallback):
         self._open: List[int] = []
         self._runner_names: set = set()
         self._learners = LearnerCapture()  # remote learners: states captured in the first learner (learners.py)
-        self._last_step = -1
+        self._last_step = -1  # the newest step the run has used (save() saves above it)
+        self._newest_listed = -1  # the newest version listed when the engine was connected (resume)
         self.run: str = self.settings.run
         self.loaded: Optional[AlgorithmRestoreReport] = None
         self._restored_from = ""  # "<run>@<version>" of the last Tune checkpoint restored
@@ -96,7 +97,7 @@ class RayCkptCallback(RLlibCallback):
         s = self.settings
         if s.replay_strategy != "off":
             prepare_replay(algorithm)
-        if s.resume and self._last_step >= 0:
+        if s.resume and self._newest_listed >= 0:
             self.resumed = restore_algorithm(algorithm, eng, timeout_s=s.resume_timeout_s, restore_rng=s.rng,
                                              allow_pickle=s.allow_pickle)
             self._last_saved_at = (self.resumed.iteration, self.resumed.version)
@@ -128,8 +129,9 @@ class RayCkptCallback(RLlibCallback):
         if it <= self._last_step:
             # the algorithm was set back to an older state: versions are steps and only grow
             step = self._last_step + 1
-            log.info("ray_ckpt: iteration %d is saved as version %d of run %r, which already has version %d "
-                     "(the algorithm was set back to an older state)", it, step, self.run, self._last_step)
+            log.info("ray_ckpt: iteration %d is saved as version %d of run %r, which has used steps up to %d "
+                     "(the algorithm was set back to an older state, or resumed from the version before a lost "
+                     "one)", it, step, self.run, self._last_step)
         errors: Dict[str, str] = {}
         with collections_paused():  # the capture's short-lived containers never reach a full collection
             self._pending = capture_algorithm_state(algorithm, rng=s.rng, metrics=s.metrics,
@@ -255,7 +257,10 @@ class RayCkptCallback(RLlibCallback):
             # (started by an earlier incarnation of the trial); never the user's run as given
             self._owns_coordinator = self.settings.local_dir is not None and (
                 not existed or self.run != self.settings.run)
-            self._last_step = max((m.version for m in self.engine.list_checkpoints()), default=-1)
+            self._newest_listed = max((m.version for m in self.engine.list_checkpoints()), default=-1)
+            # a version lost with its node is no longer listed but its step is never used again: the
+            # iteration a resumed algorithm redoes is saved after it (see save())
+            self._last_step = max(self._newest_listed, self.engine.last_saved_step)
             self._register_static(self.engine)
         return self.engine
 
