@@ -78,6 +78,20 @@ def test_a_notice_saves_at_the_next_report_then_again_once_the_newest_push_is_sa
     assert not ckpt._save_for_notice(preempted=True)
 
 
+def test_a_step_the_run_used_for_a_lost_version_is_not_saved_again():
+    """Unit (no Ray Train context): a group restored from step 29 after version 30 was lost with its
+    node (no longer listed, its step never used again: the coordinator refuses it) does not push
+    step 30 again; it saves from step 31 on."""
+    from types import SimpleNamespace
+
+    from ray_ckpt.integrations.ray_train import Checkpointer
+
+    ckpt = Checkpointer.__new__(Checkpointer)
+    ckpt.run, ckpt.engine, ckpt._skipped_through = "r", SimpleNamespace(last_saved_step=30), -1
+    assert not ckpt._step_free(29) and not ckpt._step_free(30)
+    assert ckpt._step_free(31)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(700)
 def test_a_train_runs_retention_and_preemption_notice_are_honoured(tmp_path):

@@ -114,7 +114,7 @@ class Catalogue:
                             f"a later step, or move it aside after inspecting it (ray-ckpt verify)")
         if version <= self.reserved_through and version not in self.committed and version not in self.pending:
             raise SaveError(f"step {step} of run {self.run!r}: steps up to {self.reserved_through} were "
-                            f"committed before and are missing now (rolled back behind the engine's back), and "
+                            f"committed before and are missing now (lost with a node, or rolled back behind the engine's back), and "
                             f"a step is never reused: save a step after {self.reserved_through}, or restore "
                             f"with rewind=True to go on from an older version with its step numbers")
         if version in self.committed or version in self.pending:

@@ -142,6 +142,7 @@ class Checkpointer:
         self._pushed: List[int] = []  # steps this group pushed, oldest first (rank 0 reports their commits)
         self._reported = -1  # the newest step handed to Ray Train as a checkpoint
         self._notice_step: Optional[int] = None  # rank 0: the newest push during Ray Train's notice
+        self._skipped_through = -1  # rank 0: the lost steps already logged as not saved again
         self.last_report_s: Optional[float] = None  # how long the last report() blocked this rank
         engine, error = None, None
         if self.rank == 0:
@@ -197,7 +198,7 @@ class Checkpointer:
         if not isinstance(metrics, dict):
             raise InvalidArgumentError(f"metrics must be a dict, got {type(metrics).__name__}")
         notice = self._save_for_notice(preempted)
-        due = self.rank == 0 and (step % self.every == 0 or notice)
+        due = self.rank == 0 and (step % self.every == 0 or notice) and self._step_free(step)
         # rank 0 decides whether this step is saved, or why its report is refused (every rank raises)
         push = rank0_decides(self._missing_score(step, metrics) or due if due else False, self.world_size)
         if isinstance(push, str):
@@ -235,6 +236,20 @@ class Checkpointer:
             self._notice_step = None
             return False
         return self._notice_step is None or self._notice_step in set(self.engine.all_steps())
+
+    def _step_free(self, step: int) -> bool:
+        """Rank 0: whether ``step`` can still be saved. A version lost with its node (a preemption
+        whose deadline it missed) is no longer listed and its step is never used again: a group
+        restored from the version before it redoes that step unsaved, and saves again past it."""
+        used = self.engine.last_saved_step
+        if step > used:
+            return True
+        if self._skipped_through < used:
+            self._skipped_through = used
+            log.warning("ray_ckpt: run %r has used steps up to %d (versions after the restored one were lost or "
+                        "rolled back; a step is never saved twice): steps up to %d are not saved", self.run, used,
+                        used)
+        return False
 
     def _missing_score(self, step: int, metrics: Dict[str, Any]) -> Optional[str]:
         """Why a report that saves is refused: the run keeps its best versions by a metric that the
