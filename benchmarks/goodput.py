@@ -868,7 +868,7 @@ def job_line(args) -> str:
 def write_outputs(args, cmd, results, costs, cal, nodes, final=False):
     by_tier = {}
     for tier, s in costs["restores"]:
-        by_tier.setdefault(tier, []).append(s)
+        by_tier.setdefault(tier.split(":")[0], []).append(s)  # "peer:<holder>" (RLlib's resume report) is "peer"
     for tier in ("local", "remote"):
         if tier in cal and cal[tier][0] == tier:
             by_tier.setdefault(tier, []).append(cal[tier][1])
