@@ -51,7 +51,7 @@ import math
 import os
 import random
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -61,6 +61,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 COSTS = {
     "step_s": (10.0, "one training step (an RL iteration: rollouts + update) at full strength"),
     "save_pause_s": (0.25, "ray_ckpt: the loop's pause per save (one copy into Ray's object store)"),
+    "save_pause_every_step_s": (0.25, "ray_ckpt saving every step: the loop's pause per save (each copies "
+                                      "what changed since the step before)"),
     "framework_save_pause_s": (6.0, "a blocking save of the same state to the remote tier (torch.save + upload)"),
     "restore_local_s": (0.4, "restore from the node-local tier"),
     "restore_peer_s": (3.1, "restore from a peer replica"),
@@ -77,6 +79,7 @@ COSTS = {
 class Costs:
     step_s: float
     save_pause_s: float
+    save_pause_every_step_s: float
     framework_save_pause_s: float
     restore_local_s: float
     restore_peer_s: float
@@ -111,7 +114,7 @@ def arms(every: int) -> list[Arm]:
         Arm(f"framework, every {every}", every, "framework_save_pause_s", "restore_remote_s", False),
         Arm(f"ray_ckpt, every {every}", every, "save_pause_s", "restore_remote_s", False),
         Arm(f"ray_ckpt+notice, every {every}", every, "save_pause_s", "restore_remote_s", True),
-        Arm("ray_ckpt every step, peer, notice", 1, "save_pause_s", "restore_peer_s", True),
+        Arm("ray_ckpt every step, peer, notice", 1, "save_pause_every_step_s", "restore_peer_s", True),
     ]
 
 
@@ -204,8 +207,9 @@ def load_costs(path: str | None, overrides: dict) -> tuple[Costs, dict]:
             raw = json.load(f)
         measured = {k: raw[k] for k in ("step_s", "save_pause_s", "framework_save_pause_s",
                                         "notice_to_saved_s", "replace_node_s") if k in raw}
-        if isinstance((raw.get("notes") or {}).get("detect_s"), (int, float)):
-            measured["detect_s"] = raw["notes"]["detect_s"]
+        for key in ("detect_s", "save_pause_every_step_s"):  # goodput.py keeps these among its notes
+            if isinstance((raw.get("notes") or {}).get(key), (int, float)):
+                measured[key] = raw["notes"][key]
         for tier, value in (raw.get("restore_s") or {}).items():
             measured[f"restore_{tier}_s"] = value
         measured = {k: float(v) for k, v in measured.items() if v is not None and k in COSTS}
