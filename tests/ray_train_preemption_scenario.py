@@ -149,8 +149,6 @@ def run_preemption(fit, rc, read_pointer) -> int:
     steps = engine.all_steps()
     assert len(steps) >= 2, f"the notice's save, then another once it was safe; found versions {steps}"
     assert drained["step"] <= steps[0] <= drained["step"] + 20, (drained, steps)
-    notice = engine.preemption()  # the 600 s deadline has not passed: the notice is still in force
-    assert notice is not None and not notice.at_risk and not notice.lost, notice  # written by writers off the node
     with result.checkpoint.as_directory() as d:
         assert read_pointer(d)["step"] == steps[-1], (read_pointer(d), steps)
     import torch
