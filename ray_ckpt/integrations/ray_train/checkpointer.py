@@ -197,8 +197,10 @@ class Checkpointer:
         preempted = _train_preemption_notice()
         if not isinstance(metrics, dict):
             raise InvalidArgumentError(f"metrics must be a dict, got {type(metrics).__name__}")
-        notice = self._save_for_notice(preempted)
-        due = self.rank == 0 and (step % self.every == 0 or notice) and self._step_free(step)
+        # a step the run used for a lost version is not saved, nor does it answer a notice
+        free = self.rank == 0 and self._step_free(step)
+        notice = free and self._save_for_notice(preempted)
+        due = free and (step % self.every == 0 or notice)
         # rank 0 decides whether this step is saved, or why its report is refused (every rank raises)
         push = rank0_decides(self._missing_score(step, metrics) or due if due else False, self.world_size)
         if isinstance(push, str):
