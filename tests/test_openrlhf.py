@@ -475,6 +475,55 @@ def test_docs_cpu_recipe_runs_as_written(setup):
     ray.get(setup["actors"][0].call.remote(_run_snippet, blocks[0]), timeout=240)
 
 
+def test_a_resume_after_the_newest_version_was_lost_loads_the_one_before(setup):
+    """``latest`` names a version that committed and was lost with its node since: ``load_ckpt``
+    resumes from the newest committed version (its client_state and bytes), and the redone step is
+    not saved again (the coordinator would refuse it: the next save raised); the one after it is."""
+    import glob
+    import shutil
+
+    import ray_ckpt as rc
+
+    actors = setup["actors"]
+    ck = dict(setup["ck"], run=f"{setup['ck']['run']}-lost", local_dir=str(setup["root"] / "lost-local"))
+    d, run = str(setup["root"] / "lost" / "_actor"), f"{ck['run']}-actor"
+    solo = group(actors, 1)
+    ray.get(solo[0].build.remote(2, ck, 0), timeout=120)
+    ray.get(solo[0].train.remote(1, 1), timeout=60)
+    ray.get(solo[0].save.remote(d, "global_step1", {"s": 1}), timeout=60)
+    assert ray.get(solo[0].wait.remote(60), timeout=90) is None
+    want = ray.get(solo[0].full.remote(), timeout=60)
+    ray.get(solo[0].train.remote(2, 1), timeout=60)
+    ray.get(solo[0].save.remote(d, "global_step2", {"s": 2}), timeout=60)
+    assert ray.get(solo[0].wait.remote(60), timeout=90) is None
+    rc.CheckpointEngine.connect(run).shutdown(stop_coordinator=True)
+    lost = glob.glob(str(setup["root"] / "lost-local" / "**" / "v000000000002"), recursive=True)
+    assert lost
+    for folder in lost:
+        shutil.rmtree(folder)  # gone with its node's disk
+    engine = rc.CheckpointEngine.create(run, ck["local_dir"], critical_writers=1, best_effort_writers=0)
+    try:
+        assert engine.all_steps() == [1] and engine.last_saved_step == 2
+        with open(os.path.join(d, "latest")) as f:
+            assert f.read().strip() == "global_step2"
+        ray.get(solo[0].build.remote(2, ck, 5), timeout=120)  # the job starts again
+        got = ray.get(solo[0].load.remote(d), timeout=120)
+        assert not isinstance(got, str), got
+        path, states = got
+        assert states == {"s": 1} and path.endswith("global_step1")
+        full_equal(want, ray.get(solo[0].full.remote(), timeout=60), "resumed from step 1")
+        ray.get(solo[0].train.remote(2, 1), timeout=60)
+        ray.get(solo[0].save.remote(d, "global_step2", {"s": 2}), timeout=60)  # redone: not saved again
+        ray.get(solo[0].train.remote(3, 1), timeout=60)
+        ray.get(solo[0].save.remote(d, "global_step3", {"s": 3}), timeout=60)
+        assert ray.get(solo[0].wait.remote(60), timeout=90) is None
+        assert engine.all_steps() == [1, 3]
+        with open(os.path.join(d, "latest")) as f:
+            assert f.read().strip() == "global_step3"
+    finally:
+        engine.shutdown(stop_coordinator=True)
+
+
 def test_retention_and_a_rank_killed_before_its_push(setup):
     """max_num=1: after each commit only the newest version stays, never fewer; rank 1 is
     killed before it pushes step N: N fails (rank_timeout_s), N-1 is kept and still loads,

@@ -1,4 +1,5 @@
 """Ray Train: ray_ckpt as the checkpoint layer of a real TorchTrainer (ray_ckpt.integrations.ray_train)."""
+import logging
 import os
 import subprocess
 import sys
@@ -84,10 +85,11 @@ def test_a_step_the_run_used_for_a_lost_version_is_not_saved_again():
     step 30 again; it saves from step 31 on."""
     from types import SimpleNamespace
 
+    from ray_ckpt.integrations.committed import UsedSteps
     from ray_ckpt.integrations.ray_train import Checkpointer
 
     ckpt = Checkpointer.__new__(Checkpointer)
-    ckpt.run, ckpt.engine, ckpt._skipped_through = "r", SimpleNamespace(last_saved_step=30), -1
+    ckpt.engine, ckpt._used = SimpleNamespace(last_saved_step=30), UsedSteps("r", logging.getLogger("t"))
     assert not ckpt._step_free(29) and not ckpt._step_free(30)
     assert ckpt._step_free(31)
 

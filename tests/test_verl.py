@@ -390,6 +390,61 @@ def test_settings_block_is_checked_and_verl_imported_lazily():
     assert out.stdout.strip() == "False", out.stderr
 
 
+def test_a_resume_after_the_newest_version_was_lost_goes_back_to_the_one_before(verl_run, tmp_path):
+    """A version that committed (verl's tracker names it) and was lost with its node since: verl's
+    trainer resumes from the tracker's folder, so the load of it fails saying so and moves the
+    tracker back to the newest committed version (verl's next start loads it, bit-equal); that
+    step, redone, is not saved again (the coordinator would refuse it); the next one is."""
+    import copy
+    import glob
+    import shutil
+
+    import ray_ckpt as rc
+
+    actors, run = verl_run["actors"], "verl-lost"
+    root = tmp_path / "trainer"
+    ckpt = copy.deepcopy(verl_run["ckpt"])
+    ckpt["save_contents"] = ["model", "optimizer", "extra"]
+    ckpt["ray_ckpt"].update(run=run, local_dir=str(tmp_path / "ckpt"))
+    rank = group(actors, 1)[0]
+    try:
+        ray.get(rank.build.remote(11, ckpt), timeout=120)
+        ray.get(rank.train.remote(1), timeout=60)
+        ray.get(rank.save.remote(step_path(root, 1), 1), timeout=60)
+        assert ray.get(rank.wait.remote(60), timeout=90) is None
+        want = ray.get(rank.full.remote(), timeout=60)
+        ray.get(rank.train.remote(1), timeout=60)
+        ray.get(rank.save.remote(step_path(root, 2), 2), timeout=60)
+        assert ray.get(rank.wait.remote(60), timeout=90) is None
+        assert (root / "latest_checkpointed_iteration.txt").read_text() == "2"
+        rc.CheckpointEngine.connect(run).shutdown(stop_coordinator=True)
+        lost = glob.glob(str(tmp_path / "ckpt" / "**" / "v000000000002"), recursive=True)
+        assert lost
+        for d in lost:
+            shutil.rmtree(d)  # gone with its node's disk
+        ray.get(rank.build.remote(12, ckpt), timeout=120)  # the job starts again: a new coordinator
+        err = ray.get(rank.load.remote(step_path(root, 2)), timeout=120)
+        assert err and err.startswith("RestoreError") and "step 2" in err and "lost with a node" in err \
+            and "step 1" in err and "start the run again" in err, err
+        assert (root / "latest_checkpointed_iteration.txt").read_text() == "1"
+        assert ray.get(rank.call.remote(verl_find_latest, str(root)), timeout=60) == str(root / "global_step_1")
+        assert ray.get(rank.load.remote(step_path(root, 1)), timeout=120) is None
+        assert_same_state(ray.get(rank.full.remote(), timeout=60), want)
+        ray.get(rank.train.remote(1), timeout=60)
+        ray.get(rank.save.remote(step_path(root, 2), 2), timeout=60)  # step 2 redone: not saved again
+        ray.get(rank.train.remote(1), timeout=60)
+        ray.get(rank.save.remote(step_path(root, 3), 3), timeout=60)
+        assert ray.get(rank.wait.remote(60), timeout=90) is None
+        assert rc.CheckpointEngine.connect(run).all_steps() == [1, 3]
+        assert (root / "latest_checkpointed_iteration.txt").read_text() == "3"
+    finally:
+        leave([rank])
+        try:
+            rc.CheckpointEngine.connect(run).shutdown(stop_coordinator=True)
+        except rc.CheckpointError:
+            pass
+
+
 def test_max_ckpt_to_keep_is_the_runs_retention_applied_after_the_commit(verl_run, saved):
     """Last: it prunes the steps the tests above load. verl's trainer passes max_actor_ckpt_to_keep
     to every save_checkpoint; here 1: after step 6 commits, only step 6 is kept (step 2 went only

@@ -2,7 +2,8 @@
 a framework's checkpoint folders when a version commits (ray_ckpt's pointer, ``ray_ckpt.json``:
 which run and step the folder stands for; the framework's own "latest" marker), each replaced
 atomically so a reader never sees half a file, the background wait for each save's commit, and the
-wait of a load for a step still in flight.
+wait of a load for a step still in flight, and what a resumed run does with a step it used for a
+version lost since (:class:`UsedSteps`, :func:`step_lost`, :func:`newest_committed_pointer`).
 
 Used by the verl and OpenRLHF integrations (``verl/tracker.py``, ``openrlhf/tracker.py`` add what
 their framework reads). No framework import here."""
@@ -14,7 +15,7 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from ..errors import CheckpointError, RestoreError, SaveTimeoutError
 
@@ -89,9 +90,9 @@ def wait_done(save: Any, deadline: Optional[float], timeout: Optional[float], wh
         raise SaveTimeoutError(f"ray_ckpt: the save of {what} has not committed after {timeout}s")
 
 
-def broadcast_error(error: Optional[str], world_size: int) -> None:
+def broadcast_error(error: Optional[str], world_size: int, kind: type = CheckpointError) -> None:
     """Rank 0's error (or None) to every rank of the torch.distributed group; every rank raises it,
-    so no rank waits forever in a collective the others left."""
+    so no rank waits forever in a collective the others left (``kind``: the error's class)."""
     if world_size > 1:
         import torch.distributed as dist
 
@@ -99,7 +100,7 @@ def broadcast_error(error: Optional[str], world_size: int) -> None:
         dist.broadcast_object_list(box, src=0)
         error = box[0]
     if error:
-        raise CheckpointError(error)
+        raise kind(error)
 
 
 def rank0_decides(value: Any, world_size: int) -> Any:
@@ -136,3 +137,54 @@ def wait_committed(engine: Any, run: str, step: int, load_wait_s: float) -> floa
                                f"(load_wait_s); committed steps: {committed[-8:]}")
         time.sleep(min(pause, max(0.0, deadline - now)))
         pause = min(pause * 2, 1.0)
+
+
+# ---------------------------------------------------------------- steps of versions lost with a node
+class UsedSteps:
+    """Whether a framework's step may still be saved. A run never uses a step twice: a version lost
+    with its node (a preemption whose deadline it missed, a node removed at once) is no longer
+    listed, and its step stays used. A run restored from the version before it redoes that step,
+    and its framework asks to save it again: the engine would refuse it (``InvalidSaveError``), so
+    the integration skips it (logged once) and saves again from the next step the run has not
+    used. The call sequence, at each step the framework saves: ``if used.free(engine, step): push``."""
+
+    def __init__(self, run: str, logger: logging.Logger):
+        self.run, self._log = run, logger
+        self._skipped_through = -1  # the used steps already logged as not saved again
+
+    def free(self, engine: Any, step: int) -> bool:
+        used = engine.last_saved_step
+        if step > used:
+            return True
+        if self._skipped_through < used:
+            self._skipped_through = used
+            self._log.warning("ray_ckpt: run %r has used steps up to %d (versions after the restored one were lost "
+                              "with a node or rolled back; a step is never saved twice): steps up to %d are not "
+                              "saved", self.run, used, used)
+        return False
+
+
+def step_lost(engine: Any, step: int) -> bool:
+    """Whether the version of ``step``, which committed once (a pointer names it), is gone: not
+    listed, not in flight, its step used (a load of it could only fail)."""
+    if step in engine.all_steps() or step > engine.last_saved_step:
+        return False
+    return step not in {d.get("step") for d in engine.status().get("in_flight", {}).values()}
+
+
+def newest_committed_pointer(folders: Iterable[str], run: str, committed: Iterable[int]) -> Optional[Tuple[str, int]]:
+    """(folder, step) of the newest of ``folders`` whose pointer names a committed step of ``run``,
+    or None: where a framework resumes when the version its marker names was lost."""
+    steps = set(committed)
+    best: Optional[Tuple[str, int]] = None
+    for folder in folders:
+        try:
+            pointer = read_pointer(folder)
+        except (OSError, ValueError):
+            continue
+        if pointer is None or pointer.get("run") != run:
+            continue
+        step = int(pointer.get("step", -1))
+        if step in steps and (best is None or step > best[1]):
+            best = (folder, step)
+    return best

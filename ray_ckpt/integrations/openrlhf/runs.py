@@ -2,10 +2,13 @@
 declared, the saves in flight and the failures not raised yet) and each save until it commits."""
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
+
+from ..committed import UsedSteps
 
 
 @dataclass
@@ -30,3 +33,4 @@ class Run:
         self.saves: List[Save] = []
         self.failures: List[str] = []
         self.jobs: "queue.Queue[Save]" = queue.Queue()
+        self.used = UsedSteps(name, logging.getLogger("ray_ckpt.openrlhf"))  # steps of lost versions: not saved again

@@ -55,8 +55,8 @@ from ray_ckpt import InvalidArgumentError, RestoreError, SaveError
 from . import zero
 from .partition import PartitionCache
 from .settings import OpenRLHFSettings, read_settings
-from ..committed import (broadcast_error, error_line, rank0_decides, read_pointer, wait_committed, wait_done,
-                         watch_saves, write_pointer)
+from ..committed import (broadcast_error, error_line, newest_committed_pointer, rank0_decides, read_pointer,
+                         step_lost, wait_committed, wait_done, watch_saves, write_pointer)
 from .runs import Run as _Run, Save as _Save
 from .tracker import advance_latest, read_latest, step_of_tag
 
@@ -212,6 +212,12 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
         step = int(model.global_steps) if step is None else step
         run = self._run(save_dir, max_num)
         self._raise_failures(run)
+        # a step the run used for a version lost with a node (a resume from the one before it redoes
+        # it) is not saved again (``committed.UsedSteps``); each rank decides alone, as each pushes alone
+        # (no collective: a rank that died before its save must not stall the others here)
+        if not run.used.free(run.engine, step):
+            self.last_block_s = time.perf_counter() - t0
+            return None
         if rank == 0:
             self._keep_newest(run, max_num)
         if run.declared != (self.STATES, world):
@@ -312,11 +318,27 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
         step = step_of_tag(tag)  # a version still in flight has no pointer yet
         return (tag_dir, self.ray_ckpt.run_of(load_dir), step) if step is not None else None
 
+    def _before_lost(self, load_dir: str, run_name: str, engine: "rc.CheckpointEngine", lost: int) -> Tuple[str, int]:
+        """(tag_dir, step) to resume from when ``<load_dir>/latest`` names a version lost with its node
+        (a preemption whose deadline it missed): the newest committed version with a tag folder here.
+        The run redoes the steps after it; the lost step is not saved again (``save_ckpt``)."""
+        root = os.path.abspath(load_dir)
+        found = newest_committed_pointer((os.path.join(root, d) for d in sorted(os.listdir(root))), run_name,
+                                         engine.all_steps())
+        if found is None:
+            raise RestoreError(f"{root}/latest names step {lost} of ray_ckpt run {run_name!r}, a version that is gone "
+                               f"(lost with a node, or rolled back), and no committed version of the run has a tag "
+                               f"folder in {root}; committed steps: {engine.all_steps()[-8:] or 'none'}")
+        log.warning("ray_ckpt: %s/latest names step %d of run %r, a version lost with a node (or rolled back): "
+                    "resuming from step %d, the newest committed version", root, lost, run_name, found[1])
+        return found
+
     def load_ckpt(self, model, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                   load_lr_scheduler_states=True, load_module_only=False):
         """Fill this rank's ZeRO partition, 16-bit weights, scheduler, engine counters (and RNG,
         at the same world size) from the version ``tag`` of ``load_dir`` (default: the tag in
-        ``<load_dir>/latest``), saved on any data-parallel size and ZeRO stage. Returns
+        ``<load_dir>/latest``, or the newest committed version when that one was lost with its
+        node), saved on any data-parallel size and ZeRO stage. Returns
         ``(path, client_state)``, or ``(None, {})`` when ``load_dir`` holds no checkpoint."""
         assert isinstance(model, deepspeed.DeepSpeedEngine)
         rc.fence()  # a save's overlapped copy still reading the partition this load overwrites ends first
@@ -328,6 +350,8 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
         known = self._runs.get(os.path.abspath(load_dir))
         engine = known.engine if known is not None and known.name == run_name else \
             rc.CheckpointEngine.connect(run_name, timeout=self.ray_ckpt.connect_timeout_s)
+        if tag is None and read_pointer(tag_dir) is not None and step_lost(engine, step):
+            tag_dir, step = self._before_lost(load_dir, run_name, engine, step)
         self._wait_committed(engine, run_name, step)
         extra = engine.load(EXTRA, step=step, rank=0)
         module = engine.load(MODULE, step=step, rank=0)  # layout 2: the buffers (see the module)

@@ -49,7 +49,7 @@ import ray_ckpt as rc
 from ...client.engine import CheckpointEngine
 from ...errors import InvalidArgumentError
 from ...ray_internals import train_checkpoint_config
-from ..committed import broadcast_error, error_line, rank0_decides, read_pointer, write_pointer
+from ..committed import UsedSteps, broadcast_error, error_line, rank0_decides, read_pointer, write_pointer
 from ..optimizers import init_optimizer_state
 
 log = logging.getLogger("ray_ckpt")
@@ -142,7 +142,7 @@ class Checkpointer:
         self._pushed: List[int] = []  # steps this group pushed, oldest first (rank 0 reports their commits)
         self._reported = -1  # the newest step handed to Ray Train as a checkpoint
         self._notice_step: Optional[int] = None  # rank 0: the newest push during Ray Train's notice
-        self._skipped_through = -1  # rank 0: the lost steps already logged as not saved again
+        self._used = UsedSteps(self.run, log)  # rank 0: a step of a lost version is not saved again
         self.last_report_s: Optional[float] = None  # how long the last report() blocked this rank
         engine, error = None, None
         if self.rank == 0:
@@ -240,18 +240,9 @@ class Checkpointer:
         return self._notice_step is None or self._notice_step in set(self.engine.all_steps())
 
     def _step_free(self, step: int) -> bool:
-        """Rank 0: whether ``step`` can still be saved. A version lost with its node (a preemption
-        whose deadline it missed) is no longer listed and its step is never used again: a group
-        restored from the version before it redoes that step unsaved, and saves again past it."""
-        used = self.engine.last_saved_step
-        if step > used:
-            return True
-        if self._skipped_through < used:
-            self._skipped_through = used
-            log.warning("ray_ckpt: run %r has used steps up to %d (versions after the restored one were lost or "
-                        "rolled back; a step is never saved twice): steps up to %d are not saved", self.run, used,
-                        used)
-        return False
+        """Rank 0: whether ``step`` can still be saved (``committed.UsedSteps``): a group restored
+        from the version before a lost one redoes that step unsaved, and saves again past it."""
+        return self._used.free(self.engine, step)
 
     def _missing_score(self, step: int, metrics: Dict[str, Any]) -> Optional[str]:
         """Why a report that saves is refused: the run keeps its best versions by a metric that the

@@ -38,10 +38,11 @@ from ray_ckpt import InvalidArgumentError, RestoreError, SaveError
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
 
 from .settings import VerlSettings, read_settings
-from ..committed import (POINTER, broadcast_error, error_line, read_pointer, time_left, wait_committed, wait_done,
-                         watch_saves, write_pointer)
+from ..committed import (POINTER, UsedSteps, broadcast_error, error_line, newest_committed_pointer,
+                         read_pointer, step_lost, time_left, wait_committed, wait_done, watch_saves,
+                         write_pointer)
 from ..optimizers import init_optimizer_state
-from .tracker import advance_tracker, step_of_path
+from .tracker import advance_tracker, rewind_tracker, step_folders, step_of_path
 
 log = logging.getLogger("ray_ckpt.verl")
 
@@ -105,6 +106,7 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
         self._worker.start()
         self.engine = self._open_engine()
         self._kept: Optional[int] = None  # the max_ckpt_to_keep applied as retention (rank 0)
+        self._used = UsedSteps(self.settings.run, log)  # a step of a lost version is not saved again
         self.last_block_s: Optional[float] = None  # how long the last save_checkpoint blocked this rank
         self.last_load_wait_s: Optional[float] = None  # how long the last load waited for its step to commit
 
@@ -191,6 +193,12 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
             self._declare()
         self.previous_global_step = global_step
         step, eng, r = int(global_step), self.engine, self.rank
+        # a step the run used for a version lost with a node (a resume from the one before it redoes
+        # it) is not saved again (``committed.UsedSteps``); each rank decides alone, as each pushes alone
+        # (no collective: a rank that died before its save must not stall the others here)
+        if not self._used.free(eng, step):
+            self.last_block_s = time.perf_counter() - t0
+            return None
         handles = []
         # overlapped: the copy runs while the rank goes on; the optimizer's step (and load_checkpoint)
         # wait for it before they change a tensor being copied
@@ -272,6 +280,26 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
         """Return once ``step`` is committed (``committed.wait_committed``, up to ``load_wait_s``)."""
         self.last_load_wait_s = wait_committed(engine, run, step, self.settings.load_wait_s)
 
+    def _lost(self, engine: "rc.CheckpointEngine", run: str, step: int, local_path: str) -> Optional[str]:
+        """Rank 0: why ``step`` cannot be loaded when its version, committed once (``local_path``'s
+        pointer names it), was lost with a node (a preemption whose deadline it missed), else None. verl's trainer has already taken its step count and
+        data position from ``global_step_<step>``, so a silent load of an older version would skip
+        training unseen: the tracker is moved back to the newest committed version instead, and the
+        load fails saying so; verl's next start resumes from that version and redoes the rest (the
+        lost step itself is not saved again: ``save_checkpoint``)."""
+        if not step_lost(engine, step):
+            return None
+        found = newest_committed_pointer(step_folders(local_path), run, engine.all_steps())
+        if found is None:
+            return (f"step {step} of ray_ckpt run {run!r} ({local_path}) was used by a version that is gone (lost "
+                    f"with a node, or rolled back) and no committed version of the run has a global_step folder "
+                    f"beside it; committed steps: {engine.all_steps()[-8:] or 'none'}")
+        tracker = rewind_tracker(local_path, step, found[1])
+        return (f"step {step} of ray_ckpt run {run!r} ({local_path}) was used by a version that is gone (lost with a "
+                f"node, or rolled back); the newest committed version is step {found[1]}"
+                + (f": verl's tracker ({tracker}) now names it, start the run again to resume from it" if tracker
+                   else f": load {found[0]}"))
+
     def load_checkpoint(self, local_path: str, hdfs_path: str = None, del_local_after_load: bool = False):
         """Fill this rank's model, optimizer, scheduler (and RNG, at the same world size) from the
         version ``local_path`` names: its pointer file, or ``global_step_N`` in the path for a step
@@ -285,6 +313,8 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
         if step is None:
             raise RestoreError(f"{local_path}: no ray_ckpt pointer ({POINTER}) and no global_step_N in the path")
         engine = self.engine if run == self.settings.run else rc.CheckpointEngine.connect(run)
+        broadcast_error(self._lost(engine, run, step, local_path) if self.rank == 0 and pointer else None,
+                        self.world_size, RestoreError)
         self._wait_committed(engine, run, step)
         r = self.rank
         extra = engine.load(EXTRA, step=step, rank=0) if self.should_load_extra else None

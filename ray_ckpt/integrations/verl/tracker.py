@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Optional
+from typing import List, Optional
 
 from ..committed import LOCK, atomic_write
 
@@ -61,3 +61,27 @@ def advance_tracker(local_path: str, step: int) -> Optional[int]:
             return current
         atomic_write(path, str(step))
         return step
+
+
+def rewind_tracker(local_path: str, lost: int, step: int) -> Optional[str]:
+    """Point verl's tracker for ``local_path`` (a save of step ``lost``, whose version was lost with
+    its node) back at ``step``, the newest committed version: verl's next start resumes from it.
+    Returns the tracker's path (None when ``local_path`` is not verl's layout)."""
+    path = tracker_path(local_path, lost)
+    if path is None:
+        return None
+    with LOCK:
+        atomic_write(path, str(step))
+    return path
+
+
+def step_folders(local_path: str) -> List[str]:
+    """``<root>/global_step_*/<role>`` for every step folder beside ``local_path``
+    (``<root>/global_step_N/<role>``): where a committed version's pointer may be."""
+    path = os.path.abspath(local_path)
+    role, root = os.path.basename(path), os.path.dirname(os.path.dirname(path))
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return []
+    return [os.path.join(root, n, role) for n in names if _STEP_DIR.match(n)]
