@@ -284,6 +284,8 @@ class Arm(threading.Thread):
         self.notice_seen = {}  # noticed_at -> seconds from the drain to the loop seeing it
         self.notice_saved = []  # seconds from the drain to the first save for the notice committed
         self.notice_firsts = set()  # noticed_at of the notices saved for
+        self.drains_watched = set()  # RLlib job: the drains whose first save after them is being timed
+        self.progress_log = []  # RLlib job: (unix time, iteration) as each train() returned
         self.pid = None
         self._after_save = None
         self.handles = []  # the newest saves' handles: what had committed when the node went
@@ -309,6 +311,9 @@ class Arm(threading.Thread):
                     self._recover(exc)
                     continue
                 self.progress, self.made = p, self.made + 1
+                if self.args.job == "rllib" and self.arm in ("ray_ckpt", "rc_every"):
+                    self.progress_log = (self.progress_log + [(time.time(), p)])[-50:]
+                    self._time_notice_save()
                 if self._after_save is not None:
                     # the loop's pause for a save: the save() call, and what the step after it took
                     # longer than a step of the baseline (the learner actor serves the capture first)
@@ -397,6 +402,34 @@ class Arm(threading.Thread):
                 say(f"{self.phase}/{self.arm}: the save for the notice did not commit in {left:.0f}s: "
                     f"{type(exc).__name__}: {str(exc)[:200]}")
         threading.Thread(target=wait, daemon=True).start()
+
+    def _time_notice_save(self) -> None:
+        """RLlib job: the callback saves for a notice inside ``train()`` (the driver calls no
+        ``save_if_preempted``), so the first save after a drain is timed from the driver: from
+        ``ray drain-node`` returning until the run lists a version of an iteration after the one
+        the learner had finished at the drain (the iteration in progress then, saved at its end
+        for the notice, or by rc_every's every-iteration cadence)."""
+        drained = (self.notices.get("drained_at") or {}).get(self.arm)
+        if not drained or drained in self.drains_watched or self.engine is None:
+            return
+        self.drains_watched.add(drained)
+        done = [p for t, p in self.progress_log if t <= drained]
+        before = done[-1] if done else 0
+        bound = drained + self.args.notice_s + 5
+
+        def watch():
+            while time.time() < bound and not self.stop_ev.is_set():
+                try:
+                    if any(s > before for s in self.engine.all_steps()):
+                        self.notice_saved.append(time.time() - drained)
+                        say(f"{self.phase}/{self.arm}: first save after the notice committed "
+                            f"{time.time() - drained:.1f}s after the drain (an iteration after {before})")
+                        return
+                except Exception:  # noqa: BLE001 - the coordinator busy: asked again
+                    pass
+                time.sleep(0.1)
+            say(f"{self.phase}/{self.arm}: no save after iteration {before} committed before the deadline")
+        threading.Thread(target=watch, daemon=True).start()
 
     def _recover(self, exc: Exception) -> None:
         t_lost = time.time()
@@ -891,8 +924,11 @@ def write_outputs(args, cmd, results, costs, cal, nodes, final=False):
             "save_pause_every_step_s": med(costs["pauses"].get("rc_every", [])),
             "restore_s": "median engine.restore() per tier it read from; local and remote include a quiet "
                          "calibration restore; framework torch.load not included",
-            "notice_to_saved_s": "from `ray drain-node` returning to the save made by save_if_preempted() "
-                                 "committed (rc_every arm)",
+            "notice_to_saved_s": ("from `ray drain-node` returning until the run lists a version of an iteration "
+                                  "after the one finished at the drain (the callback's save for the notice, both "
+                                  "ray_ckpt arms)" if args.job == "rllib" else
+                                  "from `ray drain-node` returning to the save made by save_if_preempted() "
+                                  "committed (both ray_ckpt arms)"),
             "time_to_notice_s": med(costs["notice_seen"]),
             "detect_s": med(costs["detect"]),
             "replace_node_s": "Cluster.add_node() of a replacement (2 CPUs) until it is registered alive",
