@@ -80,18 +80,23 @@ def test_a_notice_saves_at_the_next_report_then_again_once_the_newest_push_is_sa
 
 
 def test_a_step_the_run_used_for_a_lost_version_is_not_saved_again():
-    """Unit (no Ray Train context): a group restored from step 29 after version 30 was lost with its
-    node (no longer listed, its step never used again: the coordinator refuses it) does not push
-    step 30 again; it saves from step 31 on."""
+    """Unit (no Ray Train context): a group restored from step 20 after version 30 was lost with its
+    node (no longer listed; no step up to it is used again: the coordinator refuses them) does not
+    push steps 21-30 again; it saves from step 31 on. Without a lost version, a step below the
+    run's newest that was never used is pushed as before (the coordinator takes it)."""
     from types import SimpleNamespace
 
     from ray_ckpt.integrations.committed import UsedSteps
     from ray_ckpt.integrations.ray_train import Checkpointer
 
     ckpt = Checkpointer.__new__(Checkpointer)
-    ckpt.engine, ckpt._used = SimpleNamespace(last_saved_step=30), UsedSteps("r", logging.getLogger("t"))
-    assert not ckpt._step_free(29) and not ckpt._step_free(30)
+    ckpt.engine = SimpleNamespace(last_saved_step=30, skipped_versions=lambda: {30: "lost with a node"},
+                                  all_steps=lambda: [10, 20])
+    ckpt._used = UsedSteps("r", logging.getLogger("t"))
+    assert not any(ckpt._step_free(s) for s in (21, 25, 30))
     assert ckpt._step_free(31)
+    ckpt.engine = SimpleNamespace(last_saved_step=7, skipped_versions=lambda: {}, all_steps=lambda: [2, 6, 7])
+    assert ckpt._step_free(4) and ckpt._step_free(8)
 
 
 @pytest.mark.slow

@@ -240,6 +240,58 @@ def test_docs_cpu_recipe_runs_as_written(setup):
     ray.get(setup["actors"][0].call.remote(_run_snippet, blocks[0]), timeout=300)
 
 
+def test_a_resume_after_the_newest_version_was_lost_goes_back_to_the_step_before(setup):
+    """SkyRL's tracker names a step whose version committed and was lost with its node since: its
+    trainer has taken the step count from that folder, so the load fails saying so and moves the
+    tracker back to the newest complete step (which then loads bit-equal); the redone step is not
+    saved again (the coordinator would refuse it) and its stale pointer goes; the next step saves."""
+    import glob
+    import shutil
+
+    import ray_ckpt as rc
+
+    actors = setup["actors"]
+    ck = dict(setup["ck"], run=f"{setup['ck']['run']}-lost", local_dir=str(setup["root"] / "lost-local"))
+    ckpt_path, run = str(setup["root"] / "lost"), f"{ck['run']}-policy"
+    d1, d2, d3 = (os.path.join(ckpt_path, f"global_step_{s}", "policy") for s in (1, 2, 3))
+    solo = group(actors, 1)
+    try:
+        ray.get(solo[0].build.remote(ck, 0), timeout=180)
+        ray.get(solo[0].train.remote(1, 1), timeout=60)
+        ray.get(solo[0].save.remote(d1, {"s": 1}), timeout=60)
+        assert ray.get(solo[0].wait.remote(60), timeout=90) is None
+        want = ray.get(solo[0].full.remote(), timeout=60)
+        ray.get(solo[0].train.remote(2, 1), timeout=60)
+        ray.get(solo[0].save.remote(d2, {"s": 2}), timeout=60)
+        assert ray.get(solo[0].wait.remote(60), timeout=90) is None
+        assert tracker(ckpt_path) == 2
+        rc.CheckpointEngine.connect(run).shutdown(stop_coordinator=True)
+        lost = glob.glob(str(setup["root"] / "lost-local" / "**" / "v000000000002"), recursive=True)
+        assert lost
+        for folder in lost:
+            shutil.rmtree(folder)  # gone with its node's disk
+        ray.get(solo[0].build.remote(ck, 5), timeout=180)  # the job starts again: a new coordinator
+        err = ray.get(solo[0].load.remote(d2), timeout=120)
+        assert isinstance(err, str) and err.startswith("RestoreError") and "step 2" in err \
+            and "lost with a node" in err and "start the run again" in err, err
+        assert tracker(ckpt_path) == 1
+        path, states = ray.get(solo[0].load.remote(d1), timeout=120)
+        assert path == d1 and states["client_state"] == {"s": 1}
+        full_equal(want, ray.get(solo[0].full.remote(), timeout=60), "resumed from step 1")
+        ray.get(solo[0].train.remote(2, 1), timeout=60)
+        ray.get(solo[0].save.remote(d2, {"s": 2}), timeout=60)  # step 2 redone: not saved again
+        assert not os.path.exists(os.path.join(d2, "ray_ckpt.json"))  # the lost version's pointer went
+        ray.get(solo[0].train.remote(3, 1), timeout=60)
+        ray.get(solo[0].save.remote(d3, {"s": 3}), timeout=60)
+        assert ray.get(solo[0].wait.remote(60), timeout=90) is None
+        assert rc.CheckpointEngine.connect(run).all_steps() == [1, 3] and tracker(ckpt_path) == 3
+    finally:
+        try:
+            rc.CheckpointEngine.connect(run).shutdown(stop_coordinator=True)
+        except rc.CheckpointError:
+            pass
+
+
 def test_a_rank_killed_before_its_push_fails_that_version_alone(setup):
     """Step 4 commits on 2 ranks; rank 1 is killed before it pushes step 5: step 5 fails
     (rank_timeout_s), the failure names it, the tracker keeps naming step 4, step 4 still loads on

@@ -400,6 +400,7 @@ def test_a_resume_after_the_newest_version_was_lost_goes_back_to_the_one_before(
     import shutil
 
     import ray_ckpt as rc
+    import ray_ckpt.integrations.verl as rv
 
     actors, run = verl_run["actors"], "verl-lost"
     root = tmp_path / "trainer"
@@ -432,6 +433,7 @@ def test_a_resume_after_the_newest_version_was_lost_goes_back_to_the_one_before(
         assert_same_state(ray.get(rank.full.remote(), timeout=60), want)
         ray.get(rank.train.remote(1), timeout=60)
         ray.get(rank.save.remote(step_path(root, 2), 2), timeout=60)  # step 2 redone: not saved again
+        assert rv.read_pointer(step_path(root, 2)) is None  # the lost version's pointer went with it
         ray.get(rank.train.remote(1), timeout=60)
         ray.get(rank.save.remote(step_path(root, 3), 3), timeout=60)
         assert ray.get(rank.wait.remote(60), timeout=90) is None

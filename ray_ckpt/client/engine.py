@@ -324,6 +324,12 @@ class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes, PreemptionNot
         steps = self.all_steps()
         return steps[-1] if steps else None
 
+    def skipped_versions(self) -> Dict[int, str]:
+        """The versions the run no longer lists, with why: lost with a node, rolled back behind the
+        engine's back, or found in storage and not trusted. Their steps are never used again (the
+        coordinator refuses a step up to the newest of them that is not committed)."""
+        return self._call(lambda c: c.skipped_versions.remote(), "the skipped versions")
+
     def _manifest(self, version: int = -1, step: Optional[int] = None) -> Manifest:
         return self._reader.manifest(version, step)
 

@@ -3,7 +3,8 @@ a framework's checkpoint folders when a version commits (ray_ckpt's pointer, ``r
 which run and step the folder stands for; the framework's own "latest" marker), each replaced
 atomically so a reader never sees half a file, the background wait for each save's commit, and the
 wait of a load for a step still in flight, and what a resumed run does with a step it used for a
-version lost since (:class:`UsedSteps`, :func:`step_lost`, :func:`newest_committed_pointer`).
+version lost since (:class:`UsedSteps`, :func:`step_lost`, :func:`newest_committed_pointer`,
+:func:`drop_lost_pointer`).
 
 Used by the verl and OpenRLHF integrations (``verl/tracker.py``, ``openrlhf/tracker.py`` add what
 their framework reads). No framework import here."""
@@ -143,31 +144,39 @@ def wait_committed(engine: Any, run: str, step: int, load_wait_s: float) -> floa
 class UsedSteps:
     """Whether a framework's step may still be saved. A run never uses a step twice: a version lost
     with its node (a preemption whose deadline it missed, a node removed at once) is no longer
-    listed, and its step stays used. A run restored from the version before it redoes that step,
-    and its framework asks to save it again: the engine would refuse it (``InvalidSaveError``), so
-    the integration skips it (logged once) and saves again from the next step the run has not
-    used. The call sequence, at each step the framework saves: ``if used.free(engine, step): push``."""
+    listed (``engine.skipped_versions()``), and no step up to it that is not committed is used
+    again. A run restored from the version before it redoes those steps, and its framework asks to
+    save them again: the coordinator would refuse them, so the integration skips them (logged once)
+    and saves again from the next step past the lost version. The call sequence, at each step the
+    framework saves: ``if used.free(engine, step): push``."""
 
     def __init__(self, run: str, logger: logging.Logger):
         self.run, self._log = run, logger
         self._skipped_through = -1  # the used steps already logged as not saved again
 
     def free(self, engine: Any, step: int) -> bool:
-        used = engine.last_saved_step
-        if step > used:
-            return True
-        if self._skipped_through < used:
-            self._skipped_through = used
-            self._log.warning("ray_ckpt: run %r has used steps up to %d (versions after the restored one were lost "
-                              "with a node or rolled back; a step is never saved twice): steps up to %d are not "
-                              "saved", self.run, used, used)
+        if step > engine.last_saved_step:
+            return True  # the common case: one call to no one
+        lost = lost_through(engine)
+        if step > lost or step in engine.all_steps():
+            return True  # never used, or a duplicate the coordinator names itself
+        if self._skipped_through < lost:
+            self._skipped_through = lost
+            self._log.warning("ray_ckpt: run %r lost its versions up to step %d (with a node, or rolled back; a "
+                              "step is never saved twice): the redone steps up to %d are not saved", self.run,
+                              lost, lost)
         return False
 
 
+def lost_through(engine: Any) -> int:
+    """The newest step of a version the run no longer lists (lost with a node, rolled back), -1 if none."""
+    return max(engine.skipped_versions(), default=-1)
+
+
 def step_lost(engine: Any, step: int) -> bool:
-    """Whether the version of ``step``, which committed once (a pointer names it), is gone: not
-    listed, not in flight, its step used (a load of it could only fail)."""
-    if step in engine.all_steps() or step > engine.last_saved_step:
+    """Whether the version of ``step``, which committed once (a pointer names it), is gone: no longer
+    listed (lost with a node, rolled back) and not in flight (a load of it could only fail)."""
+    if step in engine.all_steps() or step not in engine.skipped_versions():
         return False
     return step not in {d.get("step") for d in engine.status().get("in_flight", {}).values()}
 
@@ -188,3 +197,17 @@ def newest_committed_pointer(folders: Iterable[str], run: str, committed: Iterab
         if step in steps and (best is None or step > best[1]):
             best = (folder, step)
     return best
+
+
+def drop_lost_pointer(folder: str, engine: Any, step: int) -> bool:
+    """Remove ``folder``'s pointer when it names ``step`` and that version is lost (a redone step the
+    integration does not save again): a framework marker advanced later must not find it, and a
+    load of the folder then says the step never committed. Returns whether it was removed."""
+    pointer = read_pointer(folder)
+    if pointer is None or int(pointer.get("step", -1)) != step or not step_lost(engine, step):
+        return False
+    try:
+        os.remove(os.path.join(folder, POINTER))
+    except FileNotFoundError:
+        return False
+    return True

@@ -33,4 +33,4 @@ class Run:
         self.saves: List[Save] = []
         self.failures: List[str] = []
         self.jobs: "queue.Queue[Save]" = queue.Queue()
-        self.used = UsedSteps(name, logging.getLogger("ray_ckpt.openrlhf"))  # steps of lost versions: not saved again
+        self.used = UsedSteps(name, logging.getLogger("ray_ckpt"))  # steps of lost versions: not saved again

@@ -55,8 +55,8 @@ from ray_ckpt import InvalidArgumentError, RestoreError, SaveError
 from . import zero
 from .partition import PartitionCache
 from .settings import OpenRLHFSettings, read_settings
-from ..committed import (broadcast_error, error_line, newest_committed_pointer, rank0_decides, read_pointer,
-                         step_lost, wait_committed, wait_done, watch_saves, write_pointer)
+from ..committed import (broadcast_error, drop_lost_pointer, error_line, newest_committed_pointer, rank0_decides,
+                         read_pointer, step_lost, wait_committed, wait_done, watch_saves, write_pointer)
 from .runs import Run as _Run, Save as _Save
 from .tracker import advance_latest, read_latest, step_of_tag
 
@@ -216,6 +216,8 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
         # it) is not saved again (``committed.UsedSteps``); each rank decides alone, as each pushes alone
         # (no collective: a rank that died before its save must not stall the others here)
         if not run.used.free(run.engine, step):
+            if rank == 0:  # the lost version's pointer: a load of the tag says the step never committed
+                drop_lost_pointer(os.path.join(os.path.abspath(save_dir), tag), run.engine, step)
             self.last_block_s = time.perf_counter() - t0
             return None
         if rank == 0:

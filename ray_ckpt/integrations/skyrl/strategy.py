@@ -43,11 +43,12 @@ from skyrl.backends.skyrl_train.workers.model_wrapper import HFModelWrapper
 import ray_ckpt as rc
 from ray_ckpt import InvalidArgumentError, RestoreError, SaveError
 
-from ..committed import broadcast_error, error_line, read_pointer, wait_committed, wait_done, watch_saves, write_pointer
+from ..committed import (broadcast_error, drop_lost_pointer, error_line, read_pointer, step_lost, wait_committed,
+                         wait_done, watch_saves, write_pointer)
 from ..openrlhf.runs import Run as _Run
 from ..optimizers import init_optimizer_state
 from .settings import SkyRLSettings, read_settings
-from .tracker import advance_if_complete, step_of_path
+from .tracker import TRACKER, advance_if_complete, newest_complete_step, rewind_tracker, step_of_path
 
 log = logging.getLogger("ray_ckpt.skyrl")
 
@@ -154,6 +155,14 @@ class RayCkptFSDPStrategy(FSDPStrategy):
         rank, world = _world()
         run = self._run(role)
         self._raise_failures(run)
+        # a step the run used for a version lost with a node (a resume from the one before it redoes
+        # it) is not saved again (``committed.UsedSteps``); each rank decides alone, as each pushes
+        # alone; rank 0 removes the lost version's pointer, so the step is never complete again
+        if not run.used.free(run.engine, step):
+            if rank == 0:
+                drop_lost_pointer(ckpt_dir, run.engine, step)
+            self.last_block_s = time.perf_counter() - t0
+            return None
         if run.declared != world:
             self._declare(run)
         if node_local_rank == 0:
@@ -233,6 +242,29 @@ class RayCkptFSDPStrategy(FSDPStrategy):
             raise RestoreError(f"{ckpt_dir}: no ray_ckpt pointer (ray_ckpt.json) and no global_step_N above it")
         return self.ray_ckpt.run_of(os.path.basename(os.path.abspath(ckpt_dir))), step
 
+    def _lost(self, engine: "rc.CheckpointEngine", run: str, step: int, ckpt_dir: str) -> Optional[str]:
+        """Rank 0: why ``step`` cannot be loaded when its version, committed once (``ckpt_dir``'s
+        pointer names it), was lost with a node (a preemption whose deadline it missed), else None.
+        SkyRL's trainer has already taken its step count and data position from
+        ``global_step_<step>``, so a silent load of an older version would skip training unseen: the
+        tracker is moved back to the newest complete step this role still has, and the load fails
+        saying so; SkyRL's next start resumes from that step and redoes the rest."""
+        if not step_lost(engine, step):
+            return None
+        if any(s > step for s in engine.all_steps()):  # an older version retention deleted: nothing to move back
+            return (f"step {step} of ray_ckpt run {run!r} ({ckpt_dir}) is no longer listed (retention deleted it, or "
+                    f"it was lost with a node); committed steps: {engine.all_steps()[-8:]}")
+        ckpt_path = os.path.dirname(os.path.dirname(os.path.abspath(ckpt_dir)))
+        back = newest_complete_step(ckpt_path, below=step, committed=engine.all_steps())
+        what = (f"step {step} of ray_ckpt run {run!r} ({ckpt_dir}) was used by a version that is gone (lost with a "
+                f"node, or rolled back)")
+        if back is None:
+            return f"{what}, and no older complete step is left in {ckpt_path}; committed steps: " \
+                   f"{engine.all_steps()[-8:]}"
+        rewind_tracker(ckpt_path, back)
+        return (f"{what}; the newest complete step before it is {back}: SkyRL's tracker "
+                f"({os.path.join(ckpt_path, TRACKER)}) now names it, start the run again to resume from it")
+
     def load_checkpoint(self, model, ckpt_dir, optimizer=None, scheduler=None, tag=None, load_module_strict=True,
                         load_optimizer_states=True, load_lr_scheduler_states=True):
         """Fill this rank's model shards, optimizer, scheduler (and RNG, at the same world size) from
@@ -250,8 +282,10 @@ class RayCkptFSDPStrategy(FSDPStrategy):
         run = self._run(role)
         engine = run.engine if run.name == name else \
             rc.CheckpointEngine.connect(name, timeout=self.ray_ckpt.connect_timeout_s)
-        self.last_load_wait_s = wait_committed(engine, name, step, self.ray_ckpt.load_wait_s)
         rank, world = _world()
+        lost = self._lost(engine, name, step, ckpt_dir) if rank == 0 and read_pointer(ckpt_dir) else None
+        broadcast_error(lost, world, RestoreError)
+        self.last_load_wait_s = wait_committed(engine, name, step, self.ray_ckpt.load_wait_s)
         extra = engine.load(EXTRA, step=step, rank=0)
         engine.load_into(MODEL, self._module(model).state_dict(), step=step, rank=rank, strict=load_module_strict)
         if optimizer is not None and load_optimizer_states:

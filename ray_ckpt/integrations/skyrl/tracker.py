@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Optional
+from typing import Iterable, Optional
 
 from ..committed import LOCK, atomic_write, read_pointer
 
@@ -78,3 +78,25 @@ def advance_if_complete(step_dir: str, step: int) -> Optional[int]:
             return current
         atomic_write(os.path.join(ckpt_path, TRACKER), str(step))
         return step
+
+
+def newest_complete_step(ckpt_path: str, below: int, committed: Iterable[int]) -> Optional[int]:
+    """The newest step under ``below`` whose ``global_step_N`` is complete and whose version is among
+    ``committed`` (the loading role's run): where SkyRL resumes when the version its tracker names
+    was lost with its node."""
+    have = set(committed)
+    try:
+        names = os.listdir(ckpt_path)
+    except OSError:
+        return None
+    steps = sorted((int(m.group(1)) for m in map(_STEP_DIR.match, names) if m), reverse=True)
+    for step in steps:
+        if step < below and step in have and complete(os.path.join(ckpt_path, f"global_step_{step}"), step):
+            return step
+    return None
+
+
+def rewind_tracker(ckpt_path: str, step: int) -> None:
+    """Point SkyRL's tracker back at ``step`` (its newer step's version was lost)."""
+    with LOCK:
+        atomic_write(os.path.join(ckpt_path, TRACKER), str(step))

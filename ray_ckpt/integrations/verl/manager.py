@@ -38,9 +38,9 @@ from ray_ckpt import InvalidArgumentError, RestoreError, SaveError
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
 
 from .settings import VerlSettings, read_settings
-from ..committed import (POINTER, UsedSteps, broadcast_error, error_line, newest_committed_pointer,
-                         read_pointer, step_lost, time_left, wait_committed, wait_done, watch_saves,
-                         write_pointer)
+from ..committed import (POINTER, UsedSteps, broadcast_error, drop_lost_pointer, error_line,
+                         newest_committed_pointer, read_pointer, step_lost, time_left, wait_committed, wait_done,
+                         watch_saves, write_pointer)
 from ..optimizers import init_optimizer_state
 from .tracker import advance_tracker, rewind_tracker, step_folders, step_of_path
 
@@ -197,6 +197,8 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
         # it) is not saved again (``committed.UsedSteps``); each rank decides alone, as each pushes alone
         # (no collective: a rank that died before its save must not stall the others here)
         if not self._used.free(eng, step):
+            if r == 0:
+                drop_lost_pointer(local_path, eng, step)  # the lost version's: a load of the folder says so
             self.last_block_s = time.perf_counter() - t0
             return None
         handles = []
@@ -282,11 +284,12 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
 
     def _lost(self, engine: "rc.CheckpointEngine", run: str, step: int, local_path: str) -> Optional[str]:
         """Rank 0: why ``step`` cannot be loaded when its version, committed once (``local_path``'s
-        pointer names it), was lost with a node (a preemption whose deadline it missed), else None. verl's trainer has already taken its step count and
-        data position from ``global_step_<step>``, so a silent load of an older version would skip
-        training unseen: the tracker is moved back to the newest committed version instead, and the
-        load fails saying so; verl's next start resumes from that version and redoes the rest (the
-        lost step itself is not saved again: ``save_checkpoint``)."""
+        pointer names it), was lost with a node (a preemption whose deadline it missed), else None.
+        verl's trainer has already taken its step count and data position from
+        ``global_step_<step>``, so a silent load of an older version would skip training unseen: the
+        tracker is moved back to the newest committed version instead, and the load fails saying so;
+        verl's next start resumes from that version and redoes the rest (the lost step itself is not
+        saved again: ``save_checkpoint``)."""
         if not step_lost(engine, step):
             return None
         found = newest_committed_pointer(step_folders(local_path), run, engine.all_steps())
