@@ -251,9 +251,9 @@ class RayCkptFSDPStrategy(FSDPStrategy):
         saying so; SkyRL's next start resumes from that step and redoes the rest."""
         if not step_lost(engine, step):
             return None
-        if any(s > step for s in engine.all_steps()):  # an older version retention deleted: nothing to move back
-            return (f"step {step} of ray_ckpt run {run!r} ({ckpt_dir}) is no longer listed (retention deleted it, or "
-                    f"it was lost with a node); committed steps: {engine.all_steps()[-8:]}")
+        if any(s > step for s in engine.all_steps()):  # not the newest: nothing to move the tracker back to
+            return (f"step {step} of ray_ckpt run {run!r} ({ckpt_dir}) is no longer listed (lost with a node, or "
+                    f"rolled back); newer steps are: {engine.all_steps()[-8:]}")
         ckpt_path = os.path.dirname(os.path.dirname(os.path.abspath(ckpt_dir)))
         back = newest_complete_step(ckpt_path, below=step, committed=engine.all_steps())
         what = (f"step {step} of ray_ckpt run {run!r} ({ckpt_dir}) was used by a version that is gone (lost with a "

@@ -293,9 +293,9 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
         if not step_lost(engine, step):
             return None
         found = newest_committed_pointer(step_folders(local_path), run, engine.all_steps())
-        if found is not None and found[1] > step:  # an older version retention deleted: nothing to move back
-            return (f"step {step} of ray_ckpt run {run!r} ({local_path}) is no longer listed (retention deleted it, "
-                    f"or it was lost with a node); committed steps: {engine.all_steps()[-8:]}")
+        if found is not None and found[1] > step:  # not the newest: nothing to move the tracker back to
+            return (f"step {step} of ray_ckpt run {run!r} ({local_path}) is no longer listed (lost with a node, or "
+                    f"rolled back); newer steps are: {engine.all_steps()[-8:]}")
         if found is None:
             return (f"step {step} of ray_ckpt run {run!r} ({local_path}) was used by a version that is gone (lost "
                     f"with a node, or rolled back) and no committed version of the run has a global_step folder "
