@@ -424,10 +424,16 @@ def test_a_resume_after_the_newest_version_was_lost_goes_back_to_the_one_before(
         for d in lost:
             shutil.rmtree(d)  # gone with its node's disk
         ray.get(rank.build.remote(12, ckpt), timeout=120)  # the job starts again: a new coordinator
+        tracker = root / "latest_checkpointed_iteration.txt"
+        # the driver's call before fit(): the tracker goes back to step 1 in this start
+        assert rv.rewind_lost_tracker(run, str(root)) == 1 and tracker.read_text() == "1"
+        assert rv.rewind_lost_tracker(run, str(root)) == 1  # nothing lost at step 1: unchanged
+        # without it, verl's trainer loads step 2: the load moves the tracker back and fails saying so
+        tracker.write_text("2")
         err = ray.get(rank.load.remote(step_path(root, 2)), timeout=120)
         assert err and err.startswith("RestoreError") and "step 2" in err and "lost with a node" in err \
             and "step 1" in err and "start the run again" in err, err
-        assert (root / "latest_checkpointed_iteration.txt").read_text() == "1"
+        assert tracker.read_text() == "1"
         assert ray.get(rank.call.remote(verl_find_latest, str(root)), timeout=60) == str(root / "global_step_1")
         assert ray.get(rank.load.remote(step_path(root, 1)), timeout=120) is None
         assert_same_state(ray.get(rank.full.remote(), timeout=60), want)

@@ -48,7 +48,7 @@ from ..committed import (broadcast_error, drop_lost_pointer, error_line, read_po
 from ..openrlhf.runs import Run as _Run
 from ..optimizers import init_optimizer_state
 from .settings import SkyRLSettings, read_settings
-from .tracker import TRACKER, advance_if_complete, newest_complete_step, rewind_tracker, step_of_path
+from .tracker import TRACKER, advance_if_complete, newest_complete_step, rewind_tracker, step_folders, step_of_path
 
 log = logging.getLogger("ray_ckpt.skyrl")
 
@@ -262,8 +262,12 @@ class RayCkptFSDPStrategy(FSDPStrategy):
             return f"{what}, and no older complete step is left in {ckpt_path}; committed steps: " \
                    f"{engine.all_steps()[-8:]}"
         rewind_tracker(ckpt_path, back)
+        newer = sorted(n for n in step_folders(ckpt_path) if back < n != step)
         return (f"{what}; the newest complete step before it is {back}: SkyRL's tracker "
-                f"({os.path.join(ckpt_path, TRACKER)}) now names it, start the run again to resume from it")
+                f"({os.path.join(ckpt_path, TRACKER)}) now names it, start the run again to resume from it"
+                + (f" (SkyRL refuses a tracker more than trainer.ckpt_interval steps behind its newest global_step "
+                   f"folder: move global_step_{newer} and global_step_{step} aside if that is the case here)"
+                   if newer else ""))
 
     def load_checkpoint(self, model, ckpt_dir, optimizer=None, scheduler=None, tag=None, load_module_strict=True,
                         load_optimizer_states=True, load_lr_scheduler_states=True):

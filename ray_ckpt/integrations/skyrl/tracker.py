@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Iterable, Optional
+from typing import Iterable, List, Optional
 
 from ..committed import LOCK, atomic_write, read_pointer
 
@@ -80,17 +80,21 @@ def advance_if_complete(step_dir: str, step: int) -> Optional[int]:
         return step
 
 
+def step_folders(ckpt_path: str) -> List[int]:
+    """The steps N of the ``global_step_N`` folders in ``ckpt_path``, newest first."""
+    try:
+        names = os.listdir(ckpt_path)
+    except OSError:
+        return []
+    return sorted((int(m.group(1)) for m in map(_STEP_DIR.match, names) if m), reverse=True)
+
+
 def newest_complete_step(ckpt_path: str, below: int, committed: Iterable[int]) -> Optional[int]:
     """The newest step under ``below`` whose ``global_step_N`` is complete and whose version is among
     ``committed`` (the loading role's run): where SkyRL resumes when the version its tracker names
     was lost with its node."""
     have = set(committed)
-    try:
-        names = os.listdir(ckpt_path)
-    except OSError:
-        return None
-    steps = sorted((int(m.group(1)) for m in map(_STEP_DIR.match, names) if m), reverse=True)
-    for step in steps:
+    for step in step_folders(ckpt_path):
         if step < below and step in have and complete(os.path.join(ckpt_path, f"global_step_{step}"), step):
             return step
     return None

@@ -10,7 +10,8 @@ module              holds
 ``hf_export``       the ``hf_model`` export, a Ray task on rank 0's node after the commit
 ``config``          :class:`RayCkptCheckpointConfig`, verl's ``CheckpointConfig`` + ``ray_ckpt``
 ``hook``            :func:`install` / :func:`uninstall`: verl's FSDP engine builds our manager
-``preemption``      :func:`forward_preemption_notices`: the run's notices into verl's expiry check
+``preemption``      :func:`forward_preemption_notices`: the run's notices into verl's expiry check;
+                    :func:`rewind_lost_tracker`: a resume past a version lost with its node
 =================== ===============================================================================
 
 verl is imported on first use of a name that needs it (``pip install "ray-ckpt[verl]"``).
@@ -22,11 +23,12 @@ from typing import Any
 from .settings import VerlSettings, read_settings
 from ..committed import POINTER, read_pointer
 from ..lazy import lazy_attribute
-from .preemption import forward_preemption_notices
+from .preemption import forward_preemption_notices, rewind_lost_tracker
 from .tracker import TRACKER
 
 __all__ = ["RayCkptCheckpointManager", "RayCkptCheckpointConfig", "install", "uninstall", "installed",
-           "read_settings", "VerlSettings", "read_pointer", "POINTER", "TRACKER", "forward_preemption_notices"]
+           "read_settings", "VerlSettings", "read_pointer", "POINTER", "TRACKER", "forward_preemption_notices",
+           "rewind_lost_tracker"]
 
 _LAZY = {"RayCkptCheckpointManager": "manager", "RayCkptCheckpointConfig": "config", "install": "hook",
          "uninstall": "hook", "installed": "hook"}

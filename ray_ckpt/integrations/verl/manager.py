@@ -38,11 +38,10 @@ from ray_ckpt import InvalidArgumentError, RestoreError, SaveError
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
 
 from .settings import VerlSettings, read_settings
-from ..committed import (POINTER, UsedSteps, broadcast_error, drop_lost_pointer, error_line,
-                         newest_committed_pointer, read_pointer, step_lost, time_left, wait_committed, wait_done,
-                         watch_saves, write_pointer)
+from ..committed import (POINTER, UsedSteps, broadcast_error, drop_lost_pointer, error_line, read_pointer, time_left,
+                         wait_committed, wait_done, watch_saves, write_pointer)
 from ..optimizers import init_optimizer_state
-from .tracker import advance_tracker, rewind_tracker, step_folders, step_of_path
+from .tracker import advance_tracker, fall_back, step_of_path
 
 log = logging.getLogger("ray_ckpt.verl")
 
@@ -287,24 +286,15 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
         pointer names it), was lost with a node (a preemption whose deadline it missed), else None.
         verl's trainer has already taken its step count and data position from
         ``global_step_<step>``, so a silent load of an older version would skip training unseen: the
-        tracker is moved back to the newest committed version instead, and the load fails saying so;
-        verl's next start resumes from that version and redoes the rest (the lost step itself is not
-        saved again: ``save_checkpoint``)."""
-        if not step_lost(engine, step):
+        tracker is moved back to the newest committed version instead (``tracker.fall_back``), and
+        the load fails saying so; verl's next start resumes from that version and redoes the rest
+        (the lost step itself is not saved again: ``save_checkpoint``). A driver that calls
+        :func:`~ray_ckpt.integrations.verl.rewind_lost_tracker` before ``fit()`` never gets here."""
+        back = fall_back(engine, run, step, local_path)
+        if back is None:
             return None
-        found = newest_committed_pointer(step_folders(local_path), run, engine.all_steps())
-        if found is not None and found[1] > step:  # not the newest: nothing to move the tracker back to
-            return (f"step {step} of ray_ckpt run {run!r} ({local_path}) is no longer listed (lost with a node, or "
-                    f"rolled back); newer steps are: {engine.all_steps()[-8:]}")
-        if found is None:
-            return (f"step {step} of ray_ckpt run {run!r} ({local_path}) was used by a version that is gone (lost "
-                    f"with a node, or rolled back) and no committed version of the run has a global_step folder "
-                    f"beside it; committed steps: {engine.all_steps()[-8:] or 'none'}")
-        tracker = rewind_tracker(local_path, step, found[1])
-        return (f"step {step} of ray_ckpt run {run!r} ({local_path}) was used by a version that is gone (lost with a "
-                f"node, or rolled back); the newest committed version is step {found[1]}"
-                + (f": verl's tracker ({tracker}) now names it, start the run again to resume from it" if tracker
-                   else f": load {found[0]}"))
+        return back[1] + (", start the run again to resume from it (or call rewind_lost_tracker() in the driver "
+                          "before fit())" if back[0] is not None else "")
 
     def load_checkpoint(self, local_path: str, hdfs_path: str = None, del_local_after_load: bool = False):
         """Fill this rank's model, optimizer, scheduler (and RNG, at the same world size) from the
@@ -319,7 +309,7 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
         if step is None:
             raise RestoreError(f"{local_path}: no ray_ckpt pointer ({POINTER}) and no global_step_N in the path")
         engine = self.engine if run == self.settings.run else rc.CheckpointEngine.connect(run)
-        broadcast_error(self._lost(engine, run, step, local_path) if self.rank == 0 and pointer else None,
+        broadcast_error(self._lost(engine, run, step, local_path) if self.rank == 0 else None,
                         self.world_size, RestoreError)
         self._wait_committed(engine, run, step)
         r = self.rank

@@ -88,3 +88,30 @@ def forward_preemption_notices(run: Any, poll_s: float = 1.0) -> PreemptionForwa
 
         run = rc.CheckpointEngine.connect(run)
     return PreemptionForwarder(run, poll_s)
+
+
+def rewind_lost_tracker(run: Any, checkpoint_dir: str, role: str = "actor") -> Optional[int]:
+    """In verl's driver, after ``init_workers()`` (the run exists) and before ``fit()``: when verl's
+    tracker in ``checkpoint_dir`` (``trainer.default_local_dir``) names a step whose version of
+    ``run`` (its name or a ``CheckpointEngine``) was lost with its node, move it back to the newest
+    committed step, so that ``fit()`` resumes from there in this start (without the call, the
+    workers' load of the lost step moves it back and fails, and the next start resumes). Returns
+    the step the tracker names afterwards (None: no tracker); a ``RestoreError`` when no committed
+    step is left to resume from."""
+    from ...errors import RestoreError
+    from .tracker import fall_back, read_tracker
+
+    step = read_tracker(checkpoint_dir)
+    if step is None:
+        return None
+    if isinstance(run, str):
+        import ray_ckpt as rc
+
+        run = rc.CheckpointEngine.connect(run)
+    back = fall_back(run, run.run, step, os.path.join(checkpoint_dir, f"global_step_{step}", role))
+    if back is None:
+        return step
+    if back[0] is None:
+        raise RestoreError(back[1])
+    log.warning("ray_ckpt: %s: resuming from it", back[1])
+    return back[0]

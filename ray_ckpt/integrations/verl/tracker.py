@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import os
 import re
-from typing import List, Optional
+from typing import Any, List, Optional, Tuple
 
-from ..committed import LOCK, atomic_write
+from ..committed import LOCK, atomic_write, newest_committed_pointer, read_pointer, step_lost
 
 TRACKER = "latest_checkpointed_iteration.txt"  # verl.utils.checkpoint.checkpoint_manager.get_checkpoint_tracker_filename
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -85,3 +85,33 @@ def step_folders(local_path: str) -> List[str]:
     except OSError:
         return []
     return [os.path.join(root, n, role) for n in names if _STEP_DIR.match(n)]
+
+
+def read_tracker(checkpoint_dir: str) -> Optional[int]:
+    """The step verl's tracker in ``checkpoint_dir`` (``trainer.default_local_dir``) names, or None."""
+    try:
+        with open(os.path.join(checkpoint_dir, TRACKER), "rb") as f:
+            return int(f.read().decode().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def fall_back(engine: Any, run: str, step: int, local_path: str) -> Optional[Tuple[Optional[int], str]]:
+    """When ``local_path`` (``.../global_step_<step>/<role>``) holds the pointer of a version of
+    ``run`` lost with its node, and it was the newest: move verl's tracker back to the newest
+    committed step with a pointer folder beside it. Returns None when the version is not lost, else
+    (the step the tracker names now, or None when none is left or the lost version was not the
+    newest; a sentence saying what happened)."""
+    if read_pointer(local_path) is None or not step_lost(engine, step):
+        return None
+    lost = (f"step {step} of ray_ckpt run {run!r} ({local_path}) was used by a version that is gone (lost with a node, "
+            f"or rolled back)")
+    found = newest_committed_pointer(step_folders(local_path), run, engine.all_steps())
+    if found is not None and found[1] > step:  # not the newest: nothing to move the tracker back to
+        return None, f"{lost}; newer steps are: {engine.all_steps()[-8:]}"
+    if found is None:
+        return None, (f"{lost} and no committed version of the run has a global_step folder beside it; committed "
+                      f"steps: {engine.all_steps()[-8:] or 'none'}")
+    tracker = rewind_tracker(local_path, step, found[1])
+    return found[1], f"{lost}; the newest committed version is step {found[1]}" + (
+        f": verl's tracker ({tracker}) now names it" if tracker else f": load {found[0]}")
