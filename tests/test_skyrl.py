@@ -292,6 +292,86 @@ def test_a_resume_after_the_newest_version_was_lost_goes_back_to_the_step_before
             pass
 
 
+def _trainer_load(self, ckpt_path):
+    """SkyRL's own ``RayPPOTrainer.load_checkpoints`` (resume mode ``latest``) with the mixin, its
+    models' loads going to this rank group's strategy; (step, path, tracker after, folders after)."""
+    from skyrl.train.config import SkyRLTrainConfig
+    from skyrl.train.trainer import RayPPOTrainer, ResumeMode
+
+    from ray_ckpt.integrations.skyrl import RayCkptTrainerMixin
+
+    class Trainer(RayCkptTrainerMixin, RayPPOTrainer):
+        pass
+
+    class Models:  # what WorkerDispatch.load_checkpoint does for one rank: the worker's load_checkpoint
+        def load_checkpoint(this, model, ckpt_dir, **kw):
+            out = self.strategy.load_checkpoint(self.model, ckpt_dir, optimizer=self.opt, scheduler=self.sched)
+            self.loaded = getattr(self, "loaded", []) + [(model, out[0])]
+
+    class Loader:
+        def load_state_dict(this, state):
+            self.data_state = state
+
+    cfg = SkyRLTrainConfig()
+    cfg.trainer.ckpt_path, cfg.trainer.ckpt_interval = ckpt_path, 1
+    cfg.trainer.critic.model.path = "critic"
+    trainer = Trainer.__new__(Trainer)
+    trainer.cfg, trainer.dispatch, trainer.train_dataloader = cfg, Models(), Loader()
+    trainer.resume_mode = ResumeMode.LATEST
+    self.loaded = []
+    step, path = trainer.load_checkpoints()
+    return step, path, open(os.path.join(ckpt_path, "latest_ckpt_global_step.txt")).read().strip(), \
+        sorted(os.listdir(ckpt_path)), self.loaded, self.data_state
+
+
+def test_skyrls_trainer_resumes_past_a_lost_version_in_the_same_start(setup):
+    """SkyRL's tracker names step 3, whose policy version was lost with its node (the critic's is
+    still listed): the mixin's ``load_checkpoints`` moves the tracker back to step 1, the newest step
+    both roles still have (step 2's policy version is gone too), moves global_step_2 and _3 aside
+    (SkyRL's own check refuses a tracker more than ckpt_interval behind its newest folder) and SkyRL
+    loads step 1, both roles bit-equal to what was saved."""
+    import glob
+    import shutil
+
+    import ray_ckpt as rc
+
+    actors = setup["actors"]
+    ck = dict(setup["ck"], run=f"{setup['ck']['run']}-mix", local_dir=str(setup["root"] / "mix-local"))
+    ckpt_path = str(setup["root"] / "mix")
+    solo = group(actors, 1)
+    try:
+        ray.get(solo[0].build.remote(ck, 0), timeout=180)
+        for step in (1, 2, 3):
+            ray.get(solo[0].train.remote(step, 1), timeout=60)
+            ray.get(solo[0].call.remote(_trainer_save, ckpt_path, step, True), timeout=120)
+            assert ray.get(solo[0].wait.remote(60), timeout=90) is None
+            if step == 1:
+                want = ray.get(solo[0].full.remote(), timeout=60)
+        assert tracker(ckpt_path) == 3
+        policy = f"{ck['run']}-policy"
+        rc.CheckpointEngine.connect(policy).shutdown(stop_coordinator=True)
+        for v in (2, 3):
+            for folder in glob.glob(str(setup["root"] / "mix-local" / "**" / policy / "**" / f"v00000000000{v}"),
+                                    recursive=True):
+                shutil.rmtree(folder)  # gone with its node's disk
+        engine = rc.CheckpointEngine.create(policy, ck["local_dir"], critical_writers=1, best_effort_writers=0,
+                                            rank_timeout_s=ck["rank_timeout_s"])
+        assert engine.all_steps() == [1], engine.all_steps()
+        ray.get(solo[0].build.remote(ck, 5), timeout=180)  # the job starts again
+        step, path, after, folders, loaded, data = ray.get(solo[0].call.remote(_trainer_load, ckpt_path), timeout=180)
+        assert step == 1 and path.endswith("global_step_1") and after == "1" and data == {"position": 1}
+        assert "global_step_2" not in folders and "global_step_3" not in folders
+        assert "ray_ckpt_lost.global_step_2" in folders and "ray_ckpt_lost.global_step_3" in folders
+        assert [m for m, _ in loaded] == ["policy", "critic"]
+        full_equal(want, ray.get(solo[0].full.remote(), timeout=60), "resumed from step 1")
+    finally:
+        for role in ("policy", "critic"):
+            try:
+                rc.CheckpointEngine.connect(f"{ck['run']}-{role}").shutdown(stop_coordinator=True)
+            except rc.CheckpointError:
+                pass
+
+
 def test_a_rank_killed_before_its_push_fails_that_version_alone(setup):
     """Step 4 commits on 2 ranks; rank 1 is killed before it pushes step 5: step 5 fails
     (rank_timeout_s), the failure names it, the tracker keeps naming step 4, step 4 still loads on

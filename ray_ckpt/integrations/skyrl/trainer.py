@@ -8,16 +8,27 @@ commit. Mixed in before the trainer class (``class Trainer(RayCkptTrainerMixin, 
 roles saved and ``trainer_state.pt``), runs SkyRL's own method with its one write of the tracker
 withheld, and advances the tracker itself if every role has committed by then; otherwise the last
 role's rank 0 does at its commit (``tracker.py``). Everything else of SkyRL's method is kept: its
-``data.pt``, ``trainer_state.pt``, callbacks and cleanup of old folders."""
+``data.pt``, ``trainer_state.pt``, callbacks and cleanup of old folders.
+
+``load_checkpoints`` (resume mode ``latest``) first checks the step the tracker names: when a role's
+version of it was lost with its node (:func:`resume_past_lost`), the tracker goes back to the newest
+step every role still has and the newer ``global_step_N`` folders are moved aside (SkyRL's own
+consistency check refuses a tracker far behind its newest folder), so the job resumes in this start."""
 from __future__ import annotations
 
 import contextlib
 import io as _io
+import logging
 import os
 import sys
-from typing import Any
+from typing import Any, Dict, Optional
 
-from .tracker import TRACKER, advance_if_complete, write_roles
+from ...errors import CheckpointError, RestoreError
+from ..committed import read_pointer, step_lost
+from .tracker import TRACKER, advance_if_complete, complete, read_tracker, rewind_tracker, step_folders, write_roles
+
+log = logging.getLogger("ray_ckpt.skyrl")
+LOST_PREFIX = "ray_ckpt_lost."  # a global_step_N folder moved aside: SkyRL lists only names starting global_step_
 
 TRAINER_FILES = ("trainer_state.pt",)  # what SkyRL's load_checkpoints needs in global_step_N beside the roles
 
@@ -56,3 +67,58 @@ class RayCkptTrainerMixin:
             module.io = stock
         advance_if_complete(step_dir, step)
         return folder
+
+    def load_checkpoints(self):
+        if str(getattr(getattr(self, "resume_mode", None), "value", "")) == "latest":
+            resume_past_lost(self.cfg.trainer.ckpt_path)
+        return super().load_checkpoints()
+
+
+def resume_past_lost(ckpt_path: str, connect_timeout_s: float = 10.0) -> Optional[int]:
+    """In SkyRL's driver, before its resume reads the tracker in ``ckpt_path``: when a role's version
+    of the step it names was lost with its node (unlisted by the role's run), point the tracker at
+    the newest complete step every role's run still lists, and move every newer ``global_step_N``
+    folder aside (renamed ``ray_ckpt_lost.global_step_N``; they hold no version that can be loaded).
+    Returns the step the tracker names afterwards (None: no tracker). A run that cannot be reached
+    is not checked (the workers' load then reports a lost step itself); no complete step left is a
+    ``RestoreError``."""
+    import ray_ckpt as rc
+
+    step = read_tracker(ckpt_path)
+    if step is None:
+        return None
+    step_dir = os.path.join(ckpt_path, f"global_step_{step}")
+    engines: Dict[str, Any] = {}
+    for role in sorted(os.listdir(step_dir)) if os.path.isdir(step_dir) else []:
+        pointer = read_pointer(os.path.join(step_dir, role)) if os.path.isdir(os.path.join(step_dir, role)) else None
+        if pointer is None:
+            continue
+        try:
+            engines[role] = rc.CheckpointEngine.connect(str(pointer["run"]), timeout=connect_timeout_s)
+        except CheckpointError as exc:
+            log.info("ray_ckpt: run %r of %s not reachable (%s): step %d not checked", pointer["run"], role, exc, step)
+            return step
+    lost = [role for role, engine in engines.items() if step_lost(engine, step)]
+    if not lost:
+        return step
+    listed = [set(engine.all_steps()) for engine in engines.values()]
+    back = next((s for s in step_folders(ckpt_path) if s < step and all(s in have for have in listed)
+                 and complete(os.path.join(ckpt_path, f"global_step_{s}"), s)), None)
+    if back is None:
+        raise RestoreError(f"step {step} of {ckpt_path} (the tracker's) lost its {', '.join(lost)} version with a "
+                           f"node, and no older step is complete with every role's version still listed")
+    rewind_tracker(ckpt_path, back)
+    moved = []
+    for s in step_folders(ckpt_path):
+        if s > back:
+            src = os.path.join(ckpt_path, f"global_step_{s}")
+            dst = os.path.join(ckpt_path, f"{LOST_PREFIX}global_step_{s}")
+            n = 1
+            while os.path.exists(dst):
+                dst, n = os.path.join(ckpt_path, f"{LOST_PREFIX}{n}.global_step_{s}"), n + 1
+            os.rename(src, dst)
+            moved.append(s)
+    log.warning("ray_ckpt: step %d of %s lost its %s version with a node: resuming from step %d (the newest "
+                "complete step every role still has); global_step folders %s moved aside as %sglobal_step_N",
+                step, ckpt_path, ", ".join(lost), back, sorted(moved), LOST_PREFIX)
+    return back
