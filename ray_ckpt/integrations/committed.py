@@ -52,6 +52,15 @@ def read_pointer(folder: str) -> Optional[Dict[str, Any]]:
         return json.load(f)
 
 
+def read_step_file(path: str) -> Optional[int]:
+    """The step a framework's tracker file names (one integer), or None (no file, or not a number)."""
+    try:
+        with open(path, "rb") as f:
+            return int(f.read().decode().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def error_line(exc: BaseException) -> str:
     """An error as one bounded line, its type first (what a framework's log and raise show)."""
     return f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:500]

@@ -21,7 +21,7 @@ import os
 import re
 from typing import Iterable, List, Optional
 
-from ..committed import LOCK, atomic_write, read_pointer
+from ..committed import LOCK, atomic_write, read_pointer, read_step_file
 
 TRACKER = "latest_ckpt_global_step.txt"  # skyrl.train.trainer.RayPPOTrainer.save_checkpoints
 ROLES = "ray_ckpt_roles.json"
@@ -61,11 +61,7 @@ def complete(step_dir: str, step: int) -> bool:
 
 
 def read_tracker(ckpt_path: str) -> Optional[int]:
-    try:
-        with open(os.path.join(ckpt_path, TRACKER), "rb") as f:
-            return int(f.read().decode().strip())
-    except (OSError, ValueError):
-        return None
+    return read_step_file(os.path.join(ckpt_path, TRACKER))
 
 
 def advance_if_complete(step_dir: str, step: int) -> Optional[int]:

@@ -18,7 +18,7 @@ import os
 import re
 from typing import Any, List, Optional, Tuple
 
-from ..committed import LOCK, atomic_write, newest_committed_pointer, read_pointer, step_lost
+from ..committed import LOCK, atomic_write, newest_committed_pointer, read_pointer, read_step_file, step_lost
 
 TRACKER = "latest_checkpointed_iteration.txt"  # verl.utils.checkpoint.checkpoint_manager.get_checkpoint_tracker_filename
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -51,12 +51,7 @@ def advance_tracker(local_path: str, step: int) -> Optional[int]:
     if path is None:
         return None
     with LOCK:
-        current = None
-        try:
-            with open(path, "rb") as f:
-                current = int(f.read().decode().strip())
-        except (OSError, ValueError):
-            pass
+        current = read_step_file(path)
         if current is not None and current >= step:
             return current
         atomic_write(path, str(step))
@@ -89,11 +84,7 @@ def step_folders(local_path: str) -> List[str]:
 
 def read_tracker(checkpoint_dir: str) -> Optional[int]:
     """The step verl's tracker in ``checkpoint_dir`` (``trainer.default_local_dir``) names, or None."""
-    try:
-        with open(os.path.join(checkpoint_dir, TRACKER), "rb") as f:
-            return int(f.read().decode().strip())
-    except (OSError, ValueError):
-        return None
+    return read_step_file(os.path.join(checkpoint_dir, TRACKER))
 
 
 def fall_back(engine: Any, run: str, step: int, local_path: str) -> Optional[Tuple[Optional[int], str]]:
