@@ -6,7 +6,7 @@ wait of a load for a step still in flight, and what a resumed run does with a st
 version lost since (:class:`UsedSteps`, :func:`step_lost`, :func:`newest_committed_pointer`,
 :func:`drop_lost_pointer`).
 
-Used by the verl and OpenRLHF integrations (``verl/tracker.py``, ``openrlhf/tracker.py`` add what
+Used by the verl, OpenRLHF, SkyRL and Ray Train integrations (their ``tracker.py`` modules add what
 their framework reads). No framework import here."""
 from __future__ import annotations
 

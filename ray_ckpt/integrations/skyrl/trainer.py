@@ -25,7 +25,8 @@ from typing import Any, Dict, Optional
 
 from ...errors import CheckpointError, RestoreError
 from ..committed import read_pointer, step_lost
-from .tracker import TRACKER, advance_if_complete, complete, read_tracker, rewind_tracker, step_folders, write_roles
+from .tracker import (TRACKER, advance_if_complete, newest_complete_step, read_tracker, rewind_tracker, step_folders,
+                      write_roles)
 
 log = logging.getLogger("ray_ckpt.skyrl")
 LOST_PREFIX = "ray_ckpt_lost."  # a global_step_N folder moved aside: SkyRL lists only names starting global_step_
@@ -101,9 +102,8 @@ def resume_past_lost(ckpt_path: str, connect_timeout_s: float = 10.0) -> Optiona
     lost = [role for role, engine in engines.items() if step_lost(engine, step)]
     if not lost:
         return step
-    listed = [set(engine.all_steps()) for engine in engines.values()]
-    back = next((s for s in step_folders(ckpt_path) if s < step and all(s in have for have in listed)
-                 and complete(os.path.join(ckpt_path, f"global_step_{s}"), s)), None)
+    listed = set.intersection(*(set(engine.all_steps()) for engine in engines.values()))
+    back = newest_complete_step(ckpt_path, below=step, committed=listed)  # every role's run lists it
     if back is None:
         raise RestoreError(f"step {step} of {ckpt_path} (the tracker's) lost its {', '.join(lost)} version with a "
                            f"node, and no older step is complete with every role's version still listed")

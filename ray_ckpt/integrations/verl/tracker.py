@@ -70,7 +70,7 @@ def rewind_tracker(local_path: str, lost: int, step: int) -> Optional[str]:
     return path
 
 
-def step_folders(local_path: str) -> List[str]:
+def role_folders(local_path: str) -> List[str]:
     """``<root>/global_step_*/<role>`` for every step folder beside ``local_path``
     (``<root>/global_step_N/<role>``): where a committed version's pointer may be."""
     path = os.path.abspath(local_path)
@@ -97,7 +97,7 @@ def fall_back(engine: Any, run: str, step: int, local_path: str) -> Optional[Tup
         return None
     lost = (f"step {step} of ray_ckpt run {run!r} ({local_path}) was used by a version that is gone (lost with a node, "
             f"or rolled back)")
-    found = newest_committed_pointer(step_folders(local_path), run, engine.all_steps())
+    found = newest_committed_pointer(role_folders(local_path), run, engine.all_steps())
     if found is not None and found[1] > step:  # not the newest: nothing to move the tracker back to
         return None, f"{lost}; newer steps are: {engine.all_steps()[-8:]}"
     if found is None:
