@@ -61,13 +61,15 @@ print("openrlhf", version("openrlhf"), "snippet ran")
 
 _VERL = """
 import verl
+import verl.utils.checkpoint.checkpoint_manager as cm
 import verl.workers.engine.fsdp.transformer_impl as impl
 from ray_ckpt.integrations.verl import RayCkptCheckpointConfig, RayCkptCheckpointManager, install, uninstall
-verls = impl.FSDPCheckpointManager
+verls, verls_find = impl.FSDPCheckpointManager, cm.find_latest_ckpt_path
 install()
 assert impl.FSDPCheckpointManager is not verls, "install() did not rebind verl's FSDPCheckpointManager"
+assert cm.find_latest_ckpt_path is not verls_find, "install() did not wrap verl's find_latest_ckpt_path"
 uninstall()
-assert impl.FSDPCheckpointManager is verls
+assert impl.FSDPCheckpointManager is verls and cm.find_latest_ckpt_path is verls_find
 print("verl", verl.__version__)
 """
 

@@ -392,8 +392,10 @@ def test_settings_block_is_checked_and_verl_imported_lazily():
 
 def test_a_resume_after_the_newest_version_was_lost_goes_back_to_the_one_before(verl_run, tmp_path):
     """A version that committed (verl's tracker names it) and was lost with its node since: verl's
-    trainer resumes from the tracker's folder, so the load of it fails saying so and moves the
-    tracker back to the newest committed version (verl's next start loads it, bit-equal); that
+    trainer picks the folder it resumes from with ``find_latest_ckpt_path``, which ``install()``
+    wraps to return the newest committed step's folder and move the tracker back (so do
+    ``rewind_lost_tracker`` in the driver, and, with neither, the workers' load of the lost step,
+    which then fails saying so: verl's next start loads it, bit-equal); that
     step, redone, is not saved again (the coordinator would refuse it); the next one is."""
     import copy
     import glob
@@ -425,10 +427,16 @@ def test_a_resume_after_the_newest_version_was_lost_goes_back_to_the_one_before(
             shutil.rmtree(d)  # gone with its node's disk
         ray.get(rank.build.remote(12, ckpt), timeout=120)  # the job starts again: a new coordinator
         tracker = root / "latest_checkpointed_iteration.txt"
-        # the driver's call before fit(): the tracker goes back to step 1 in this start
+        # verl's trainer picks its folder with verl's find_latest_ckpt_path, which install() wrapped:
+        # step 1's folder, and the tracker goes back to it, in this start
+        assert ray.get(rank.call.remote(verl_find_latest, str(root)), timeout=60) == str(root / "global_step_1")
+        assert tracker.read_text() == "1"
+        assert ray.get(rank.call.remote(verl_find_latest, str(root)), timeout=60) == str(root / "global_step_1")
+        # a driver that does not install(): the call before fit() does the same
+        tracker.write_text("2")
         assert rv.rewind_lost_tracker(run, str(root)) == 1 and tracker.read_text() == "1"
         assert rv.rewind_lost_tracker(run, str(root)) == 1  # nothing lost at step 1: unchanged
-        # without it, verl's trainer loads step 2: the load moves the tracker back and fails saying so
+        # neither: verl's trainer loads step 2; the load moves the tracker back and fails saying so
         tracker.write_text("2")
         err = ray.get(rank.load.remote(step_path(root, 2)), timeout=120)
         assert err and err.startswith("RestoreError") and "step 2" in err and "lost with a node" in err \

@@ -9,7 +9,8 @@ module              holds
 ``manager``         :class:`RayCkptCheckpointManager` (save, background commit watch, load)
 ``hf_export``       the ``hf_model`` export, a Ray task on rank 0's node after the commit
 ``config``          :class:`RayCkptCheckpointConfig`, verl's ``CheckpointConfig`` + ``ray_ckpt``
-``hook``            :func:`install` / :func:`uninstall`: verl's FSDP engine builds our manager
+``hook``            :func:`install` / :func:`uninstall`: verl's FSDP engine builds our manager, and
+                    verl's resume goes back past a version lost with its node
 ``preemption``      :func:`forward_preemption_notices`: the run's notices into verl's expiry check;
                     :func:`rewind_lost_tracker`: a resume past a version lost with its node
 =================== ===============================================================================

@@ -115,3 +115,28 @@ def rewind_lost_tracker(run: Any, checkpoint_dir: str, role: str = "actor") -> O
         raise RestoreError(back[1])
     log.warning("ray_ckpt: %s: resuming from it", back[1])
     return back[0]
+
+
+def resume_folder(checkpoint_dir: str, folder: str, role: str = "actor") -> str:
+    """What verl's ``find_latest_ckpt_path`` returns once :func:`install` wrapped it: ``folder`` (the
+    tracker's ``global_step_N``), or, when the ray_ckpt version its ``role`` pointer names was lost
+    with its node, the folder of the newest committed step, the tracker moved back to it
+    (:func:`rewind_lost_tracker`). Why there: verl's trainer takes its step count and data position
+    from that folder before the workers load, so this is the one place a resume can go back in the
+    same start. A folder without a pointer (not a ray_ckpt save) is returned as it is; so is one
+    whose run cannot be reached or has nothing older committed: the workers' load then says why."""
+    from ...errors import CheckpointError
+    from ..committed import read_pointer
+
+    try:
+        pointer = read_pointer(os.path.join(folder, role))
+    except (OSError, ValueError):
+        return folder
+    if not pointer or not pointer.get("run"):
+        return folder
+    try:
+        step = rewind_lost_tracker(pointer["run"], checkpoint_dir, role)
+    except CheckpointError as exc:
+        log.warning("ray_ckpt: verl resumes from %s as its tracker says: %s", folder, exc)
+        return folder
+    return folder if step is None else os.path.join(os.path.dirname(folder), f"global_step_{step}")
