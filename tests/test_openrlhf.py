@@ -524,6 +524,40 @@ def test_a_resume_after_the_newest_version_was_lost_loads_the_one_before(setup):
         engine.shutdown(stop_coordinator=True)
 
 
+def test_a_resume_from_an_older_tag_does_not_save_its_redone_steps_again(setup):
+    """Steps 1-3 committed; the job starts again from ``global_step1`` (an explicit tag: going back
+    past steps the run keeps). Its redo of steps 2 and 3 pushes nothing (before, the first redo's
+    save failed: "step 2 ... is already committed"), steps 2 and 3 stay listed, step 4 commits.
+    The load comes before the fresh strategy's first save, as in a resumed job."""
+    import ray_ckpt as rc
+
+    actors = setup["actors"]
+    ck = dict(setup["ck"], run=f"{setup['ck']['run']}-back", local_dir=str(setup["root"] / "back-local"))
+    d, run = str(setup["root"] / "back" / "_actor"), f"{ck['run']}-actor"
+    solo = group(actors, 1)
+    try:
+        ray.get(solo[0].build.remote(2, ck, 0), timeout=120)
+        for step in (1, 2, 3):
+            ray.get(solo[0].train.remote(step, 1), timeout=60)
+            ray.get(solo[0].save.remote(d, f"global_step{step}", {"s": step}), timeout=60)
+            assert ray.get(solo[0].wait.remote(60), timeout=90) is None
+        ray.get(solo[0].build.remote(2, ck, 5), timeout=120)  # the job starts again
+        got = ray.get(solo[0].load.remote(d, "global_step1"), timeout=120)
+        assert not isinstance(got, str) and got[1] == {"s": 1}, got
+        for step in (2, 3, 4):
+            ray.get(solo[0].train.remote(step, 1), timeout=60)
+            ray.get(solo[0].save.remote(d, f"global_step{step}", {"s": step}), timeout=60)
+            assert ray.get(solo[0].wait.remote(60), timeout=90) is None
+        engine = rc.CheckpointEngine.connect(run)
+        assert engine.all_steps() == [2, 3, 4]  # max_num=3: the three newest
+        assert engine.load("extra", step=4)["client_state"] == {"s": 4}
+    finally:
+        try:
+            rc.CheckpointEngine.connect(run).shutdown(stop_coordinator=True)
+        except rc.CheckpointError:
+            pass
+
+
 def test_retention_and_a_rank_killed_before_its_push(setup):
     """max_num=1: after each commit only the newest version stays, never fewer; rank 1 is
     killed before it pushes step N: N fails (rank_timeout_s), N-1 is kept and still loads,

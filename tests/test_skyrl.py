@@ -364,6 +364,15 @@ def test_skyrls_trainer_resumes_past_a_lost_version_in_the_same_start(setup):
         assert "ray_ckpt_lost.global_step_2" in folders and "ray_ckpt_lost.global_step_3" in folders
         assert [m for m, _ in loaded] == ["policy", "critic"]
         full_equal(want, ray.get(solo[0].full.remote(), timeout=60), "resumed from step 1")
+        # the redone steps: 2 and 3 are saved by neither role (the policy's are lost; the critic's
+        # were committed before the resume went back past them), step 4 by both
+        for step in (2, 3, 4):
+            ray.get(solo[0].train.remote(step, 1), timeout=60)
+            ray.get(solo[0].call.remote(_trainer_save, ckpt_path, step, True), timeout=120)
+            assert ray.get(solo[0].wait.remote(60), timeout=90) is None
+        assert rc.CheckpointEngine.connect(policy).all_steps() == [1, 4]
+        assert rc.CheckpointEngine.connect(f"{ck['run']}-critic").all_steps() == [1, 2, 3, 4]
+        assert tracker(ckpt_path) == 4
     finally:
         for role in ("policy", "critic"):
             try:

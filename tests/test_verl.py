@@ -396,7 +396,8 @@ def test_a_resume_after_the_newest_version_was_lost_goes_back_to_the_one_before(
     wraps to return the newest committed step's folder and move the tracker back (so do
     ``rewind_lost_tracker`` in the driver, and, with neither, the workers' load of the lost step,
     which then fails saying so: verl's next start loads it, bit-equal); that
-    step, redone, is not saved again (the coordinator would refuse it); the next one is."""
+    step, redone, is not saved again (the coordinator would refuse it); the next one is. A load of
+    step 1 again, back past the committed step 3: step 3's redo is not saved either, step 4 is."""
     import copy
     import glob
     import shutil
@@ -453,6 +454,14 @@ def test_a_resume_after_the_newest_version_was_lost_goes_back_to_the_one_before(
         assert ray.get(rank.wait.remote(60), timeout=90) is None
         assert rc.CheckpointEngine.connect(run).all_steps() == [1, 3]
         assert (root / "latest_checkpointed_iteration.txt").read_text() == "3"
+        # back to step 1 again (verl's resume_from_path): step 3, committed since, stays listed and
+        # its redo is not saved again (before: "step 3 ... is already committed"); step 4 is
+        assert ray.get(rank.load.remote(step_path(root, 1)), timeout=120) is None
+        for step in (2, 3, 4):
+            ray.get(rank.train.remote(1), timeout=60)
+            ray.get(rank.save.remote(step_path(root, step), step), timeout=60)
+        assert ray.get(rank.wait.remote(60), timeout=90) is None
+        assert rc.CheckpointEngine.connect(run).all_steps() == [1, 3, 4]
     finally:
         leave([rank])
         try:

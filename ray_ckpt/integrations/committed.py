@@ -156,14 +156,33 @@ class UsedSteps:
     listed (``engine.skipped_versions()``), and no step up to it that is not committed is used
     again. A run restored from the version before it redoes those steps, and its framework asks to
     save them again: the coordinator would refuse them, so the integration skips them (logged once)
-    and saves again from the next step past the lost version. The call sequence, at each step the
-    framework saves: ``if used.free(engine, step): push``."""
+    and saves again from the next step past the lost version.
+
+    The same holds for committed steps after the one a load went back to: a framework whose roles
+    are runs of their own (policy and critic) resumes from the newest step every role still has, so
+    a role whose newer versions survived redoes steps it has committed; those versions stay listed
+    (the timeline the resume left) and the redone steps are not saved again either.
+
+    The call sequence: after a load of step N, ``used.resumed(engine, N)``; at each step the
+    framework saves, ``if used.free(engine, step): push``."""
 
     def __init__(self, run: str, logger: logging.Logger):
         self.run, self._log = run, logger
         self._skipped_through = -1  # the used steps already logged as not saved again
+        self._left: Optional[Tuple[int, int]] = None  # (step loaded, newest committed step after it)
+
+    def resumed(self, engine: Any, step: int) -> None:
+        """The version of ``step`` was loaded: committed steps after it are not saved again when redone."""
+        newer = [s for s in engine.all_steps() if s > step]
+        self._left = (step, max(newer)) if newer else None
+        if newer:
+            self._log.warning("ray_ckpt: run %r resumed from step %d and has committed steps after it (%s): they stay "
+                              "listed, and their redo is not saved again (a step is never saved twice); saving "
+                              "goes on after step %d", self.run, step, newer[-8:], max(newer))
 
     def free(self, engine: Any, step: int) -> bool:
+        if self._left is not None and self._left[0] < step <= self._left[1]:
+            return False  # logged by resumed()
         if step > engine.last_saved_step:
             return True  # the common case: one call to no one
         lost = lost_through(engine)

@@ -89,6 +89,7 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
                                        "and --ds.tensor_parallel_size must be 1)")
         self.ray_ckpt: OpenRLHFSettings = settings
         self._runs: Dict[str, _Run] = {}
+        self._loaded: Dict[str, Tuple[str, int]] = {}  # load_dir -> (run, step) loaded before its run's first save
         self._lock = threading.Lock()
         self._partitions = PartitionCache()
         self.last_block_s: Optional[float] = None  # how long the last save_ckpt blocked this rank
@@ -141,6 +142,8 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
             engine = rc.CheckpointEngine.connect(name, timeout=s.connect_timeout_s)
         run = self._runs[key] = _Run(name, engine)
         run.kept = keep
+        if self._loaded.get(key, ("", 0))[0] == name:  # loaded before this first save (a resume)
+            run.used.resumed(engine, self._loaded[key][1])
         threading.Thread(target=self._watch, args=(run,), name=f"ray_ckpt-{name}", daemon=True).start()
         return run
 
@@ -367,6 +370,11 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
             model.global_steps = int(extra["global_steps"])
             model.global_samples = int(extra["global_samples"])
             model.skipped_steps = int(extra["skipped_steps"])
+        # committed steps after the one loaded: their redo is not saved again (``committed.UsedSteps``)
+        if known is not None and known.name == run_name:
+            known.used.resumed(engine, step)
+        else:
+            self._loaded[os.path.abspath(load_dir)] = (run_name, step)
         rank, world = self._world()
         if int(extra["world_size"]) == world:
             rc.set_rng_state(engine.load(RNG, step=step, rank=rank))

@@ -305,6 +305,8 @@ class RayCkptFSDPStrategy(FSDPStrategy):
         elif rank == 0:
             log.warning("ray_ckpt: %s was saved by %s ranks and is loaded on %s: the RNG states were not restored "
                         "(they are per rank); model and optimizer were resharded", ckpt_dir, saved_world, world)
+        if run.name == name:  # committed steps of this role after the one loaded: their redo is not saved again
+            run.used.resumed(engine, step)
         if world > 1:
             dist.barrier()
         states = {"client_state": dict(extra.get("client_state") or {}), "tag": extra.get("tag", tag),

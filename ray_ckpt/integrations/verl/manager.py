@@ -334,4 +334,6 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
                 log.warning("ray_ckpt: step %s was saved by %s ranks and is loaded on %s: the RNG states were "
                             "not restored (they are per rank); model, optimizer and scheduler were resharded",
                             step, saved_world, self.world_size)
+        if run == self.settings.run:  # committed steps after the one loaded: their redo is not saved again
+            self._used.resumed(engine, step)
         log.info("ray_ckpt: rank %s loaded step %s of run %r", r, step, run)
