@@ -269,6 +269,7 @@ def test_ranks_push_append_only_buffers_each_with_its_own_segments(engine_factor
             hs.append(pushed.submit(step, "rollouts", b.state(), rank=r))
         for h in hs:
             h.result(timeout=60)
+    assert pushed.last_saved_step == 4  # its pushes count as used steps (it was -1: saves only)
     for r, b in enumerate(bufs):
         _equal(b.state(), engine.load("rollouts", step=4, rank=r))
     entry = json.loads((engine_root(engine) / "v000000000004" / "manifest.json").read_bytes())["states"]["rollouts"]

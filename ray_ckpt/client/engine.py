@@ -242,8 +242,10 @@ class CheckpointEngine(CoordinatorLink, InFlightSaves, RankPushes, PreemptionNot
     def last_saved_step(self) -> int:
         """The newest step the run has used (committed, in flight, or lost with a node: a step is
         never used twice), -1 if none: the step of a save must be above it. After a restore from an
-        older version it can be above the newest listed one (the versions after it were lost)."""
-        return self._last_saved
+        older version it can be above the newest listed one (the versions after it were lost). As
+        this engine knows it: the run's when it connected or restored, then its own saves and
+        pushes (``submit``)."""
+        return max(self._last_saved, max(self._last_pushed.values(), default=-1))
 
     def advance_step(self, n: int = 1) -> int:
         """Move ``current_step`` on by ``n`` and return it."""
