@@ -293,8 +293,8 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
         back = fall_back(engine, run, step, local_path)
         if back is None:
             return None
-        return back[1] + (", start the run again to resume from it (or call rewind_lost_tracker() in the driver "
-                          "before fit())" if back[0] is not None else "")
+        return back[1] + (", start the run again to resume from it (or run ray_ckpt.integrations.verl.install() in "
+                          "the driver, or call rewind_lost_tracker() there before fit())" if back[0] is not None else "")
 
     def load_checkpoint(self, local_path: str, hdfs_path: str = None, del_local_after_load: bool = False):
         """Fill this rank's model, optimizer, scheduler (and RNG, at the same world size) from the
