@@ -470,6 +470,56 @@ def test_a_resume_after_the_newest_version_was_lost_goes_back_to_the_one_before(
             pass
 
 
+def test_verls_resume_goes_back_to_the_newest_step_every_role_has(ray_session, tmp_path):
+    """An actor and a critic, each a run of its own, committed steps 1-3; the critic's versions of
+    steps 2 and 3 were lost with a node (the actor's are still listed). verl's own
+    ``find_latest_ckpt_path``, as ``RayPPOTrainer._load_checkpoint`` calls it in the driver, with
+    ``install()`` there: step 1's folder, the tracker back at 1 (the actor's steps 2 and 3, still
+    listed, are then not saved again when redone: ``committed.UsedSteps``). A folder that is not a
+    ray_ckpt save is returned as verl found it."""
+    import glob
+    import shutil
+
+    from verl.utils.checkpoint import checkpoint_manager
+
+    import ray_ckpt as rc
+    import ray_ckpt.integrations.verl as rv
+    from ray_ckpt.integrations.committed import write_pointer
+
+    root, local = tmp_path / "trainer", str(tmp_path / "ckpt")
+    runs = {role: f"verl-roles-{role}" for role in ("actor", "critic")}
+    engines = {role: rc.CheckpointEngine.create(run, local, critical_writers=1, best_effort_writers=0)
+               for role, run in runs.items()}
+    state = {"w": torch.zeros(4)}
+    for eng in engines.values():
+        eng.register("w", lambda: state)
+    rv.install()
+    try:
+        for step in (1, 2, 3):
+            state["w"] = torch.full((4,), float(step))
+            for role, eng in engines.items():
+                eng.save(step).result(timeout=60)
+                write_pointer(str(root / f"global_step_{step}" / role), {"run": runs[role], "step": step})
+        (root / "latest_checkpointed_iteration.txt").write_text("3")
+        (tmp_path / "plain" / "global_step_5").mkdir(parents=True)
+        (tmp_path / "plain" / "latest_checkpointed_iteration.txt").write_text("5")
+        assert checkpoint_manager.find_latest_ckpt_path(str(tmp_path / "plain")) == str(tmp_path / "plain" / "global_step_5")
+        assert checkpoint_manager.find_latest_ckpt_path(str(root)) == str(root / "global_step_3")  # nothing lost
+        engines["critic"].shutdown(stop_coordinator=True)
+        for v in (2, 3):
+            for folder in glob.glob(f"{local}/**/{runs['critic']}/**/v00000000000{v}", recursive=True):
+                shutil.rmtree(folder)  # gone with its node's disk
+        engines["critic"] = rc.CheckpointEngine.create(runs["critic"], local, critical_writers=1, best_effort_writers=0)
+        assert engines["critic"].all_steps() == [1] and engines["actor"].all_steps() == [1, 2, 3]
+        assert checkpoint_manager.find_latest_ckpt_path(str(root)) == str(root / "global_step_1")
+        assert (root / "latest_checkpointed_iteration.txt").read_text() == "1"
+        assert checkpoint_manager.find_latest_ckpt_path(str(root)) == str(root / "global_step_1")  # stays
+    finally:
+        rv.uninstall()
+        for eng in engines.values():
+            eng.shutdown(stop_coordinator=True)
+
+
 def test_max_ckpt_to_keep_is_the_runs_retention_applied_after_the_commit(verl_run, saved):
     """Last: it prunes the steps the tests above load. verl's trainer passes max_actor_ckpt_to_keep
     to every save_checkpoint; here 1: after step 6 commits, only step 6 is kept (step 2 went only

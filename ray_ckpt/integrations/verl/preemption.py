@@ -117,26 +117,38 @@ def rewind_lost_tracker(run: Any, checkpoint_dir: str, role: str = "actor") -> O
     return back[0]
 
 
-def resume_folder(checkpoint_dir: str, folder: str, role: str = "actor") -> str:
+def resume_folder(checkpoint_dir: str, folder: str) -> str:
     """What verl's ``find_latest_ckpt_path`` returns once :func:`install` wrapped it: ``folder`` (the
-    tracker's ``global_step_N``), or, when the ray_ckpt version its ``role`` pointer names was lost
-    with its node, the folder of the newest committed step, the tracker moved back to it
-    (:func:`rewind_lost_tracker`). Why there: verl's trainer takes its step count and data position
-    from that folder before the workers load, so this is the one place a resume can go back in the
-    same start. A folder without a pointer (not a ray_ckpt save) is returned as it is; so is one
-    whose run cannot be reached or has nothing older committed: the workers' load then says why."""
+    tracker's ``global_step_N``), or, when a ray_ckpt version that one of its role folders' pointers
+    names (``actor``, ``critic``) was lost with its node, the folder of the newest step whose roles
+    are all committed, the tracker moved back to it (:func:`rewind_lost_tracker`, role after role
+    until none moves it). Why there: verl's trainer takes its step count and data position from that
+    folder before the workers load, so this is the one place a resume can go back in the same
+    start. A folder without a pointer (not a ray_ckpt save) is returned as it is; so is one whose
+    run cannot be reached or has nothing older committed: the workers' load then says why."""
     from ...errors import CheckpointError
     from ..committed import read_pointer
+    from .tracker import read_tracker
 
-    try:
-        pointer = read_pointer(os.path.join(folder, role))
-    except (OSError, ValueError):
-        return folder
-    if not pointer or not pointer.get("run"):
-        return folder
-    try:
-        step = rewind_lost_tracker(pointer["run"], checkpoint_dir, role)
-    except CheckpointError as exc:
-        log.warning("ray_ckpt: verl resumes from %s as its tracker says: %s", folder, exc)
-        return folder
-    return folder if step is None else os.path.join(os.path.dirname(folder), f"global_step_{step}")
+    runs = {}
+    for role in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        try:
+            pointer = read_pointer(os.path.join(folder, role))
+        except (OSError, ValueError):
+            continue
+        if pointer and pointer.get("run"):
+            runs[role] = pointer["run"]
+    step = first = read_tracker(checkpoint_dir)
+    moved = bool(runs)
+    while moved and step is not None:
+        moved = False
+        for role, run in runs.items():
+            try:
+                back = rewind_lost_tracker(run, checkpoint_dir, role)
+            except CheckpointError as exc:
+                log.warning("ray_ckpt: verl resumes from the step its tracker names (%s): %s", step, exc)
+                break
+            if back is not None and back != step:
+                step, moved = back, True  # the roles are checked again at that step
+                break
+    return folder if step in (None, first) else os.path.join(os.path.dirname(folder), f"global_step_{step}")
