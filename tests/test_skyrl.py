@@ -329,7 +329,9 @@ def test_skyrls_trainer_resumes_past_a_lost_version_in_the_same_start(setup):
     still listed): the mixin's ``load_checkpoints`` moves the tracker back to step 1, the newest step
     both roles still have (step 2's policy version is gone too), moves global_step_2 and _3 aside
     (SkyRL's own check refuses a tracker more than ckpt_interval behind its newest folder) and SkyRL
-    loads step 1, both roles bit-equal to what was saved."""
+    loads step 1, both roles bit-equal to what was saved. Training then goes on: the redone steps 2
+    and 3 are saved by neither role (the critic's committed ones stay listed; its first redone save
+    failed with "already committed" before), step 4 by both, and the tracker names 4."""
     import glob
     import shutil
 

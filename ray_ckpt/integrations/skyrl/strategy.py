@@ -266,7 +266,8 @@ class RayCkptFSDPStrategy(FSDPStrategy):
         return (f"{what}; the newest complete step before it is {back}: SkyRL's tracker "
                 f"({os.path.join(ckpt_path, TRACKER)}) now names it, start the run again to resume from it"
                 + (f" (SkyRL refuses a tracker more than trainer.ckpt_interval steps behind its newest global_step "
-                   f"folder: move global_step_{newer} and global_step_{step} aside if that is the case here)"
+                   f"folder: move {', '.join(f'global_step_{n}' for n in newer + [step])} aside if that is the "
+                   f"case here)"
                    if newer else ""))
 
     def load_checkpoint(self, model, ckpt_dir, optimizer=None, scheduler=None, tag=None, load_module_strict=True,

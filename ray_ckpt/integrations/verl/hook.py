@@ -12,8 +12,9 @@ worker process (e.g. Ray's ``runtime_env={"worker_process_setup_hook":
 It also wraps ``verl.utils.checkpoint.checkpoint_manager.find_latest_ckpt_path``, which verl's
 trainers call in the driver to pick the folder they resume from (``RayPPOTrainer._load_checkpoint``),
 and rebinds it in the verl modules that imported it already. The wrapper returns what verl's returns
-unless that folder's pointer names a ray_ckpt version that was lost with its node; then it returns
-the newest committed step's folder and moves the tracker back (``preemption.resume_folder``). Without
+unless a role folder's pointer there (actor, critic) names a ray_ckpt version that was lost with its
+node; then it returns the folder of the newest step whose roles are all committed and moves the
+tracker back (``preemption.resume_folder``). Without
 the wrapper that resume fails once and succeeds at the next start. verl's trainer runs in a Ray
 worker process (``TaskRunner``), where the setup hook above installs both.
 

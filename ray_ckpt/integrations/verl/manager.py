@@ -288,8 +288,9 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
         ``global_step_<step>``, so a silent load of an older version would skip training unseen: the
         tracker is moved back to the newest committed version instead (``tracker.fall_back``), and
         the load fails saying so; verl's next start resumes from that version and redoes the rest
-        (the lost step itself is not saved again: ``save_checkpoint``). A driver that calls
-        :func:`~ray_ckpt.integrations.verl.rewind_lost_tracker` before ``fit()`` never gets here."""
+        (the lost step itself is not saved again: ``save_checkpoint``). A driver where
+        :func:`~ray_ckpt.integrations.verl.install` ran (its ``find_latest_ckpt_path``), or that calls
+        :func:`~ray_ckpt.integrations.verl.rewind_lost_tracker` before ``fit()``, never gets here."""
         back = fall_back(engine, run, step, local_path)
         if back is None:
             return None

@@ -126,11 +126,13 @@ def resume_folder(checkpoint_dir: str, folder: str) -> str:
     folder before the workers load, so this is the one place a resume can go back in the same
     start. A folder without a pointer (not a ray_ckpt save) is returned as it is; so is one whose
     run cannot be reached or has nothing older committed: the workers' load then says why."""
+    import ray_ckpt as rc
+
     from ...errors import CheckpointError
     from ..committed import read_pointer
     from .tracker import read_tracker
 
-    runs = {}
+    runs, engines = {}, {}
     for role in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         try:
             pointer = read_pointer(os.path.join(folder, role))
@@ -144,7 +146,9 @@ def resume_folder(checkpoint_dir: str, folder: str) -> str:
         moved = False
         for role, run in runs.items():
             try:
-                back = rewind_lost_tracker(run, checkpoint_dir, role)
+                if role not in engines:  # connected once, checked at each step the tracker moves to
+                    engines[role] = rc.CheckpointEngine.connect(run)
+                back = rewind_lost_tracker(engines[role], checkpoint_dir, role)
             except CheckpointError as exc:
                 log.warning("ray_ckpt: verl resumes from the step its tracker names (%s): %s", step, exc)
                 break
