@@ -336,6 +336,50 @@ def test_a_version_whose_only_copy_was_on_a_node_ray_lists_dead_is_not_listed_be
     assert [m.version for m in q.list()] == [1, 2, 3]
 
 
+def test_a_version_being_judged_is_never_both_unlisted_and_missing_from_the_skipped_versions(tmp_path):
+    """While the watch loop judges a dead node (it awaits the holders' verifications and the disk),
+    the queries' thread answers: a version whose only copy was there is not listed and is named
+    in skipped_versions, before, during and after the judgement. (It was neither for that while,
+    so a test that saw it unlisted then found skipped_versions empty.) No Ray: the node table read
+    is set by hand, and the local tier's exists(), which the judgement awaits, asks the queries."""
+    import asyncio
+
+    from ray_ckpt.coordinator.catalogue import Catalogue
+    from ray_ckpt.coordinator.queries import CoordinatorQueries
+    from ray_ckpt.coordinator.replication import Replication
+    from ray_ckpt.coordinator.upload_plan import UploadPlan
+    from ray_ckpt.formats.manifest import Manifest, StateEntry
+
+    def manifest(v):
+        f = FileEntry(f"v{v:012d}/policy/rank0.safetensors", 3, digest(b"abc"), node=NODE_A)
+        return Manifest("r", v, v, float(v), {"policy": StateEntry("critical", "stored", {"0": [f]}, 3)})
+
+    cfg = EngineConfig("r", str(tmp_path), peer_replicas=1)
+    local = cfg.local_tier()
+    ms = {v: manifest(v) for v in (1, 2)}
+    catalogue = Catalogue("r", dict(ms))
+    uploads = UploadPlan(1, True, {}, catalogue.committed)
+    skipped = {}
+    files = {m.states["policy"].all_files()[0].path: NODE_A for m in ms.values()}
+    r = Replication(cfg, local, None, catalogue, uploads, skipped, files, NODE_H, lambda c: None, lambda m: None)
+    q = CoordinatorQueries("r", catalogue, uploads, skipped, None)
+    q.replication = r
+    r._started, r._table_at, r._table_dead = True, float("inf"), {NODE_A}  # Ray lists A dead; not judged yet
+    seen = []
+    real_exists = local.exists
+
+    def exists(path):  # on a thread, as the judgement calls it: what a user asking now is told
+        seen.append(([m.version for m in q.list()], sorted(q.skipped_versions())))
+        return real_exists(path)
+
+    local.exists = exists
+    assert ([m.version for m in q.list()], sorted(q.skipped_versions())) == ([], [1, 2])
+    asyncio.run(r.nodes_lost({NODE_A}))
+    assert seen and all(answer == ([], [1, 2]) for answer in seen), seen
+    assert ([m.version for m in q.list()], sorted(q.skipped_versions())) == ([], [1, 2])
+    assert skipped[1].startswith(f"lost with node {NODE_A[:12]}") and not r.judging
+
+
 # ---------------------------------------------------------------------- which node holds a file, across restarts
 NODE_H, NODE_A, NODE_B, NODE_C = ("h" * 56, "a" * 56, "b" * 56, "c" * 56)
 

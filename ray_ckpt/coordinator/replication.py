@@ -75,6 +75,7 @@ class Replication:
         self.futures: Dict[int, asyncio.Future] = {}  # version -> its "replicated" outcome
         self.alive: Dict[str, Dict[str, str]] = {}  # node -> labels, as last read
         self.dead: Set[str] = set()  # nodes judged lost
+        self.judging: Set[str] = set()  # nodes in self.dead whose versions nodes_lost() is still judging
         self.table_dead: Set[str] = set()  # nodes Ray's node table lists dead, as last read
         self.short: Dict[int, str] = {}  # version -> why it has fewer copies than asked (status() shows it)
         # (version, path) -> the nodes whose holders had a copy when they died: a lost version's reason
@@ -333,6 +334,16 @@ class Replication:
                 log.warning("run %r: watching nodes failed: %s", self.cfg.run, one_line(exc))
 
     async def nodes_lost(self, gone: Set[str]) -> None:
+        """Judge the versions that depended on ``gone``. Until that is done (the judgement awaits the
+        holders' verifications), ``unjudged_losses`` keeps counting those nodes as unjudged, so a
+        version being judged is neither listed nor missing from ``skipped_versions``."""
+        self.judging |= gone
+        try:
+            await self._nodes_lost(gone)
+        finally:
+            self.judging -= gone
+
+    async def _nodes_lost(self, gone: Set[str]) -> None:
         self.dead |= gone
         if self.pools is not None:  # (None: the bookkeeping alone, in a unit test)
             self.pools.forget_nodes(gone)
@@ -381,10 +392,10 @@ class Replication:
         except Exception as exc:
             log.error("run %r: cannot record the lost versions on %s: %s", self.cfg.run, self.local.display,
                       one_line(exc))
-        for v, e in lost.items():
+        for v, e in lost.items():  # skipped first: the queries' thread never sees it neither listed nor skipped
+            self.skipped[v] = e.why
             self.catalogue.forget(v)
             self.catalogue.reserved_through = max(self.catalogue.reserved_through, v)
-            self.skipped[v] = e.why
             self.copies.pop(v, None)
             self.short.pop(v, None)
         msg = f"{cause}: versions {sorted(lost)} can no longer be restored and are no longer listed"
@@ -480,12 +491,13 @@ class Replication:
         if now - self._table_at >= NODE_POLL_S:
             try:
                 nodes = ray.nodes()
-            except Exception as exc:  # the GCS busy: the watch loop judges at its next poll
+            except Exception as exc:  # the GCS busy: the last read stands (a dead node never comes back)
                 log.debug("run %r: cannot read the node table: %s", self.cfg.run, one_line(exc))
-                return {}
-            alive = {n["NodeID"] for n in nodes if n.get("Alive")}
-            self._table_dead, self._table_at = {n["NodeID"] for n in nodes if not n.get("Alive")} - alive, now
-        fresh = (self._table_dead - self.dead) & set(list(self.file_nodes.values()))  # nodes that wrote files
+            else:
+                alive = {n["NodeID"] for n in nodes if n.get("Alive")}
+                self._table_dead, self._table_at = {n["NodeID"] for n in nodes if not n.get("Alive")} - alive, now
+        # nodes that wrote files, dead and not judged yet (or being judged: nodes_lost() awaits meanwhile)
+        fresh = ((self._table_dead - self.dead) | set(self.judging)) & set(list(self.file_nodes.values()))
         if not fresh:
             return {}
         out: Dict[int, str] = {}
