@@ -23,3 +23,16 @@ def test_steps_committed_after_the_one_a_resume_loaded_are_not_saved_again(caplo
     assert used.free(engine, 4)
     used.resumed(engine, 3)
     assert used.free(engine, 2)  # no committed step after 3: back to the coordinator's own checks
+
+
+def test_only_rank_0_warns_and_every_rank_decides_alike(caplog):
+    """A job of many ranks says it once: rank 0 warns, the others log the same line at debug
+    level; each rank still decides alike which steps it pushes."""
+    engine = SimpleNamespace(last_saved_step=3, skipped_versions=lambda: {}, all_steps=lambda: [1, 2, 3])
+    ranks = [UsedSteps("job-critic", logging.getLogger("t"), rank) for rank in range(4)]
+    with caplog.at_level(logging.DEBUG, logger="t"):
+        for used in ranks:
+            used.resumed(engine, 1)
+    levels = [r.levelno for r in caplog.records if "resumed from step 1" in r.getMessage()]
+    assert levels == [logging.WARNING] + [logging.DEBUG] * 3, levels
+    assert all([used.free(engine, s) for s in (2, 3, 4)] == [False, False, True] for used in ranks)

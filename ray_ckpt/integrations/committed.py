@@ -164,10 +164,13 @@ class UsedSteps:
     (the timeline the resume left) and the redone steps are not saved again either.
 
     The call sequence: after a load of step N, ``used.resumed(engine, N)``; at each step the
-    framework saves, ``if used.free(engine, step): push``."""
+    framework saves, ``if used.free(engine, step): push``. Every rank decides alone (each pushes
+    alone); rank 0 logs the warnings, the others log them at debug level, so a job of N ranks
+    says it once."""
 
-    def __init__(self, run: str, logger: logging.Logger):
+    def __init__(self, run: str, logger: logging.Logger, rank: int = 0):
         self.run, self._log = run, logger
+        self._level = logging.WARNING if rank == 0 else logging.DEBUG
         self._skipped_through = -1  # the used steps already logged as not saved again
         self._left: Optional[Tuple[int, int]] = None  # (step loaded, newest committed step after it)
 
@@ -176,7 +179,7 @@ class UsedSteps:
         newer = [s for s in engine.all_steps() if s > step]
         self._left = (step, max(newer)) if newer else None
         if newer:
-            self._log.warning("ray_ckpt: run %r resumed from step %d and has committed steps after it (%s): they stay "
+            self._log.log(self._level, "ray_ckpt: run %r resumed from step %d and has committed steps after it (%s): they stay "
                               "listed, and their redo is not saved again (a step is never saved twice); saving "
                               "goes on after step %d", self.run, step, newer[-8:], max(newer))
 
@@ -190,7 +193,7 @@ class UsedSteps:
             return True  # never used, or a duplicate the coordinator names itself
         if self._skipped_through < lost:
             self._skipped_through = lost
-            self._log.warning("ray_ckpt: run %r lost its versions up to step %d (with a node, or rolled back; a "
+            self._log.log(self._level, "ray_ckpt: run %r lost its versions up to step %d (with a node, or rolled back; a "
                               "step is never saved twice): the redone steps up to %d are not saved", self.run,
                               lost, lost)
         return False

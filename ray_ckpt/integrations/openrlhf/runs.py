@@ -26,11 +26,11 @@ class Save:
 class Run:
     """One save_dir's run on this rank: its engine, what it declared, its saves in flight."""
 
-    def __init__(self, name: str, engine: Any):
+    def __init__(self, name: str, engine: Any, rank: int):
         self.name, self.engine = name, engine
         self.declared: Optional[tuple] = None
         self.kept: Optional[int] = None
         self.saves: List[Save] = []
         self.failures: List[str] = []
         self.jobs: "queue.Queue[Save]" = queue.Queue()
-        self.used = UsedSteps(name, logging.getLogger("ray_ckpt"))  # steps of lost versions: not saved again
+        self.used = UsedSteps(name, logging.getLogger("ray_ckpt"), rank)  # steps of lost versions: not saved again

@@ -140,7 +140,7 @@ class RayCkptDeepspeedStrategy(DeepspeedStrategy):
         self._collective_error(error)
         if engine is None:
             engine = rc.CheckpointEngine.connect(name, timeout=s.connect_timeout_s)
-        run = self._runs[key] = _Run(name, engine)
+        run = self._runs[key] = _Run(name, engine, self._world()[0])
         run.kept = keep
         if self._loaded.get(key, ("", 0))[0] == name:  # loaded before this first save (a resume)
             run.used.resumed(engine, self._loaded[key][1])

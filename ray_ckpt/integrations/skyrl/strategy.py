@@ -113,7 +113,7 @@ class RayCkptFSDPStrategy(FSDPStrategy):
         broadcast_error(error, world)
         if engine is None:
             engine = rc.CheckpointEngine.connect(name, timeout=s.connect_timeout_s)
-        run = self._runs[role] = _Run(name, engine)
+        run = self._runs[role] = _Run(name, engine, rank)
         threading.Thread(target=self._watch, args=(run,), name=f"ray_ckpt-{name}", daemon=True).start()
         return run
 

@@ -105,7 +105,7 @@ class RayCkptCheckpointManager(BaseCheckpointManager):
         self._worker.start()
         self.engine = self._open_engine()
         self._kept: Optional[int] = None  # the max_ckpt_to_keep applied as retention (rank 0)
-        self._used = UsedSteps(self.settings.run, log)  # a step of a lost version is not saved again
+        self._used = UsedSteps(self.settings.run, log, self.rank)  # a step of a lost version is not saved again
         self.last_block_s: Optional[float] = None  # how long the last save_checkpoint blocked this rank
         self.last_load_wait_s: Optional[float] = None  # how long the last load waited for its step to commit
 
