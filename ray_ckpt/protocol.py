@@ -95,9 +95,12 @@ class WrittenPart:
     snapshot_wait_s: float = 0.0          # the writer's wait for the snapshot to be ready
     write_s: float = 0.0                  # serialise + checksum + fsync
     shards: Optional[ShardRecord] = None  # a part with DTensor leaves: its chunks and header (checkpoint_io.shard_record)
+    # written by a writer process Ray restarted (killed, then its call retried): the killed try may
+    # have left temporary files in the version, which the coordinator then removes
+    after_restart: bool = False
 
-    def with_node(self, node: str, snapshot_wait_s: float) -> "WrittenPart":
-        return dataclasses.replace(self, node=node, snapshot_wait_s=snapshot_wait_s)
+    def with_node(self, node: str, snapshot_wait_s: float, after_restart: bool = False) -> "WrittenPart":
+        return dataclasses.replace(self, node=node, snapshot_wait_s=snapshot_wait_s, after_restart=after_restart)
 
 
 @dataclass(frozen=True)

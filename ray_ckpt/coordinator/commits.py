@@ -57,6 +57,9 @@ class VersionCommits:
         self.commits = 0
         self.failures = 0
         self._sweeps: Set[asyncio.Future] = set()  # removals of killed writers' temporary files
+        # versions a killed writer may have left temporary files in: a part failed, or was written
+        # by a writer Ray restarted (its call retried). Only those are swept: one call less per save
+        self._to_sweep: Set[int] = set()
 
     # ------------------------------------------------------------------ 1: opened
     def opened(self, version: int, upload: bool = False) -> None:
@@ -90,6 +93,8 @@ class VersionCommits:
     # ------------------------------------------------------------------ 3: written
     def record(self, version: int, name: str, rank: int, result: Any) -> None:
         """A part's WrittenPart, or the error that stopped it, into the catalogue."""
+        if isinstance(result, BaseException) or result.after_restart:
+            self._to_sweep.add(version)
         if not isinstance(result, BaseException):
             if not result.reused:
                 for f in result.files:  # in the manifest too: a restarted coordinator reads it back
@@ -185,10 +190,12 @@ class VersionCommits:
         self.catalogue.finish(version)
         if not pv.error:
             self.unsupported.discard(version)
+        if not pv.error and version in self._to_sweep:
             # garbage only: quiesce does not wait for it
             sweep = asyncio.ensure_future(self.deletions.sweep_temporaries(version))
             self._sweeps.add(sweep)
             sweep.add_done_callback(self._sweeps.discard)
+        self._to_sweep.discard(version)
         settled = self.settled_futures.get(version)
         if settled is not None and not settled.done():
             settled.set_result(True)

@@ -50,6 +50,8 @@ class WriterActor:
         # tiers are resolved here, in the writer's own process: a local_dir with "{node_id}" is this node's
         self.pool = pool
         self.node = ray.get_runtime_context().get_node_id()
+        # Ray restarted this writer (max_restarts): a call it retries may have left temporaries
+        self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         limit = config.best_effort_max_mb_s if pool == "best_effort" else None
         lower_process_priority(nice)  # every thread below training (capture/priority.py)
         self.writer = PartWriter(config.local_tier(), config.remote_tier(),
@@ -63,7 +65,7 @@ class WriterActor:
         t0 = time.perf_counter()
         flat = self._snapshot(name, rank, refs[0])
         waited = time.perf_counter() - t0
-        return self.writer.write_part(version, name, rank, flat, **kw).with_node(self.node, waited)
+        return self.writer.write_part(version, name, rank, flat, **kw).with_node(self.node, waited, self.restarted)
 
     def write_parts(self, version: int, keys: List[Tuple[str, int]], refs: List[Any],
                     compression: Optional[str] = None) -> List[Union[WrittenPart, BaseException]]:
@@ -88,7 +90,7 @@ class WriterActor:
         waited = time.perf_counter() - t0
         written = self.writer.write_parts(version, [(n, r, f) for (n, r), f in zip(keys, flats)],
                                           compression=compression)
-        return [w if isinstance(w, BaseException) else w.with_node(self.node, waited) for w in written]
+        return [w if isinstance(w, BaseException) else w.with_node(self.node, waited, self.restarted) for w in written]
 
     @staticmethod
     def _snapshot(name: str, rank: int, ref: Any) -> Any:
