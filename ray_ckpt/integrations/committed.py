@@ -179,9 +179,9 @@ class UsedSteps:
         newer = [s for s in engine.all_steps() if s > step]
         self._left = (step, max(newer)) if newer else None
         if newer:
-            self._log.log(self._level, "ray_ckpt: run %r resumed from step %d and has committed steps after it (%s): they stay "
-                              "listed, and their redo is not saved again (a step is never saved twice); saving "
-                              "goes on after step %d", self.run, step, newer[-8:], max(newer))
+            self._log.log(self._level, "ray_ckpt: run %r resumed from step %d and has committed steps after it "
+                          "(%s): they stay listed, and their redo is not saved again (a step is never saved "
+                          "twice); saving goes on after step %d", self.run, step, newer[-8:], max(newer))
 
     def free(self, engine: Any, step: int) -> bool:
         if self._left is not None and self._left[0] < step <= self._left[1]:
@@ -193,9 +193,9 @@ class UsedSteps:
             return True  # never used, or a duplicate the coordinator names itself
         if self._skipped_through < lost:
             self._skipped_through = lost
-            self._log.log(self._level, "ray_ckpt: run %r lost its versions up to step %d (with a node, or rolled back; a "
-                              "step is never saved twice): the redone steps up to %d are not saved", self.run,
-                              lost, lost)
+            self._log.log(self._level, "ray_ckpt: run %r lost its versions up to step %d (with a node, or rolled "
+                          "back; a step is never saved twice): the redone steps up to %d are not saved", self.run,
+                          lost, lost)
         return False
 
 
