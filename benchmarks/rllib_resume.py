@@ -8,7 +8,9 @@ of capacity 1M, or ``madqn``: the multi-agent one) trains ``--iterations`` itera
 callback saving every one (local tier, one critical writer), then RLlib's own ``save_to_path``.
 A second Algorithm built from the same config is restored ``--repeats`` times, alternating:
 ``ray_ckpt``: ``restore_algorithm(algo, engine)`` of the newest version (every state read and
-verified, the replay buffer rebuilt from its journal, env runners checked); ``rllib``:
+verified, the replay buffer rebuilt from its journal, env runners checked) into a buffer as
+``build_algo()`` makes it (what a resume restores into; made anew before each repeat, untimed);
+``ray_ckpt_used``: the same restore again, into that buffer now in use; ``rllib``:
 ``algo.restore_from_path(path)`` (RLlib's checkpoint holds no replay buffer). Printed: median and
 min seconds per arm, their ratio, the buffer's stored timesteps and the replay part of ray_ckpt's
 resume. What limits it: a 1M-capacity buffer holding a few thousand rows (the first minutes of a
@@ -64,8 +66,13 @@ def main(argv=None) -> int:
         algo.stop()
 
         fresh = config(0).build_algo()
-        times = {"ray_ckpt": [], "rllib": []}
-        replay_s = []
+        from ray.rllib.utils.from_config import from_config
+        from ray.rllib.utils.replay_buffers import ReplayBuffer
+        buffer_config = dict(fresh.config.replay_buffer_config,
+                             metrics_num_episodes_for_smoothing=fresh.config.metrics_num_episodes_for_smoothing)
+        times = {"ray_ckpt": [], "ray_ckpt_used": [], "rllib": []}
+        replay_s = {"ray_ckpt": [], "ray_ckpt_used": []}
+        arm = ["ray_ckpt"]
         real = replay_algorithm.restore_algorithm_replay
 
         def timed_replay(*a, **kw):
@@ -73,14 +80,19 @@ def main(argv=None) -> int:
             try:
                 return real(*a, **kw)
             finally:
-                replay_s.append(time.perf_counter() - t)
+                replay_s[arm[0]].append(time.perf_counter() - t)
 
         import ray_ckpt.integrations.rllib.restore as restore_module
         restore_module.restore_algorithm_replay = timed_replay
         for _ in range(args.repeats):
-            t = time.perf_counter()
-            restore_algorithm(fresh, engine)
-            times["ray_ckpt"].append(time.perf_counter() - t)
+            # a resume: the buffer as build_algo() makes it (made outside the timing, as RLlib's own
+            # restore_from_path gets the algorithm built); then the same restore into that buffer,
+            # now in use (a rollback or PBT exploit in a running algorithm)
+            fresh.local_replay_buffer = from_config(ReplayBuffer, dict(buffer_config))
+            for arm[0] in ("ray_ckpt", "ray_ckpt_used"):
+                t = time.perf_counter()
+                restore_algorithm(fresh, engine)
+                times[arm[0]].append(time.perf_counter() - t)
             t = time.perf_counter()
             fresh.restore_from_path(path)
             times["rllib"].append(time.perf_counter() - t)
@@ -90,14 +102,16 @@ def main(argv=None) -> int:
         med = {k: statistics.median(v) for k, v in times.items()}
         print(f"\n{args.config}: buffer capacity 1M holding {rows:,} timesteps after {args.iterations} iterations; "
               f"{args.repeats} restores per arm, alternating\n")
-        print("| arm | restore s median | min | what it restores |")
-        print("|---|---|---|---|")
-        print(f"| ray_ckpt `restore_algorithm` | {med['ray_ckpt']:.3f} | {min(times['ray_ckpt']):.3f} | learner, "
-              f"optimizer, connectors, counters, metrics, RNGs, replay buffer (its part: "
-              f"{statistics.median(replay_s):.3f} s median), every file verified |")
-        print(f"| RLlib `restore_from_path` | {med['rllib']:.3f} | {min(times['rllib']):.3f} | RLlib's checkpoint "
-              f"(no replay buffer) |")
-        print(f"| **ray_ckpt / RLlib** | **{med['ray_ckpt'] / med['rllib']:.2f}x** | | |")
+        print("| arm | restore s median | min | of which the replay buffer | what it restores |")
+        print("|---|---|---|---|---|")
+        for name, what in (("ray_ckpt", "into the buffer build_algo() made (a resume)"),
+                           ("ray_ckpt_used", "again, into that buffer now in use")):
+            print(f"| ray_ckpt `restore_algorithm` {what} | {med[name]:.3f} | {min(times[name]):.3f} | "
+                  f"{statistics.median(replay_s[name]):.3f} | learner, optimizer, connectors, counters, "
+                  f"metrics, RNGs, replay buffer, every file verified |")
+        print(f"| RLlib `restore_from_path` | {med['rllib']:.3f} | {min(times['rllib']):.3f} | — | RLlib's "
+              f"checkpoint (no replay buffer) |")
+        print(f"| **ray_ckpt (resume) / RLlib** | **{med['ray_ckpt'] / med['rllib']:.2f}x** | | | |")
         engine.shutdown(stop_coordinator=True)
     finally:
         ray.shutdown()

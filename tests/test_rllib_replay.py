@@ -150,7 +150,8 @@ def _assert_same(a, b, what):
 def test_trees_rebuilt_from_row_leaves_equal_rllibs_incremental_ones(tree_cls):
     """Inner nodes recomputed from the leaves (numpy, level by level, for float64 leaves; Python
     otherwise) equal those RLlib's __setitem__ left, value and type, after sets and frees: a tree
-    mostly full, and one far below its capacity (built as the neutral list and its few live nodes)."""
+    mostly full, and one far below its capacity (only its live nodes computed); built as a new list
+    and written into a fresh tree's own (a resume's buffer)."""
     from ray.rllib.execution import segment_tree
     cls = getattr(segment_tree, tree_cls)
     rng = np.random.default_rng(0)
@@ -167,10 +168,16 @@ def test_trees_rebuilt_from_row_leaves_equal_rllibs_incremental_ones(tree_cls):
                     used[i] = leaf_types[int(rng.integers(len(leaf_types)))](rng.random() * 3)
                     tree[i] = used[i]
             idx = np.array(sorted(used), np.int64)
-            again = cls(cap)
-            rebuild_tree(again, idx, pack_scalars([tree.value[cap + i] for i in idx.tolist()], "t"))
-            assert again.value[1:] == tree.value[1:]
-            assert [type(x) for x in again.value[1:]] == [type(x) for x in tree.value[1:]]
+            packed = pack_scalars([tree.value[cap + i] for i in idx.tolist()], "t")
+            again, fresh = cls(1), cls(cap)  # a new list; and written into a fresh tree's own
+            again.capacity = cap
+            fresh_list = fresh.value
+            rebuild_tree(again, idx, packed)
+            rebuild_tree(fresh, idx, packed, into=fresh_list)
+            assert fresh.value is fresh_list
+            for t in (again, fresh):
+                assert t.value[1:] == tree.value[1:]
+                assert [type(x) for x in t.value[1:]] == [type(x) for x in tree.value[1:]]
 
 
 # ---------------------------------------------------------------- real algorithms

@@ -230,8 +230,8 @@ def test_between_rare_saves_the_journal_keeps_no_more_than_the_buffer_holds(name
 
 def test_free_nodes_of_a_large_buffer_come_back_exactly():
     """A 1M-row buffer's free-node deque (~2M nodes) is stored as its freed nodes plus a range and
-    comes back as it was, save after save as RLlib pops and frees nodes at the left; one whose end
-    is not the range any more is stored whole."""
+    comes back as it was, save after save as RLlib pops and frees nodes at the left (also when
+    written into a fresh buffer's own deque); one whose end is not the range any more is stored whole."""
     import collections
     from ray_ckpt.integrations.rllib.replay.trees import free_nodes_from, free_nodes_state
     n = 2 * 2**20
@@ -244,6 +244,8 @@ def test_free_nodes_of_a_large_buffer_come_back_exactly():
         st = free_nodes_state(dq)
         assert "all" not in st and st["stop"] == n
         assert free_nodes_from(st) == dq
+        fresh = collections.deque(range(n), maxlen=n)  # a fresh buffer's own, made the stored one in place
+        assert free_nodes_from(st, into=fresh) is fresh and fresh == dq and fresh.maxlen == n
     dq[-1] = 3
     st = free_nodes_state(dq)
     assert "all" in st and free_nodes_from(st) == dq

@@ -20,7 +20,8 @@ from ....errors import RestoreError
 from ..base import _rllib_internals as internals
 from ..base.conversion import from_storable
 from .episodes import rebuild_episodes
-from .journal import ADD, FORMAT, KIND_NAMES, PRIO, STATE, Family, Journal, Record, base_state, family_of, install
+from .journal import (ADD, FORMAT, KIND_NAMES, PRIO, STATE, Family, Journal, Record, base_state, family_of,
+                      full_state, install)
 from .records import ROW_BYTES, bytes_state, decode, rows_of
 from .trees import free_nodes_from, rebuild_tree
 from .values import Spaces, pack_scalars, type_name, unpack_one, unpack_scalars
@@ -145,15 +146,15 @@ def _restore(buf: Any, state: Dict[str, Any], agent_to_module_mapping_fn: Option
                     _indices=entries(None))
     if fam.multi_agent:
         rl_state["_module_to_indices"] = [(m, entries(m)) for m in keys[1:]]
-    trees = _trees(meta, fam, keys, lists, leaves, events) if fam.prioritized else None
-    if trees is not None:
-        rl_state.update(trees)
+    fresh = _fresh_lists(buf) if fam.prioritized else None
+    if fam.prioritized:
+        rl_state.update(_trees(meta, fam, keys, lists, leaves, events, fresh))
     # what RLlib's set_state() gets wrong, from the restoring buffer as RLlib built it
     factories = _factories(buf, fam)
     buf.episodes = collections.deque(episodes)
     type(buf).set_state(buf, rl_state)
     if fam.prioritized:
-        internals.set_free_nodes(buf, free_nodes_from(meta["per"]["_free_nodes"]))
+        internals.set_free_nodes(buf, free_nodes_from(meta["per"]["_free_nodes"], fresh[2] if fresh else None))
     if fam.multi_agent:
         buf.sampled_timesteps_per_module = collections.defaultdict(factories[0], buf.sampled_timesteps_per_module)
         if fam.prioritized:
@@ -164,6 +165,21 @@ def _restore(buf: Any, state: Dict[str, Any], agent_to_module_mapping_fn: Option
     _seed(buf, fam, meta, records, state, spaces, agents)
 
 
+def _fresh_lists(buf: Any) -> Optional[Tuple[list, list, Any]]:
+    """A prioritized buffer that never had a step added (a resume builds its algorithm anew): its
+    env trees' value lists (all neutral: each root is) and its free-node deque, which the restore
+    then writes in place, O(what the journal holds) rather than O(capacity) (a 1M-capacity buffer's
+    trees are 4M-node lists). None for a buffer in use."""
+    from ray.rllib.utils.replay_buffers import EpisodeReplayBuffer
+    if EpisodeReplayBuffer.get_added_timesteps(buf) != 0:
+        return None
+    st = full_state(buf)
+    sums, mins = internals.tree_values(st, False)[None]
+    if len(sums) < 2 or len(sums) != len(mins) or sums[1] != 0.0 or mins[1] != float("inf"):
+        return None
+    return sums, mins, internals.per_scalars(buf)["_free_nodes"]
+
+
 def _factories(buf: Any, fam: Family) -> tuple:
     if not fam.multi_agent:
         return ()
@@ -172,10 +188,12 @@ def _factories(buf: Any, fam: Family) -> tuple:
 
 
 def _trees(meta: Dict[str, Any], fam: Family, keys: list, lists: Dict[Any, np.ndarray],
-           leaves: Dict[Any, Tuple[Dict[int, Any], Dict[int, Any]]], events: list) -> Dict[str, Any]:
+           leaves: Dict[Any, Tuple[Dict[int, Any], Dict[int, Any]]], events: list,
+           fresh: Optional[Tuple[list, list, Any]]) -> Dict[str, Any]:
     """The prioritized get_state() keys: each live leaf as the last event left it (the newest STATE
     record's value, then the add() weights and update_priorities() values after it, computed as
-    RLlib computes them), every other leaf neutral; the inner nodes recomputed."""
+    RLlib computes them), every other leaf neutral; the inner nodes recomputed (the env trees into
+    ``fresh``'s lists when given)."""
     from ray.rllib.execution.segment_tree import MinSegmentTree, SumSegmentTree
     alpha = meta["config"]["alpha"]
     for _, key, what, idx, x in sorted(events, key=lambda e: e[0]):
@@ -187,18 +205,20 @@ def _trees(meta: Dict[str, Any], fam: Family, keys: list, lists: Dict[Any, np.nd
             for t, p in zip(idx.tolist(), x):
                 sums[t] = mins[t] = max(p, 1e-12) ** alpha
     cap = 2 * int(2 ** np.ceil(np.log2(meta["config"]["capacity"])))
-    built = {}
+    live = {}
     for key in keys:
-        tidx = lists[key][:, -1]
         try:
-            live = [[d[t] for t in tidx.tolist()] for d in leaves[key]]
+            live[key] = [pack_scalars([d[t] for t in lists[key][:, -1].tolist()], "tree leaves") for d in leaves[key]]
         except KeyError as exc:
             raise RestoreError(f"replay journal: no record gives the priority of tree leaf {exc}") from None
+    built = {}
+    for key in keys:  # nothing raises from here on: the fresh buffer's lists may be written
         pair = []
-        for cls, values in zip((SumSegmentTree, MinSegmentTree), live):
+        for i, (cls, packed) in enumerate(zip((SumSegmentTree, MinSegmentTree), live[key])):
             tree = cls(1)  # not cls(cap): its 2 * cap neutral values would be thrown away at once
             tree.capacity = cap
-            rebuild_tree(tree, tidx, pack_scalars(values, "tree leaves"))
+            into = fresh[i] if fresh is not None and key is None and len(fresh[i]) == 2 * cap else None
+            rebuild_tree(tree, lists[key][:, -1], packed, into)
             pair.append(tree)
         built[key] = pair
     per = meta["per"]

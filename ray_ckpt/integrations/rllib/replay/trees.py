@@ -8,80 +8,73 @@ import collections
 import itertools
 import operator
 import weakref
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from .values import unpack_scalars
 
-# a tree with fewer nodes off the neutral value than one in this many is built as the neutral list
-# and those nodes (a 1M-capacity tree is 4M nodes: its tolist() cost ~0.1 s at each restore of a
-# buffer holding a few thousand rows)
-SPARSE_BELOW = 4
 
-
-def rebuild_tree(tree: Any, idx: np.ndarray, packed: Dict[str, Any]) -> None:
+def rebuild_tree(tree: Any, idx: np.ndarray, packed: Dict[str, Any], into: Optional[List[Any]] = None) -> None:
     """The tree's values from its row leaves: the leaves, then every inner node as ``op(left, right)``
-    of its children, as RLlib's ``__setitem__`` leaves them (same values, same Python/numpy types)."""
+    of its children, as RLlib's ``__setitem__`` leaves them (same values, same Python/numpy types).
+    Only the nodes from the lowest to the highest live leaf and their ancestors are computed (a
+    1M-capacity tree is 4M nodes; a buffer a few minutes into a run uses a few thousand); the others
+    are the neutral value. ``into``: a list of the tree's ``2 * capacity`` values that are all the
+    neutral value (a fresh buffer's own tree), written in place instead of a new list: the restore
+    is then O(live leaves), not O(capacity)."""
     cap = tree.capacity
     neutral = tree.neutral_element
-    kinds = set(packed["kinds"])
+    value = into if into is not None else [neutral] * (2 * cap)
     v = np.asarray(packed["v"])
-    if kinds <= {"float", "np:<f8"} and type(neutral) is float and not np.isnan(v).any():
-        tree.value = rebuild_tree_f64(tree, idx, v, packed)
-        return
-    value = [neutral] * (2 * cap)
-    for i, x in zip(idx.tolist(), unpack_scalars(packed)):
-        value[cap + i] = x
-    op = tree.operation
-    for i in range(cap - 1, 0, -1):
-        value[i] = op(value[2 * i], value[2 * i + 1])
+    if len(idx) and set(packed["kinds"]) <= {"float", "np:<f8"} and type(neutral) is float and not np.isnan(v).any():
+        _rebuild_f64(value, tree, idx, v, packed)
+    elif len(idx):
+        for i, x in zip(idx.tolist(), unpack_scalars(packed)):
+            value[cap + i] = x
+        op = tree.operation
+        lo, hi = cap + int(idx.min()), cap + int(idx.max()) + 1
+        while lo > 1:
+            lo, hi = lo // 2, (hi - 1) // 2 + 1
+            for i in range(lo, hi):
+                value[i] = op(value[2 * i], value[2 * i + 1])
     tree.value = value
 
 
-def rebuild_tree_f64(tree: Any, idx: np.ndarray, v: np.ndarray, packed: Dict[str, Any]) -> List[Any]:
+def _rebuild_f64(value: List[Any], tree: Any, idx: np.ndarray, v: np.ndarray, packed: Dict[str, Any]) -> None:
     """:func:`rebuild_tree` for leaves that are Python floats / ``np.float64`` (what RLlib's trees
     hold with float64 priorities), level by level in numpy: a Python float add and an ``np.float64``
     add are the same IEEE double add, so the values are identical; an inner node is an ``np.float64``
     where RLlib's would be one (sum: a child is; min: the child ``min`` returns is)."""
-    cap = tree.capacity
-    vals = np.full(2 * cap, tree.neutral_element, np.float64)
-    is_np = np.zeros(2 * cap, bool)
-    vals[cap + idx] = v
+    neutral = tree.neutral_element
+    lo, hi = int(idx.min()), int(idx.max()) + 1
+    vals = np.full(hi - lo, neutral, np.float64)
+    vals[idx - lo] = v
+    is_np = np.zeros(hi - lo, bool)
     kinds = list(packed["kinds"])
     if "k" in packed:
-        is_np[cap + idx] = np.asarray(packed["k"]) == kinds.index("np:<f8")
+        is_np[idx - lo] = np.asarray(packed["k"]) == kinds.index("np:<f8")
     elif kinds == ["np:<f8"]:
-        is_np[cap + idx] = True
+        is_np[idx - lo] = True
     is_sum = tree.operation is operator.add
-    lo = cap
-    while lo > 1:
-        hi, lo = lo, lo // 2
-        left, right = vals[2 * lo:2 * hi:2], vals[2 * lo + 1:2 * hi:2]
-        lnp, rnp = is_np[2 * lo:2 * hi:2], is_np[2 * lo + 1:2 * hi:2]
+    lo, hi = lo + tree.capacity, hi + tree.capacity
+    while True:
+        value[lo:hi] = vals.tolist()  # Python floats; then the nodes that are np.float64
+        for j, x in zip(np.flatnonzero(is_np).tolist(), list(vals[is_np])):
+            value[lo + j] = x
+        if lo <= 1:
+            return
+        if lo % 2:  # widen to whole sibling pairs: the nodes outside [lo, hi) are neutral
+            lo, vals, is_np = lo - 1, np.concatenate([[neutral], vals]), np.concatenate([[False], is_np])
+        if hi % 2:
+            hi, vals, is_np = hi + 1, np.concatenate([vals, [neutral]]), np.concatenate([is_np, [False]])
+        left, right, lnp, rnp = vals[0::2], vals[1::2], is_np[0::2], is_np[1::2]
         if is_sum:
-            vals[lo:hi] = left + right
-            is_np[lo:hi] = lnp | rnp
+            vals, is_np = left + right, lnp | rnp
         else:  # Python's min(a, b) returns a unless b < a
             take_right = right < left
-            vals[lo:hi] = np.where(take_right, right, left)
-            is_np[lo:hi] = np.where(take_right, rnp, lnp)
-    neutral = tree.neutral_element
-    # the nodes that are not the neutral value, bit for bit (-0.0 is not 0.0): a live leaf's ancestors
-    differs = vals.view(np.int64) != np.array(neutral, np.float64).view(np.int64)
-    differs[0] = False  # index 0 is never written by RLlib
-    at = np.flatnonzero(differs & ~is_np)
-    if len(at) * SPARSE_BELOW < len(vals):  # a buffer far below its capacity: the neutral list, then its nodes
-        out = [neutral] * len(vals)
-        for i, x in zip(at.tolist(), vals[at].tolist()):
-            out[i] = x
-    else:
-        out = vals.tolist()  # Python floats
-        out[0] = neutral
-    at = np.flatnonzero(is_np)  # then the nodes that are np.float64
-    for i, x in zip(at.tolist(), list(vals[at])):
-        out[i] = x
-    return out
+            vals, is_np = np.where(take_right, right, left), np.where(take_right, rnp, lnp)
+        lo, hi = lo // 2, hi // 2
 
 
 def free_nodes_state(dq: Any) -> Dict[str, Any]:
@@ -134,10 +127,17 @@ def _long_tail_ok(dq: Any, k: int, n: int, start: int, stop: int) -> bool:
     return True
 
 
-def free_nodes_from(st: Dict[str, Any]) -> collections.deque:
-    """The free-node deque :func:`free_nodes_state` stored."""
+def free_nodes_from(st: Dict[str, Any], into: Optional[collections.deque] = None) -> collections.deque:
+    """The free-node deque :func:`free_nodes_state` stored. ``into``: a fresh buffer's own deque,
+    ``range(maxlen)`` as RLlib's ``__init__`` makes it, made the stored one in place: O(the nodes
+    ever handed out), not O(capacity)."""
     maxlen = st["maxlen"]
     if "all" in st:
         return collections.deque(np.asarray(st["all"]).tolist(), maxlen=maxlen)
-    items = itertools.chain(np.asarray(st["prefix"]).tolist(), range(int(st["start"]), int(st["stop"])))
-    return collections.deque(items, maxlen=maxlen)
+    start, stop = int(st["start"]), int(st["stop"])
+    if into is not None and into.maxlen == maxlen == stop == len(into) and into[0] == 0 and into[-1] == stop - 1:
+        for _ in range(start):
+            into.popleft()
+        into.extendleft(reversed(np.asarray(st["prefix"]).tolist()))
+        return into
+    return collections.deque(itertools.chain(np.asarray(st["prefix"]).tolist(), range(start, stop)), maxlen=maxlen)
