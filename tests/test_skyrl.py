@@ -331,7 +331,8 @@ def test_skyrls_trainer_resumes_past_a_lost_version_in_the_same_start(setup):
     (SkyRL's own check refuses a tracker more than ckpt_interval behind its newest folder) and SkyRL
     loads step 1, both roles bit-equal to what was saved. Training then goes on: the redone steps 2
     and 3 are saved by neither role (the critic's committed ones stay listed; its first redone save
-    failed with "already committed" before), step 4 by both, and the tracker names 4."""
+    failed with "already committed" before), step 4 by both, and the tracker names 4; the folders
+    moved aside stay until then and are removed at step 4's commit."""
     import glob
     import shutil
 
@@ -372,9 +373,13 @@ def test_skyrls_trainer_resumes_past_a_lost_version_in_the_same_start(setup):
             ray.get(solo[0].train.remote(step, 1), timeout=60)
             ray.get(solo[0].call.remote(_trainer_save, ckpt_path, step, True), timeout=120)
             assert ray.get(solo[0].wait.remote(60), timeout=90) is None
+            if step == 3:  # the folders moved aside stay until a step past them is complete
+                assert tracker(ckpt_path) == 1 and {"ray_ckpt_lost.global_step_2", "ray_ckpt_lost.global_step_3"} \
+                    <= set(os.listdir(ckpt_path))
         assert rc.CheckpointEngine.connect(policy).all_steps() == [1, 4]
         assert rc.CheckpointEngine.connect(f"{ck['run']}-critic").all_steps() == [1, 2, 3, 4]
         assert tracker(ckpt_path) == 4
+        assert not [f for f in os.listdir(ckpt_path) if f.startswith("ray_ckpt_lost.")]  # removed at step 4
     finally:
         for role in ("policy", "critic"):
             try:

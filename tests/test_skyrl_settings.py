@@ -14,7 +14,8 @@ import pytest
 import ray_ckpt as rc
 from ray_ckpt.integrations.committed import write_pointer
 from ray_ckpt.integrations.skyrl import ENV, TRACKER, read_settings
-from ray_ckpt.integrations.skyrl.tracker import advance_if_complete, read_tracker, step_of_path, write_roles
+from ray_ckpt.integrations.skyrl.tracker import (LOST_PREFIX, advance_if_complete, lost_folders, read_tracker,
+                                                 step_of_path, write_roles)
 
 
 def test_settings_from_the_argument_or_the_environment(monkeypatch):
@@ -62,6 +63,28 @@ def test_the_tracker_names_a_step_once_every_listed_part_is_there(tmp_path):
     assert advance_if_complete(d4, 4) == 3
     _commit(d4, "critic", 4)
     assert advance_if_complete(d4, 4) == 4
+
+
+def test_folders_moved_aside_go_once_a_step_past_them_is_complete(tmp_path):
+    """What a resume past a lost version moved aside (``ray_ckpt_lost.[n.]global_step_M``) stays until
+    the tracker names a complete step >= M, then is deleted; newer ones, the user's own folders and
+    SkyRL's ``global_step_N`` stay."""
+    ckpt = tmp_path / "ckpt"
+    aside = [f"{LOST_PREFIX}global_step_2", f"{LOST_PREFIX}global_step_3", f"{LOST_PREFIX}1.global_step_3",
+             f"{LOST_PREFIX}global_step_9"]
+    for name in aside + ["global_step_3.mine", "global_step_1"]:
+        os.makedirs(ckpt / name / "critic")
+        _commit(str(ckpt / name), "critic", 1)  # a pointer, as a moved folder holds
+    d4 = str(ckpt / "global_step_4")
+    write_roles(d4, ["policy", "critic"], [])
+    _commit(d4, "policy", 4)
+    assert advance_if_complete(d4, 4) is None
+    assert lost_folders(str(ckpt)) == sorted(aside)  # step 4 not complete: nothing removed
+    _commit(d4, "critic", 4)
+    assert advance_if_complete(d4, 4) == 4
+    assert lost_folders(str(ckpt)) == [f"{LOST_PREFIX}global_step_9"]
+    assert sorted(os.listdir(ckpt)) == sorted(["global_step_1", "global_step_3.mine", "global_step_4",
+                                               f"{LOST_PREFIX}global_step_9", TRACKER])
 
 
 def test_package_imports_neither_skyrl_nor_flash_attn():

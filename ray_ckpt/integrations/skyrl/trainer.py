@@ -13,7 +13,8 @@ role's rank 0 does at its commit (``tracker.py``). Everything else of SkyRL's me
 ``load_checkpoints`` (resume mode ``latest``) first checks the step the tracker names: when a role's
 version of it was lost with its node (:func:`resume_past_lost`), the tracker goes back to the newest
 step every role still has and the newer ``global_step_N`` folders are moved aside (SkyRL's own
-consistency check refuses a tracker far behind its newest folder), so the job resumes in this start."""
+consistency check refuses a tracker far behind its newest folder), so the job resumes in this start;
+they are deleted once a step past them is complete (``tracker.drop_lost_folders``)."""
 from __future__ import annotations
 
 import contextlib
@@ -25,11 +26,10 @@ from typing import Any, Dict, Optional
 
 from ...errors import CheckpointError, RestoreError
 from ..committed import read_pointer, step_lost
-from .tracker import (TRACKER, advance_if_complete, newest_complete_step, read_tracker, rewind_tracker, step_folders,
-                      write_roles)
+from .tracker import (LOST_PREFIX, TRACKER, advance_if_complete, newest_complete_step, read_tracker, rewind_tracker,
+                      step_folders, write_roles)
 
 log = logging.getLogger("ray_ckpt.skyrl")
-LOST_PREFIX = "ray_ckpt_lost."  # a global_step_N folder moved aside: SkyRL lists only names starting global_step_
 
 TRAINER_FILES = ("trainer_state.pt",)  # what SkyRL's load_checkpoints needs in global_step_N beside the roles
 
@@ -79,7 +79,8 @@ def resume_past_lost(ckpt_path: str, connect_timeout_s: float = 10.0) -> Optiona
     """In SkyRL's driver, before its resume reads the tracker in ``ckpt_path``: when a role's version
     of the step it names was lost with its node (unlisted by the role's run), point the tracker at
     the newest complete step every role's run still lists, and move every newer ``global_step_N``
-    folder aside (renamed ``ray_ckpt_lost.global_step_N``; they hold no version that can be loaded).
+    folder aside (renamed ``ray_ckpt_lost.global_step_N``; they hold no version that can be loaded;
+    deleted when the tracker next advances past them).
     Returns the step the tracker names afterwards (None: no tracker). A run that cannot be reached
     is not checked (the workers' load then reports a lost step itself); no complete step left is a
     ``RestoreError``."""
