@@ -228,6 +228,43 @@ def test_between_rare_saves_the_journal_keeps_no_more_than_the_buffer_holds(name
     assert _differences(buf, _restored(name, state, cap)) == []
 
 
+@pytest.mark.timeout(120)
+def test_the_journal_holds_no_space_object_past_a_save():
+    """Episodes from remote env runners arrive with their own copies of the observation and action
+    spaces. Once a save has encoded them, the journal keeps none alive: after 60 add() calls and 6
+    saves, the only live spaces are those of the episodes the buffer still holds (before the fix,
+    its space cache held every episode's, evicted or not: 120 here)."""
+    import copy
+    import gc
+    import weakref
+
+    import gymnasium as gym
+    from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+    from ray.rllib.utils.replay_buffers import EpisodeReplayBuffer
+
+    obs_space, act_space = gym.spaces.Box(-1, 1, (4,), np.float32), gym.spaces.Discrete(2)
+    buf = EpisodeReplayBuffer(capacity=200)
+    j = jn.journal_of(buf)
+    spaces = []
+    for i in range(60):
+        o, a = copy.deepcopy(obs_space), copy.deepcopy(act_space)
+        o.seed(i)
+        a.seed(i)
+        spaces += [weakref.ref(o), weakref.ref(a)]
+        ep = SingleAgentEpisode(observations=[o.sample()], observation_space=o, action_space=a)
+        for _ in range(5):
+            ep.add_env_step(o.sample(), a.sample(), 1.0)
+        ep.is_terminated = True
+        buf.add([ep])
+        del o, a, ep
+        if i % 10 == 9:
+            j.capture(buf)
+    gc.collect()
+    held = len(buf.episodes)
+    assert 0 < held < 60 and buf.get_num_episodes_evicted() > 0
+    assert sum(r() is not None for r in spaces) <= 2 * held
+
+
 def test_free_nodes_of_a_large_buffer_come_back_exactly():
     """A 1M-row buffer's free-node deque (~2M nodes) is stored as its freed nodes plus a range and
     comes back as it was, save after save as RLlib pops and frees nodes at the left (also when

@@ -280,7 +280,9 @@ class Journal:
         self.prio_entries, self.state_due = 0, False
         self.full_because = None
         self.synced(st)
-        return {"row_id": self.ids, "blob": self.rows, "format": FORMAT, "meta": self._meta(buf, st)}
+        meta = self._meta(buf, st)
+        self.spaces.prune()  # its id cache holds this save's space objects: never past the save
+        return {"row_id": self.ids, "blob": self.rows, "format": FORMAT, "meta": meta}
 
     def _since(self, buf: Any, st: Dict[str, Any], evicted: int) -> List[tuple]:
         new = []
