@@ -3,13 +3,10 @@
 Versions of the formats before it (``replay`` + ``replay_meta``) are rewritten by ``ray-ckpt
 migrate``, which alone reads them (``ray_ckpt/cli/legacy_replay.py``).
 
-Why a journal: a buffer changes only through ``add()`` (episode chunks, and the evictions they
-cause) and, prioritized, ``update_priorities()``. Recording what those calls receive, and writing it
-at the next save, costs O(what arrived) per save, and reads none of the buffer's hundreds of
-thousands of stored timesteps; restoring replays it through RLlib's own API: each episode is
-``SingleAgentEpisode.from_state`` of its first chunk with the next ones ``concat_episode``-ed to it
-(what ``add()`` does with its copies), then the buffer's ``set_state()`` with the index list and the
-segment trees the journal derives, then its generator and metrics.
+Why a journal: a buffer changes only through ``add()`` and, prioritized, ``update_priorities()``;
+writing what they received costs O(what arrived) per save. A restore replays it through RLlib's API:
+each episode is ``from_state`` of its first chunk with the next ones ``concat_episode``-ed to it (what
+``add()`` did), then ``set_state()`` with the index lists and trees the records give.
 
 One state, ``replay_journal``, registered ``append_only=True``: rows ``row_id`` (int64) and ``blob``
 (uint8[256]); a record is a run of consecutive rows (:mod:`.records`). Records:
@@ -32,10 +29,8 @@ without what the records give (``episode_id_to_index``, ``_indices``, the trees)
 ``get_state()`` leaves out: the sampling generator, the metrics, the capacity, the space table and,
 prioritized, the free-node deque, the maximum priority and leaf index, the last sampled indices.
 
-Multi-agent buffers: ``_indices`` and each module's list of ``_module_to_indices`` are journaled
-alike (an agent's entries with the agent as a code into the meta's agent table), with per-module
-trees; episodes are ``MultiAgentEpisode`` states (the mapping function is the restoring algorithm's
-``policy_mapping_fn``).
+Multi-agent buffers: each module's index list and trees are journaled as ``_indices`` is
+(:mod:`.journal`); the episodes' mapping function is the restoring algorithm's ``policy_mapping_fn``.
 
 Exact (tests compare every attribute and the next samples) except two things no buffer method
 reads: a multi-agent episode's ``_len_lookback_buffers`` (not in RLlib's ``get_state()``; only

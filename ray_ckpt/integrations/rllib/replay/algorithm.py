@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Optional
 from ....errors import InvalidArgumentError, RestoreError, SaveError
 from ....types import Strategy
 from ..base.names import REPLAY, REPLAY_JOURNAL, REPLAY_META, log
-from .journal import journal_of, supported
+from .journal import family_of, journal_of
 from .restore import read_meta, restore_journal
 
 REPLAY_STRATEGIES = ("auto", "critical", "best_effort", "off")
@@ -43,7 +43,7 @@ def prepare_replay(algorithm: Any) -> None:
     """At the algorithm's start: the buffer gets its recorders now, so the first save writes what
     arrived since, not the whole buffer."""
     buf = replay_buffer_of(algorithm)
-    if buf is not None and supported(buf):
+    if buf is not None and family_of(buf) is not None:
         journal_of(buf)
 
 

@@ -47,10 +47,7 @@ def chunk_state(ep: Any, spaces: Spaces) -> Dict[str, Any]:
     return {
         "id_": ep.id_, "agent_id": ep.agent_id, "module_id": ep.module_id,
         "multi_agent_episode_id": ep.multi_agent_episode_id,
-        "observations": _lookback_state(ep.observations, spaces),
-        "actions": _lookback_state(ep.actions, spaces),
-        "rewards": _lookback_state(ep.rewards, spaces),
-        "infos": _lookback_state(ep.infos, spaces),
+        **{k: _lookback_state(getattr(ep, k), spaces) for k in _KEYS},
         "extra_model_outputs": {k: _lookback_state(v, spaces) for k, v in extra.items()} if extra else None,
         "is_terminated": ep.is_terminated, "is_truncated": ep.is_truncated,
         "t_started": ep.t_started, "t": ep.t,

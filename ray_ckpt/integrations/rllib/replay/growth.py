@@ -1,13 +1,10 @@
 """The journal's cache of its live rows (their ids and 256-byte blobs) kept in step with the
 buffer's evictions without copying every row each save.
 
-Why: a buffer at capacity evicts its oldest episodes and gains as many rows every iteration. Kept
-as masked copies and concatenations, each save copied every cached row several times: at a
-1M-row DQN buffer that was ~90 ms of the ~120 ms ``save()`` took inside ``train()``
+Why: copying every cached row each save was ~90 ms of a 1M-row DQN buffer's ~120 ms ``save()``
 (benchmarks/RESULTS.md). RLlib evicts oldest first, so the survivors are nearly always a suffix
-of the cached rows (:func:`survivors`: a view), and new rows go into room kept after the
-cached ones (:func:`appended`: only the new rows are copied, and the cached rows once whenever
-the room runs out, which amortises to O(new rows) per save).
+(:func:`survivors`: a view), and new rows go into room kept after them (:func:`appended`: O(new
+rows) per save, amortised).
 
 The arrays handed out are plain numpy views that never change afterwards: a later append writes
 only past their end, so a snapshot of an earlier capture (copied into the object store in the

@@ -34,7 +34,6 @@ from .values import Spaces, pack_one, pack_scalars, same_packed, type_name
 FORMAT = "ray_ckpt.rllib.replay/6"
 STATE_NAME = "replay_journal"
 ADD, PRIO, STATE = 1, 2, 3
-KIND_NAMES = {ADD: "ADD", PRIO: "PRIO", STATE: "STATE"}
 COMPACT_FACTOR = 2     # a STATE record is written when the live PRIO entries exceed this many per stored timestep
 COMPACT_MIN = 4096     # ... plus this many
 FULL_EPISODES = 32     # episodes per ADD record of a full capture (old data then leaves record by record)
@@ -60,6 +59,7 @@ class Family:
 
     multi_agent: bool
     prioritized: bool
+    cls: type  # RLlib's own class of the family
 
     def width(self, key: Any) -> int:
         """Columns of a stored entry of list ``key``."""
@@ -76,11 +76,18 @@ def family_of(buf: Any) -> Optional[Family]:
     per = isinstance(buf, MultiAgentPrioritizedEpisodeReplayBuffer if ma else PrioritizedEpisodeReplayBuffer)
     if ma and not per and isinstance(buf, PrioritizedEpisodeReplayBuffer):
         return None
-    return Family(ma, per)
+    return Family(ma, per, {(False, False): EpisodeReplayBuffer, (False, True): PrioritizedEpisodeReplayBuffer,
+                            (True, False): MultiAgentEpisodeReplayBuffer,
+                            (True, True): MultiAgentPrioritizedEpisodeReplayBuffer}[ma, per])
 
 
-def supported(buf: Any) -> bool:
-    return family_of(buf) is not None
+def record_of(kind: int, first: int, rows: int, st: Dict[str, Any]) -> Record:
+    """The Record of a record's state: its seq, highest episode index and, PRIO, leaf updates."""
+    if kind == PRIO:
+        calls = st["calls"]
+        return Record(kind, first, rows, int(calls[-1]["seq"]), entries=sum(len(c["idx"]) for c in calls))
+    eps = st["eps"] if kind == ADD else [x["indices"][:, 0].max() for x in st["lists"] if len(x["indices"])]
+    return Record(kind, first, rows, int(st["seq"]), int(np.max(eps, initial=-1)))
 
 
 _KNOWN_ATTRIBUTES: Dict[Family, frozenset] = {}
@@ -92,13 +99,7 @@ def check_attributes(buf: Any, fam: Family) -> None:
     and would otherwise lose it without a word."""
     known = _KNOWN_ATTRIBUTES.get(fam)
     if known is None:
-        from ray.rllib.utils.replay_buffers import (EpisodeReplayBuffer, MultiAgentEpisodeReplayBuffer,
-                                                    MultiAgentPrioritizedEpisodeReplayBuffer,
-                                                    PrioritizedEpisodeReplayBuffer)
-        cls = {(False, False): EpisodeReplayBuffer, (False, True): PrioritizedEpisodeReplayBuffer,
-               (True, False): MultiAgentEpisodeReplayBuffer,
-               (True, True): MultiAgentPrioritizedEpisodeReplayBuffer}[(fam.multi_agent, fam.prioritized)]
-        known = _KNOWN_ATTRIBUTES[fam] = frozenset(vars(cls(capacity=2))) | {"add", "update_priorities"}
+        known = _KNOWN_ATTRIBUTES[fam] = frozenset(vars(fam.cls(capacity=2))) | {"add", "update_priorities"}
     extra = sorted(set(vars(buf)) - known)
     if extra:
         raise UnsupportedTypeError(f"replay buffer of type {type_name(buf)}: attribute {extra[0]!r} is not one RLlib's "
@@ -150,8 +151,7 @@ class Journal:
     def __init__(self, buf: Any):
         self.fam = family_of(buf)
         self.spaces = Spaces()
-        self.agents: List[Any] = []    # agent ids by code (multi-agent entries store the code)
-        self._agent_code: Dict[Any, int] = {}
+        self.agent_codes: Dict[Any, int] = {}  # agent id -> code (multi-agent entries store the code)
         self.records: List[Record] = []
         self.ids = np.empty(0, np.int64)
         self.rows = np.empty((0, ROW_BYTES), np.uint8)
@@ -170,11 +170,7 @@ class Journal:
         self.metrics_warned = False
 
     def agent_code(self, aid: Any) -> int:
-        c = self._agent_code.get(aid)
-        if c is None:
-            c = self._agent_code[aid] = len(self.agents)
-            self.agents.append(aid)
-        return c
+        return self.agent_codes.setdefault(aid, len(self.agent_codes))
 
     def _encode(self, key: Any, entries: list) -> np.ndarray:
         if key is None or not entries:
@@ -203,22 +199,18 @@ class Journal:
                     mid = c.module_for(aid)
                     counts[mid] = counts.get(mid, 0) + len(a)
         lists = index_lists(st, self.fam)
-        eps = {e for _, e in keep}
-        tails = {}
-        for key, n in counts.items():
+        eps = np.array([e for _, e in keep], np.int64)
+        want, live, tails = np.repeat(eps, [len(c) for c, _ in keep]), set(eps.tolist()), {}
+        for key, n in counts.items():  # the env list's entries are the chunks' steps in order; a module's, theirs
             lst = lists.get(key, [])
-            tail = self._encode(key, lst[len(lst) - n:] if n else [])
-            if len(lst) < n or not set(tail[:, 0].tolist()) <= eps:
+            tails[key] = tail = self._encode(key, lst[len(lst) - n:] if n else [])
+            ok = np.array_equal(tail[:, 0], want) if key is None else set(tail[:, 0].tolist()) <= live
+            if len(lst) < n or not ok:
                 self.full_because = "an add() call's index entries are not those of the chunks it kept"
                 return
-            tails[key] = tail
-        want = np.repeat(np.array([e for _, e in keep], np.int64), [len(c) for c, _ in keep])
-        if not np.array_equal(tails[None][:, 0], want):
-            self.full_because = "an add() call's index entries are not those of the chunks it kept"
-            return
         self.seq += 1
-        add = {"seq": self.seq, "chunks": [chunk_state(c, self.spaces) for c, _ in keep],
-               "eps": np.array([e for _, e in keep], np.int64), "tails": list(tails.items())}
+        add = {"seq": self.seq, "chunks": [chunk_state(c, self.spaces) for c, _ in keep], "eps": eps,
+               "tails": list(tails.items())}
         if self.fam.prioritized:  # the leaves' weight: add() never changes the maximum priorities it reads
             add["w"] = [(k, pack_one(internals.max_priority(buf, k), "add()'s weight")) for k in tails]
         self.adds.append(add)
@@ -265,7 +257,7 @@ class Journal:
             if self.records or self.added >= 0:
                 (log.warning if "failed" in self.full_because else log.info)(
                     "ray_ckpt: replay journal: this save writes the whole buffer (%s)", self.full_because)
-            self.spaces, self.agents, self._agent_code = Spaces(), [], {}
+            self.spaces, self.agent_codes = Spaces(), {}
             new = self._full(buf, st, evicted)
             keep = np.zeros(len(self.records), bool)
         else:
@@ -279,19 +271,17 @@ class Journal:
         self.prios.clear()
         self.prio_entries, self.state_due = 0, False
         self.full_because = None
+        self.spaces.prune()  # the id cache pins every chunk's space objects: O(adds ever) without this
         self.synced(st)
-        meta = self._meta(buf, st)
-        self.spaces.prune()  # its id cache holds this save's space objects: never past the save
-        return {"row_id": self.ids, "blob": self.rows, "format": FORMAT, "meta": meta}
+        return {"row_id": self.ids, "blob": self.rows, "format": FORMAT, "meta": self._meta(buf, st)}
 
     def _since(self, buf: Any, st: Dict[str, Any], evicted: int) -> List[tuple]:
         new = []
         for a in self.adds:
             if len(a["eps"]) and int(a["eps"].max()) >= evicted:
-                new.append(self._record(ADD, a, last_episode=int(a["eps"].max())))
+                new.append(self._record(ADD, a))
         if self.prios:
-            calls = list(self.prios)
-            new.append(self._record(PRIO, {"calls": calls}, entries=sum(len(c["idx"]) for c in calls)))
+            new.append(self._record(PRIO, {"calls": list(self.prios)}))
         live_prio = sum(r.entries for r in self.records if r.kind == PRIO) + sum(n.entries for n, _ in new)
         if self.fam.prioritized and (self.state_due or live_prio > COMPACT_FACTOR * st["_num_timesteps"] + COMPACT_MIN):
             # every leaf anew: this save's PRIO record and the older ones are superseded
@@ -307,7 +297,7 @@ class Journal:
             self.seq += 1
             idx = np.arange(evicted + i, evicted + i + len(group), dtype=np.int64)
             new.append(self._record(ADD, {"seq": self.seq, "chunks": [chunk_state(e, self.spaces) for e in group],
-                                          "eps": idx, "tails": None}, last_episode=int(idx[-1])))
+                                          "eps": idx, "tails": None}))
         new.append(self._state_record(buf, st))
         return new
 
@@ -316,12 +306,9 @@ class Journal:
         self.seq += 1
         lists = []
         trees = internals.tree_values(full_state(buf), self.fam.multi_agent) if self.fam.prioritized else {}
-        last = -1
         for key, lst in index_lists(st, self.fam).items():
             arr = self._encode(key, lst)
             entry: Dict[str, Any] = {"key": key, "indices": arr}
-            if len(arr):
-                last = max(last, int(arr[:, 0].max()))
             if self.fam.prioritized:
                 sums, mins = trees[key]
                 at = (arr[:, -1] + len(sums) // 2).tolist()
@@ -330,14 +317,12 @@ class Journal:
                 if not same_packed(m, entry["sum"]):
                     entry["min"] = m
             lists.append(entry)
-        return self._record(STATE, {"seq": self.seq, "lists": lists}, last_episode=last)
+        return self._record(STATE, {"seq": self.seq, "lists": lists})
 
-    def _record(self, kind: int, state: Dict[str, Any], last_episode: int = -1, entries: int = 0) -> tuple:
+    def _record(self, kind: int, state: Dict[str, Any]) -> tuple:
         rows = encode(kind, state_bytes(state))
-        seq = state["seq"] if "seq" in state else state["calls"][-1]["seq"]
-        rec = Record(kind, self.next_row_id, len(rows), int(seq), last_episode, entries)
         self.next_row_id += len(rows)
-        return rec, rows
+        return record_of(kind, self.next_row_id - len(rows), len(rows), state), rows
 
     def _keep(self, keep: np.ndarray, new: List[tuple]) -> None:
         per_row = np.repeat(keep, [r.rows for r in self.records]) if self.records else np.zeros(0, bool)
@@ -357,7 +342,8 @@ class Journal:
             "state": {k: v for k, v in st.items() if k not in ("episodes", "episode_id_to_index", "_indices",
                                                                "_module_to_indices")},
             "modules": [k for k in index_lists(st, self.fam) if k is not None],
-            "rng": buf.rng.bit_generator.state, "spaces": self.spaces.table, "agents": self.agents, "not_saved": {}}
+            "rng": buf.rng.bit_generator.state, "spaces": self.spaces.table, "agents": list(self.agent_codes),
+            "not_saved": {}}
         if self.fam.prioritized:
             meta["config"]["alpha"] = internals.replay_alpha(buf)
             meta["per"] = _per_meta(internals.per_scalars(buf))
@@ -398,7 +384,7 @@ def journal_of(buf: Any) -> Journal:
     full capture of what the buffer already holds, unless it is still empty)."""
     j = _JOURNALS.get(buf)
     if j is None:
-        if not supported(buf):
+        if family_of(buf) is None:
             raise UnsupportedTypeError(f"replay buffer of type {type_name(buf)}: the replay journal keeps RLlib's "
                                        f"EpisodeReplayBuffer, PrioritizedEpisodeReplayBuffer, "
                                        f"MultiAgentEpisodeReplayBuffer and MultiAgentPrioritizedEpisodeReplayBuffer "

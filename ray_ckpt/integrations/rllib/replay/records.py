@@ -87,28 +87,22 @@ def _unpack_array(form: int, size: int, width: int, data: bytes) -> bytes:
 
 
 def state_bytes(state: Any) -> bytes:
-    """A nested state as bytes: a 4-byte length, the JSON of ray_ckpt's structure of it, of its
-    arrays' stored lengths and forms, then the arrays' stored bytes. Not a safetensors file: its
-    header names, types and places every array again beside the structure (an episode table has
-    ~45 small arrays).
-
-    Built by :func:`_structure` (a walk that knows only the leaves replay records hold, and keeps
-    the arrays with their dtypes), which gives the bytes :func:`state_bytes_generic` (ray_ckpt's
-    ``flatten``) gives, at a fraction of its cost: a save encodes a ~30 KB meta record, and
-    ``flatten`` builds a key path and a leaf name per node and the dtypes are read back by a
-    second walk. A state holding any other leaf takes :func:`state_bytes_generic` (which names it if
-    it cannot be stored)."""
+    """A nested state as bytes: a 4-byte length, the JSON of ray_ckpt's structure of it with its
+    arrays' stored lengths and forms, then the arrays' stored bytes. :func:`_structure` gives the
+    bytes ``flatten`` gives (:func:`state_bytes_generic`) at a fraction of its cost (a save encodes a
+    ~30 KB meta record); a state holding any other leaf takes :func:`state_bytes_generic`."""
     arrays: List[np.ndarray] = []
     try:
         structure = _structure(state, arrays)
     except _Other:
         return state_bytes_generic(state)
-    forms, body = [], []
-    for a in arrays:
-        form, data = _pack_array(a.reshape(-1) if a.dtype.isnative else a.reshape(-1).view(np.uint8))
-        forms.append(form)
-        body.append(data)
-    head = structure_to_json({"s": structure, "n": [len(b) for b in body], "x": forms}).encode()
+    return _joined(structure, [_pack_array(a.reshape(-1) if a.dtype.isnative else a.reshape(-1).view(np.uint8))
+                               for a in arrays])
+
+
+def _joined(structure: Any, packed: List[Tuple[List[int], bytes]]) -> bytes:
+    body = [b for _, b in packed]
+    head = structure_to_json({"s": structure, "n": [len(b) for b in body], "x": [f for f, _ in packed]}).encode()
     return b"".join([len(head).to_bytes(4, "little"), head] + body)
 
 
@@ -162,15 +156,12 @@ def state_bytes_generic(state: Any) -> bytes:
         raise UnsupportedTypeError("replay buffer: an Arrow table in the replay meta is not supported")
     dtypes: Dict[int, str] = {}
     _leaf_dtypes(flat.structure, dtypes)
-    forms, body = [], []
+    packed = []
     for i, a in enumerate(flat.arrays):
         b = np.frombuffer(b"".join(bytes(memoryview(p).cast("B")) for p in pieces_of(a)), np.uint8)
         dt = np.dtype(dtypes.get(i, "|u1"))
-        form, data = _pack_array(b.view(dt) if dt.isnative and len(b) % dt.itemsize == 0 else b)
-        forms.append(form)
-        body.append(data)
-    head = structure_to_json({"s": flat.structure, "n": [len(b) for b in body], "x": forms}).encode()
-    return b"".join([len(head).to_bytes(4, "little"), head] + body)
+        packed.append(_pack_array(b.view(dt) if dt.isnative and len(b) % dt.itemsize == 0 else b))
+    return _joined(flat.structure, packed)
 
 
 def _leaf_dtypes(node: Any, out: Dict[int, str]) -> None:

@@ -1,10 +1,7 @@
-"""A ``replay_journal`` state -> a buffer, through RLlib's own API: the episodes rebuilt chunk by
-chunk (``from_state`` + ``concat_episode``), then ``set_state()`` with the index lists and the tree
-values the records give, then the sampling generator and the metrics; the journal is seeded so the
-next save writes only what arrives after the restore.
-
-Everything is read and checked before the buffer is touched: a state that does not fit raises
-RestoreError and leaves the buffer as it was.
+"""A ``replay_journal`` state -> a buffer, through RLlib's own API (the package docstring says how),
+and the journal seeded so the next save writes only what arrives after the restore. Everything is
+read and checked before the buffer is touched: a state that does not fit raises RestoreError and
+leaves the buffer as it was.
 """
 from __future__ import annotations
 
@@ -20,8 +17,8 @@ from ....errors import RestoreError
 from ..base import _rllib_internals as internals
 from ..base.conversion import from_storable
 from .episodes import rebuild_episodes
-from .journal import (ADD, FORMAT, KIND_NAMES, PRIO, STATE, Family, Journal, Record, base_state, family_of,
-                      full_state, install)
+from .journal import (ADD, FORMAT, PRIO, STATE, Family, Journal, Record, base_state, family_of,
+                      full_state, install, record_of)
 from .records import ROW_BYTES, bytes_state, decode, rows_of
 from .trees import free_nodes_from, rebuild_tree
 from .values import Spaces, pack_scalars, type_name, unpack_one, unpack_scalars
@@ -49,31 +46,19 @@ def read_records(ids: np.ndarray, blob: np.ndarray) -> List[Tuple[Record, Dict[s
         if i + n > len(ids) or int(ids[i + n - 1]) - int(ids[i]) != n - 1:
             raise RestoreError(f"{where}: spans {n} rows, which are not all stored")
         kind, raw = decode(blob[i:i + n], where)
-        if kind not in KIND_NAMES:
+        if kind not in (ADD, PRIO, STATE):
             raise RestoreError(f"{where}: unknown kind {kind}")
         st = bytes_state(raw, where)
-        rec = Record(kind, int(ids[i]), n, int(st["seq"] if kind != PRIO else st["calls"][-1]["seq"]))
-        if kind == ADD:
-            rec.last_episode = int(np.max(st["eps"])) if len(st["eps"]) else -1
-        elif kind == STATE:
-            rec.last_episode = max((int(x["indices"][:, 0].max()) for x in st["lists"] if len(x["indices"])),
-                                   default=-1)
-        else:
-            rec.entries = sum(len(c["idx"]) for c in st["calls"])
-        out.append((rec, st))
+        out.append((record_of(kind, int(ids[i]), n, st), st))
         i += n
     return out
 
 
+@collections_paused()  # millions of new objects, none of them garbage
 def restore_journal(buf: Any, state: Dict[str, Any], agent_to_module_mapping_fn: Optional[Callable] = None) -> None:
     """Restore ``buf`` (a fresh or used buffer of the saved type and capacity) from a
     ``replay_journal`` state, and seed its journal. Multi-agent episodes get
     ``agent_to_module_mapping_fn`` (the algorithm's ``policy_mapping_fn``)."""
-    with collections_paused():  # millions of new objects, none of them garbage
-        _restore(buf, state, agent_to_module_mapping_fn)
-
-
-def _restore(buf: Any, state: Dict[str, Any], agent_to_module_mapping_fn: Optional[Callable]) -> None:
     meta = read_meta(state)
     if type_name(buf) != meta["buffer_type"]:
         raise RestoreError(f"replay journal: saved from a {meta['buffer_type']}, restoring into a {type_name(buf)}; "
@@ -150,15 +135,17 @@ def _restore(buf: Any, state: Dict[str, Any], agent_to_module_mapping_fn: Option
     if fam.prioritized:
         rl_state.update(_trees(meta, fam, keys, lists, leaves, events, fresh))
     # what RLlib's set_state() gets wrong, from the restoring buffer as RLlib built it
-    factories = _factories(buf, fam)
+    if fam.multi_agent:
+        sampled_factory = buf.sampled_timesteps_per_module.default_factory
+        min_factory = internals.module_min_tree_factory(buf) if fam.prioritized else None
     buf.episodes = collections.deque(episodes)
     type(buf).set_state(buf, rl_state)
     if fam.prioritized:
         internals.set_free_nodes(buf, free_nodes_from(meta["per"]["_free_nodes"], fresh[2] if fresh else None))
     if fam.multi_agent:
-        buf.sampled_timesteps_per_module = collections.defaultdict(factories[0], buf.sampled_timesteps_per_module)
+        buf.sampled_timesteps_per_module = collections.defaultdict(sampled_factory, buf.sampled_timesteps_per_module)
         if fam.prioritized:
-            internals.fix_module_trees(buf, factories[1], {i: t for i, t in enumerate(lists[None][:, -1].tolist())})
+            internals.fix_module_trees(buf, min_factory, {i: t for i, t in enumerate(lists[None][:, -1].tolist())})
     buf.rng.bit_generator.state = meta["rng"]
     if meta.get("metrics") is not None:
         buf.metrics.set_state(from_storable(meta["metrics"]))
@@ -178,13 +165,6 @@ def _fresh_lists(buf: Any) -> Optional[Tuple[list, list, Any]]:
     if len(sums) < 2 or len(sums) != len(mins) or sums[1] != 0.0 or mins[1] != float("inf"):
         return None
     return sums, mins, internals.per_scalars(buf)["_free_nodes"]
-
-
-def _factories(buf: Any, fam: Family) -> tuple:
-    if not fam.multi_agent:
-        return ()
-    return (buf.sampled_timesteps_per_module.default_factory,
-            internals.module_min_tree_factory(buf) if fam.prioritized else None)
 
 
 def _trees(meta: Dict[str, Any], fam: Family, keys: list, lists: Dict[Any, np.ndarray],
@@ -249,9 +229,7 @@ def _seed(buf: Any, fam: Family, meta: Dict[str, Any], records: List[Tuple[Recor
     """A journal for the restored buffer that holds the restored records: the next save keeps their
     rows (same ids) and adds only what arrives after the restore."""
     j = Journal(buf)
-    j.spaces = spaces
-    for a in agents:
-        j.agent_code(a)
+    j.spaces, j.agent_codes = spaces, {a: i for i, a in enumerate(agents)}
     j.records = [r for r, _ in records]
     j.ids = np.asarray(state["row_id"], np.int64)
     j.rows = np.asarray(state["blob"], np.uint8).reshape(-1, ROW_BYTES)

@@ -16,13 +16,11 @@ from .values import unpack_scalars
 
 
 def rebuild_tree(tree: Any, idx: np.ndarray, packed: Dict[str, Any], into: Optional[List[Any]] = None) -> None:
-    """The tree's values from its row leaves: the leaves, then every inner node as ``op(left, right)``
-    of its children, as RLlib's ``__setitem__`` leaves them (same values, same Python/numpy types).
-    Only the nodes from the lowest to the highest live leaf and their ancestors are computed (a
-    1M-capacity tree is 4M nodes; a buffer a few minutes into a run uses a few thousand); the others
-    are the neutral value. ``into``: a list of the tree's ``2 * capacity`` values that are all the
-    neutral value (a fresh buffer's own tree), written in place instead of a new list: the restore
-    is then O(live leaves), not O(capacity)."""
+    """The tree's values from its row leaves (see the module docstring). Only the nodes from the
+    lowest to the highest live leaf and their ancestors are computed (a 1M-capacity tree is 4M
+    nodes; a buffer a few minutes into a run uses a few thousand); the others are the neutral value.
+    ``into``: a fresh buffer's own all-neutral list of ``2 * capacity`` values, written in place:
+    the restore is then O(live leaves), not O(capacity)."""
     cap = tree.capacity
     neutral = tree.neutral_element
     value = into if into is not None else [neutral] * (2 * cap)
@@ -83,14 +81,8 @@ def free_nodes_state(dq: Any) -> Dict[str, Any]:
     the initial ``range(2 * tree_capacity)`` not handed out yet."""
     n = len(dq)
     stop = dq.maxlen if dq.maxlen is not None else (max(dq) + 1 if n else 0)
-    k = 0
-    prefix = []
-    for k, x in enumerate(dq):
-        if x == stop - (n - k):
-            break
-        prefix.append(x)
-    else:
-        k = n
+    k = next((k for k, x in enumerate(dq) if x == stop - (n - k)), n)  # the freed nodes before the range
+    prefix = list(itertools.islice(dq, k))
     start = stop - (n - k)
     if n - k <= 65536:
         tail_ok = list(itertools.islice(dq, k, n)) == list(range(start, stop))

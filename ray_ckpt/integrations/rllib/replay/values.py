@@ -20,14 +20,8 @@ def type_name(x: Any) -> str:
 
 def kind_of(x: Any) -> str:
     t = type(x)
-    if x is None:
-        return "None"
-    if t is bool:
-        return "bool"
-    if t is int:
-        return "int"
-    if t is float:
-        return "float"
+    if x is None or t is bool or t is int or t is float:
+        return "None" if x is None else t.__name__
     if isinstance(x, np.generic) and x.dtype.kind in "biuf":
         return "np:" + x.dtype.str
     raise TypeError(t.__qualname__)
@@ -35,8 +29,7 @@ def kind_of(x: Any) -> str:
 
 def pack_scalars(values: Sequence[Any], what: str) -> Dict[str, Any]:
     """Python / numpy scalars (bool, int, float, None, numpy numbers) -> arrays that restore them with
-    their exact values *and types* (a sum-tree leaf that was an ``np.float32`` stays one: the next
-    sums are then computed as RLlib computes them). ``{"v": values, "k": codes, "kinds": [...]}``."""
+    their exact values and types (module docstring): ``{"v": values, "k": codes, "kinds": [...]}``."""
     values = values if isinstance(values, list) else list(values)
     type_kind: Dict[type, str] = {}
     for t in set(map(type, values)):
@@ -141,9 +134,6 @@ class Spaces:
             from ray.rllib.utils.serialization import gym_space_from_dict
             self._objs[code] = gym_space_from_dict(self.table[code])
         return self._objs[code]
-
-    def state_dict(self, code: int) -> Any:
-        return None if code < 0 else self.table[code]
 
 
 def _fingerprint(space: Any) -> Any:
